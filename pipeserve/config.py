@@ -1,0 +1,129 @@
+"""Engine configuration: one frozen dataclass whose fields are the CLI flags.
+
+``--max-num-seqs`` on the command line is ``max_num_seqs`` here and in
+``LLM(...)``, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
+    device: str = "cpu"                       # cpu | cuda
+    seed: int = 0
+    max_model_len: int | None = None          # default: the model's context length
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"       # bytes, or a size string ("512MiB")
+    num_gpu_blocks_override: int | None = None
+    swap_space: str | int = "1GiB"            # host pool for preemption by swap
+    enable_prefix_caching: bool = True
+    # Scheduler
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"           # fcfs | priority | fair
+    preemption_mode: str = "recompute"        # recompute | swap
+    # Pipeline
+    pipeline_parallel_size: int = 1
+    threads_per_stage: int | None = None      # default: cores // P
+    pp_partition: str = "uniform"             # uniform | auto | "a,b,c"
+    pp_schedule: str = "async"                # async | gpipe | interleaved
+    pp_max_inflight: int | None = None        # default: P
+    pp_virtual_stages: int = 1
+    pp_micro_batches: int | None = None       # gpipe M (default: P)
+    stage_speeds: str | None = None           # "1,0.5"
+    stage_timeout: float = 60.0
+    trace_file: str | None = None
+    # Several hosts
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29533
+    rendezvous_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.scheduling_policy in ("fcfs", "priority", "fair"), "scheduling_policy",
+                 f"must be fcfs, priority or fair, got {self.scheduling_policy!r}")
+        _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
+                 f"must be recompute or swap, got {self.preemption_mode!r}")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+                 f"must be >= 1, got {self.pipeline_parallel_size}")
+        _require(self.pp_schedule in ("async", "gpipe", "interleaved"), "pp_schedule",
+                 f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
+        parse_size(self.kv_cache_memory)
+        parse_size(self.swap_space)
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_size(self.kv_cache_memory)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return parse_size(self.swap_space)
+
+    @property
+    def stage_threads(self) -> int:
+        if self.threads_per_stage:
+            return self.threads_per_stage
+        return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(value: str | int) -> int:
+    """``"512MiB"`` -> 536870912. Integers are bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    text = str(value).strip().lower()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text[len(digits):].strip()
+    try:
+        number = float(digits)
+    except ValueError:
+        raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '512MiB', '2GiB'") from None
+    if unit not in _UNITS or number < 0:
+        raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '512MiB', '2GiB'")
+    return int(number * _UNITS[unit])
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')} {message}")

@@ -1,0 +1,46 @@
+"""The interface between the engine (driver) and whatever runs the model.
+
+The engine forms micro-batches (``StepInput``) and submits them; an executor
+runs them through one in-process stage (PP = 1) or P stage processes, and
+hands back ``StepOutput``s as they finish. Up to ``max_inflight`` steps may be
+in flight at once; each holds a disjoint set of sequences.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pipeserve.worker.step import StepInput, StepOutput
+
+
+class ExecutorError(RuntimeError):
+    """A stage died, stopped answering or failed; in-flight steps are lost."""
+
+
+class Executor(ABC):
+    max_inflight: int = 1
+
+    @abstractmethod
+    def submit(self, step: StepInput) -> None:
+        """Start ``step``; returns without waiting for it."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> list[StepOutput]:
+        """Block until at least one submitted step finishes (or ``timeout``
+        passes: then ``[]``). Returns finished steps in completion order.
+        Raises ``ExecutorError`` when a stage is dead or silent."""
+
+    @property
+    @abstractmethod
+    def num_inflight(self) -> int: ...
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    def stats(self) -> dict:
+        """Per-stage timeline figures (busy fraction, bubble ratio, ...)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Stop every stage; leaves no process behind. Idempotent."""

@@ -1,0 +1,73 @@
+"""What the driver sends to the stages for one forward step, and what comes back.
+
+Plain, picklable Python: it crosses process (and host) boundaries in the
+pipeline runtime. The driver decides everything here; stages only execute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqSampling:
+    """Sampling inputs of one sequence that produces a token this step."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None                 # per-request seed (None = engine RNG)
+    step_index: int                  # number of tokens generated so far (seeded RNG offset)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Only filled when a penalty is active (they need the token history).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
+    # Token ids masked out (set to -inf) this step: EOS/stop ids while < min_tokens.
+    banned_token_ids: list[int] = field(default_factory=list)
+    num_logprobs: int | None = None  # top-N logprobs to return (None = none)
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of a step: compute KV for ``token_ids`` at positions
+    ``start_pos .. start_pos + len(token_ids) - 1``, attending to everything
+    before them through ``block_table``."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sampling: SeqSampling | None = None   # None: no token this step (a non-final prefill chunk)
+
+
+@dataclass
+class StepInput:
+    step_id: int
+    seqs: list[SeqStep]
+    # KV block movements executed on every stage before the forward pass.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)    # (src block, dst block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float
+    # (token id, logprob) of the top-N, best first; empty unless asked for.
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    step_id: int
+    sampled: list[SampledToken]
+    error: str | None = None
