@@ -1,0 +1,219 @@
+"""The driver: requests in, micro-batches out to the stages, tokens back, outputs up.
+
+The engine owns every decision (which sequences run, which KV blocks they use);
+the executor behind it only runs the steps it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from pipeserve.config import EngineConfig
+from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
+from pipeserve.engine.output_processor import OutputProcessor
+from pipeserve.engine.step_builder import build_step
+from pipeserve.model.loader import resolve_model
+from pipeserve.outputs import RequestOutput
+from pipeserve.sampling_params import SamplingParams
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pipeserve.tokenizer import load_tokenizer
+from pipeserve.worker.executor import Executor, ExecutorError
+from pipeserve.worker.step import StepOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.source = resolve_model(config.model)
+        self.model_config = self.source.load_config()
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
+        self.dtype = DTYPES[config.torch_dtype_name]
+        self.max_model_len = self._max_model_len()
+        self.partition = self._partition()
+        self.num_blocks, self.num_host_blocks = self._kv_blocks()
+        self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks)
+        self.executor = self._make_executor()
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._inflight: dict[int, SchedulerOutput] = {}
+        self._groups: dict = {}
+        self._dead: str | None = None
+        logger.info("engine ready: %d KV blocks of %d tokens (%d host blocks), max_model_len=%d",
+                    self.num_blocks, config.block_size, self.num_host_blocks, self.max_model_len)
+
+    # -- set-up ------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {wanted}")
+        return wanted
+
+    def _partition(self) -> list[tuple[int, int]]:
+        num_layers = self.model_config.num_layers
+        if self.config.pipeline_parallel_size == 1:
+            return [(0, num_layers)]
+        from pipeserve.pipeline.partition import partition_for_config
+        return partition_for_config(self.config, self.model_config, self.dtype)
+
+    def _kv_blocks(self) -> tuple[int, int]:
+        """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·head_dim·bytes per token."""
+        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        most_layers = max(end - start for start, end in self.partition)
+        block_bytes = self.config.block_size * self.model_config.kv_bytes_per_token(dtype_bytes, most_layers)
+        num_blocks = self.config.num_gpu_blocks_override or self.config.kv_cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} holds no KV block "
+                             f"(one block takes {block_bytes} bytes per stage)")
+        host = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
+        return int(num_blocks), int(host)
+
+    def _make_executor(self) -> Executor:
+        if self.config.pipeline_parallel_size == 1:
+            from pipeserve.worker.local_executor import LocalExecutor
+            from pipeserve.worker.model_runner import ModelRunner
+            torch.set_num_threads(self.config.stage_threads)
+            runner = ModelRunner(self.source, self.model_config, start_layer=0,
+                                 end_layer=self.model_config.num_layers, is_first=True, is_last=True,
+                                 dtype=self.dtype, device=torch.device(self._device(0)),
+                                 num_blocks=self.num_blocks, num_host_blocks=self.num_host_blocks,
+                                 block_size=self.config.block_size)
+            return LocalExecutor(runner)
+        from pipeserve.pipeline.executor import PipelineExecutor
+        return PipelineExecutor(self.config, self.source, self.model_config, self.partition,
+                                self.num_blocks, self.num_host_blocks)
+
+    def _device(self, stage: int) -> str:
+        return f"cuda:{stage}" if self.config.device == "cuda" else self.config.device
+
+    # -- requests ----------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                    priority: int = 0, user: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ``ValueError`` (``RequestRejected``) if it can never be served."""
+        if self._dead:
+            raise RuntimeError(f"the engine is unhealthy: {self._dead}")
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        group = make_group(request_id, text, ids, params, vocab_size=self.model_config.vocab_size,
+                           max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+                           fits_in_cache=self.scheduler.can_ever_fit, priority=priority, user=user,
+                           arrival_time=arrival_time)
+        self._groups[request_id] = group
+        self.outputs.add(group)
+        self.scheduler.add_request(group)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        return self._finish_group(group, reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # -- the loop ----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Fill the pipeline, wait for at least one micro-batch, return updated requests."""
+        if self._dead:
+            return self._fail_all(self._dead)
+        self._fill_pipeline()
+        if not self._inflight:
+            return []
+        try:
+            results = self.executor.wait(timeout=self.config.stage_timeout)
+        except ExecutorError as exc:
+            self._dead = str(exc)
+            logger.error("pipeline failed: %s", exc)
+            return self._fail_all(self._dead)
+        updated: dict[str, RequestOutput] = {}
+        for result in results:
+            for out in self._process(result):
+                updated[out.request_id] = out
+        return list(updated.values())
+
+    def _fill_pipeline(self) -> None:
+        slots = self.executor.max_inflight - len(self._inflight)
+        for i in range(slots):
+            sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
+            if sched.is_empty:
+                break
+            step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies)
+            self._note_scheduled(sched)
+            self._inflight[step.step_id] = sched
+            self.executor.submit(step)
+
+    def _micro_batch_limits(self, free_slots: int) -> dict:
+        """Spread the work over the micro-batches that can still be started."""
+        if self.executor.max_inflight == 1:
+            return {}
+        ready = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped \
+            - self.scheduler.num_inflight
+        max_seqs = max(1, math.ceil(ready / free_slots))
+        budget = max(1, self.config.max_num_batched_tokens // self.executor.max_inflight)
+        return {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
+        now = time.time()
+        for s in sched.scheduled:
+            group = self._groups.get(s.seq.request_id)
+            if group is not None and group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+
+    def _process(self, result: StepOutput) -> list[RequestOutput]:
+        sched = self._inflight.pop(result.step_id)
+        self.scheduler.on_step_done(sched)
+        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        touched: dict[str, RequestOutput] = {}
+        for tok in result.sampled:
+            seq = by_id[tok.seq_id]
+            group = self._groups.get(seq.request_id)
+            if group is None or seq.is_finished:
+                continue  # aborted while in flight
+            seq.append_token(tok.token_id)
+            reason = self.outputs.on_token(group, seq, tok)
+            if reason is not None:
+                self.scheduler.finish_seq(seq, reason)
+            touched[group.request_id] = group
+        return [self._output(group) for group in touched.values()]
+
+    def _output(self, group) -> RequestOutput:
+        if group.is_finished:
+            return self._finish_group(group, reason=None)
+        return self.outputs.request_output(group)
+
+    def _finish_group(self, group, reason: str | None, error: str | None = None) -> RequestOutput:
+        self._groups.pop(group.request_id, None)
+        return self.outputs.finish(group, reason, error)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        failed = []
+        for group in list(self._groups.values()):
+            self.scheduler.abort_request(group.request_id)
+            failed.append(self._finish_group(group, reason="error", error=message))
+        self._inflight.clear()
+        return failed
+
+    # -- health and stats --------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and self.executor.healthy
+
+    def stats(self) -> dict:
+        return {"scheduler": self.scheduler.stats(), "pipeline": self.executor.stats(),
+                "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
+                "partition": self.partition, "healthy": self.healthy}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

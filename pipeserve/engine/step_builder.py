@@ -1,0 +1,67 @@
+"""Turn the scheduler's decision into the ``StepInput`` that the stages execute."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+from pipeserve.sequence import Sequence
+from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+
+_step_ids = itertools.count()
+
+
+def build_step(scheduled, swap_in, swap_out, copies) -> StepInput:
+    """``scheduled``: the scheduler's ``ScheduledSeq`` list for one micro-batch."""
+    seqs = [_seq_step(s.seq, s.num_new_tokens, s.sample) for s in scheduled]
+    return StepInput(step_id=next(_step_ids), seqs=seqs, swap_in=list(swap_in),
+                     swap_out=list(swap_out), copies=list(copies))
+
+
+def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool) -> SeqStep:
+    start = seq.num_computed_tokens
+    return SeqStep(
+        seq_id=seq.seq_id,
+        token_ids=seq.token_ids[start:start + num_new_tokens],
+        start_pos=start,
+        block_table=list(seq.block_table),
+        sampling=sampling_inputs(seq) if sample else None,
+    )
+
+
+def sampling_inputs(seq: Sequence) -> SeqSampling:
+    p = seq.params
+    penalties = p.needs_penalties
+    return SeqSampling(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=sequence_seed(p.seed, seq.index),
+        step_index=seq.num_output_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        prompt_token_ids=seq.prompt_token_ids if penalties else None,
+        output_token_ids=seq.output_token_ids if penalties else None,
+        banned_token_ids=banned_tokens(seq),
+        num_logprobs=p.logprobs,
+    )
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The n completions of one seeded request must differ, yet stay reproducible."""
+    if seed is None or index == 0:
+        return seed
+    return zlib.crc32(f"{seed}:{index}".encode())
+
+
+def banned_tokens(seq: Sequence) -> list[int]:
+    """EOS and stop ids may not be sampled before ``min_tokens`` are out."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return []
+    banned = list(p.stop_token_ids)
+    if not p.ignore_eos:
+        banned.extend(p.eos_token_ids)
+    return banned

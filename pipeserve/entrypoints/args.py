@@ -1,0 +1,59 @@
+"""Engine flags on the command line, derived from ``EngineConfig`` so the two never drift."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pipeserve.config import EngineConfig
+
+_HELP = {
+    "model": "HF directory, .gguf file, or built-in name (default: smollm2-135m-instruct)",
+    "dtype": "auto (= bfloat16) | float32 | bfloat16 | float16",
+    "kv_cache_memory": "KV cache budget per stage, e.g. 512MiB, 2GiB",
+    "swap_space": "host memory pool for preemption by swap, e.g. 1GiB",
+    "pipeline_parallel_size": "number of pipeline stages (processes)",
+    "pp_partition": "uniform | auto | comma-separated layer counts (e.g. 19,11)",
+    "pp_schedule": "async | gpipe | interleaved",
+    "scheduling_policy": "fcfs | priority | fair",
+    "preemption_mode": "recompute | swap",
+    "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",
+    "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
+}
+_SHORT = {"pipeline_parallel_size": ["-pp"]}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """Add one flag per ``EngineConfig`` field, except those in ``skip``
+    (a command whose own flag has the same name, e.g. a sampling ``--seed``)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flags = [f"--{f.name.replace('_', '-')}", *_SHORT.get(f.name, [])]
+        default = f.default
+        if isinstance(default, bool):
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=_HELP.get(f.name))
+            continue
+        group.add_argument(*flags, dest=f.name, type=_parser_for(f.name, default), default=default,
+                           help=_HELP.get(f.name, f"(default: {default})"))
+
+
+def _parser_for(name: str, default):
+    if name in ("kv_cache_memory", "swap_space"):
+        return str
+    if isinstance(default, int):
+        return int
+    if isinstance(default, float):
+        return float
+    if default is None and name in ("max_model_len", "num_gpu_blocks_override", "threads_per_stage",
+                                    "pp_max_inflight", "pp_micro_batches"):
+        return int
+    return str
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if hasattr(args, f.name)}
+    return EngineConfig(**values)
