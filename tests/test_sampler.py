@@ -1,0 +1,248 @@
+"""Sampler: greedy, seeded reproducibility, distributions, truncation, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
+from pipeserve.sampling.penalties import apply_penalties
+from pipeserve.sampling.sampler import Sampler
+from pipeserve.worker.step import SeqSampling
+
+
+def sp(**kw) -> SeqSampling:
+    base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
+    base.update(kw)
+    return SeqSampling(**base)
+
+
+def tokens(results) -> list[int]:
+    return [r[0] for r in results]
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 300, generator=g) * 2.0
+
+
+def test_greedy_is_argmax(logits):
+    out = Sampler(0).sample(logits, [sp(temperature=0.0)] * 8)
+    assert tokens(out) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5, 50.0])
+def test_top_k_one_is_greedy_at_any_temperature(logits, temperature):
+    out = Sampler(0).sample(logits, [sp(temperature=temperature, top_k=1)] * 8)
+    assert tokens(out) == logits.argmax(-1).tolist()
+
+
+def test_bad_shape_is_rejected(logits):
+    with pytest.raises(ValueError, match="len\\(params\\)"):
+        Sampler(0).sample(logits, [sp()] * 3)
+
+
+# -- seeded reproducibility -------------------------------------------------
+
+def _seeded_tokens(sampler: Sampler, row: torch.Tensor, seed: int, steps: int,
+                   mates: torch.Tensor | None = None, position: int = 0) -> list[int]:
+    """Sample ``steps`` tokens for one seeded row, optionally among batch mates."""
+    out = []
+    for step in range(steps):
+        if mates is None:
+            batch, params, where = row[None], [sp(seed=seed, step_index=step)], 0
+        else:
+            mate_params = [sp(temperature=0.7 + 0.1 * i, seed=(None if i % 2 else 1000 + i),
+                              step_index=step * 3 + i, top_k=5 * i) for i in range(len(mates))]
+            batch = torch.cat([mates[:position], row[None], mates[position:]])
+            params = mate_params[:position] + [sp(seed=seed, step_index=step)] + mate_params[position:]
+            where = position
+        out.append(sampler.sample(batch, params)[where][0])
+    return out
+
+
+def test_seeded_rows_ignore_batch_mates_position_and_sampler(logits):
+    row = torch.zeros(300)  # a flat distribution: every draw matters
+    alone = _seeded_tokens(Sampler(0), row, seed=42, steps=12)
+    for position in (0, 3, 7):
+        mixed = _seeded_tokens(Sampler(position + 9), row, seed=42, steps=12,
+                               mates=logits[:7], position=position)
+        assert mixed == alone
+    assert len(set(alone)) > 1  # the stream really is random across steps
+
+
+def test_different_seeds_give_different_streams():
+    row = torch.zeros(300)
+    streams = {tuple(_seeded_tokens(Sampler(0), row, seed=s, steps=10)) for s in range(5)}
+    assert len(streams) == 5
+
+
+def test_unseeded_rows_follow_the_engine_generator(logits):
+    params = [sp()] * 8
+    assert Sampler(3).sample(logits, params) == Sampler(3).sample(logits, params)
+
+
+# -- distributions ----------------------------------------------------------
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# Critical value of chi-square with 4 degrees of freedom at p = 0.001.
+_CHI2_DF4_P001 = 18.47
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_matches_softmax_frequencies(temperature):
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    n = 20000
+    out = Sampler(7).sample(base.expand(n, 5).contiguous(), [sp(temperature=temperature)] * n)
+    counts = torch.bincount(torch.tensor(tokens(out)), minlength=5).float()
+    assert _chi_square(counts, torch.softmax(base / temperature, -1)) < _CHI2_DF4_P001
+
+
+def test_seeded_draws_match_softmax_frequencies():
+    base = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    n = 20000
+    params = [sp(temperature=0.8, seed=s, step_index=s % 7) for s in range(n)]
+    out = Sampler(0).sample(base.expand(n, 5).contiguous(), params)
+    counts = torch.bincount(torch.tensor(tokens(out)), minlength=5).float()
+    assert _chi_square(counts, torch.softmax(base / 0.8, -1)) < _CHI2_DF4_P001
+
+
+# -- truncation -------------------------------------------------------------
+
+def _ref_allowed(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Allowed tokens per vLLM's definitions, by a plain full sort."""
+    probs = torch.softmax(row, -1)
+    allowed = set(range(len(row)))
+    if min_p > 0:
+        allowed = {i for i in allowed if probs[i] >= min_p * probs.max()}
+    order = sorted(allowed, key=lambda i: -float(row[i]))
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p < 1.0:
+        kept_probs = torch.softmax(row[order], -1).tolist()
+        kept, mass = [], 0.0
+        for i, q in zip(order, kept_probs):
+            if mass >= top_p:
+                break
+            kept.append(i)
+            mass += q
+        order = kept
+    return set(order)
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [
+    (10, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.1), (20, 0.8, 0.0), (0, 0.9, 0.02), (15, 0.5, 0.05),
+])
+def test_truncation_never_leaves_the_allowed_set(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(top_k * 7 + int(top_p * 100) + int(min_p * 1000))
+    rows = torch.randn(4, 60, generator=g) * 1.5
+    n = 1500
+    for r in range(4):
+        allowed = _ref_allowed(rows[r], top_k, top_p, min_p)
+        batch = rows[r].expand(n, 60).contiguous()
+        got = set(tokens(Sampler(r).sample(batch, [sp(top_k=top_k, top_p=top_p, min_p=min_p)] * n)))
+        assert got <= allowed
+        # And nothing likely was cut: every allowed token with >= 2% mass shows up.
+        probs = torch.softmax(rows[r], -1)
+        mass = float(probs[list(allowed)].sum())
+        assert {i for i in allowed if probs[i] / mass >= 0.02} <= got
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_mask_matches_full_sort_for_wide_nuclei(top_p):
+    # Flat-ish rows over 6000 tokens: nuclei of hundreds to thousands of tokens
+    # exercise every candidate stage, including the full-sort fallback.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 6000, generator=g) * torch.tensor([[0.2], [1.0], [3.0]])
+    masked = x.clone()
+    apply_top_p(masked, [top_p] * 3)
+    for r in range(3):
+        assert set(torch.isfinite(masked[r]).nonzero().flatten().tolist()) == _ref_allowed(x[r], 0, top_p, 0.0)
+
+
+def test_top_k_and_min_p_masks():
+    x = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 5.0, 4.0]])
+    k = x.clone()
+    apply_top_k(k, [2, 0])
+    assert torch.isfinite(k).tolist() == [[True, False, True, False], [True, True, True, True]]
+    m = x.clone()
+    apply_min_p(m, [0.0, math.exp(-1.5)])  # keeps logits >= 5 - 1.5
+    assert torch.isfinite(m).tolist() == [[True, True, True, True], [False, False, True, True]]
+
+
+# -- penalties and bans -----------------------------------------------------
+
+def test_penalties_match_hand_computation():
+    raw = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0], [2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
+    x = raw.clone()
+    params = [sp(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                 prompt_token_ids=[0, 1], output_token_ids=[3, 3, 4]),
+              sp()]  # no penalty: row untouched
+    apply_penalties(x, params)
+    # 0,1 seen in the prompt: repetition only. 3 (twice), 4 (once) in the output: all three.
+    expected = [1.0, -2.0, 0.5, 3.0 / 2 - 0.5 * 2 - 0.25, -2.0 * 2 - 0.5 - 0.25, 0.0]
+    assert x[0].tolist() == pytest.approx(expected)
+    assert torch.equal(x[1], raw[1])
+
+
+def test_penalties_steer_greedy_but_logprobs_stay_raw():
+    raw = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    out = Sampler(0).sample(raw, [sp(temperature=0.0, frequency_penalty=1.0,
+                                     prompt_token_ids=[], output_token_ids=[0])])
+    token, logprob, _ = out[0]
+    assert token == 1
+    assert logprob == pytest.approx(float(torch.log_softmax(raw[0], -1)[1]), abs=1e-6)
+
+
+def test_banned_ids_are_never_sampled():
+    row = torch.tensor([10.0, 9.0, 0.0, 0.0, 8.0])
+    n = 3000
+    params = [sp(temperature=3.0, banned_token_ids=[0, 1], seed=i) for i in range(n)]
+    got = set(tokens(Sampler(0).sample(row.expand(n, 5).contiguous(), params)))
+    assert got.isdisjoint({0, 1}) and 4 in got
+    greedy = Sampler(0).sample(row[None], [sp(temperature=0.0, banned_token_ids=[0, 99])])
+    assert greedy[0][0] == 1  # an id outside the vocabulary is ignored
+
+
+# -- logprobs ---------------------------------------------------------------
+
+def test_logprobs_are_raw_log_softmax_with_ordered_top_n(logits):
+    params = [sp(temperature=0.6, top_k=20, num_logprobs=i % 4 if i % 4 else None,
+                 repetition_penalty=1.3, prompt_token_ids=[1, 2], output_token_ids=[3])
+              for i in range(8)]
+    out = Sampler(0).sample(logits, params)
+    ref = torch.log_softmax(logits, -1)
+    for i, (token, logprob, top) in enumerate(out):
+        assert logprob == pytest.approx(float(ref[i, token]), abs=1e-5)
+        n = params[i].num_logprobs or 0
+        assert len(top) == n
+        values, ids = ref[i].topk(n) if n else (torch.empty(0), torch.empty(0))
+        assert [t for t, _ in top] == ids.tolist()
+        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-5)
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+
+
+def test_zero_logprobs_returns_only_the_sampled_one(logits):
+    out = Sampler(0).sample(logits, [sp(num_logprobs=0)] * 8)
+    assert all(top == [] for _, _, top in out)
+
+
+def test_full_vocabulary_batch_mixes_every_option():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 49152, generator=g) * 3
+    kinds = [sp(temperature=0.0), sp(temperature=0.8, seed=3), sp(top_k=50), sp(top_p=0.9),
+             sp(min_p=0.1), sp(temperature=1.2, repetition_penalty=1.2, presence_penalty=0.5,
+                               prompt_token_ids=list(range(100)), output_token_ids=[5, 5, 7]),
+             sp(num_logprobs=5, banned_token_ids=[int(x[6].argmax())]), sp(top_k=1)]
+    params = [kinds[i % len(kinds)] for i in range(64)]
+    out = Sampler(0).sample(x, params)
+    assert len(out) == 64 and all(0 <= t < 49152 for t in tokens(out))
+    assert out[0][0] == int(x[0].argmax()) and out[7][0] == int(x[7].argmax())
+    assert out[6][0] != int(x[6].argmax()) and len(out[6][2]) == 5
