@@ -1,0 +1,305 @@
+"""Iteration-level scheduling with chunked prefill and several micro-batches in flight.
+
+Each ``schedule()`` call forms one micro-batch from sequences that are not in
+flight, in this order (as in vLLM and Sarathi-Serve):
+  1. running sequences, decodes before prefill chunks, so a decode is never
+     starved by prefills; when blocks run out, the policy's least valued
+     sequence that is not in flight is preempted (swap or recompute);
+  2. swapped sequences, resumed before any new admission (skipped in a call
+     that preempted: the step would swap out and in at once);
+  3. waiting sequences in policy order, stopping at the first that does not
+     fit so the order is kept.
+``on_step_done`` then advances what the micro-batch computed. In-flight
+sequences are never preempted; one aborted in flight keeps its blocks until
+its step is done, since the stages may still be writing them.
+
+``max_num_seqs`` and ``max_num_batched_tokens`` bound one micro-batch; an
+engine running P micro-batches passes its share via ``max_seqs`` /
+``token_budget``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pipeserve.config import EngineConfig
+from pipeserve.kv_cache.block_manager import BlockManager
+from pipeserve.scheduler.output import ScheduledSeq, SchedulerOutput
+from pipeserve.scheduler.policy import make_policy
+from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput"]
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+    @property
+    def exhausted(self) -> bool:
+        return self.tokens <= 0 or self.seqs <= 0
+
+    def take(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        self.seqs -= 1
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks,
+                                          config.enable_prefix_caching)
+        self.policy = make_policy(config.scheduling_policy)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._groups: dict[str, SequenceGroup] = {}
+        self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
+        self._prefilled: set[str] = set()            # requests whose first sequence finished its prompt
+        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0)
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, group: SequenceGroup) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self._groups[group.request_id] = group
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.status = SequenceStatus.WAITING
+                self.waiting.append(seq)
+
+    def abort_request(self, request_id: str) -> list[Sequence]:
+        """End every unfinished sequence of a request; returns the ones ended."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        ended = [s for s in group.seqs if not s.is_finished]
+        for seq in ended:
+            self.finish_seq(seq, "abort")
+        return ended
+
+    def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and free its blocks (after its step, if in flight)."""
+        if seq.is_finished:
+            return
+        self._remove_from_queue(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.seq_id not in self._inflight:
+            self._release(seq)
+
+    def _remove_from_queue(self, seq: Sequence) -> None:
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                 SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
+        if queue is not None and seq in queue:
+            queue.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        group = self._groups.get(seq.request_id)
+        if group is not None and group.is_finished and \
+                not any(s.seq_id in self._inflight for s in group.seqs):
+            del self._groups[seq.request_id]
+            self._prefilled.discard(seq.request_id)
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    @property
+    def num_inflight(self) -> int:
+        """Sequences in micro-batches that are not done yet."""
+        return len(self._inflight)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._inflight)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one sequence of ``num_tokens`` tokens fits in the KV cache alone;
+        the engine refuses requests that do not, or they could never finish."""
+        return self.block_manager.can_ever_fit(num_tokens)
+
+    def stats(self) -> dict:
+        c = self._counters
+        return {
+            "num_waiting": self.num_waiting,
+            "num_running": self.num_running,
+            "num_swapped": self.num_swapped,
+            "num_inflight": self.num_inflight,
+            "kv_usage": self.block_manager.usage,
+            "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
+            "num_preemptions_recompute": c["preemptions_recompute"],
+            "num_preemptions_swap": c["preemptions_swap"],
+            **self.block_manager.stats(),
+            **self.policy.stats(),
+        }
+
+    # -- scheduling ----------------------------------------------------------
+    def schedule(self, token_budget: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+        """Form one micro-batch from the sequences not in flight, and mark them in flight."""
+        budget = _Budget(token_budget if token_budget is not None else self.config.max_num_batched_tokens,
+                         max_seqs if max_seqs is not None else self.config.max_num_seqs)
+        out = SchedulerOutput()
+        self._schedule_running(budget, out)
+        if not out.preempted:
+            self._schedule_swapped(budget, out)
+            if not self.swapped:
+                self._schedule_waiting(budget, out)
+        for item in out.scheduled:
+            self._inflight[item.seq.seq_id] = item
+        return out
+
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+        ready = [s for s in self.running if s.seq_id not in self._inflight and s.num_uncomputed_tokens > 0]
+        # Decodes first, then prefill chunks, each in policy order.
+        ready.sort(key=lambda s: (s.is_prefill, self.policy.key(s)))
+        done: set[int] = set()
+        for seq in ready:
+            if budget.exhausted:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue                       # preempted earlier in this call
+            num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+            if seq.is_prefill:
+                # A running prefill takes the chunk that fits rather than preempting.
+                num_new = min(num_new, self.block_manager.num_fitting_tokens(seq)) or num_new
+            if self._make_room(seq, num_new, ready, done, out):
+                self._add(seq, num_new, budget, out)
+                done.add(seq.seq_id)
+
+    def _make_room(self, seq: Sequence, num_new: int, ready: list[Sequence], done: set[int],
+                   out: SchedulerOutput) -> bool:
+        """Allocate ``seq``'s slots, preempting others if needed; False if ``seq`` waits."""
+        while not self.block_manager.allocate_slots(seq, num_new):
+            candidates = [s for s in ready if s.status == SequenceStatus.RUNNING and s.seq_id not in done]
+            victim = self.policy.pick_victim(candidates)
+            if victim is seq and self._inflight:
+                return False        # in-flight steps will return blocks; wait for them
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(seq):
+            out.swap_out.extend(self.block_manager.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self._counters["preemptions_swap"] += 1
+            return
+        # Recompute: its generated tokens are kept, so the next prefill covers prompt + output.
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._counters["preemptions_recompute"] += 1
+
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+        for seq in self.policy.order(self.swapped):
+            if budget.exhausted:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget.tokens)
+            if not self.block_manager.can_swap_in(seq, num_new):
+                break
+            out.swap_in.extend(self.block_manager.swap_in(seq))
+            self.block_manager.allocate_slots(seq, num_new)   # room was checked above
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add(seq, num_new, budget, out)
+
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        admitted: list[Sequence] = []
+        for seq in self.policy.order_waiting(self.waiting):
+            if budget.exhausted:
+                break
+            if self._waits_for_first(seq):
+                continue                # a sibling waits for its first sequence's prefill
+            num_new = self.block_manager.admit(seq, budget.tokens, self._allow_partial(seq),
+                                               share_from=self._fork_parent(seq))
+            if num_new == 0:
+                break
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+            self._add(seq, num_new, budget, out)
+            group = self._groups[seq.request_id]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = time.time()
+        if admitted:
+            ids = {s.seq_id for s in admitted}
+            self.waiting = [s for s in self.waiting if s.seq_id not in ids]
+            self.running.extend(admitted)
+
+    def _is_fresh_sibling(self, seq: Sequence) -> bool:
+        """A not yet started sequence with index > 0 of an n > 1 request."""
+        return seq.index > 0 and seq.num_output_tokens == 0 and not seq.is_finished
+
+    def _waits_for_first(self, seq: Sequence) -> bool:
+        """Siblings start only after the first sequence has computed the shared
+        prompt once, so they can share its blocks instead of recomputing them."""
+        first = self._groups[seq.request_id].seqs[0]
+        return (self._is_fresh_sibling(seq) and not first.is_finished
+                and seq.request_id not in self._prefilled)
+
+    def _fork_parent(self, seq: Sequence) -> Sequence | None:
+        """The first sequence of the request, if ``seq`` can fork from it now."""
+        first = self._groups[seq.request_id].seqs[0]
+        if (self._is_fresh_sibling(seq) and first.status == SequenceStatus.RUNNING
+                and first.num_computed_tokens >= first.num_prompt_tokens):
+            return first
+        return None
+
+    def _allow_partial(self, seq: Sequence) -> bool:
+        # Without chunked prefill a prompt runs whole, unless it can never fit
+        # in one step's budget (then chunking is the only way it finishes).
+        return self.config.enable_chunked_prefill or seq.num_tokens > self.config.max_num_batched_tokens
+
+    def _add(self, seq: Sequence, num_new: int, budget: _Budget, out: SchedulerOutput) -> None:
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        budget.take(num_new)
+
+    # -- step completion -----------------------------------------------------
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The micro-batch ``out`` ran: advance what it computed and register
+        the full blocks it completed in the prefix cache."""
+        self._counters["steps"] += 1
+        for item in out.scheduled:
+            seq = self._take_inflight(item)
+            if seq.is_finished:
+                self._release(seq)        # aborted in flight: its result is dropped
+                continue
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.register_computed(seq)
+            self.policy.record_service(seq, item.num_new_tokens)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._prefilled.add(seq.request_id)
+
+    def on_step_failed(self, out: SchedulerOutput) -> None:
+        """The micro-batch ``out`` was lost (a stage failed): nothing it computed
+        counts; its sequences may be scheduled again or finished by the engine."""
+        for item in out.scheduled:
+            seq = self._take_inflight(item)
+            if seq.is_finished:
+                self._release(seq)
+
+    def _take_inflight(self, item: ScheduledSeq) -> Sequence:
+        if self._inflight.get(item.seq.seq_id) is not item:
+            raise RuntimeError(f"{item.seq} is not in flight in this micro-batch: "
+                               "was its step reported done twice?")
+        del self._inflight[item.seq.seq_id]
+        return item.seq
+
