@@ -84,9 +84,8 @@ class FakeEngine:
             assert seq.status == SequenceStatus.RUNNING and item.num_new_tokens >= 1
             assert item.start == seq.num_computed_tokens
             assert len(seq.block_table) * BS >= item.start + item.num_new_tokens
-            if item.start == 0 or item.start == seq.num_cached_tokens:
-                if seq.request_id not in self.admission_order:
-                    self.admission_order.append(seq.request_id)
+            if seq.request_id not in self.admission_order:
+                self.admission_order.append(seq.request_id)
 
     def complete_oldest(self) -> SchedulerOutput:
         out = self.inflight.popleft()

@@ -275,7 +275,9 @@ class Scheduler:
     # -- step completion -----------------------------------------------------
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The micro-batch ``out`` ran: advance what it computed and register
-        the full blocks it completed in the prefix cache."""
+        the full blocks it completed in the prefix cache. The engine then
+        appends each sampled token (items with ``sample``) and calls
+        ``finish_seq`` for the sequences that stop."""
         self._counters["steps"] += 1
         for item in out.scheduled:
             seq = self._take_inflight(item)
