@@ -1,0 +1,127 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or whole."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pipeserve.engine.async_engine import RequestStream
+from pipeserve.outputs import RequestOutput
+from pipeserve.server.errors import APIError, error_body
+from pipeserve.server.logprobs import chat_logprobs
+from pipeserve.server.protocol import ChatCompletionRequest, resolve_max_tokens
+from pipeserve.server.serving import (Admission, ServerState, close_all, final_outputs, new_request_id,
+                                      open_streams, raise_for_failure, unless_disconnected)
+from pipeserve.server.streaming import DONE, DeltaTracker, sse, usage
+
+logger = logging.getLogger(__name__)
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
+    state.check_model(body.model)
+    state.check_healthy()
+    ids = _render(state, body)
+    max_tokens = resolve_max_tokens(body.requested_max_tokens, len(ids), state.max_model_len,
+                                    prompt_field="messages")
+    params = body.sampling_params(max_tokens, body.num_logprobs)
+    admission = Admission(state, 1)
+    request_id = new_request_id("chatcmpl")
+    try:
+        streams = await open_streams(state, request_id, [(None, ids)], [params], priority=body.priority,
+                                     user=body.user)
+    except BaseException:
+        admission.release()
+        raise
+    view = _View(state, body, request_id)
+    if body.stream:
+        return StreamingResponse(_stream(view, streams[0], admission), media_type="text/event-stream")
+    try:
+        outputs = await unless_disconnected(raw, final_outputs(streams))
+    finally:
+        admission.release()
+    raise_for_failure(outputs)
+    return JSONResponse(view.response(outputs[0]))
+
+
+def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    try:
+        return list(state.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True))
+    except APIError:
+        raise
+    except Exception as exc:  # the template refused the conversation (roles, order)
+        raise APIError(400, f"the chat template could not render these messages: {exc}",
+                       param="messages") from None
+
+
+class _View:
+    """Shapes engine outputs into chat completion objects for one HTTP request."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str) -> None:
+        self.state = state
+        self.body = body
+        self.id = request_id
+        self.created = int(time.time())
+        self.top_n = body.top_logprobs or 0
+
+    def response(self, out: RequestOutput) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, 0, len(c.token_ids), self.state.decode_token, self.top_n),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": self.id, "object": "chat.completion", "created": self.created,
+                "model": self.state.model_name, "choices": choices, "usage": usage([out])}
+
+    def chunk(self, choices: list[dict], usage_value: dict | None = None) -> str:
+        payload = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                   "model": self.state.model_name, "choices": choices}
+        if self.body.include_usage:
+            payload["usage"] = usage_value
+        return sse(payload)
+
+
+async def _stream(view: _View, stream: RequestStream, admission: Admission) -> AsyncIterator[str]:
+    tracker = DeltaTracker()
+    last: RequestOutput | None = None
+    try:
+        # OpenAI clients expect the role alone in each choice's first delta.
+        yield view.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(view.body.n)])
+        async for out in stream:
+            last = out
+            if out.error:
+                yield sse(error_body(503, f"the request failed: {out.error}"))
+                break
+            content, finished = _delta_choices(view, tracker, out)
+            for choices in (content, finished):  # a finish_reason comes in a chunk of its own
+                if choices:
+                    yield view.chunk(choices)
+        else:
+            if view.body.include_usage and last is not None:
+                yield view.chunk([], usage([last]))
+    except Exception as exc:  # engine failure mid-stream: tell the client, then end the stream
+        logger.warning("chat stream %s failed: %s", view.id, exc)
+        yield sse(error_body(503, str(exc)))
+    finally:
+        close_all([stream])
+        admission.release()
+    yield DONE
+
+
+def _delta_choices(view: _View, tracker: DeltaTracker, out: RequestOutput) -> tuple[list[dict], list[dict]]:
+    """(content deltas, finish deltas) that ``out`` adds to what was already sent."""
+    content, finished = [], []
+    for c in out.outputs:
+        delta = tracker.delta(c.index, c)
+        if delta is None:
+            continue
+        logprobs = chat_logprobs(c, delta.start, delta.end, view.state.decode_token, view.top_n)
+        if delta.text or (logprobs and logprobs["content"]):
+            content.append({"index": c.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                            "finish_reason": None})
+        if delta.finish_reason is not None:
+            finished.append({"index": c.index, "delta": {}, "logprobs": None,
+                             "finish_reason": delta.finish_reason})
+    return content, finished

@@ -1,0 +1,72 @@
+"""``pipeserve serve``: the OpenAI-compatible HTTP server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from pipeserve.entrypoints.args import add_engine_args, config_from_args
+from pipeserve.server.serving import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server to the network)")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--api-key", default=os.environ.get("PIPESERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PIPESERVE_API_KEY)")
+    server.add_argument("--max-queue", type=_non_negative, default=None,
+                        help="most prompts the server handles at once (running + waiting); "
+                        "beyond it requests get 429 (default: no limit)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and see (default: the --model value)")
+    server.add_argument("--max-request-bytes", type=_non_negative, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body; bigger ones get 413")
+    server.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before "
+                        "they are aborted")
+    server.add_argument("--log-level", default="WARNING")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pipeserve.engine.async_engine import AsyncEngine
+    from pipeserve.engine.llm_engine import LLMEngine
+    from pipeserve.server.app import build_app
+    from pipeserve.server.metrics import ServerMetrics
+    from pipeserve.server.serving import ServerState
+
+    config = config_from_args(args)
+    name = args.served_model_name or config.model
+    engine = LLMEngine(config)
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, observer=metrics.observe)
+    state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_name=name,
+                        model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
+                        max_queue=args.max_queue, max_body_bytes=args.max_request_bytes)
+    app = build_app(state, api_key=args.api_key)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(uv).run()  # returns after SIGINT/SIGTERM, once in-flight requests are done
+    finally:
+        async_engine.shutdown()  # idempotent: the app's lifespan normally did it already
+    return 0
