@@ -20,7 +20,8 @@ from pipeserve.bench.datasets import (BenchRequest, length_range, prefix_request
                                       sharegpt_requests)
 from pipeserve.bench.hf_baseline import batches_of, left_padded
 from pipeserve.bench.plots import plot_gantt, plot_latency_cdfs, plot_rate_curves
-from pipeserve.bench.report import BEGIN, END, main as report_main, prefix_cache_pairs, render
+from pipeserve.bench.report import (BEGIN, END, best_engine_flags, main as report_main, prefix_cache_pairs,
+                                    render)
 from pipeserve.bench.stats import (RequestRecord, capacity_under_slo, latency_metrics, meets_slo, parse_slo,
                                    summarize)
 
@@ -299,3 +300,16 @@ def test_report_pairs_only_runs_that_differ_in_caching():
     other["runs"][0]["engine"]["pipeline_parallel_size"] = 3
     assert prefix_cache_pairs([("on", on), ("other", other)]) == []
     assert render([]) == "No result files in benchmarks/results yet.\n"
+
+
+def test_best_engine_flags_pick_the_fastest_random_run():
+    slow = _throughput_result("random", True, 50.0)
+    fast = _throughput_result("random", True, 50.0)
+    fast["runs"][0]["output_tokens_per_s"] = 900.0
+    fast["runs"][0]["engine"].update(pp_schedule="interleaved", pp_virtual_stages=2, pp_partition="auto")
+    prefix = _throughput_result("prefix", True, 10.0)
+    prefix["runs"][0]["output_tokens_per_s"] = 5000.0  # another workload: never the choice
+    flags = best_engine_flags([("slow", slow), ("fast", fast), ("prefix", prefix)])
+    assert flags == "-pp 2 --pp-schedule interleaved --pp-partition auto --pp-virtual-stages 2"
+    with pytest.raises(ValueError, match="no pipeserve throughput result"):
+        best_engine_flags([("prefix", prefix)])

@@ -134,6 +134,21 @@ def commands(results: list[tuple[str, dict]]) -> list[str]:
     return lines
 
 
+def best_engine_flags(results: list[tuple[str, dict]], dataset: str = "random") -> str:
+    """Pipeline flags of the pipeserve run with the most output tokens/s on ``dataset``
+    (run_all.sh measures the transformers baseline against that configuration)."""
+    runs = [run for _, data in results if data["kind"] == "throughput" and data["dataset"].get("name") == dataset
+            for run in data["runs"] if run["backend"] == "pipeserve"]
+    if not runs:
+        raise ValueError(f"no pipeserve throughput result on the {dataset} workload to choose from")
+    engine = max(runs, key=lambda r: r["output_tokens_per_s"])["engine"]
+    flags = ["-pp", str(engine["pipeline_parallel_size"]), "--pp-schedule", engine["pp_schedule"],
+             "--pp-partition", str(engine["pp_partition"])]
+    if engine["pp_schedule"] == "interleaved":
+        flags += ["--pp-virtual-stages", str(engine["pp_virtual_stages"])]
+    return " ".join(flags)
+
+
 def update_readme(readme: Path, section: str) -> None:
     text = readme.read_text(encoding="utf-8") if readme.exists() else ""
     block = f"{BEGIN}\n{section}{END}"
@@ -168,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=None,
                         help="README to update in place (default: README.md next to the results directory)")
     parser.add_argument("--stdout", action="store_true", help="print the section instead of updating a README")
+    parser.add_argument("--best-engine-flags", action="store_true",
+                        help="print the pipeline flags of the fastest pipeserve run on the random workload")
     args = parser.parse_args(argv)
+    if args.best_engine_flags:
+        print(best_engine_flags(load_results(args.results)))
+        return 0
     section = render(load_results(args.results))
     if args.stdout:
         sys.stdout.write(section)
