@@ -1,0 +1,175 @@
+"""Hardware descriptions: presets and ``--hardware FILE`` (YAML or JSON).
+
+Every number is an *effective* rate (what kernels achieve), not a datasheet peak;
+the presets take the peak times a typical achieved fraction (see docs/PLANNER.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeserve.plan.presets import PlanInputError, find_preset
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops_prefill: float          # FLOP/s of big matmuls (prefill: hundreds of tokens)
+    flops_decode: float           # FLOP/s of skinny matmuls (decode: a few tokens)
+    mem_bandwidth: float          # bytes/s of device memory
+    mem_bytes: float              # device memory size
+    gpus_per_node: int
+    intra_node_bandwidth: float   # bytes/s, one direction, device to device in a node
+    intra_node_latency: float     # s per message
+    inter_node_bandwidth: float   # bytes/s, one direction, between nodes
+    inter_node_latency: float     # s per message
+    layer_overhead: float = 0.0   # s per decoder layer forward (kernel launch / dispatch)
+    dtype: str = "bfloat16"       # default dtype of weights, activations and KV
+    memory_utilization: float = 0.9
+    reserved_bytes: float = 0.0   # runtime context, allocator slack
+    # True where all stages of a node share one pool of compute and bandwidth
+    # (cpu-local: P stage processes split the cores), so a stage gets 1/(stages on node).
+    shared_compute: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("flops_prefill", "flops_decode", "mem_bandwidth", "mem_bytes",
+                  "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not getattr(self, f) > 0:
+                raise PlanInputError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
+        if self.gpus_per_node < 1:
+            raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+        if self.dtype not in DTYPE_BYTES:
+            raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.mem_bytes * self.memory_utilization - self.reserved_bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _gpu(name: str, peak_flops: float, peak_bw: float, mem: float, gpn: int, intra_bw: float,
+         intra_lat: float, inter_bw: float, inter_lat: float) -> Hardware:
+    # Achieved fractions: ~70% of dense BF16 peak for GEMMs, ~80% of HBM peak for
+    # streaming reads, ~80% of NVLink/PCIe and ~90% of the NIC line rate.
+    return Hardware(name=name, flops_prefill=0.7 * peak_flops, flops_decode=0.7 * peak_flops,
+                    mem_bandwidth=0.8 * peak_bw, mem_bytes=mem, gpus_per_node=gpn,
+                    intra_node_bandwidth=0.8 * intra_bw, intra_node_latency=intra_lat,
+                    inter_node_bandwidth=0.9 * inter_bw, inter_node_latency=inter_lat,
+                    reserved_bytes=2 * GIB)
+
+
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    # H100 SXM: 989 TFLOP/s BF16 dense, 3.35 TB/s HBM3, NVLink4 450 GB/s per direction,
+    # one 400 Gb/s NIC per GPU (50 GB/s).
+    "H100-SXM": _gpu("H100-SXM", 989e12, 3.35e12, 80 * GIB, 8, 450e9, 8e-6, 50e9, 15e-6),
+    "H200": _gpu("H200", 989e12, 4.8e12, 141e9, 8, 450e9, 8e-6, 50e9, 15e-6),
+    # A100 SXM 80 GB: 312 TFLOP/s, 2.04 TB/s, NVLink3 300 GB/s, HDR 200 Gb/s.
+    "A100-80G": _gpu("A100-80G", 312e12, 2.039e12, 80 * GIB, 8, 300e9, 10e-6, 25e9, 15e-6),
+    # L4: 121 TFLOP/s BF16 dense, 300 GB/s GDDR6, PCIe Gen4 x16 (32 GB/s), 100 GbE.
+    "L4": _gpu("L4", 121e12, 300e9, 24 * GIB, 8, 32e9, 15e-6, 12.5e9, 30e-6),
+}
+
+_PREFIX = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "m": 1e-3, "u": 1e-6, "µ": 1e-6}
+_QUANTITY = re.compile(r"^\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*([kMGTP]i?|[muµ])?\s*"
+                       r"(FLOP/s|flop/s|B/s|b/s|bit/s|B|b|bit|s)?\s*$")
+
+
+def parse_quantity(value: float | int | str, key: str) -> float:
+    """``3.35e12``, ``"80GiB"``, ``"400Gb/s"`` (lower-case b: bits), ``"50GB/s"``, ``"5us"``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    match = _QUANTITY.match(str(value))
+    if match is None:
+        raise PlanInputError(f"hardware field {key}: cannot parse {value!r} "
+                             "(write 3.35e12, '80GiB', '400Gb/s', '50GB/s' or '5us')")
+    number, prefix, unit = match.group(1), match.group(2) or "", match.group(3) or ""
+    if prefix in ("m", "u", "µ") and unit != "s":
+        raise PlanInputError(f"hardware field {key}: {value!r}: m/u prefixes are for seconds; use M for mega")
+    scale = _PREFIX[prefix] / (8.0 if unit in ("b/s", "bit/s", "b", "bit") else 1.0)
+    return float(number) * scale
+
+
+_FIELD_ALIASES = {
+    "flops": ("flops_prefill", "flops_decode"), "flop_s": ("flops_prefill", "flops_decode"),
+    "memory_bandwidth": ("mem_bandwidth",), "memory_size": ("mem_bytes",), "memory": ("mem_bytes",),
+}
+_NESTED = {"intra_node": "intra_node_", "inter_node": "inter_node_"}
+
+
+def hardware_from_dict(raw: dict, name: str) -> Hardware:
+    """Build from a flat or nested mapping (``intra_node: {bandwidth, latency}``)."""
+    flat: dict = {}
+    for key, value in raw.items():
+        if key in _NESTED and isinstance(value, dict):
+            for sub, subval in value.items():
+                flat[_NESTED[key] + sub] = subval
+        else:
+            for target in _FIELD_ALIASES.get(key, (key,)):
+                flat.setdefault(target, value)
+    fields = {f.name: f for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(flat) - set(fields))
+    if unknown:
+        raise PlanInputError(f"hardware file {name!r}: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(fields)}")
+    flat.setdefault("name", name)
+    missing = [f.name for f in fields.values()
+               if f.default is dataclasses.MISSING and f.name not in flat]
+    if missing:
+        raise PlanInputError(f"hardware file {name!r}: missing field(s) {', '.join(missing)}")
+    return Hardware(**{k: _coerce(k, v, fields[k].type) for k, v in flat.items()})
+
+
+def _coerce(key: str, value, type_name) -> object:
+    if type_name in ("str", str):
+        return str(value)
+    if type_name in ("bool", bool):
+        return bool(value)
+    if type_name in ("int", int):
+        return int(parse_quantity(value, key))
+    return parse_quantity(value, key)
+
+
+def load_hardware(spec: str) -> Hardware:
+    """``--hardware``: a preset name (case-insensitive) or a YAML/JSON file."""
+    path = Path(spec)
+    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
+        return hardware_from_dict(_read_file(path), path.stem)
+    name = find_preset(spec, HARDWARE_PRESETS, {}, "hardware")
+    return HARDWARE_PRESETS[name]
+
+
+def _read_file(path: Path) -> dict:
+    if not path.exists():
+        raise PlanInputError(f"hardware file {str(path)!r} does not exist")
+    try:
+        text = path.read_text()
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml  # only needed for YAML hardware files
+            raw = yaml.safe_load(text)
+    except Exception as exc:  # any parse error is a user input problem
+        raise PlanInputError(f"cannot read hardware file {str(path)!r}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise PlanInputError(f"hardware file {str(path)!r} must hold a mapping of fields")
+    return raw
+
+
+# This machine, from `pipeserve plan --calibrate` (typical of several runs on the
+# 2-core development host; rerun --calibrate and pass the file for your own host).
+# One process per stage with cores // P threads, so stages share the cores.
+HARDWARE_PRESETS["cpu-local"] = Hardware(
+    name="cpu-local", flops_prefill=2 * 91e9, flops_decode=2 * 45e9, mem_bandwidth=22e9,
+    mem_bytes=25.2e9, gpus_per_node=64, intra_node_bandwidth=3.1e9, intra_node_latency=50e-6,
+    inter_node_bandwidth=3.1e9, inter_node_latency=50e-6, layer_overhead=52e-6,
+    dtype="float32", memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True)

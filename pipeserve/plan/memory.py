@@ -1,0 +1,77 @@
+"""Memory of one pipeline stage on one device: weights + KV cache + activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.plan.hardware import Hardware
+from pipeserve.plan.roofline import LayerCosts
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    layers: int
+    weights: float        # bytes
+    kv: float             # bytes for the planned KV tokens
+    activations: float    # bytes of the largest transient (one micro-batch's forward)
+    usable: float         # bytes the device offers (memory × utilization − reserved)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+
+def stage_weight_bytes(model: ModelConfig, costs: LayerCosts, layers: int, first: bool,
+                       last: bool) -> float:
+    """Parameters a stage stores per TP rank (tied embeddings stored on both ends if P > 1)."""
+    params = layers * model.layer_params()
+    if first:
+        params += model.embedding_params()
+    if last and not (first and model.tie_word_embeddings):
+        params += model.head_params()
+    elif last:
+        params += model.hidden_size  # final norm; the head reuses the embedding
+    return params * costs.bytes / costs.tp
+
+
+def kv_bytes_per_token(costs: LayerCosts, layers: int) -> float:
+    """M_KV per token on one rank of a stage: 2 · layers · H_kv/T · D_head · bytes."""
+    return layers * costs.kv_bytes_per_token_layer()
+
+
+def activation_bytes(model: ModelConfig, costs: LayerCosts, tokens: int, last: bool) -> float:
+    """Peak transient of a forward over ``tokens`` tokens (one layer live at a time)."""
+    inter = model.intermediate_size * max(1, model.num_experts_per_tok)
+    per_token = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 3 * inter
+    act = tokens * per_token * costs.bytes / costs.tp
+    if last:
+        act += tokens * model.vocab_size * 4 / costs.tp  # fp32 logits (upper bound: all rows)
+    return act
+
+
+def stage_memory(model: ModelConfig, hw: Hardware, costs: LayerCosts, stage_layers: list[int],
+                 kv_tokens: float, max_batched_tokens: int) -> list[StageMemory]:
+    """Per-worker memory; ``stage_layers`` gives each worker's total layer count."""
+    last = len(stage_layers) - 1
+    result = []
+    for i, layers in enumerate(stage_layers):
+        weights = stage_weight_bytes(model, costs, layers, i == 0, i == last)
+        kv = kv_tokens * kv_bytes_per_token(costs, layers)
+        act = activation_bytes(model, costs, max_batched_tokens, i == last)
+        result.append(StageMemory(i, layers, weights, kv, act, hw.usable_bytes))
+    return result
+
+
+def kv_token_capacity(mems: list[StageMemory], costs: LayerCosts) -> float:
+    """KV tokens every stage can hold beside its weights and activations (the min over stages)."""
+    caps = []
+    for mem in mems:
+        free = mem.usable - mem.weights - mem.activations
+        caps.append(max(0.0, free) / kv_bytes_per_token(costs, mem.layers))
+    return min(caps)

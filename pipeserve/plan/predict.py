@@ -1,0 +1,51 @@
+"""One-call predictions: analytic estimate + simulation of a configuration on a workload."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.plan.analysis import PlanEstimate, PlanRequest, evaluate
+from pipeserve.plan.hardware import Hardware
+from pipeserve.plan.simulator import PipelineSimulator, SimConfig
+from pipeserve.plan.sim_result import SimResult
+from pipeserve.plan.stages import PipelineCosts
+from pipeserve.plan.workload import Workload
+
+
+def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Workload,
+             record_intervals: bool = True) -> SimResult:
+    """Run the simulator for an evaluated configuration (its partition, K and KV capacity)."""
+    req = est.req
+    costs = PipelineCosts(model, hw, est.chunk_layers, req.pp, req.tp, req.dtype)
+    capacity = est.batch * (req.input_len + req.output_len)
+    longest = max(t.prompt_len + t.output_len for t in workload.build())
+    cfg = SimConfig(schedule=req.schedule, micro_batches=est.micro_batches,
+                    max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
+                    kv_capacity_tokens=max(capacity, longest), record_intervals=record_intervals)
+    return PipelineSimulator(costs, cfg).run(workload.build())
+
+
+def predict_throughput(model: ModelConfig, hardware: Hardware, pp: int, schedule: str,
+                       workload: Workload, *, tp: int = 1, micro_batches: int | None = None,
+                       virtual_stages: int | None = None, partition: str = "uniform",
+                       max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                       dtype: str | None = None) -> dict:
+    """Predict a pipeline run: simulated throughput/TTFT/TPOT/bubbles plus the analytic terms.
+
+    ``virtual_stages`` defaults to 2 for ``interleaved`` and 1 otherwise; ``partition``
+    is ``uniform`` (the engine's default), ``auto`` or ``"19,11"``.
+    """
+    v = virtual_stages or (2 if schedule == "interleaved" else 1)
+    req = PlanRequest(pp=pp, tp=tp, micro_batches=micro_batches, schedule=schedule,
+                      virtual_stages=v, partition=partition, dtype=dtype,
+                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      input_len=workload.input_len, output_len=workload.output_len,
+                      request_rate=workload.request_rate)
+    est = evaluate(model, hardware, req)
+    result = simulate(model, hardware, est, workload, record_intervals=False).summary()
+    result.update(analytic_output_tokens_per_s=est.throughput, eta=est.eta, alpha=est.alpha,
+                  gain=est.gain, micro_batches=est.micro_batches, partition=est.chunk_layers,
+                  stage_forward_s=est.t_stage, t_comm_s=est.t_comm, fits=est.fits,
+                  config=dataclasses.asdict(req))
+    return result

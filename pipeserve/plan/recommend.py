@@ -1,0 +1,50 @@
+"""Search PP × TP splits of the same device count and pick the best for a target."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.plan.analysis import PlanEstimate, PlanRequest, evaluate
+from pipeserve.plan.hardware import Hardware
+from pipeserve.plan.presets import PlanInputError
+
+TARGETS = ("throughput", "latency")
+
+
+def candidate_splits(model: ModelConfig, hw: Hardware, devices: int) -> list[tuple[int, int]]:
+    """(P, T) with P·T = devices, T within one node and dividing the heads, P ≤ layers."""
+    splits = []
+    for tp in range(1, devices + 1):
+        pp = devices // tp
+        if devices % tp or model.num_heads % tp or tp > hw.gpus_per_node or pp > model.num_layers:
+            continue
+        if hw.gpus_per_node % tp:
+            continue
+        splits.append((pp, tp))
+    return splits
+
+
+def score(est: PlanEstimate, target: str) -> float:
+    """Larger is better: tokens/s for throughput, minus end-to-end seconds for latency."""
+    if target == "throughput":
+        return est.throughput
+    return -est.latency["T"]
+
+
+def recommend(model: ModelConfig, hw: Hardware, base: PlanRequest,
+              target: str) -> tuple[PlanEstimate | None, list[PlanEstimate]]:
+    """Best fitting configuration (or None when nothing fits) and every candidate evaluated."""
+    if target not in TARGETS:
+        raise PlanInputError(f"--target must be throughput or latency, got {target!r}")
+    results = []
+    for pp, tp in candidate_splits(model, hw, base.pp * base.tp):
+        req = dataclasses.replace(base, pp=pp, tp=tp, micro_batches=None,
+                                  partition="auto" if base.partition not in ("uniform",) else "uniform")
+        try:
+            results.append(evaluate(model, hw, req))
+        except PlanInputError:
+            continue  # this split is impossible (e.g. too many chunks); others may work
+    fitting = [r for r in results if r.fits]
+    best = max(fitting, key=lambda r: score(r, target), default=None)
+    return best, results

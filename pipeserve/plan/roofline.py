@@ -1,0 +1,125 @@
+"""Roofline costs of one decoder layer, the embedding and the LM head on one device.
+
+time = max(FLOPs / FLOP/s, bytes / bandwidth): a kernel is bound by whichever of
+compute or memory traffic takes longer. Counts are per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeserve.model.config import ModelConfig
+
+# FLOP/s is calibrated at two matmul heights; between them interpolate in log(tokens).
+DECODE_TOKENS = 16
+PREFILL_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What one forward pass computes, in the aggregates the roofline needs."""
+    num_seqs: int          # sequences in the micro-batch
+    new_tokens: int        # tokens computed now (prefill chunk tokens + one per decode)
+    attn_pairs: float      # Σ over new tokens of the keys each attends to
+    kv_tokens: float       # Σ over sequences of the cached tokens read from the KV cache
+    logit_rows: int        # rows through the LM head (sequences that sample a token)
+
+    @classmethod
+    def decode(cls, batch: int, context: float) -> "BatchShape":
+        """``batch`` sequences, one new token each, attending to ``context`` keys."""
+        return cls(batch, batch, batch * context, batch * context, batch)
+
+    @classmethod
+    def prefill(cls, batch: int, prompt: int, cached: int = 0) -> "BatchShape":
+        """``batch`` prompts of ``prompt`` new tokens after ``cached`` cached ones (causal)."""
+        pairs = batch * (prompt * cached + prompt * (prompt + 1) / 2)
+        return cls(batch, batch * prompt, pairs, batch * cached, batch)
+
+    def __add__(self, other: "BatchShape") -> "BatchShape":
+        return BatchShape(self.num_seqs + other.num_seqs, self.new_tokens + other.new_tokens,
+                          self.attn_pairs + other.attn_pairs, self.kv_tokens + other.kv_tokens,
+                          self.logit_rows + other.logit_rows)
+
+
+EMPTY = BatchShape(0, 0, 0.0, 0.0, 0)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float
+    bytes: float
+
+    def time(self, flops_per_s: float, bytes_per_s: float) -> float:
+        return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
+
+
+class LayerCosts:
+    """FLOPs and bytes of the model's pieces for a batch shape, on one of ``tp`` ranks."""
+
+    def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1) -> None:
+        self.model = model
+        self.bytes = dtype_bytes
+        self.tp = tp
+        h = model.hidden_size
+        self.attn_params = h * model.q_size * 2 + 2 * h * model.kv_size
+        self.expert_params = 3 * h * model.intermediate_size
+        # KV heads are split across TP ranks, replicated once there are more ranks than heads.
+        self.kv_heads_per_rank = max(1.0, model.num_kv_heads / tp)
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts whose weights a batch reads (1 for a dense MLP)."""
+        m = self.model
+        if not m.num_experts:
+            return 1.0 if tokens else 0.0
+        miss = (1.0 - m.num_experts_per_tok / m.num_experts) ** tokens
+        return m.num_experts * (1.0 - miss)
+
+    def kv_bytes_per_token_layer(self) -> float:
+        return 2 * self.kv_heads_per_rank * self.model.head_dim * self.bytes
+
+    def layer(self, shape: BatchShape) -> OpCost:
+        """One decoder layer: QKV/O and MLP matmuls, attention over the KV cache."""
+        m, t = self.model, shape.new_tokens
+        active = self.attn_params + self.expert_params * max(1, m.num_experts_per_tok)
+        flops = 2 * active * t + 4 * shape.attn_pairs * m.q_size
+        weights = self.attn_params + self.expert_params * self.experts_touched(t)
+        kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer()  # already per rank
+        act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * m.intermediate_size)
+        return OpCost(flops / self.tp, (weights + act) * self.bytes / self.tp + kv)
+
+    def embedding(self, shape: BatchShape) -> OpCost:
+        """Gather one row per token: memory traffic only."""
+        return OpCost(0.0, 2 * shape.new_tokens * self.model.hidden_size * self.bytes)
+
+    def head(self, shape: BatchShape) -> OpCost:
+        """Final norm + LM head (vocab-parallel under TP) for the rows that sample; fp32 logits."""
+        m, rows = self.model, shape.logit_rows
+        flops = 2 * rows * m.hidden_size * m.vocab_size
+        traffic = m.vocab_size * m.hidden_size * self.bytes + rows * m.vocab_size * 4
+        return OpCost(flops / self.tp, traffic / self.tp + rows * m.hidden_size * self.bytes)
+
+    def hidden_bytes(self, shape: BatchShape) -> float:
+        """Activation sent from one stage to the next: [new_tokens, hidden]."""
+        return shape.new_tokens * self.model.hidden_size * self.bytes
+
+    def allreduce_bytes(self, shape: BatchShape) -> float:
+        """Each TP all-reduce (two per layer) sums a [new_tokens, hidden] tensor."""
+        return shape.new_tokens * self.model.hidden_size * self.bytes
+
+
+def flops_rate(decode_rate: float, prefill_rate: float, tokens: int) -> float:
+    """Effective FLOP/s for a matmul of ``tokens`` rows, log-interpolated between calibrations."""
+    if tokens <= DECODE_TOKENS:
+        return decode_rate
+    if tokens >= PREFILL_TOKENS:
+        return prefill_rate
+    frac = math.log(tokens / DECODE_TOKENS) / math.log(PREFILL_TOKENS / DECODE_TOKENS)
+    return decode_rate + frac * (prefill_rate - decode_rate)
+
+
+def ring_allreduce_time(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: 2(T-1)/T of the data over each link, 2(T-1) latency steps."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency

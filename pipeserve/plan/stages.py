@@ -1,0 +1,107 @@
+"""Time of each pipeline stage and each hop between stages, from the roofline.
+
+A *chunk* is a contiguous run of layers on one worker; without interleaving there
+is one chunk per worker, with V virtual stages there are P·V chunks and chunk c
+lives on worker c mod P. Worker w holds TP ranks w·T … w·T+T-1, so it sits on
+node (w·T) // gpus_per_node; a hop between workers on different nodes uses the
+inter-node link.
+"""
+
+from __future__ import annotations
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.plan.hardware import DTYPE_BYTES, Hardware
+from pipeserve.plan.roofline import (BatchShape, LayerCosts, OpCost, flops_rate,
+                                     ring_allreduce_time)
+
+TOKEN_RETURN_BYTES = 8  # sampled token id (+ logprob) per row sent back to the driver
+
+
+class PipelineCosts:
+    """Seconds per chunk and per hop for a micro-batch shape; the simulator's cost model."""
+
+    def __init__(self, model: ModelConfig, hw: Hardware, chunk_layers: list[int],
+                 num_workers: int, tp: int = 1, dtype: str | None = None) -> None:
+        self.model, self.hw, self.tp = model, hw, tp
+        self.chunk_layers = list(chunk_layers)
+        self.num_workers = num_workers
+        self.dtype = dtype or hw.dtype
+        self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp)
+        nodes = [self.node_of(w) for w in range(num_workers)]
+        # With shared compute every worker on a node gets an equal slice of it.
+        self.share = [nodes.count(n) if hw.shared_compute else 1 for n in nodes]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_layers)
+
+    def worker_of(self, chunk: int) -> int:
+        return chunk % self.num_workers
+
+    def node_of(self, worker: int) -> int:
+        return (worker * self.tp) // self.hw.gpus_per_node
+
+    def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
+        rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
+        share = self.share[worker]
+        return cost.time(rate / share, self.hw.mem_bandwidth / share)
+
+    def layer_time(self, shape: BatchShape, worker: int = 0) -> float:
+        """One decoder layer on one worker, its TP all-reduces included."""
+        if shape.new_tokens == 0:
+            return 0.0
+        compute = self._op_time(self.costs.layer(shape), shape.new_tokens, worker)
+        reduce = 2 * ring_allreduce_time(self.costs.allreduce_bytes(shape), self.tp,
+                                         self.hw.intra_node_bandwidth, self.hw.intra_node_latency)
+        return compute + reduce + self.hw.layer_overhead
+
+    def embedding_time(self, shape: BatchShape, worker: int = 0) -> float:
+        return self._op_time(self.costs.embedding(shape), shape.new_tokens, worker)
+
+    def head_time(self, shape: BatchShape, worker: int = 0) -> float:
+        if shape.logit_rows == 0:
+            return 0.0
+        compute = self._op_time(self.costs.head(shape), shape.logit_rows, worker)
+        gather = ring_allreduce_time(shape.logit_rows * self.model.vocab_size * 4, self.tp,
+                                     self.hw.intra_node_bandwidth, self.hw.intra_node_latency) / 2
+        return compute + gather
+
+    def chunk_time(self, chunk: int, shape: BatchShape) -> float:
+        """Forward time of one chunk: its layers, plus the embedding / LM head at the ends."""
+        worker = self.worker_of(chunk)
+        t = self.chunk_layers[chunk] * self.layer_time(shape, worker)
+        if chunk == 0:
+            t += self.embedding_time(shape, worker)
+        if chunk == self.num_chunks - 1:
+            t += self.head_time(shape, worker)
+        return t
+
+    def link(self, src_worker: int, dst_worker: int) -> tuple[float, float]:
+        """(bandwidth, latency) of the link between two workers."""
+        if self.node_of(src_worker) == self.node_of(dst_worker):
+            return self.hw.intra_node_bandwidth, self.hw.intra_node_latency
+        return self.hw.inter_node_bandwidth, self.hw.inter_node_latency
+
+    def hop_time(self, chunk: int, shape: BatchShape) -> float:
+        """Send after ``chunk``: hidden states to the next chunk, or token ids to the driver."""
+        src = self.worker_of(chunk)
+        if chunk == self.num_chunks - 1:
+            bandwidth, latency = self.link(src, 0)
+            return latency + shape.logit_rows * TOKEN_RETURN_BYTES / bandwidth
+        dst = self.worker_of(chunk + 1)
+        if src == dst:
+            return 0.0
+        bandwidth, latency = self.link(src, dst)
+        return latency + self.costs.hidden_bytes(shape) / bandwidth
+
+    def stage_times(self, shape: BatchShape) -> list[float]:
+        """Per-worker compute time for one pass of the micro-batch (all its chunks)."""
+        times = [0.0] * self.num_workers
+        for chunk in range(self.num_chunks):
+            times[self.worker_of(chunk)] += self.chunk_time(chunk, shape)
+        return times
+
+    def activation_hop_time(self, shape: BatchShape) -> float:
+        """The slowest activation hop between consecutive chunks (t_comm)."""
+        hops = [self.hop_time(c, shape) for c in range(self.num_chunks - 1)]
+        return max(hops, default=0.0)

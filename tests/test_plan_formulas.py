@@ -1,0 +1,89 @@
+"""The planner's formulas and roofline against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeserve.plan import formulas
+from pipeserve.plan.hardware import load_hardware, parse_quantity
+from pipeserve.plan.partition import auto_partition, uniform_partition
+from pipeserve.plan.presets import PlanInputError, load_model
+from pipeserve.plan.roofline import BatchShape, LayerCosts, ring_allreduce_time
+
+
+def test_pipeline_efficiency_hand_value() -> None:
+    # N=4, P=2, t=1, t_comm=0.5: 4 / (4 + 1 + 0.5)
+    assert formulas.pipeline_efficiency(4, 2, 1.0, 0.5) == pytest.approx(4 / 5.5)
+    assert formulas.pipeline_efficiency(3, 1, 2.0, 9.0) == pytest.approx(1.0)
+
+
+def test_best_micro_batch_argmin() -> None:
+    # t_fwd(B) = 1 + 0.1·B, t_comm(B) = 0.2·B, P = 2: cost(B) = (2 + 0.4B)/B, min at the largest B
+    b, cost = formulas.best_micro_batch(2, lambda b: 1 + 0.1 * b, lambda b: 0.2 * b, [1, 2, 4, 8])
+    assert (b, cost) == (8, pytest.approx((2 + 3.2) / 8))
+    # A superlinear forward makes the middle size best: t_fwd = 1 + B², cost = 2(1+B²)/B, min at B=1
+    b, _ = formulas.best_micro_batch(2, lambda b: 1 + b * b, lambda b: 0.0, [1, 2, 4])
+    assert b == 1
+
+
+def test_throughput_gain_and_kv_memory() -> None:
+    assert formulas.throughput_gain(4, 0.8, 0.1) == pytest.approx(4 * 0.8 / 1.3)
+    # Llama-3.1-8B: 2·32·8·128·B=1·S=1·2 bytes = 131072 bytes per token
+    assert formulas.kv_memory(32, 8, 128, 1, 1, 2) == 131072
+    assert formulas.kv_memory(32, 8, 128, 4, 1000, 2) == 131072 * 4000
+
+
+def test_latency_terms() -> None:
+    assert formulas.request_latency(1.0, 2.0, 3.0, 0.5) == 6.5
+    assert formulas.decode_time(11, 4, 0.01) == pytest.approx(10 * 4 * 0.01)
+    # M/D/1: rho = 0.5, s = 1: 0.5 / (2·0.5) = 0.5
+    assert formulas.md1_queue_wait(0.5, 1.0) == pytest.approx(0.5)
+    assert math.isinf(formulas.md1_queue_wait(2.0, 1.0))
+
+
+def test_roofline_layer_counts_smollm2() -> None:
+    _, model = load_model("smollm2-135m")
+    costs = LayerCosts(model, dtype_bytes=2)
+    shape = BatchShape.decode(batch=1, context=0)
+    h, i, q, kv = 576, 1536, 576, 192
+    params = 2 * h * q + 2 * h * kv + 3 * h * i
+    assert costs.layer(shape).flops == pytest.approx(2 * params)
+    # one token with no context: weights + activations + its own KV write
+    act = 6 * h + 2 * q + 2 * kv + 4 * i
+    assert costs.layer(shape).bytes == pytest.approx((params + act) * 2 + 2 * kv * 2)
+    assert costs.head(shape).flops == pytest.approx(2 * h * 49152)
+
+
+def test_moe_reads_only_touched_experts() -> None:
+    _, mixtral = load_model("mixtral-8x7b")
+    costs = LayerCosts(mixtral, 2)
+    assert costs.experts_touched(1) == pytest.approx(2.0)
+    assert costs.experts_touched(1000) == pytest.approx(8.0)
+
+
+def test_allreduce_and_units() -> None:
+    assert ring_allreduce_time(100.0, 4, 10.0, 1.0) == pytest.approx(2 * 3 / 4 * 10 + 6)
+    assert ring_allreduce_time(100.0, 1, 10.0, 1.0) == 0.0
+    assert parse_quantity("400Gb/s", "x") == pytest.approx(50e9)
+    assert parse_quantity("80GiB", "x") == 80 * 2**30
+    assert parse_quantity("5us", "x") == pytest.approx(5e-6)
+    with pytest.raises(PlanInputError):
+        parse_quantity("fast", "x")
+
+
+def test_partitions() -> None:
+    assert uniform_partition(30, 4) == [8, 8, 7, 7]
+    # The last part carries a head worth 8 layers: it gets fewer layers.
+    counts = auto_partition(30, 2, lambda part, k: k + (8 if part == 1 else 0))
+    assert counts == [19, 11]
+    with pytest.raises(PlanInputError):
+        uniform_partition(3, 4)
+
+
+def test_presets_case_insensitive() -> None:
+    assert load_hardware("h100-sxm").name == "H100-SXM"
+    assert load_model("LLAMA-3.1-405b")[1].num_layers == 126
+    with pytest.raises(PlanInputError, match="unknown hardware preset"):
+        load_hardware("tpu-v9")
