@@ -313,3 +313,38 @@ def test_best_engine_flags_pick_the_fastest_random_run():
     assert flags == "-pp 2 --pp-schedule interleaved --pp-partition auto --pp-virtual-stages 2"
     with pytest.raises(ValueError, match="no pipeserve throughput result"):
         best_engine_flags([("prefix", prefix)])
+
+
+def _max_overlap(records: list[RequestRecord]) -> int:
+    """Most requests in flight at once, from their send times and latencies."""
+    edges = sorted([(r.start_time, 1) for r in records] + [(r.start_time + r.e2el, -1) for r in records],
+                   key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, step in edges:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def test_load_generator_honours_max_concurrency_and_slo(sse_url):
+    from pipeserve.bench.serve import LoadOptions, benchmark_rate
+    requests = [CompletionRequest("m", "hello", 1, 5)] * 6
+    # each request streams for >= 100 ms: all six overlap unless the gate holds them back
+    narrow, narrow_records = benchmark_rate(requests, math.inf,
+                                            LoadOptions(sse_url, max_concurrency=2, progress=False),
+                                            parse_slo("ttft=10000"))
+    wide, wide_records = benchmark_rate(requests, math.inf, LoadOptions(sse_url, progress=False), {})
+    assert narrow["completed"] == wide["completed"] == 6
+    assert _max_overlap(narrow_records) <= 2 < _max_overlap(wide_records)
+    assert narrow["duration_s"] >= 0.28  # three rounds of two
+    assert narrow["request_rate"] == "inf" and narrow["slo_attainment"] == 1.0
+    assert "goodput_requests_per_s" not in wide
+
+
+def test_load_generator_spaces_requests_at_the_rate(sse_url):
+    from pipeserve.bench.serve import LoadOptions, benchmark_rate
+    requests = [CompletionRequest("m", "hello", 1, 5)] * 8
+    _, records = benchmark_rate(requests, 20.0, LoadOptions(sse_url, seed=1, progress=False), {})
+    expected = arrival_times(8, 20.0, seed=1)
+    for record, at in zip(records, expected):
+        assert record.start_time == pytest.approx(at, abs=0.1)  # slack for a busy machine

@@ -38,7 +38,7 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
     g.add_argument("--num-turns", type=int, default=4, help="prefix: turns per conversation")
     g.add_argument("--question-len", type=int, default=32, help="prefix: new tokens per turn")
-    g.add_argument("--seed", dest="bench_seed", type=int, default=0, help="workload seed")
+    g.add_argument("--seed", dest="bench_seed", metavar="SEED", type=int, default=0, help="workload seed")
     g.add_argument("--temperature", type=float, default=0.0)
     out = p.add_argument_group("results")
     out.add_argument("--output", default=None, help="write the results as JSON here")
