@@ -198,11 +198,17 @@ class LLMEngine:
         return self.outputs.finish(group, reason, error)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
+        """The pipeline is gone: every request ends with finish_reason "error"."""
+        for sched in self._inflight.values():
+            self.scheduler.on_step_failed(sched)
+        self._inflight.clear()
         failed = []
         for group in list(self._groups.values()):
+            unfinished = [s for s in group.seqs if not s.is_finished]
             self.scheduler.abort_request(group.request_id)
+            for seq in unfinished:
+                seq.finish_reason = "error"
             failed.append(self._finish_group(group, reason="error", error=message))
-        self._inflight.clear()
         return failed
 
     # -- health and stats --------------------------------------------------
