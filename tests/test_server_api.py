@@ -38,7 +38,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -44,12 +44,11 @@ def _non_negative(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pipeserve.engine.async_engine import AsyncEngine
     from pipeserve.engine.llm_engine import LLMEngine
     from pipeserve.server.app import build_app
     from pipeserve.server.metrics import ServerMetrics
+    from pipeserve.server.runner import serve
     from pipeserve.server.serving import ServerState
 
     config = config_from_args(args)
@@ -61,12 +60,11 @@ def run(args: argparse.Namespace) -> int:
                         model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
                         max_queue=args.max_queue, max_body_bytes=args.max_request_bytes)
     app = build_app(state, api_key=args.api_key)
-    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                        timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.Server(uv).run()  # returns after SIGINT/SIGTERM, once in-flight requests are done
+        serve(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+              shutdown_timeout=args.shutdown_timeout)  # returns after SIGINT/SIGTERM
     finally:
         async_engine.shutdown()  # idempotent: the app's lifespan normally did it already
     return 0

@@ -47,7 +47,8 @@ class ServerState:
             raise APIError(503, f"the engine is unhealthy: {self.engine.error or 'a stage died'}")
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        # Logprobs show special tokens (an end-of-turn token) by name, as OpenAI and vLLM do.
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 class Admission:
