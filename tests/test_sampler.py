@@ -255,3 +255,20 @@ def test_sibling_sequences_get_distinct_reproducible_seeds():
     row = torch.zeros(300)
     streams = {tuple(_seeded_tokens(Sampler(0), row, seed=s, steps=8)) for s in seeds}
     assert len(streams) == 4
+
+
+def test_inverse_cdf_matches_a_full_float64_cumsum():
+    from pipeserve.sampling.draw import inverse_cdf
+    g = torch.Generator().manual_seed(11)
+    weights = torch.rand(3, 3000, generator=g) ** 4          # 3000: not a multiple of the block
+    weights[:, 1000:2100] = 0.0                              # a masked stretch over a block edge
+    weights[:, 2900:] = 0.0                                  # masked tail
+    u = torch.rand(3, 2000, generator=g, dtype=torch.float64)
+    u[:, -1] = 1.0 - 2.0 ** -53                              # the very top of the CDF
+    cdf = weights.double().cumsum(-1)
+    for r in range(3):
+        got = inverse_cdf(weights[r].expand(2000, 3000), u[r])
+        want = torch.searchsorted(cdf[r], (u[r] * cdf[r, -1])[:, None], right=True).squeeze(1)
+        want = want.clamp(max=2899)                          # the last token of positive weight
+        assert torch.equal(got, want)
+        assert bool((weights[r, got] > 0).all())

@@ -4,20 +4,24 @@ Per row, in order (as vLLM): repetition/frequency/presence penalties, banned
 ids (-inf), then either argmax (greedy: temperature 0 or top_k 1) or
 temperature, min-p, top-k, top-p and a random draw.
 
-The random draw is inverse-CDF sampling: one uniform ``u`` per row and the
-first token whose cumulative probability exceeds ``u``. This is the same
-distribution as ``torch.multinomial``, but it needs one random number per row
-instead of one per vocabulary entry: on a 2-core CPU, 256 rows x 49152 vocab
-cost ~25 ms this way against ~250 ms for the exponential race (which is also
-what ``torch.multinomial`` does internally). Because ``u`` alone carries the
-randomness, a seeded row is reproducible from (seed, step_index) only; see
-``seeding.py``.
+The random draw is inverse-CDF sampling (``draw.py``): one uniform ``u`` per
+row and the first token whose cumulative probability exceeds ``u``. This is
+the distribution ``torch.multinomial`` samples, but it needs one random number
+per row instead of one per vocabulary entry: the exponential race (which is
+also what ``torch.multinomial`` does on CPU) draws 256 x 49152 exponentials,
+~250 ms on our 2-core CPU, against ~1 ms of uniforms plus one read of the
+weights here. Because ``u`` alone carries the randomness, a seeded row is
+reproducible from (seed, step_index) alone; see ``seeding.py``.
+
+Greedy means temperature 0 or top_k 1; a temperature below 1e-5 also counts
+as greedy (dividing by it would overflow the logits), as in vLLM.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pipeserve.sampling.draw import inverse_cdf
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
 from pipeserve.sampling.penalties import apply_bans, apply_penalties, has_penalty
 from pipeserve.sampling.seeding import draw_uniforms
@@ -27,7 +31,7 @@ from pipeserve.worker.step import SeqSampling
 SampleResult = tuple[int, float, list[tuple[int, float]]]
 
 
-# Temperatures this small would overflow the scaled logits; they mean greedy (as in vLLM).
+# Temperatures this small would overflow the scaled logits.
 _MIN_TEMPERATURE = 1e-5
 
 
@@ -98,7 +102,8 @@ class Sampler:
         apply_top_k(x, [p.top_k for p in params])
         apply_top_p(x, [p.top_p for p in params])
         u = draw_uniforms([(p.seed, p.step_index) for p in params], self._gen, x.device)
-        return _inverse_cdf(x, u)
+        weights = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()             # [R, V], unnormalised
+        return inverse_cdf(weights, u)
 
     @staticmethod
     def _results(logits: torch.Tensor, log_norm: torch.Tensor, tokens: torch.Tensor,
@@ -106,26 +111,6 @@ class Sampler:
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - log_norm).tolist()
         top = _top_logprobs(logits, log_norm, params)
         return [(t, lp, top.get(i, [])) for i, (t, lp) in enumerate(zip(tokens.tolist(), chosen))]
-
-
-def _inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Sample from softmax(x) per row with uniforms ``u`` [R]: the first index
-    whose cumulative weight exceeds ``u * total``. ``x`` [R, V] is consumed.
-
-    Weights are exp(x - max), left unnormalised (the total scales ``u``
-    instead). Masked tokens add exactly 0, so they can never be the first to
-    exceed the target. The sum runs in float64 so that the resolution near the
-    end of the CDF does not distort the odds of unlikely tokens."""
-    weights = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()           # [R, V]
-    cdf = weights.to(torch.float64).cumsum_(dim=-1)                       # [R, V]
-    target = (u * cdf[:, -1])[:, None]                                    # [R, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)          # [R]
-    # u * total can round up to total itself: take the row's last possible token.
-    over = idx >= weights.shape[1]
-    if bool(over.any()):
-        positions = torch.arange(weights.shape[1], device=weights.device)
-        idx[over] = ((weights[over] > 0) * positions).argmax(dim=-1)
-    return idx
 
 
 def _top_logprobs(logits: torch.Tensor, log_norm: torch.Tensor,
