@@ -22,10 +22,10 @@ def apply_min_p(x: torch.Tensor, min_p: list[float]) -> None:
     rows = [i for i, m in enumerate(min_p) if m > 0.0]
     if not rows:
         return
-    sub = x[rows]                                                         # [R', V]
+    sub = _rows_of(x, rows)                                               # [R', V]
     log_min = torch.tensor([math.log(min_p[i]) for i in rows], dtype=x.dtype, device=x.device)
-    cutoff = sub.amax(dim=-1, keepdim=True) + log_min[:, None]      # [R', 1]
-    x[rows] = sub.masked_fill(sub < cutoff, float("-inf"))
+    cutoff = sub.amax(dim=-1, keepdim=True) + log_min[:, None]            # [R', 1]
+    _mask_below(x, rows, sub, sub < cutoff)
 
 
 def apply_top_k(x: torch.Tensor, top_k: list[int]) -> None:
@@ -35,10 +35,10 @@ def apply_top_k(x: torch.Tensor, top_k: list[int]) -> None:
     if not rows:
         return
     ks = torch.tensor([top_k[i] for i in rows], device=x.device)
-    sub = x[rows]                                                         # [R', V]
+    sub = _rows_of(x, rows)                                               # [R', V]
     best = sub.topk(int(ks.max()), dim=-1).values                         # [R', kmax], descending
     kth = best.gather(1, (ks - 1)[:, None])                               # [R', 1]
-    x[rows] = sub.masked_fill(sub < kth, float("-inf"))
+    _mask_below(x, rows, sub, sub < kth)
 
 
 def apply_top_p(x: torch.Tensor, top_p: list[float]) -> None:
@@ -50,11 +50,11 @@ def apply_top_p(x: torch.Tensor, top_p: list[float]) -> None:
     rows = [i for i, p in enumerate(top_p) if p < 1.0]
     if not rows:
         return
-    sub = x[rows]                                                         # [R', V]
+    sub = _rows_of(x, rows)                                               # [R', V]
     probs = torch.softmax(sub, dim=-1)
     p = torch.tensor([top_p[i] for i in rows], dtype=probs.dtype, device=x.device)[:, None]
     cutoff = _nucleus_cutoff(probs, p)                                    # [R', 1]
-    x[rows] = sub.masked_fill(probs < cutoff, float("-inf"))
+    _mask_below(x, rows, sub, probs < cutoff)
 
 
 def _nucleus_cutoff(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -77,3 +77,14 @@ def _cutoff_in_sorted(sorted_desc: torch.Tensor, p: torch.Tensor) -> torch.Tenso
     mass_above = sorted_desc.cumsum(dim=-1) - sorted_desc                 # exclusive prefix sums
     num_kept = (mass_above < p).sum(dim=-1, keepdim=True).clamp_(min=1)   # [R, 1]
     return sorted_desc.gather(1, num_kept - 1)
+
+
+def _rows_of(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x`` itself when every row is selected (no copy), else a copy of the rows."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _mask_below(x: torch.Tensor, rows: list[int], sub: torch.Tensor, drop: torch.Tensor) -> None:
+    sub.masked_fill_(drop, float("-inf"))
+    if sub is not x:
+        x[rows] = sub
