@@ -110,3 +110,27 @@ def test_stage_rows_shapes():
     assert stage_rows({"stages": [{"busy_ratio": 0.5, "bubble_ratio": 0.1}, {"busy_ratio": 1}]}) == \
         [(0, 0.5, 0.1), (1, 1.0, None)]
     assert stage_rows({"busy_ratio": [0.2, 0.3], "bubble_ratio": [0.4]}) == [(0, 0.2, 0.4), (1, 0.3, None)]
+
+
+def test_event_stream_response_closes_even_if_never_started():
+    """A client gone before the first chunk: the body generator never runs, on_close still does."""
+    import asyncio
+
+    from pipeserve.server.streaming import EventStreamResponse
+    started, closed = [], []
+
+    async def body():
+        started.append(1)
+        yield "data: x\n\n"
+
+    async def send(message):
+        raise OSError("client gone")
+
+    async def receive():
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    response = EventStreamResponse(body(), on_close=lambda: closed.append(1))
+    with pytest.raises(Exception):
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert closed == [1] and started == []

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pipeserve.engine.async_engine import RequestStream
 from pipeserve.outputs import CompletionOutput, RequestOutput
@@ -16,7 +16,7 @@ from pipeserve.server.logprobs import completion_logprobs
 from pipeserve.server.protocol import CompletionRequest, resolve_max_tokens
 from pipeserve.server.serving import (Admission, ServerState, close_all, final_outputs, new_request_id,
                                       open_streams, raise_for_failure, unless_disconnected)
-from pipeserve.server.streaming import DONE, DeltaTracker, merge_streams, sse, usage
+from pipeserve.server.streaming import DONE, DeltaTracker, EventStreamResponse, merge_streams, sse, usage
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
         raise
     view = _View(state, body, request_id, prompts)
     if body.stream:
-        return StreamingResponse(_stream(view, streams, admission), media_type="text/event-stream")
+        return EventStreamResponse(_stream(view, streams, admission),
+                                   on_close=lambda: (close_all(streams), admission.release()))
     try:
         outputs = await unless_disconnected(raw, final_outputs(streams))
     finally:

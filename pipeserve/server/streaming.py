@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pipeserve.engine.async_engine import RequestStream
 from pipeserve.outputs import CompletionOutput, RequestOutput
@@ -16,6 +19,25 @@ DONE = "data: [DONE]\n\n"
 def sse(payload: dict) -> str:
     """One SSE event carrying a JSON object, as OpenAI clients parse it."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends.
+
+    The body generator's own ``finally`` does not run if the client leaves
+    before the first chunk is pulled (the generator never started); this does.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 @dataclass
