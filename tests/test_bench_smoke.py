@@ -52,6 +52,7 @@ def test_throughput_both_backends(tiny_model, tmp_path):
         assert run["requests_per_s"] > 0 and run["input_tokens_per_s"] > run["requests_per_s"]
         assert 0 < run["ttft_ms"]["mean"] <= run["e2el_ms"]["mean"]
     assert ours["engine"]["pipeline_parallel_size"] == 1
+    assert ours["prefix_cache"]["query_tokens"] >= result["dataset"]["total_input_tokens"]
     assert result["baseline"]["speedup_output_tokens_per_s"] > 0
     assert result["baseline"]["hf_best_batch_size"] in (2, 4)
     assert [Path(p).name for p in result["plots"]][0] == "latency_cdf.png"
@@ -69,6 +70,7 @@ def test_throughput_pipeline_prefix_workload(tiny_model, tmp_path):
     result = json.loads(out.read_text())
     run = result["runs"][0]
     assert result["dataset"]["num_turns"] == 2 and run["completed"] == 6
+    assert run["prefix_cache"]["hit_rate"] > 0.3  # turn 2 resends turn 1; all share one prefix
     assert [s["stage"] for s in run["stages"]] == [0, 1]
     for stage in run["stages"]:
         assert 0.0 <= stage["busy_ratio"] <= 1.0 and 0.0 <= stage["bubble_ratio"] <= 1.0

@@ -260,7 +260,8 @@ def _throughput_result(dataset: str, caching: bool, ttft_ms: float, baseline: fl
               "enable_prefix_caching": caching}
     run = {"backend": "pipeserve", "engine": engine, "requests_per_s": 2.0, "input_tokens_per_s": 600.0,
            "output_tokens_per_s": 300.0, "ttft_ms": {"mean": ttft_ms},
-           "stages": [{"stage": 0, "busy_ratio": 0.9, "bubble_ratio": 0.1}]}
+           "stages": [{"stage": 0, "busy_ratio": 0.9, "bubble_ratio": 0.1}],
+           "prefix_cache": {"hit_rate": 0.25 if caching else 0.0}}
     runs = [run]
     result = {"kind": "throughput", "label": None, "command": f"pipeserve bench throughput --dataset {dataset}",
               "dataset": {"name": dataset, "num_requests": 8, "min_input_len": 1, "max_input_len": 9,
@@ -291,7 +292,7 @@ def test_report_renders_rows_targets_and_commands(tmp_path):
     assert "**3.50×** (meets the ≥ 3× target)" in text
     assert "**2.50×** (meets the ≥ 2× target)" in text
     assert "pipeserve bench throughput --dataset random" in text
-    assert "0.90/0.10" in text
+    assert "0.90/0.10" in text and "| 25% |" in text
 
 
 def test_report_pairs_only_runs_that_differ_in_caching():

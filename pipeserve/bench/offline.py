@@ -22,11 +22,15 @@ def sampling_params_for(requests: list[BenchRequest], temperature: float):
 
 
 def warm_up(llm, requests: list[BenchRequest], count: int) -> None:
-    """A few short requests first, so one-time costs (allocations, kernel choice) stay out of the timing."""
+    """A few short requests first, so one-time costs (allocations, kernel choice) stay out of the timing.
+
+    Their prompts are reversed snippets of the workload's, so they leave nothing
+    in the prefix cache that the timed requests could hit.
+    """
     if count <= 0:
         return
     from pipeserve.sampling_params import SamplingParams
-    prompts = [{"prompt_token_ids": r.prompt_token_ids[:32]} for r in requests[:count]]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids[:32][::-1]} for r in requests[:count]]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
 
 
@@ -93,3 +97,12 @@ def timeline_events(pipeline_stats: dict, since: float | None = None) -> list[di
         out.append({"stage": e["stage"], "start": e["start"], "end": e["end"],
                     "micro_batch": e.get("micro_batch", e.get("step_id")), "kind": e.get("kind", "compute")})
     return out
+
+
+def prefix_cache_delta(before: dict, after: dict) -> dict:
+    """Prefix-cache counters of the timed run alone (the scheduler's counters are cumulative)."""
+    keys = ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")
+    if not all(k in before and k in after for k in keys):
+        return {}
+    query, hit = (after[k] - before[k] for k in keys)
+    return {"query_tokens": query, "hit_tokens": hit, "hit_rate": hit / query if query else 0.0}

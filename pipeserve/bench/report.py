@@ -49,7 +49,7 @@ def render(results: list[tuple[str, dict]]) -> str:
 
 def throughput_table(results: list[tuple[str, dict]]) -> list[str]:
     head = ["run", "backend", "workload", "PP", "schedule", "partition", "prefix cache", "req/s",
-            "in tok/s", "out tok/s", "mean TTFT ms", "stage busy / bubble", "vs transformers"]
+            "in tok/s", "out tok/s", "mean TTFT ms", "prefix hit", "stage busy / bubble", "vs transformers"]
     rows = []
     for name, data in results:
         for run in data["runs"]:
@@ -70,9 +70,10 @@ def _throughput_row(name: str, data: dict, run: dict) -> list[str]:
     ratio = "-"
     if run["backend"] == "pipeserve" and data.get("baseline"):
         ratio = f"{data['baseline']['speedup_output_tokens_per_s']:.2f}×"
+    hit = run.get("prefix_cache", {}).get("hit_rate")
     return [name, backend, _workload(data["dataset"]), *cols, f"{run['requests_per_s']:.2f}",
             f"{run['input_tokens_per_s']:.0f}", f"{run['output_tokens_per_s']:.0f}",
-            f"{run['ttft_ms']['mean']:.0f}", stages, ratio]
+            f"{run['ttft_ms']['mean']:.0f}", "-" if hit is None else f"{hit:.0%}", stages, ratio]
 
 
 def serve_table(results: list[tuple[str, dict]]) -> list[str]:

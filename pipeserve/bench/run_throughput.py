@@ -10,7 +10,8 @@ from pathlib import Path
 from pipeserve.bench.datasets import BenchRequest
 from pipeserve.bench.hf_baseline import run_hf
 from pipeserve.bench.hf_source import load_hf_model, load_hf_tokenizer
-from pipeserve.bench.offline import run_pipeserve, stage_ratios, timeline_events, warm_up
+from pipeserve.bench.offline import (prefix_cache_delta, run_pipeserve, stage_ratios, timeline_events,
+                                     warm_up)
 from pipeserve.bench.plots import plot_gantt, plot_latency_cdfs
 from pipeserve.bench.stats import RequestRecord, latency_metrics
 from pipeserve.bench.workload import build_requests, dataset_json, result_header, write_json
@@ -61,6 +62,7 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
     llm = LLM(**dataclasses.asdict(config))
     try:
         warm_up(llm, requests, args.num_warmup)
+        before = llm.stats().get("scheduler", {})
         records, duration, wall_start = run_pipeserve(llm, requests, args.temperature, args.progress)
         stats = llm.stats()
     finally:
@@ -69,6 +71,7 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
     run = {"backend": "pipeserve", "engine": dataclasses.asdict(config),
            **latency_metrics(records, duration),
            "stages": stage_ratios(pipeline), "partition": stats.get("partition"),
+           "prefix_cache": prefix_cache_delta(before, stats.get("scheduler", {})),
            "scheduler": stats.get("scheduler", {})}
     return run, records, timeline_events(pipeline, since=wall_start)
 
