@@ -295,8 +295,17 @@ def test_metrics_parse_and_move(server):
 
 # -- last: the shutdown ------------------------------------------------------------
 def test_sigterm_finishes_cleanly(server):
-    """Runs last in this module: SIGTERM stops the server, its engine and every stage process."""
+    """Runs last in this module: SIGTERM lets the in-flight stream finish, then stops the server,
+    its engine and every stage process, and the process exits 0."""
     children = _children(server.proc.pid)
-    server.proc.send_signal(signal.SIGTERM)
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the request is running
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
     assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
