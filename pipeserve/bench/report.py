@@ -65,6 +65,8 @@ def _throughput_row(name: str, data: dict, run: dict) -> list[str]:
         backend = "pipeserve"
         cols = [str(engine.get(c, "-")) for c in _ENGINE_COLUMNS]
         cols[3] = {True: "on", False: "off"}.get(engine.get("enable_prefix_caching"), "-")
+        if engine.get("pp_schedule") == "interleaved":
+            cols[1] += f" V={engine.get('pp_virtual_stages')}"
     stages = " · ".join(f"{s.get('busy_ratio', 0):.2f}/{s.get('bubble_ratio', 0):.2f}"
                         for s in run.get("stages", [])) or "-"
     ratio = "-"

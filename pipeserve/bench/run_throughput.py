@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from pipeserve.bench.datasets import BenchRequest
@@ -79,6 +80,8 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
 def hf_runs(config: EngineConfig, requests: list[BenchRequest], batch_sizes: list[int],
             args: argparse.Namespace, pad_id: int):
     """One timed run per batch size on one loaded model (loading is not timed)."""
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)  # the whole machine, as pipeserve's stages share it
     model = load_hf_model(config.model, config.dtype)
     for size in batch_sizes:
         warm = [BenchRequest(r.prompt_token_ids[:32], 8) for r in requests[:max(0, args.num_warmup)]]
