@@ -248,15 +248,6 @@ def test_full_vocabulary_batch_mixes_every_option():
     assert out[6][0] != int(x[6].argmax()) and len(out[6][2]) == 5
 
 
-def test_sibling_sequences_get_distinct_reproducible_seeds():
-    from pipeserve.sampling.seeding import sequence_seed
-    seeds = [sequence_seed(42, i) for i in range(4)]
-    assert seeds[0] == 42 and len(set(seeds)) == 4 and seeds == [sequence_seed(42, i) for i in range(4)]
-    row = torch.zeros(300)
-    streams = {tuple(_seeded_tokens(Sampler(0), row, seed=s, steps=8)) for s in seeds}
-    assert len(streams) == 4
-
-
 def test_inverse_cdf_matches_a_full_float64_cumsum():
     from pipeserve.sampling.draw import inverse_cdf
     g = torch.Generator().manual_seed(11)

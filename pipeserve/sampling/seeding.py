@@ -38,10 +38,3 @@ def draw_uniforms(seeds: list[tuple[int | None, int]], engine_gen: torch.Generat
     values = [shared.pop() if s is None else seeded_uniform(s, step) for s, step in seeds]
     return torch.tensor(values, dtype=torch.float64, device=device)
 
-
-def sequence_seed(seed: int, index: int) -> int:
-    """The seed for completion ``index`` of a request with ``n > 1``: seeded
-    siblings must not draw the same numbers (they would produce the same
-    text), yet each must stay reproducible. Index 0 keeps the request's seed,
-    so ``n = 1`` behaves exactly as the seed says."""
-    return seed if index == 0 else row_seed(seed, -1 - index) >> 1
