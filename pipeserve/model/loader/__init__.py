@@ -1,0 +1,45 @@
+"""Model loading: resolve a name or path, read its config, fill one stage's weights."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.llama import LlamaModel
+from pipeserve.model.loader.resolve import ModelSource, WeightReader, resolve_model
+
+__all__ = ["ModelSource", "WeightReader", "load_model", "resolve_model"]
+
+
+def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_layer: int,
+               is_first: bool, is_last: bool, dtype: torch.dtype,
+               device: torch.device | str) -> LlamaModel:
+    """Build the stage owning layers [start_layer, end_layer) and read only its tensors."""
+    model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, device)
+    params = dict(model.named_parameters())
+    sources = model.checkpoint_names()
+    if set(sources) != set(params):  # a parameter left out would keep torch.empty garbage
+        raise RuntimeError(f"model/checkpoint name map out of sync: {sorted(set(params) ^ set(sources))}")
+    reader = source.open_weights(cfg)
+    try:
+        with torch.no_grad():
+            for ours, names in sources.items():
+                _fill(params[ours], ours, [_read(reader, source, n) for n in names])
+    finally:
+        reader.close()
+    return model
+
+
+def _read(reader: WeightReader, source: ModelSource, name: str) -> torch.Tensor:
+    try:
+        return reader.read(name)
+    except KeyError as exc:
+        raise ValueError(f"checkpoint {source.path} is missing a tensor the model needs: {exc}") from None
+
+
+def _fill(param: torch.Tensor, name: str, parts: list[torch.Tensor]) -> None:
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor(s) for {name} have shape {tuple(tensor.shape)}, "
+                         f"the config implies {tuple(param.shape)}")
+    param.copy_(tensor)  # casts to the stage's dtype and moves to its device

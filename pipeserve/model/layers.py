@@ -1,0 +1,133 @@
+"""Building blocks of a Llama-family decoder: norm, linear, embedding, RoPE, MLP.
+
+Parameters are allocated with ``torch.empty``: every weight comes from a
+checkpoint, so random initialisation would only cost load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 even for half-precision activations, as the
+        # reference implementation does; otherwise bf16 drifts visibly.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [n, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face layout), with optional llama3/linear scaling.
+
+    cos/sin tables are kept in float32 for all positions up to ``max_positions``
+    and indexed by absolute position, so any mix of prefill and decode tokens
+    is handled by one gather.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = scaled_inv_freq(rope_inv_freq(head_dim, theta), scaling)  # [head_dim / 2]
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)                                  # [max_pos, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)                              # [max_pos, head_dim]
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [n, heads, head_dim], k: [n, kv_heads, head_dim], positions: [n]
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's maximum of "
+                             f"{self.cos.shape[0]} positions; lower max_model_len")
+        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta ** exponents)
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Apply a ``rope_scaling`` dictionary; refuse kinds we do not implement."""
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band in
+    # between interpolated smoothly (Llama 3.1's context extension).
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, slowed)

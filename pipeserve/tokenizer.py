@@ -1,0 +1,63 @@
+"""The tokenizer: a thin wrapper over a Hugging Face tokenizer with the few
+calls the engine makes, loaded from a HF directory or a GGUF file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeserve.model.loader.gguf import open_gguf
+from pipeserve.model.loader.resolve import ModelSource
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: tuple[int, ...] = ()) -> None:
+        self._tok = hf_tokenizer
+        eos = [] if hf_tokenizer.eos_token_id is None else [int(hf_tokenizer.eos_token_id)]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + [int(i) for i in extra_eos_ids]))
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._tok.chat_template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
+        return self._tok.convert_ids_to_tokens(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self._tok.convert_tokens_to_string(tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self._tok.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt (completions) instead "
+                             "of chat messages")
+        # Render to text, then encode without adding BOS again: the template
+        # already writes every special token it wants.
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(source: ModelSource, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """``extra_eos_ids``: the model config's end-of-sequence ids, merged with the tokenizer's."""
+    from transformers import AutoTokenizer  # heavy import, only where a tokenizer is built
+
+    if source.kind == "hf":
+        return Tokenizer(AutoTokenizer.from_pretrained(str(source.path)), extra_eos_ids)
+    tok = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    template = _gguf_chat_template(source)
+    if template:  # the GGUF metadata is the model's own template
+        tok.chat_template = template
+    return Tokenizer(tok, extra_eos_ids)
+
+
+def _gguf_chat_template(source: ModelSource) -> str | None:
+    field = open_gguf(source.path).get_field("tokenizer.chat_template")
+    return None if field is None else str(field.contents())

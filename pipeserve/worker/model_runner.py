@@ -1,0 +1,130 @@
+"""One pipeline stage's compute: its layers' weights, their paged KV cache, a forward step.
+
+Used in-process for PP = 1 and inside each stage process for PP > 1. The
+runner makes no decisions: the ``StepInput`` says which tokens to run, where
+their KV lives and which blocks to move first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeserve.model.attention import AttentionMetadata, KVCache
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.llama import LlamaModel
+from pipeserve.model.loader import ModelSource, load_model
+from pipeserve.sampling.sampler import Sampler
+from pipeserve.worker.step import SampledToken, StepInput, StepOutput
+
+
+class ModelRunner:
+    def __init__(self, source: ModelSource, cfg: ModelConfig, *, start_layer: int, end_layer: int,
+                 is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int, num_host_blocks: int, block_size: int,
+                 sampler_seed: int | None = None) -> None:
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
+            raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
+                             f"{num_blocks}, {block_size}, {num_host_blocks}")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.is_first, self.is_last = is_first, is_last
+        self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
+        self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
+                                            dtype, self.device)
+        self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
+        self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
+                                          pin=self.device.type == "cuda")
+        # One sampler for the runner's life: it owns the RNG of unseeded rows.
+        self.sampler = Sampler(sampler_seed) if is_last else None
+
+    @staticmethod
+    def kv_cache_block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one KV block across ``num_layers`` layers (K and V)."""
+        return 2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+        shape = (blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+
+        def make() -> torch.Tensor:
+            t = torch.zeros(shape, dtype=self.dtype, device=device)
+            return t.pin_memory() if pin else t
+
+        return [(make(), make()) for _ in range(self.model.num_layers)]
+
+    # -- one step ----------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
+        """Non-last stage: hidden states [num_tokens, hidden]. Last stage: the sampled tokens."""
+        self._move_blocks(step)
+        hidden = self._forward(step, hidden_states)
+        if not self.is_last:
+            return hidden
+        sampled_seqs = [s for s in step.seqs if s.sampling is not None]
+        if not sampled_seqs:
+            return StepOutput(step.step_id, [])
+        logits = self.model.compute_logits(hidden[self._sample_rows(step)])  # [S, vocab] float32
+        results = self.sampler.sample(logits, [s.sampling for s in sampled_seqs])
+        return StepOutput(step.step_id, [
+            SampledToken(seq.seq_id, token, logprob, top)
+            for seq, (token, logprob, top) in zip(sampled_seqs, results)])
+
+    @torch.inference_mode()
+    def forward_logits(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [num sampled seqs, vocab] of the last token of each
+        sequence with ``sampling`` set; for tests and scoring (last stage only)."""
+        if not self.is_last:
+            raise RuntimeError("forward_logits needs the last stage")
+        self._move_blocks(step)
+        hidden = self._forward(step, hidden_states)
+        return self.model.compute_logits(hidden[self._sample_rows(step)])
+
+    def _forward(self, step: StepInput, hidden_states: torch.Tensor | None) -> torch.Tensor:
+        if not step.seqs:
+            return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        meta, positions = self._prepare(step)
+        if self.is_first:
+            ids = [t for s in step.seqs for t in s.token_ids]
+            x = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
+        else:
+            if hidden_states is None:
+                raise ValueError("a stage that is not first needs the previous stage's hidden_states")
+            x = hidden_states.to(self.device)                               # [num_tokens, hidden]
+        return self.model(x, positions, meta, self.kv_caches)
+
+    def _prepare(self, step: StepInput) -> tuple[AttentionMetadata, torch.Tensor]:
+        query_lens = [len(s.token_ids) for s in step.seqs]
+        context_lens = [s.start_pos + q for s, q in zip(step.seqs, query_lens)]
+        meta = self.model.backend.build_metadata(query_lens, context_lens, [s.block_table for s in step.seqs],
+                                                 self.block_size, self.device)
+        pos = [p for s, q in zip(step.seqs, query_lens) for p in range(s.start_pos, s.start_pos + q)]
+        return meta, torch.tensor(pos, dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def _sample_rows(step: StepInput) -> list[int]:
+        """Row of the last new token of each sequence that samples this step."""
+        rows, end = [], 0
+        for s in step.seqs:
+            end += len(s.token_ids)
+            if s.sampling is not None:
+                rows.append(end - 1)
+        return rows
+
+    # -- KV block movement ---------------------------------------------------
+    def _move_blocks(self, step: StepInput) -> None:
+        # Order matters: swap-outs free device blocks that swap-ins may reuse.
+        if step.swap_out:
+            self._copy_between(self.kv_caches, self.host_caches, step.swap_out, self.num_host_blocks)
+        if step.swap_in:
+            self._copy_between(self.host_caches, self.kv_caches, step.swap_in, self.num_blocks)
+        if step.copies:
+            self._copy_between(self.kv_caches, self.kv_caches, step.copies, self.num_blocks)
+
+    @staticmethod
+    def _copy_between(src_caches: list[KVCache], dst_caches: list[KVCache],
+                      pairs: list[tuple[int, int]], dst_blocks: int) -> None:
+        if any(not 0 <= d < dst_blocks for _, d in pairs):
+            raise ValueError(f"block move {pairs} targets a block outside the pool of {dst_blocks}")
+        for src_pair, dst_pair in zip(src_caches, dst_caches):
+            for src, dst in zip(src_pair, dst_pair):
+                src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src.device)
+                dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst.device)
+                dst[dst_idx] = src[src_idx].to(dst.device)  # the gather copies first: safe for chains

@@ -1,0 +1,164 @@
+"""Tiny random-weight checkpoints for tests, built with transformers and saved
+as safetensors (plus a tiny byte-level BPE tokenizer) in a directory.
+
+Weights are drawn with a larger spread than transformers' init so logits are
+far from uniform: a wrong weight or a wrong mask then shows as a large error.
+
+    from tests.checkpoints import build_checkpoint, CHECKPOINT_KINDS
+    path = build_checkpoint("llama_tied_gqa", tmp_path)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TINY_VOCAB = 320          # the model's vocabulary; the tokenizer uses the first ~300 ids
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello pipeline",
+           "a stage holds its layers and its kv cache", "tokens flow from stage to stage"] * 4
+
+_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def _configs() -> dict:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    return {
+        "llama_tied_gqa": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True, rope_theta=10000.0),
+        "mistral": lambda: MistralConfig(**{**_COMMON, "num_key_value_heads": 1}, sliding_window=None,
+                                         tie_word_embeddings=False),
+        "qwen2_bias": lambda: Qwen2Config(**_COMMON, tie_word_embeddings=False, use_sliding_window=False),
+        "llama3_rope": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+        "llama_sharded": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+    }
+
+
+CHECKPOINT_KINDS = ("llama_tied_gqa", "mistral", "qwen2_bias", "llama3_rope", "llama_sharded")
+
+
+def build_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
+    """Write checkpoint ``kind`` (one of CHECKPOINT_KINDS) into ``directory``; returns it."""
+    from transformers import AutoModelForCausalLM
+    configs = _configs()
+    if kind not in configs:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; choose from {CHECKPOINT_KINDS}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(configs[kind](), dtype=torch.float32)
+    _randomize(model, seed)
+    shard = "200KB" if kind == "llama_sharded" else "1GB"
+    model.save_pretrained(directory, max_shard_size=shard)
+    save_tiny_tokenizer(directory)
+    return directory
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif "bias" in name:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.08 * noise)
+
+
+def save_tiny_tokenizer(directory: Path) -> None:
+    """A byte-level BPE tokenizer (ids < TINY_VOCAB) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=_SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+
+def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does
+    (q/k rows permuted to its rotary layout), all matrices in ``qtype``."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_metadata(writer, cfg)
+    for hf_name, tensor in state.items():
+        name, array = _gguf_tensor(hf_name, tensor.float().numpy(), cfg)
+        _add_tensor(writer, name, array, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_metadata(w, cfg) -> None:
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+
+
+_RENAME = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+           "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_tensor(hf_name: str, array: np.ndarray, cfg) -> tuple[str, np.ndarray]:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name], array
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    if module == "self_attn.q_proj":
+        array = _llama_cpp_permute(array, cfg.num_attention_heads)
+    elif module == "self_attn.k_proj":
+        array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+    return f"blk.{layer}.{_RENAME[module]}.{kind}", array
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # Rows of each head: [first half; second half] -> interleaved pairs.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
+    import gguf
+    t = gguf.GGMLQuantizationType[qtype]
+    if array.ndim == 1 or t == gguf.GGMLQuantizationType.F32:  # norms stay F32, as llama.cpp keeps them
+        writer.add_tensor(name, array.astype(np.float32))
+    elif t == gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
