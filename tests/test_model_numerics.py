@@ -196,6 +196,9 @@ def test_smollm2_logits_and_greedy_32_steps_match_transformers(smollm2):
     texts = ["The capital of France is", "def fibonacci(n):",
              "Pipeline parallelism splits a model into stages, and"]
     seqs = [tok.encode(t) for t in texts]
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat[0] == 1 and tok.decode(chat, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert 2 in tok.eos_token_ids and tok.vocab_size == runner.cfg.vocab_size
     drv = Driver(runner)
     out = drv.logits([drv.seq_step(i, p) for i, p in enumerate(seqs)])
     for i, p in enumerate(seqs):

@@ -68,29 +68,29 @@ class SwiGLU(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE (the Hugging Face layout), with optional llama3/linear scaling.
 
-    cos/sin tables are kept in float32 for all positions up to ``max_positions``
-    and indexed by absolute position, so any mix of prefill and decode tokens
-    is handled by one gather.
+    cos/sin are computed per step from the absolute positions of the batch
+    (one small outer product shared by all layers) instead of a table over
+    the whole context: a 128k-context model would need ~130 MB of table per
+    stage otherwise.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None, device: torch.device) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, device: torch.device) -> None:
         super().__init__()
         inv_freq = scaled_inv_freq(rope_inv_freq(head_dim, theta), scaling)  # [head_dim / 2]
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)                                  # [max_pos, head_dim / 2]
-        emb = torch.cat([freqs, freqs], dim=-1)                              # [max_pos, head_dim]
-        self.register_buffer("cos", emb.cos().to(device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [n, heads, head_dim], k: [n, kv_heads, head_dim], positions: [n]
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's maximum of "
-                             f"{self.cos.shape[0]} positions; lower max_model_len")
-        cos = self.cos[positions].unsqueeze(1)  # [n, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [n] -> (cos, sin), each float32 [n, 1, head_dim]."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [n, head_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)                 # [n, 1, head_dim]
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [n, heads, D], k: [n, kv_heads, D]; rope from ``RotaryEmbedding``."""
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

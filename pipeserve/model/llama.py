@@ -14,11 +14,13 @@ from torch import nn
 
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -27,33 +29,30 @@ class LlamaAttention(nn.Module):
         # q, k and v share one matmul; the loader concatenates the checkpoint's three.
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
-        self.rotary = rotary
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)      # [n, heads, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, heads, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, dtype, device)
+        self.self_attn = LlamaAttention(cfg, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta, kv_cache)
+    def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -70,10 +69,9 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, device
         self.backend = backend or TorchPagedAttention()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device) if is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, self.backend, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.backend, dtype, device)
                                     for _ in range(start_layer, end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if is_last else None
         # With tied embeddings the last stage keeps its own copy of the
@@ -92,8 +90,9 @@ class LlamaModel(nn.Module):
             h = self.embed_tokens(input_ids_or_hidden)  # [n, hidden]
         else:
             h = input_ids_or_hidden.to(self.dtype)
+        rope = self.rotary(positions)  # shared by every layer of the step
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(positions, h, attn_metadata, kv)
+            h = layer(rope, h, attn_metadata, kv)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -121,10 +121,13 @@ class ModelRunner:
     @staticmethod
     def _copy_between(src_caches: list[KVCache], dst_caches: list[KVCache],
                       pairs: list[tuple[int, int]], dst_blocks: int) -> None:
+        if not src_caches:  # a stage with no layers holds no KV
+            return
         if any(not 0 <= d < dst_blocks for _, d in pairs):
             raise ValueError(f"block move {pairs} targets a block outside the pool of {dst_blocks}")
+        src_device, dst_device = src_caches[0][0].device, dst_caches[0][0].device
+        src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_device)
+        dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_device)
         for src_pair, dst_pair in zip(src_caches, dst_caches):
             for src, dst in zip(src_pair, dst_pair):
-                src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src.device)
-                dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst.device)
-                dst[dst_idx] = src[src_idx].to(dst.device)  # the gather copies first: safe for chains
+                dst[dst_idx] = src[src_idx].to(dst_device)  # the gather copies first: safe for chains
