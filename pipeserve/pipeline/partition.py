@@ -1,0 +1,197 @@
+"""Which layers each pipeline stage holds: uniform, manual ("19,11") or auto.
+
+A partition is a list of half-open layer ranges ``[(start, end), ...]``, one per
+pipeline chunk, contiguous and covering every decoder layer. With V virtual
+stages (the ``interleaved`` schedule) there are P·V chunks and worker ``w``
+holds chunks ``w, w + P, w + 2P, ...``.
+
+The math here is plain Python (no torch) so that it is tested alone; the
+costs it balances come from ``pipeserve.pipeline.costs`` (measured on the
+device at start-up) or from the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pipeserve.pipeline.layer_costs import LayerCosts
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+Partition = list[tuple[int, int]]
+
+
+def counts_to_ranges(counts: list[int]) -> Partition:
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def _check_parts(num_layers: int, parts: int) -> None:
+    if parts < 1:
+        raise ValueError(f"the number of pipeline chunks must be >= 1, got {parts}")
+    if parts > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {parts} pipeline chunks (each needs at "
+                         "least one layer): lower --pipeline-parallel-size or --pp-virtual-stages")
+
+
+def uniform_partition(num_layers: int, parts: int) -> Partition:
+    """Equal layer counts; the remainder goes one layer each to the first chunks,
+    because the last chunk also carries the LM head."""
+    _check_parts(num_layers, parts)
+    base, extra = divmod(num_layers, parts)
+    return counts_to_ranges([base + (1 if i < extra else 0) for i in range(parts)])
+
+
+def manual_partition(text: str, num_layers: int, parts: int) -> Partition:
+    """``"19,11"`` -> [(0, 19), (19, 30)]: one positive count per chunk, summing to the layers."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--pp-partition {text!r}: write uniform, auto, or one layer count per stage "
+                         f"like 19,11") from None
+    if len(counts) != parts:
+        raise ValueError(f"--pp-partition {text!r} has {len(counts)} counts; {parts} pipeline chunks "
+                         "need one each")
+    if min(counts) < 1:
+        raise ValueError(f"--pp-partition {text!r}: every stage needs at least one layer")
+    if sum(counts) != num_layers:
+        raise ValueError(f"--pp-partition {text!r} sums to {sum(counts)} layers; the model has "
+                         f"{num_layers}")
+    return counts_to_ranges(counts)
+
+
+def parse_stage_speeds(text: str | None, num_stages: int) -> list[float]:
+    """``"1,0.5"`` -> [1.0, 0.5] (relative speeds; stage time = cost / speed). None: all 1."""
+    if not text:
+        return [1.0] * num_stages
+    try:
+        speeds = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--stage-speeds {text!r}: write one relative speed per stage, like 1,0.5") from None
+    if len(speeds) != num_stages or min(speeds) <= 0:
+        raise ValueError(f"--stage-speeds {text!r} must be {num_stages} positive numbers, one per stage")
+    return speeds
+
+
+def chunk_time(costs: LayerCosts, layers: int, is_first: bool, is_last: bool, speed: float = 1.0) -> float:
+    work = layers * costs.layer + (costs.embed if is_first else 0.0) + (costs.head if is_last else 0.0)
+    return work / speed
+
+
+def chunk_bytes(costs: LayerCosts, layers: int, is_first: bool, is_last: bool) -> int:
+    return (layers * costs.layer_bytes + (costs.embed_bytes if is_first else 0)
+            + (costs.head_bytes if is_last else 0))
+
+
+def stage_times(partition: Partition, costs: LayerCosts, speeds: list[float] | None = None) -> list[float]:
+    """Predicted time of each chunk (chunk i runs on worker i mod len(speeds))."""
+    speeds = speeds or [1.0] * len(partition)
+    last = len(partition) - 1
+    return [chunk_time(costs, end - start, i == 0, i == last, speeds[i % len(speeds)])
+            for i, (start, end) in enumerate(partition)]
+
+
+def auto_partition(num_layers: int, parts: int, costs: LayerCosts, speeds: list[float] | None = None,
+                   memory_limits: list[int | None] | None = None) -> Partition:
+    """Contiguous split minimising the slowest chunk's time under each chunk's memory limit.
+
+    Dynamic programming over (chunks placed, layers placed), O(parts · layers²):
+    trivial for real models. Among equally slow splits the first found wins.
+    """
+    _check_parts(num_layers, parts)
+    speeds = speeds or [1.0] * parts
+    limits = memory_limits or [None] * parts
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(parts + 1)]  # best[p][n]: slowest of chunks < p
+    choice = [[0] * (num_layers + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, parts + 1):
+        first, last = p == 1, p == parts
+        for n in range(p, num_layers - (parts - p) + 1):
+            for k in range(1, n - (p - 1) + 1):
+                limit = limits[p - 1]
+                if limit is not None and chunk_bytes(costs, k, first, last) > limit:
+                    continue
+                value = max(best[p - 1][n - k], chunk_time(costs, k, first, last, speeds[p - 1]))
+                if value < best[p][n]:
+                    best[p][n], choice[p][n] = value, k
+    if best[parts][num_layers] == inf:
+        raise ValueError(_no_fit_message(num_layers, parts, costs, limits))
+    counts, n = [], num_layers
+    for p in range(parts, 0, -1):
+        counts.append(choice[p][n])
+        n -= choice[p][n]
+    return counts_to_ranges(counts[::-1])
+
+
+def _no_fit_message(num_layers: int, parts: int, costs: LayerCosts, limits: list[int | None]) -> str:
+    return (f"no split of {num_layers} layers into {parts} pipeline chunks fits the memory limits "
+            f"{limits} (one layer takes {costs.layer_bytes} bytes, the embedding {costs.embed_bytes}, "
+            f"the LM head {costs.head_bytes}): add stages or raise the limits")
+
+
+def choose_partition(mode: str, num_layers: int, num_stages: int, virtual_stages: int = 1,
+                     costs: LayerCosts | None = None, speeds: list[float] | None = None,
+                     memory_limits: list[int | None] | None = None) -> Partition:
+    """Dispatch on ``--pp-partition`` (uniform | auto | "a,b,c").
+
+    With V virtual stages there are P·V chunks; chunk c runs on worker c mod P,
+    so it gets that worker's speed, and a worker's memory limit is shared
+    equally by its V chunks (conservative: exact sharing would couple chunks).
+    """
+    parts = num_stages * virtual_stages
+    if mode == "uniform":
+        return uniform_partition(num_layers, parts)
+    if mode == "auto":
+        if costs is None:
+            raise ValueError("--pp-partition auto needs layer costs (measure them with "
+                             "pipeserve.pipeline.costs.measure_layer_costs)")
+        chunk_speeds = [(speeds or [1.0] * num_stages)[c % num_stages] for c in range(parts)]
+        chunk_limits = None
+        if memory_limits is not None:
+            chunk_limits = [None if memory_limits[c % num_stages] is None
+                            else memory_limits[c % num_stages] // virtual_stages for c in range(parts)]
+        return auto_partition(num_layers, parts, costs, chunk_speeds, chunk_limits)
+    return manual_partition(mode, num_layers, parts)
+
+
+def log_partition(partition: Partition, costs: LayerCosts | None, speeds: list[float] | None) -> None:
+    layers = [end - start for start, end in partition]
+    if costs is None:
+        logger.info("pipeline partition %s (layers per chunk %s)", partition, layers)
+        return
+    times = [f"{t * 1e3:.3f}ms" for t in stage_times(partition, costs, speeds)]
+    logger.info("pipeline partition %s (layers per chunk %s), predicted chunk times %s",
+                partition, layers, times)
+
+
+def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
+                         memory_limits: list[int | None] | None = None) -> Partition:
+    """The engine's entry point: resolve ``--pp-partition`` for this model and log it.
+
+    ``auto`` first measures the costs on stage 0's device (about a second).
+    """
+    num_stages = config.pipeline_parallel_size
+    speeds = parse_stage_speeds(config.stage_speeds, num_stages)
+    costs = None
+    if config.pp_partition == "auto":
+        import torch as _torch  # only auto needs the device
+
+        from pipeserve.pipeline.costs import measure_layer_costs
+        device = _torch.device("cuda:0" if config.device == "cuda" else "cpu")
+        costs = measure_layer_costs(cfg, dtype, device, block_size=config.block_size)
+    virtual = config.pp_virtual_stages if config.pp_schedule == "interleaved" else 1
+    partition = choose_partition(config.pp_partition, cfg.num_layers, num_stages, virtual,
+                                 costs, speeds, memory_limits)
+    log_partition(partition, costs, [speeds[c % num_stages] for c in range(len(partition))])
+    return partition

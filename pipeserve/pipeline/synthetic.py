@@ -1,0 +1,51 @@
+"""A stand-in for ``ModelRunner`` whose compute is a fixed sleep: for measuring
+schedules (bubbles, overlap, link costs) without a model's noise.
+
+Its arithmetic is deterministic and position-independent so a test can check
+that every chunk ran once, in order: each layer adds 1 to every activation,
+and the last chunk samples ``(first token id + num_layers) mod vocab``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.worker.step import SampledToken, StepInput, StepOutput
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    step_seconds: float = 0.05          # sleep per chunk per micro-batch
+    seconds_per_token: float = 0.0      # plus this per token in the step
+
+
+class SleepRunner:
+    def __init__(self, source: SyntheticSource, cfg: ModelConfig, *, start_layer: int, end_layer: int,
+                 is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
+                 num_blocks: int, num_host_blocks: int, block_size: int) -> None:
+        self.source, self.cfg = source, cfg
+        self.layers = end_layer - start_layer
+        self.is_first, self.is_last = is_first, is_last
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
+        time.sleep(self.source.step_seconds + self.source.seconds_per_token * step.num_tokens)
+        if self.is_first:
+            ids = torch.tensor([t for s in step.seqs for t in s.token_ids], dtype=self.dtype)
+            hidden = ids[:, None].expand(-1, self.cfg.hidden_size).contiguous()  # [num_tokens, hidden]
+        else:
+            hidden = hidden_states
+        hidden = hidden + self.layers
+        if not self.is_last:
+            return hidden
+        sampled, row = [], 0
+        for seq in step.seqs:
+            if seq.sampling is not None:
+                token = int(hidden[row, 0].item()) % self.cfg.vocab_size
+                sampled.append(SampledToken(seq.seq_id, token, 0.0))
+            row += len(seq.token_ids)
+        return StepOutput(step.step_id, sampled)

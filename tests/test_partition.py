@@ -1,0 +1,129 @@
+"""Partition math: uniform, manual, auto (costs, stage speeds, memory limits). No torch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from pipeserve.config import EngineConfig
+from pipeserve.model.config import ModelConfig
+from pipeserve.pipeline.layer_costs import LayerCosts
+from pipeserve.pipeline.partition import (auto_partition, choose_partition, manual_partition,
+                                          parse_stage_speeds, partition_for_config, stage_times,
+                                          uniform_partition)
+
+# SmolLM2-135M-like: the LM head costs about as much as eight decoder layers.
+SMOL = LayerCosts(embed=0.01, layer=1.0, head=8.0)
+
+
+def counts(partition: list[tuple[int, int]]) -> list[int]:
+    return [end - start for start, end in partition]
+
+
+def test_module_imports_no_torch() -> None:
+    assert "pipeserve.pipeline.partition" in sys.modules
+    import subprocess
+    code = "import sys, pipeserve.pipeline.partition; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("layers,parts,expected", [
+    (30, 2, [15, 15]), (30, 4, [8, 8, 7, 7]), (7, 3, [3, 2, 2]), (5, 5, [1] * 5), (30, 1, [30])])
+def test_uniform_spreads_the_remainder(layers: int, parts: int, expected: list[int]) -> None:
+    part = uniform_partition(layers, parts)
+    assert counts(part) == expected
+    assert part[0][0] == 0 and part[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(part, part[1:]))
+
+
+def test_uniform_refuses_more_parts_than_layers() -> None:
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4"):
+        uniform_partition(3, 4)
+
+
+def test_manual_partition() -> None:
+    assert manual_partition("19,11", 30, 2) == [(0, 19), (19, 30)]
+    assert manual_partition("1, 2 ,3", 6, 3) == [(0, 1), (1, 3), (3, 6)]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("19,12", "sums to 31 layers; the model has 30"),
+    ("30", "has 1 counts; 2 pipeline chunks"),
+    ("30,0", "at least one layer"),
+    ("a,b", "one layer count per stage"),
+])
+def test_manual_partition_errors_name_the_numbers(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        manual_partition(text, 30, 2)
+
+
+def test_auto_gives_the_head_stage_fewer_layers() -> None:
+    part = auto_partition(30, 2, SMOL)
+    c = counts(part)
+    assert c[1] < c[0]
+    assert c == [19, 11]          # 19 vs 11 + 8 = 19: perfectly balanced
+    times = stage_times(part, SMOL)
+    assert max(times) < max(stage_times(uniform_partition(30, 2), SMOL))
+
+
+def test_auto_is_optimal_against_brute_force() -> None:
+    costs = LayerCosts(embed=2.5, layer=1.0, head=4.0)
+    best = auto_partition(12, 3, costs)
+    brute = min(max(stage_times([(0, a), (a, a + b), (a + b, 12)], costs))
+                for a in range(1, 11) for b in range(1, 12 - a))
+    assert max(stage_times(best, costs)) == pytest.approx(brute)
+
+
+def test_auto_with_equal_costs_is_uniform() -> None:
+    assert counts(auto_partition(12, 4, LayerCosts(0.0, 1.0, 0.0))) == [3, 3, 3, 3]
+
+
+def test_stage_speeds_shift_layers_to_the_fast_stage() -> None:
+    flat = LayerCosts(0.0, 1.0, 0.0)
+    part = auto_partition(30, 2, flat, speeds=[1.0, 0.5])
+    assert counts(part) == [20, 10]   # 20/1 == 10/0.5
+    assert stage_times(part, flat, [1.0, 0.5]) == [20.0, 20.0]
+
+
+def test_parse_stage_speeds() -> None:
+    assert parse_stage_speeds("1,0.5", 2) == [1.0, 0.5]
+    assert parse_stage_speeds(None, 3) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="2 positive numbers"):
+        parse_stage_speeds("1,0", 2)
+    with pytest.raises(ValueError, match="2 positive numbers"):
+        parse_stage_speeds("1", 2)
+    with pytest.raises(ValueError, match="one relative speed"):
+        parse_stage_speeds("fast,slow", 2)
+
+
+def test_memory_limit_caps_a_stage() -> None:
+    costs = LayerCosts(0.0, 1.0, 8.0, layer_bytes=100, head_bytes=0)
+    # Unconstrained: [19, 11]. Stage 0 may hold at most 16 layers (1600 bytes).
+    part = auto_partition(30, 2, costs, memory_limits=[1600, None])
+    assert counts(part) == [16, 14]
+
+
+def test_memory_limits_that_cannot_fit_raise() -> None:
+    costs = LayerCosts(0.0, 1.0, 0.0, layer_bytes=100, embed_bytes=1000)
+    with pytest.raises(ValueError, match="fits the memory limits"):
+        auto_partition(10, 2, costs, memory_limits=[500, 500])
+
+
+def test_choose_partition_interleaved_has_p_times_v_chunks() -> None:
+    part = choose_partition("uniform", 12, 2, virtual_stages=3)
+    assert counts(part) == [2] * 6
+    auto = choose_partition("auto", 12, 2, virtual_stages=2, costs=LayerCosts(0.0, 1.0, 3.0))
+    assert len(auto) == 4 and counts(auto)[-1] < counts(auto)[0]
+    with pytest.raises(ValueError, match="needs layer costs"):
+        choose_partition("auto", 12, 2)
+
+
+def test_partition_for_config_manual_and_uniform() -> None:
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 30, 2, 1, 8, 64)
+    assert partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_partition="19,11"), cfg,
+                                None) == [(0, 19), (19, 30)]
+    part = partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_schedule="interleaved",
+                                             pp_virtual_stages=2), cfg, None)
+    assert counts(part) == [8, 8, 7, 7]
