@@ -68,7 +68,7 @@ class LLMEngine:
     def _kv_blocks(self) -> tuple[int, int]:
         """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·head_dim·bytes per token."""
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
-        most_layers = max(end - start for start, end in self.partition)
+        most_layers = max(self._layers_per_worker())
         block_bytes = self.config.block_size * self.model_config.kv_bytes_per_token(dtype_bytes, most_layers)
         num_blocks = self.config.num_gpu_blocks_override or self.config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
@@ -76,6 +76,14 @@ class LLMEngine:
                              f"(one block takes {block_bytes} bytes per stage)")
         host = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
         return int(num_blocks), int(host)
+
+    def _layers_per_worker(self) -> list[int]:
+        """Chunk c of the partition runs on worker c mod P (V chunks each when interleaved)."""
+        workers = self.config.pipeline_parallel_size
+        layers = [0] * workers
+        for chunk, (start, end) in enumerate(self.partition):
+            layers[chunk % workers] += end - start
+        return layers
 
     def _make_executor(self) -> Executor:
         if self.config.pipeline_parallel_size == 1:
@@ -128,11 +136,16 @@ class LLMEngine:
         """Fill the pipeline, wait for at least one micro-batch, return updated requests."""
         if self._dead:
             return self._fail_all(self._dead)
-        self._fill_pipeline()
+        gpipe = self._gpipe
+        if not (gpipe and self._inflight):
+            self._fill_pipeline()
         if not self._inflight:
             return []
         try:
             results = self.executor.wait(timeout=self.config.stage_timeout)
+            while gpipe and len(results) < len(self._inflight):
+                # gpipe: the step is done only when all its micro-batches are.
+                results += self.executor.wait(timeout=self.config.stage_timeout)
         except ExecutorError as exc:
             self._dead = str(exc)
             logger.error("pipeline failed: %s", exc)
@@ -143,8 +156,16 @@ class LLMEngine:
                 updated[out.request_id] = out
         return list(updated.values())
 
+    @property
+    def _gpipe(self) -> bool:
+        return self.config.pp_schedule == "gpipe" and self.config.pipeline_parallel_size > 1
+
     def _fill_pipeline(self) -> None:
+        """async / interleaved: top the pipeline up to ``max_inflight`` micro-batches.
+        gpipe: split the step's batch into M micro-batches, all submitted at once."""
         slots = self.executor.max_inflight - len(self._inflight)
+        if self._gpipe:
+            slots = min(slots, self.config.pp_micro_batches or self.config.pipeline_parallel_size)
         for i in range(slots):
             sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
             if sched.is_empty:
@@ -221,5 +242,17 @@ class LLMEngine:
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
                 "partition": self.partition, "healthy": self.healthy}
 
+    def write_trace(self, path: str) -> list[str]:
+        """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""
+        write = getattr(self.executor, "write_trace", None)
+        if write is None:
+            raise ValueError("timelines are recorded by the pipeline runtime: use pipeline_parallel_size > 1")
+        return [str(p) for p in write(path)]
+
     def shutdown(self) -> None:
+        if self.config.trace_file and self.healthy and hasattr(self.executor, "write_trace"):
+            try:
+                self.write_trace(self.config.trace_file)
+            except Exception as exc:  # a failed trace must not block shutdown
+                logger.warning("could not write the trace file: %s", exc)
         self.executor.shutdown()
