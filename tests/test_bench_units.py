@@ -19,7 +19,7 @@ from pipeserve.bench.client import CompletionRequest, send_completion
 from pipeserve.bench.datasets import (BenchRequest, length_range, prefix_requests, random_requests,
                                       sharegpt_requests)
 from pipeserve.bench.hf_baseline import batches_of, left_padded
-from pipeserve.bench.plots import plot_gantt, plot_latency_cdfs, plot_rate_curves
+from pipeserve.bench.plots import plot_latency_cdfs, plot_rate_curves
 from pipeserve.bench.report import (BEGIN, END, best_engine_flags, main as report_main, prefix_cache_pairs,
                                     render)
 from pipeserve.bench.stats import (RequestRecord, capacity_under_slo, latency_metrics, meets_slo, parse_slo,
@@ -247,12 +247,9 @@ def test_plots_are_valid_pngs(tmp_path):
     lat = {"a": {"ttft": [1.0, 2.0, 3.0], "e2el": [5.0, 6.0]}, "b": {"ttft": [2.0], "tpot": [0.5, 0.7]}}
     points = [{"request_rate": r, "output_tokens_per_s": 10.0 * i, "tpot_ms": {"p99": 5.0 + i},
                "slo_ms": {"tpot": 7.0}} for i, r in enumerate((1.0, 2.0, "inf"))]
-    events = [{"stage": s, "start": 0.01 * (mb + s), "end": 0.01 * (mb + s) + 0.008, "micro_batch": mb}
-              for s in range(3) for mb in range(4)]
-    made = [plot_latency_cdfs(lat, tmp_path / "cdf.png"), plot_rate_curves(points, tmp_path / "rate.png"),
-            plot_gantt(events, tmp_path / "gantt.png", window_s=0.03)]
+    made = [plot_latency_cdfs(lat, tmp_path / "cdf.png"), plot_rate_curves(points, tmp_path / "rate.png")]
     assert all(p is not None and is_png(p) for p in made)
-    assert plot_gantt([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+    assert plot_latency_cdfs({"a": {}}, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
 def _throughput_result(dataset: str, caching: bool, ttft_ms: float, baseline: float | None = None) -> dict:
@@ -349,3 +346,27 @@ def test_load_generator_spaces_requests_at_the_rate(sse_url):
     expected = arrival_times(8, 20.0, seed=1)
     for record, at in zip(records, expected):
         assert record.start_time == pytest.approx(at, abs=0.1)  # slack for a busy machine
+
+
+def test_gantt_window_and_stage_ratios_cover_only_the_timed_run(tmp_path):
+    from pipeserve.bench.offline import gantt_window, stage_ratios, write_gantt
+    from pipeserve.metrics.timeline import Interval, Timeline
+    assert gantt_window((10.0, 20.0), 2.0) == (14.0, 16.0)
+    assert gantt_window((10.0, 11.0), 5.0) == (10.0, 11.0)
+    timeline = Timeline(num_stages=2)
+    # warm-up at t = 0..1 (stage 0 busy all of it), timed run at t = 10..14
+    timeline.step_submitted(0, 0.0)
+    timeline.add_intervals([Interval(0, "compute", 0.0, 1.0, 0), Interval(1, "compute", 0.5, 1.0, 0)])
+    timeline.step_finished(0, 1.0)
+    for step, t in enumerate((10.0, 11.0, 12.0, 13.0), start=1):
+        timeline.step_submitted(step, t)
+        timeline.add_intervals([Interval(0, "compute", t, t + 0.5, step), Interval(1, "compute", t + 0.5, t + 1, step)])
+        timeline.step_finished(step, t + 1.0)
+    rows = stage_ratios(timeline, (10.0, 14.0))
+    assert [r["stage"] for r in rows] == [0, 1]
+    assert rows[0]["busy_ratio"] == pytest.approx(0.5) and rows[0]["bubble_ratio"] == pytest.approx(0.5)
+    assert rows[1]["steps"] == 4  # the warm-up step is outside the window
+    assert stage_ratios(None, (0.0, 1.0)) == []
+    png = write_gantt(tmp_path / "g.png", timeline, (10.0, 14.0), 2.0, "test")
+    assert png is not None and is_png(png)
+    assert write_gantt(tmp_path / "none.png", timeline, (100.0, 101.0), 1.0, "empty") is None

@@ -57,7 +57,7 @@ def _add_throughput(kinds) -> None:
                    help="transformers batch size(s), comma-separated; the best one is the baseline")
     g.add_argument("--num-warmup", type=int, default=2, help="short untimed requests before the run")
     g.add_argument("--gantt-window", type=float, default=2.0,
-                   help="seconds of the pipeline timeline drawn in the Gantt chart")
+                   help="seconds of the pipeline timeline, from the middle of the run, in the Gantt chart")
     add_engine_args(p, skip=frozenset({"seed"}))
     p.set_defaults(func=_run_throughput)
 

@@ -46,8 +46,8 @@ def record_of(output) -> RequestRecord:
 
 
 def run_pipeserve(llm, requests: list[BenchRequest], temperature: float = 0.0,
-                  progress: bool = True) -> tuple[list[RequestRecord], float, float]:
-    """Returns (records in request order, wall seconds, wall-clock start time of the timed run)."""
+                  progress: bool = True) -> tuple[list[RequestRecord], float, tuple[float, float]]:
+    """Returns (records in request order, seconds, (start, end) of the timed run on the wall clock)."""
     records: list[RequestRecord] = []
     wall_start = time.time()
     start = time.perf_counter()
@@ -56,47 +56,52 @@ def run_pipeserve(llm, requests: list[BenchRequest], temperature: float = 0.0,
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wave]
         outputs = llm.generate(prompts, sampling_params_for(wave, temperature), use_tqdm=progress)
         records += [record_of(o) for o in outputs]
-    return records, time.perf_counter() - start, wall_start
+    return records, time.perf_counter() - start, (wall_start, time.time())
 
 
-def stage_ratios(pipeline_stats: dict) -> list[dict]:
-    """Per-stage busy and bubble ratios from ``LLM.stats()["pipeline"]``.
+def pipeline_timeline(llm):
+    """The executor's ``metrics.timeline.Timeline`` (PP > 1), with every stage's intervals
+    shipped to the driver; None for a single in-process stage, which records none."""
+    timeline = getattr(llm.engine.executor, "timeline", None)
+    if timeline is not None:
+        llm.stats()  # an idle pipeline executor flushes the stages' intervals here
+    return timeline
 
-    Accepts a list of per-stage dicts under ``"stages"`` or, for a single
-    stage with no pipeline figures, reports nothing rather than guessing.
-    """
-    stages = pipeline_stats.get("stages") if isinstance(pipeline_stats, dict) else None
-    if not isinstance(stages, list):
+
+def stage_ratios(timeline, window: tuple[float, float]) -> list[dict]:
+    """Per-stage busy and bubble ratios over the timed run alone (the warm-up left out)."""
+    if timeline is None:
         return []
     rows = []
-    for i, stage in enumerate(stages):
-        if not isinstance(stage, dict):
-            continue
-        row = {"stage": stage.get("stage", i)}
-        for key in ("busy_ratio", "bubble_ratio", "comm_ratio", "layers"):
-            if key in stage:
-                row[key] = stage[key]
+    for s in timeline.stats(window):
+        row = s.as_dict()
+        row["busy_ratio"] = row.pop("busy_fraction")
         rows.append(row)
     return rows
 
 
-def timeline_events(pipeline_stats: dict, since: float | None = None) -> list[dict]:
-    """The engine's per-stage work intervals as plot events (``stage``, ``start``, ``end``, ...).
+def gantt_window(run: tuple[float, float], width_s: float) -> tuple[float, float]:
+    """``width_s`` seconds from the middle of the run, where the pipeline is in steady state."""
+    middle = (run[0] + run[1]) / 2
+    half = min(width_s, run[1] - run[0]) / 2
+    return middle - half, middle + half
 
-    Events that began before ``since`` (the warm-up) are dropped.
-    """
-    events = pipeline_stats.get("timeline") if isinstance(pipeline_stats, dict) else None
-    if not isinstance(events, list):
-        return []
-    out = []
-    for e in events:
-        if not isinstance(e, dict) or not {"stage", "start", "end"} <= e.keys():
-            continue
-        if since is not None and e["start"] < since:
-            continue
-        out.append({"stage": e["stage"], "start": e["start"], "end": e["end"],
-                    "micro_batch": e.get("micro_batch", e.get("step_id")), "kind": e.get("kind", "compute")})
-    return out
+
+def write_gantt(path, timeline, run: tuple[float, float], width_s: float, title: str):
+    """The engine's Gantt chart of a window of the run; None when nothing was recorded there."""
+    if timeline is None:
+        return None
+    from pathlib import Path
+
+    from pipeserve.metrics.timeline import write_gantt_png
+    lo, hi = gantt_window(run, width_s)
+    intervals = [iv for iv in timeline.intervals() if iv.end > lo and iv.start < hi and iv.kind != "wait"]
+    if not intervals:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_gantt_png(path, intervals, timeline.num_stages, title=title)
+    return path
 
 
 def prefix_cache_delta(before: dict, after: dict) -> dict:

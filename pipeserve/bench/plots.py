@@ -1,4 +1,6 @@
-"""PNG plots of benchmark results: latency CDFs, rate curves, the pipeline Gantt chart."""
+"""PNG plots of benchmark results: latency CDFs and rate curves.
+
+The pipeline Gantt chart is the engine's own (``metrics.timeline.write_gantt_png``)."""
 
 from __future__ import annotations
 
@@ -53,35 +55,6 @@ def plot_rate_curves(points: list[dict], path: Path, title: str = "") -> Path | 
         right.axhline(slo, color="red", linestyle="--", label=f"SLO {slo:g} ms")
         right.legend(fontsize=8)
     return _save(fig, path, title or "throughput and p99 TPOT against request rate")
-
-
-def plot_gantt(events: list[dict], path: Path, title: str = "", window_s: float | None = None) -> Path | None:
-    """One row per stage, one bar per piece of work, coloured by micro-batch.
-
-    ``events`` hold ``stage``, ``start`` and ``end`` (seconds, any common
-    origin) and optionally ``micro_batch`` and ``kind`` ("compute", "send",
-    ...). Only compute-like work is drawn; ``window_s`` keeps the first
-    seconds so single micro-batches stay visible.
-    """
-    work = [e for e in events if e.get("kind", "compute") in ("compute", "forward", "busy")]
-    if not work:
-        return None
-    origin = min(e["start"] for e in work)
-    if window_s is not None:
-        work = [e for e in work if e["start"] - origin < window_s]
-    stages = sorted({int(e["stage"]) for e in work})
-    colors = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(10, 0.7 * len(stages) + 1.6))
-    for e in work:
-        mb = e.get("micro_batch")
-        color = colors(int(mb) % 10) if isinstance(mb, int) else "tab:blue"
-        ax.barh(int(e["stage"]), (e["end"] - e["start"]) * 1000.0, left=(e["start"] - origin) * 1000.0,
-                color=color, edgecolor="black", linewidth=0.3, height=0.7)
-    ax.set_yticks(stages, [f"stage {s}" for s in stages])
-    ax.invert_yaxis()  # stage 0 on top, as pipeline diagrams are drawn
-    ax.set_xlabel("time (ms)")
-    ax.grid(axis="x", alpha=0.3)
-    return _save(fig, path, title or "pipeline timeline (colour = micro-batch)")
 
 
 def _rate(value) -> float:

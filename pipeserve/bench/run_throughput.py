@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from pathlib import Path
 
 from pipeserve.bench.datasets import BenchRequest
 from pipeserve.bench.hf_baseline import run_hf
 from pipeserve.bench.hf_source import load_hf_model, load_hf_tokenizer
-from pipeserve.bench.offline import (prefix_cache_delta, run_pipeserve, stage_ratios, timeline_events,
-                                     warm_up)
-from pipeserve.bench.plots import plot_gantt, plot_latency_cdfs
+from pipeserve.bench.offline import (pipeline_timeline, prefix_cache_delta, run_pipeserve, stage_ratios,
+                                     warm_up, write_gantt)
+from pipeserve.bench.plots import plot_latency_cdfs
 from pipeserve.bench.stats import RequestRecord, latency_metrics
 from pipeserve.bench.workload import build_requests, dataset_json, result_header, write_json
 from pipeserve.config import EngineConfig
 from pipeserve.entrypoints.args import config_from_args
-
-logger = logging.getLogger(__name__)
-
 
 def run_throughput_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
@@ -29,10 +25,11 @@ def run_throughput_command(args: argparse.Namespace) -> int:
     requests = build_requests(args, tokenizer)
     result = {**result_header("throughput", args), "dataset": dataset_json(args, requests), "runs": []}
     latencies: dict[str, dict[str, list[float]]] = {}
-    events: list[dict] = []
+    plots: list[str] = []
     if args.backend in ("pipeserve", "both"):
-        run, records, events = pipeserve_run(config, requests, args)
+        run, records, gantt = pipeserve_run(config, requests, args)
         result["runs"].append(run)
+        plots += [gantt] if gantt else []
         latencies["pipeserve"] = latency_series(records)
     if args.backend in ("hf", "both"):
         for run, records in hf_runs(config, requests, batch_sizes, args, tokenizer.pad_token_id):
@@ -40,7 +37,8 @@ def run_throughput_command(args: argparse.Namespace) -> int:
             latencies[f"transformers b={run['batch_size']}"] = latency_series(records)
     result["baseline"] = baseline(result["runs"])
     if args.plot:
-        result["plots"] = throughput_plots(Path(args.plot), latencies, events, args.gantt_window)
+        cdf = plot_latency_cdfs(latencies, Path(args.plot) / "latency_cdf.png", "offline latency CDFs")
+        result["plots"] = ([str(cdf)] if cdf else []) + plots
     if args.output:
         write_json(result, args.output)
     print(format_summary(result))
@@ -58,23 +56,29 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
-                  args: argparse.Namespace) -> tuple[dict, list[RequestRecord], list[dict]]:
+                  args: argparse.Namespace) -> tuple[dict, list[RequestRecord], str | None]:
+    """The timed run, its figures, and the path of its Gantt chart (with --plot, PP > 1)."""
     from pipeserve.entrypoints.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
+    gantt = None
     try:
         warm_up(llm, requests, args.num_warmup)
         before = llm.stats().get("scheduler", {})
-        records, duration, wall_start = run_pipeserve(llm, requests, args.temperature, args.progress)
+        records, duration, window = run_pipeserve(llm, requests, args.temperature, args.progress)
         stats = llm.stats()
+        timeline = pipeline_timeline(llm)
+        stages = stage_ratios(timeline, window)
+        if args.plot:
+            title = f"{config.pipeline_parallel_size} stages, {config.pp_schedule} schedule, middle of the run"
+            gantt = write_gantt(Path(args.plot) / "pipeline_gantt.png", timeline, window, args.gantt_window, title)
     finally:
         llm.shutdown()
-    pipeline = stats.get("pipeline", {}) or {}
     run = {"backend": "pipeserve", "engine": dataclasses.asdict(config),
            **latency_metrics(records, duration),
-           "stages": stage_ratios(pipeline), "partition": stats.get("partition"),
+           "stages": stages, "partition": stats.get("partition"),
            "prefix_cache": prefix_cache_delta(before, stats.get("scheduler", {})),
            "scheduler": stats.get("scheduler", {})}
-    return run, records, timeline_events(pipeline, since=wall_start)
+    return run, records, None if gantt is None else str(gantt)
 
 
 def hf_runs(config: EngineConfig, requests: list[BenchRequest], batch_sizes: list[int],
@@ -109,14 +113,6 @@ def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
     ok = [r for r in records if r.success]
     return {"ttft": [r.ttft * 1000 for r in ok], "e2el": [r.e2el * 1000 for r in ok],
             "tpot": [r.tpot * 1000 for r in ok if r.tpot is not None]}
-
-
-def throughput_plots(directory: Path, latencies: dict, events: list[dict], window_s: float) -> list[str]:
-    made = [plot_latency_cdfs(latencies, directory / "latency_cdf.png", "offline latency CDFs"),
-            plot_gantt(events, directory / "pipeline_gantt.png", window_s=window_s)]
-    if events and made[-1] is None:
-        logger.warning("the engine's timeline holds no compute events: no Gantt chart")
-    return [str(p) for p in made if p is not None]
 
 
 def format_summary(result: dict) -> str:
