@@ -116,8 +116,8 @@ class FakeEngine:
         return {"scheduler": {"num_running": running, "num_waiting": 0, "num_swapped": 0,
                               "kv_usage": running / 100, "num_preemptions": 0,
                               "prefix_cache_query_tokens": 10, "prefix_cache_hit_tokens": 4},
-                "pipeline": {"stages": [{"busy_ratio": 0.7, "bubble_ratio": 0.2},
-                                        {"busy_ratio": 0.6, "bubble_ratio": 0.3}]}}
+                "pipeline": {"stages": [{"stage": 0, "busy_fraction": 0.7, "bubble_ratio": 0.2},
+                                        {"stage": 1, "busy_fraction": 0.6, "bubble_ratio": 0.3}]}}
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -414,4 +414,5 @@ def test_metrics_move(client):
     assert delta("pipeserve_inter_token_latency_seconds_count") == 2
     assert delta("pipeserve_http_errors_total", (("status", "400"),)) == 1
     assert after[("pipeserve_stage_bubble_ratio", (("stage", "1"),))] == 0.3
+    assert after[("pipeserve_stage_busy_ratio", (("stage", "0"),))] == 0.7
     assert after[("pipeserve_prefix_cache_hit_rate", ())] == 0.4

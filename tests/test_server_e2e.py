@@ -29,7 +29,7 @@ KEY = "test-key"
 NAME = "tiny"
 MAX_MODEL_LEN = 256
 # The pipeline sizes the server runs at. PP=2 is the acceptance target (stage processes + gloo).
-PP_SIZES = [1]
+PP_SIZES = [2]
 ENGINE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", str(MAX_MODEL_LEN),
                "--threads-per-stage", "1", "--seed", "0"]
 PROMPTS = ["the quick brown fox", "hello world", "a stage holds its layers", "tokens flow"]
@@ -51,8 +51,8 @@ def offline(model_dir):
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path, pp: int) -> None:
+        self.proc, self.url, self.log, self.pp = proc, url, log, pp
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, **kw)
@@ -115,7 +115,7 @@ def server(request, model_dir, tmp_path_factory):
             proc.kill()
             pytest.fail(f"the server was not healthy within 120 s:\n{log.read_text()}")
         time.sleep(0.2)
-    yield Server(proc, url, log)
+    yield Server(proc, url, log, request.param)
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
@@ -291,6 +291,10 @@ def test_metrics_parse_and_move(server):
     assert delta("pipeserve_prefix_cache_queries_total") >= 2
     assert 0.0 <= after[("pipeserve_prefix_cache_hit_rate", ())] <= 1.0
     assert after[("pipeserve_healthy", ())] == 1.0
+    if server.pp > 1:  # per-stage timeline figures exist only with stage processes
+        for stage in range(server.pp):
+            assert 0.0 < after[("pipeserve_stage_busy_ratio", (("stage", str(stage)),))] <= 1.0
+            assert 0.0 <= after[("pipeserve_stage_bubble_ratio", (("stage", str(stage)),))] <= 1.0
 
 
 # -- last: the shutdown ------------------------------------------------------------

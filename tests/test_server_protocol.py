@@ -106,10 +106,10 @@ def test_logprob_shapes_and_floor():
 
 
 def test_stage_rows_shapes():
-    assert stage_rows({}) == []
-    assert stage_rows({"stages": [{"busy_ratio": 0.5, "bubble_ratio": 0.1}, {"busy_ratio": 1}]}) == \
-        [(0, 0.5, 0.1), (1, 1.0, None)]
-    assert stage_rows({"busy_ratio": [0.2, 0.3], "bubble_ratio": [0.4]}) == [(0, 0.2, 0.4), (1, 0.3, None)]
+    assert stage_rows({}) == []  # PP=1: no pipeline timeline
+    stages = [{"stage": 0, "busy_fraction": 0.5, "bubble_ratio": 0.1, "compute_s": 1.0},
+              {"stage": 1, "busy_fraction": 1, "bubble_ratio": None}]
+    assert stage_rows({"stages": stages}) == [(0, 0.5, 0.1), (1, 1.0, None)]
 
 
 def test_event_stream_response_closes_even_if_never_started():

@@ -183,23 +183,13 @@ class _EngineCollector:
 
 
 def stage_rows(pipeline: dict) -> list[tuple[int, float | None, float | None]]:
-    """``(stage, busy, bubble)`` per stage from the executor's stats.
-
-    Accepts ``{"stages": [{"busy_ratio", "bubble_ratio"}, ...]}`` or parallel
-    lists ``{"busy_ratio": [...], "bubble_ratio": [...]}``.
-    """
+    """``(stage, busy, bubble)`` per stage from the executor's stats:
+    ``{"stages": [{"stage", "busy_fraction", "bubble_ratio", ...}, ...]}``."""
     stages = pipeline.get("stages")
-    if isinstance(stages, list):
-        return [(i, _num(s.get("busy_ratio")), _num(s.get("bubble_ratio"))) for i, s in enumerate(stages)]
-    busy, bubble = pipeline.get("busy_ratio"), pipeline.get("bubble_ratio")
-    if isinstance(busy, list) or isinstance(bubble, list):
-        count = max(len(busy or []), len(bubble or []))
-        return [(i, _num(_at(busy, i)), _num(_at(bubble, i))) for i in range(count)]
-    return []
-
-
-def _at(values: list | None, i: int):
-    return values[i] if values and i < len(values) else None
+    if not isinstance(stages, list):
+        return []
+    return [(int(s.get("stage", i)), _num(s.get("busy_fraction")), _num(s.get("bubble_ratio")))
+            for i, s in enumerate(stages)]
 
 
 def _num(value) -> float | None:
