@@ -100,10 +100,14 @@ class PipelineExecutor(Executor):
             self.procs[stage] = proc
         self._rendezvous()
         self.transport = TorchTransport(self.store, 0, self.num_stages + 1, local_address_for(addr))
-        self._sendq: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._send_loop, name="pp-driver-send", daemon=True),
-                         threading.Thread(target=self._recv_loop, name="pp-driver-recv", daemon=True),
-                         threading.Thread(target=self._watch_loop, name="pp-watchdog", daemon=True)]
+        # One sender per stage: a stage that stops reading blocks only its own queue,
+        # so the others still answer the pings that name the silent one.
+        self._sendqs: dict[int, queue.Queue] = {rank: queue.Queue() for rank in range(1, self.num_stages + 1)}
+        senders = [threading.Thread(target=self._send_loop, args=(q,), name=f"pp-send-{r}", daemon=True)
+                   for r, q in self._sendqs.items()]
+        self._receiver = threading.Thread(target=self._recv_loop, name="pp-driver-recv", daemon=True)
+        self._threads = senders + [self._receiver,
+                                   threading.Thread(target=self._watch_loop, name="pp-watchdog", daemon=True)]
         for t in self._threads:
             t.start()
         self._sync_clocks()
@@ -147,7 +151,7 @@ class PipelineExecutor(Executor):
             return
         sent = time.time()
         for stage in remote:
-            self._sendq.put((stage + 1, Kind.PING, None, None))
+            self._send(stage + 1, Kind.PING, None)
         for _ in remote:
             try:
                 stage, stage_time, received = self._pongs.get(timeout=self.config.rendezvous_timeout)
@@ -169,7 +173,7 @@ class PipelineExecutor(Executor):
                 self._last_progress = time.monotonic()
             self._inflight[step.step_id] = now
         self.timeline.step_submitted(step.step_id, now)
-        self._sendq.put((1, Kind.STEP, StepEnvelope(step, 0), None))
+        self._send(1, Kind.STEP, StepEnvelope(step, 0))
 
     def wait(self, timeout: float | None = None) -> list[StepOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -217,9 +221,12 @@ class PipelineExecutor(Executor):
                 logger.error("pipeline failed: %s", message)
 
     # -- driver threads --------------------------------------------------------
-    def _send_loop(self) -> None:
+    def _send(self, rank: int, kind: Kind, obj: Any = None) -> None:
+        self._sendqs[rank].put((rank, kind, obj, None))
+
+    def _send_loop(self, sendq: queue.Queue) -> None:
         while True:
-            item = self._sendq.get()
+            item = sendq.get()
             if item is None:
                 return
             dst, kind, obj, tensor = item
@@ -284,7 +291,7 @@ class PipelineExecutor(Executor):
         """Which stages are silent: ping everyone, name those that do not answer."""
         self._pongs = queue.Queue()
         for stage in range(self.num_stages):
-            self._sendq.put((stage + 1, Kind.PING, None, None))
+            self._send(stage + 1, Kind.PING, None)
         answered: set[int] = set()
         deadline = time.monotonic() + min(2.0, self.config.stage_timeout)
         while len(answered) < self.num_stages and time.monotonic() < deadline:
@@ -303,7 +310,7 @@ class PipelineExecutor(Executor):
         if not self.healthy:
             return
         for stage in range(self.num_stages):
-            self._sendq.put((stage + 1, Kind.FLUSH, None, None))
+            self._send(stage + 1, Kind.FLUSH, None)
         deadline = time.monotonic() + timeout
         for _ in range(self.num_stages):
             try:
@@ -346,9 +353,9 @@ class PipelineExecutor(Executor):
         self._closed = True
         if clean:
             for stage in range(self.num_stages):
-                self._sendq.put((stage + 1, Kind.STOP, None, None))
+                self._send(stage + 1, Kind.STOP, None)
             stop_processes(list(self.procs.values()), grace=5.0)
-            self._threads[1].join(timeout=2.0)
+            self._receiver.join(timeout=2.0)
         self._kill_all()
         if self.config.trace_file and self.timeline.step_spans():
             self.write_trace(self.config.trace_file)
@@ -356,8 +363,8 @@ class PipelineExecutor(Executor):
     def _kill_all(self) -> None:
         self._closed = True
         stop_processes(list(self.procs.values()), grace=0.0)
-        if hasattr(self, "_sendq"):
-            self._sendq.put(None)
+        for sendq in getattr(self, "_sendqs", {}).values():
+            sendq.put(None)
 
     def __del__(self) -> None:
         try:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import signal
 
@@ -35,10 +36,19 @@ def stop_processes(procs: list, grace: float = 5.0) -> None:
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            _continue(proc.pid)  # a stopped process only acts on SIGTERM once continued
             proc.join(timeout=2.0)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=2.0)
+
+
+def _continue(pid: int | None) -> None:
+    try:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout: float) -> int:

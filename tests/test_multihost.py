@@ -1,0 +1,209 @@
+"""Several hosts: the driver + stage 0 in one network namespace, stage 1 (started
+by ``pipeserve worker``) in another, joined by a veth pair, so that stages
+really talk over an IP link; then the same over a link shaped to 100 Mbit/s.
+
+Namespaces need root and iproute2; where they cannot be made the test skips
+and says why. Traffic stays inside the two namespaces made here.
+
+This file is also the driver program run inside namespace A:
+``python tests/test_multihost.py driver ADDR PORT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN, TOKENS, STEPS = 1024, 128, 6     # 512 KiB of float32 activations per micro-batch
+STEP_SECONDS = 0.02
+
+
+# -- the driver program (namespace A) ----------------------------------------------
+def driver_main(addr: str, port: int) -> None:
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.config import ModelConfig
+    from pipeserve.pipeline.executor import PipelineExecutor
+    from pipeserve.pipeline.partition import uniform_partition
+    from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=100_000, hidden_size=HIDDEN, intermediate_size=64,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=HIDDEN // 4,
+                      max_position_embeddings=512)
+    conf = EngineConfig(pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr=addr, master_port=port,
+                        dtype="float32", threads_per_stage=1, rendezvous_timeout=60.0, stage_timeout=30.0)
+    ex = PipelineExecutor(conf, SyntheticSource(STEP_SECONDS), cfg, uniform_partition(4, 2), 8, 0,
+                          runner_factory=SleepRunner)
+    greedy = SeqSampling(0.0, 1.0, 0, 0.0, None, 0)
+    try:
+        outputs = []
+        for j in range(STEPS):   # one at a time: each transfer is timed alone
+            ex.submit(StepInput(j, [SeqStep(j, [j] * TOKENS, 0, [0], greedy)]))
+            outputs += ex.wait_all(timeout=30)
+        stats = ex.stats()
+    finally:
+        ex.shutdown()
+    tokens = sorted((o.step_id, o.sampled[0].token_id) for o in outputs)
+    print("RESULT " + json.dumps({"tokens": tokens, "stats": stats}), flush=True)
+
+
+# -- namespaces ------------------------------------------------------------------------
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=20)
+
+
+class TwoNamespaces:
+    def __init__(self) -> None:
+        tag = os.getpid() % 100_000
+        self.a, self.b = f"psmhA{tag}", f"psmhB{tag}"
+        self.veth_a, self.veth_b = f"psva{tag}", f"psvb{tag}"
+        net = 10 + tag % 200
+        self.addr_a, self.addr_b = f"10.213.{net}.1", f"10.213.{net}.2"
+        self.made: list[str] = []
+
+    def create(self) -> None:
+        for ns in (self.a, self.b):
+            _ip("ip", "netns", "add", ns)
+            self.made.append(ns)
+        _ip("ip", "link", "add", self.veth_a, "netns", self.a, "type", "veth", "peer", "name", self.veth_b,
+            "netns", self.b)
+        for ns, dev, addr in ((self.a, self.veth_a, self.addr_a), (self.b, self.veth_b, self.addr_b)):
+            _ip("ip", "addr", "add", f"{addr}/24", "dev", dev, ns=ns)
+            _ip("ip", "link", "set", dev, "up", ns=ns)
+            _ip("ip", "link", "set", "lo", "up", ns=ns)
+
+    def shape(self) -> None:
+        """100 Mbit/s on A's side: stage 0 -> stage 1 activations cross it."""
+        _ip("tc", "qdisc", "add", "dev", self.veth_a, "root", "tbf", "rate", "100mbit", "burst", "32kbit",
+            "latency", "50ms", ns=self.a)
+
+    def destroy(self) -> None:
+        for ns in self.made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+        self.made.clear()
+
+
+def _namespace_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    return None
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    problem = _namespace_problem()
+    if problem:
+        print(f"SKIP multihost: {problem}")
+        pytest.skip(problem)
+    ns = TwoNamespaces()
+    try:
+        ns.create()
+    except subprocess.CalledProcessError as exc:
+        ns.destroy()
+        reason = f"cannot make network namespaces: {exc.stderr.strip() or exc}"
+        print(f"SKIP multihost: {reason}")
+        pytest.skip(reason)
+    yield ns
+    ns.destroy()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert ns.a not in left and ns.b not in left
+
+
+def _run_two_hosts(ns: TwoNamespaces, port: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    driver = subprocess.Popen(["ip", "netns", "exec", ns.a, sys.executable, str(Path(__file__)), "driver",
+                               ns.addr_a, str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    worker = subprocess.Popen(["ip", "netns", "exec", ns.b, sys.executable, "-m", "pipeserve.pipeline.cli",
+                               "--nnodes", "2", "--node-rank", "1", "--master-addr", ns.addr_a,
+                               "--master-port", str(port), "--rendezvous-timeout", "60"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        out, _ = driver.communicate(timeout=120)
+        worker_out, _ = worker.communicate(timeout=30)
+    finally:
+        for proc in (driver, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+    assert driver.returncode == 0, out
+    assert worker.returncode == 0, worker_out
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_two_namespaces_then_shaped_link(namespaces: TwoNamespaces) -> None:
+    expected = [[j, j + 4] for j in range(STEPS)]   # SleepRunner: first token + number of layers
+    plain = _run_two_hosts(namespaces, 29533)
+    namespaces.shape()
+    shaped = _run_two_hosts(namespaces, 29534)
+    assert plain["tokens"] == expected and shaped["tokens"] == expected
+    plain_comm = _comm_seconds(plain["stats"])
+    shaped_comm = _comm_seconds(shaped["stats"])
+    # 6 transfers of 512 KiB at 100 Mbit/s: at least ~0.25 s on the wire.
+    wire = STEPS * HIDDEN * TOKENS * 4 * 8 / 100e6
+    print(f"two hosts over veth: stage 0 send + stage 1 recv {plain_comm:.3f} s unshaped, "
+          f"{shaped_comm:.3f} s at 100 Mbit/s (wire time {wire:.3f} s); "
+          f"windows {plain['stats']['window_s']:.3f} s vs {shaped['stats']['window_s']:.3f} s")
+    assert shaped_comm > 0.7 * wire
+    assert shaped_comm > 2 * plain_comm
+    assert shaped["stats"]["window_s"] > plain["stats"]["window_s"]
+
+
+def _comm_seconds(stats: dict) -> float:
+    """The activation hop 0 -> 1: stage 0's send time (it blocks until the bytes leave)
+    or stage 1's receive time, whichever saw more of the transfer."""
+    stages = stats["stages"]
+    return max(stages[0]["send_s"], stages[1]["recv_s"])
+
+
+# -- no namespaces needed ------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_host_that_never_joins_is_a_clear_error() -> None:
+    import multiprocessing
+
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.config import ModelConfig
+    from pipeserve.pipeline.executor import PipelineExecutor
+    from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+    from pipeserve.worker.executor import ExecutorError
+
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
+    conf = EngineConfig(pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=_free_port(),
+                        rendezvous_timeout=2.0, threads_per_stage=1)
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"stage\(s\) \[1\] did not join within --rendezvous-timeout 2 s"):
+        PipelineExecutor(conf, SyntheticSource(), cfg, [(0, 2), (2, 4)], 8, 0, runner_factory=SleepRunner)
+    assert time.monotonic() - start < 2.0 + 8.0
+    assert multiprocessing.active_children() == []
+
+
+def test_stages_split_evenly_over_nodes() -> None:
+    from pipeserve.pipeline.spec import stages_of_node
+    assert [stages_of_node(5, 2, n) for n in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [stages_of_node(4, 4, n) for n in range(4)] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="cannot cover 3 nodes"):
+        stages_of_node(2, 3, 0)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["driver"]:
+    driver_main(sys.argv[2], int(sys.argv[3]))
