@@ -46,7 +46,7 @@ class Driver:
     def seq_step(self, seq_id: int, tokens: list[int], sample: bool = True) -> SeqStep:
         table = self.tables.setdefault(seq_id, [])
         start = self.done.get(seq_id, 0)
-        while len(table) * BLOCK < start + len(tokens):
+        while len(table) * self.runner.block_size < start + len(tokens):
             table.append(self.free.pop())
         self.done[seq_id] = start + len(tokens)
         return SeqStep(seq_id, list(tokens), start, list(table), greedy() if sample else None)
