@@ -45,6 +45,7 @@ def test_throughput_both_backends(tiny_model, tmp_path):
     assert result["dataset"]["num_requests"] == 6 and 12 <= result["dataset"]["min_input_len"]
     ours, *hf = result["runs"]
     assert ours["backend"] == "pipeserve" and [r["batch_size"] for r in hf] == [2, 4]
+    assert {r["dtype"] for r in hf} == {"float32"}  # the engine's dtype unless --hf-dtype says otherwise
     expected_out = result["dataset"]["total_output_tokens"]
     for run in result["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0

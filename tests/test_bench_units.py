@@ -264,7 +264,7 @@ def _throughput_result(dataset: str, caching: bool, ttft_ms: float, baseline: fl
               "dataset": {"name": dataset, "num_requests": 8, "min_input_len": 1, "max_input_len": 9,
                           "min_output_len": 2, "max_output_len": 3}, "runs": runs, "baseline": None}
     if baseline:
-        runs.append({"backend": "hf", "batch_size": 8, "requests_per_s": 1.0, "input_tokens_per_s": 1.0,
+        runs.append({"backend": "hf", "batch_size": 8, "dtype": "bfloat16", "requests_per_s": 1.0, "input_tokens_per_s": 1.0,
                      "output_tokens_per_s": 300.0 / baseline, "ttft_ms": {"mean": 1.0}})
         result["baseline"] = {"hf_best_batch_size": 8, "hf_output_tokens_per_s": 300.0 / baseline,
                               "pipeserve_output_tokens_per_s": 300.0, "speedup_output_tokens_per_s": baseline}
@@ -285,7 +285,7 @@ def test_report_renders_rows_targets_and_commands(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Benchmarks\n\nintro") and text.rstrip().endswith("trailer")
     assert "old" not in text
-    assert text.count("| prefix_o") == 2 and "transformers b=8" in text
+    assert text.count("| prefix_o") == 2 and "transformers b=8 bfloat16" in text
     assert "**3.50×** (meets the ≥ 3× target)" in text
     assert "**2.50×** (meets the ≥ 2× target)" in text
     assert "pipeserve bench throughput --dataset random" in text

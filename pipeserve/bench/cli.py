@@ -55,6 +55,8 @@ def _add_throughput(kinds) -> None:
                    help="hf: transformers generate in static batches; both: one run each, and their ratio")
     g.add_argument("--hf-batch-size", default="8",
                    help="transformers batch size(s), comma-separated; the best one is the baseline")
+    g.add_argument("--hf-dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+                   help="dtype of the transformers baseline (default: the engine's --dtype)")
     g.add_argument("--num-warmup", type=int, default=2, help="short untimed requests before the run")
     g.add_argument("--gantt-window", type=float, default=2.0,
                    help="seconds of the pipeline timeline, from the middle of the run, in the Gantt chart")

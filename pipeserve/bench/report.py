@@ -60,7 +60,7 @@ def throughput_table(results: list[tuple[str, dict]]) -> list[str]:
 def _throughput_row(name: str, data: dict, run: dict) -> list[str]:
     engine = run.get("engine", {})
     if run["backend"] == "hf":
-        backend, cols = f"transformers b={run['batch_size']}", ["-"] * 4
+        backend, cols = f"transformers b={run['batch_size']} {run.get('dtype', '')}".rstrip(), ["-"] * 4
     else:
         backend = "pipeserve"
         cols = [str(engine.get(c, "-")) for c in _ENGINE_COLUMNS]

@@ -86,13 +86,14 @@ def hf_runs(config: EngineConfig, requests: list[BenchRequest], batch_sizes: lis
     """One timed run per batch size on one loaded model (loading is not timed)."""
     import torch
     torch.set_num_threads(os.cpu_count() or 1)  # the whole machine, as pipeserve's stages share it
-    model = load_hf_model(config.model, config.dtype)
+    dtype = args.hf_dtype or config.dtype
+    model = load_hf_model(config.model, dtype)
     for size in batch_sizes:
         warm = [BenchRequest(r.prompt_token_ids[:32], 8) for r in requests[:max(0, args.num_warmup)]]
         if warm:
             run_hf(model, warm, size, pad_id, progress=False)
         records, duration = run_hf(model, requests, size, pad_id, args.temperature, args.progress)
-        yield {"backend": "hf", "batch_size": size, "dtype": config.torch_dtype_name,
+        yield {"backend": "hf", "batch_size": size, "dtype": config.replace(dtype=dtype).torch_dtype_name,
                **latency_metrics(records, duration)}, records
 
 
