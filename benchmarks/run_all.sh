@@ -17,8 +17,9 @@ mkdir -p "$RESULTS/plots"
 MODEL=(--model smollm2-135m-instruct --dtype bfloat16)
 RANDOM_256=(--dataset random --num-prompts 256 --input-len 320 --output-len 160 --range-ratio 0.6 --seed 0)
 # 32 conversations x 4 turns over 4 shared 1024-token prefixes; each turn resends the history.
+# 2 GiB of KV cache holds a whole turn's history, so the on/off rows differ by caching, not eviction.
 PREFIX=(--dataset prefix --num-prompts 128 --prefix-len 1024 --num-prefixes 4 --num-turns 4
-        --question-len 64 --output-len 32 --seed 0)
+        --question-len 64 --output-len 32 --seed 0 --kv-cache-memory 2GiB)
 
 wanted() { [[ -z "${ONLY:-}" ]] || [[ " $ONLY " == *" $1 "* ]]; }
 
