@@ -5,6 +5,7 @@
 #   bash benchmarks/run_all.sh              # everything (hours on 2 cores)
 #   ONLY="pp1 pp2" bash benchmarks/run_all.sh   # just some rows, by name
 #   SKIP_SERVE=1 bash benchmarks/run_all.sh     # offline rows only
+#   DRY_RUN=1 bash benchmarks/run_all.sh        # print the commands, run nothing
 #
 # The reference workload (issue 5): 256 random requests, input 128-512,
 # output 64-256 tokens, seed 0, SmolLM2-135M-Instruct in bfloat16.
@@ -21,6 +22,9 @@ RANDOM_256=(--dataset random --num-prompts 256 --input-len 320 --output-len 160 
 PREFIX=(--dataset prefix --num-prompts 128 --prefix-len 1024 --num-prefixes 4 --num-turns 4
         --question-len 64 --output-len 32 --seed 0 --kv-cache-memory 2GiB)
 
+# run CMD...: print it, then run it unless DRY_RUN is set.
+run() { echo "+ $*"; [[ -n "${DRY_RUN:-}" ]] || "$@"; }
+
 wanted() { [[ -z "${ONLY:-}" ]] || [[ " $ONLY " == *" $1 "* ]]; }
 
 # row NAME LABEL ARGS...: one `bench throughput` run -> $RESULTS/NAME.json, plots in $RESULTS/plots/NAME/
@@ -28,7 +32,7 @@ row() {
   local name=$1 label=$2; shift 2
   wanted "$name" || return 0
   echo "== $name: $label"
-  "${PIPESERVE[@]}" bench throughput "${MODEL[@]}" "$@" --label "$label" \
+  run "${PIPESERVE[@]}" bench throughput "${MODEL[@]}" "$@" --label "$label" \
     --output "$RESULTS/$name.json" --plot "$RESULTS/plots/$name"
 }
 
@@ -49,13 +53,16 @@ row prefix_cache_off "prefix workload, prefix caching off" "${PREFIX[@]}" -pp 1 
 
 # The transformers baseline in the same run as pipeserve's best configuration so far.
 if wanted vs_transformers; then
-  read -r -a BEST <<< "$(python -m pipeserve.bench.report "$RESULTS" --best-engine-flags)"
+  if [[ -n "${DRY_RUN:-}" ]]; then BEST=("<pipeline flags of the fastest random-workload row>")
+  else read -r -a BEST <<< "$(python -m pipeserve.bench.report "$RESULTS" --best-engine-flags)"; fi
   row vs_transformers "best pipeserve configuration vs transformers" "${RANDOM_256[@]}" "${BEST[@]}" \
     --backend both --hf-batch-size 8,16,32
 fi
 
 # Online: a rate sweep against a pipeserve server (PP=2), TTFT/TPOT SLO.
-if [[ -z "${SKIP_SERVE:-}" ]] && wanted serve_pp2; then
+if [[ -z "${SKIP_SERVE:-}" ]] && wanted serve_pp2 && [[ -n "${DRY_RUN:-}" ]]; then
+  echo "+ ${PIPESERVE[*]} serve ${MODEL[*]} -pp 2 --port 8765 &   (then bench serve --sweep-rates ... against it)"
+elif [[ -z "${SKIP_SERVE:-}" ]] && wanted serve_pp2; then
   PORT=${PORT:-8765}
   "${PIPESERVE[@]}" serve "${MODEL[@]}" -pp 2 --port "$PORT" &
   SERVER=$!
@@ -71,5 +78,5 @@ if [[ -z "${SKIP_SERVE:-}" ]] && wanted serve_pp2; then
   trap - EXIT
 fi
 
-python -m pipeserve.bench.report "$RESULTS"
-echo "results table updated in benchmarks/README.md"
+run python -m pipeserve.bench.report "$RESULTS"
+[[ -n "${DRY_RUN:-}" ]] || echo "results table updated in benchmarks/README.md"
