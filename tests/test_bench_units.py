@@ -264,7 +264,8 @@ def _throughput_result(dataset: str, caching: bool, ttft_ms: float, baseline: fl
               "dataset": {"name": dataset, "num_requests": 8, "min_input_len": 1, "max_input_len": 9,
                           "min_output_len": 2, "max_output_len": 3}, "runs": runs, "baseline": None}
     if baseline:
-        runs.append({"backend": "hf", "batch_size": 8, "dtype": "bfloat16", "requests_per_s": 1.0, "input_tokens_per_s": 1.0,
+        runs.append({"backend": "hf", "batch_size": 8, "dtype": "bfloat16", "requests_per_s": 1.0,
+                     "input_tokens_per_s": 1.0,
                      "output_tokens_per_s": 300.0 / baseline, "ttft_ms": {"mean": 1.0}})
         result["baseline"] = {"hf_best_batch_size": 8, "hf_output_tokens_per_s": 300.0 / baseline,
                               "pipeserve_output_tokens_per_s": 300.0, "speedup_output_tokens_per_s": baseline}
