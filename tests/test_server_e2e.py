@@ -91,13 +91,11 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
-@pytest.fixture(scope="module", params=PP_SIZES, ids=lambda p: f"pp{p}")
-def server(request, model_dir, tmp_path_factory):
+def _start_server(model_dir: Path, pp: int, log: Path, *extra: str) -> Server:
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "pipeserve.entrypoints.cli", "serve", "--model", str(model_dir),
-           "-pp", str(request.param), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
-           "--max-request-bytes", "65536", "--max-queue", "200", "--shutdown-timeout", "5", *ENGINE_ARGS]
+           "-pp", str(pp), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
+           "--max-request-bytes", "65536", "--max-queue", "200", "--shutdown-timeout", "5", *ENGINE_ARGS, *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -108,17 +106,26 @@ def server(request, model_dir, tmp_path_factory):
             pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
+                return Server(proc, url, log, pp)
         except httpx.HTTPError:
             pass
         if time.time() > deadline:
             proc.kill()
             pytest.fail(f"the server was not healthy within 120 s:\n{log.read_text()}")
         time.sleep(0.2)
-    yield Server(proc, url, log, request.param)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.kill()
+        server.proc.wait(10)
+
+
+@pytest.fixture(scope="module", params=PP_SIZES, ids=lambda p: f"pp{p}")
+def server(request, model_dir, tmp_path_factory):
+    server = _start_server(model_dir, request.param, tmp_path_factory.mktemp("server") / "server.log")
+    yield server
+    _stop(server)
 
 
 # -- the openai client ---------------------------------------------------------
@@ -313,3 +320,29 @@ def test_sigterm_finishes_cleanly(server):
     assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
     assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
+
+
+def test_dead_stage_fails_requests_and_health(model_dir, tmp_path):
+    """A stage killed mid-stream: the stream ends with an error event, /health and new requests
+    answer 503, /metrics says unhealthy, and SIGTERM still exits cleanly. Its own server."""
+    server = _start_server(model_dir, 2, tmp_path / "server.log", "--stage-timeout", "10")
+    try:
+        stages = [pid for pid in _children(server.proc.pid)
+                  if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(stages) == 2, stages
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(stages[-1], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-2:]
+        _check_error(httpx.get(f"{server.url}/health", timeout=10), 503)
+        _check_error(server.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2}), 503)
+        assert server.metrics()[("pipeserve_healthy", ())] == 0.0
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
+        assert _wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in stages), 10.0)
+    finally:
+        _stop(server)
