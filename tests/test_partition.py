@@ -127,3 +127,41 @@ def test_partition_for_config_manual_and_uniform() -> None:
     part = partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_schedule="interleaved",
                                              pp_virtual_stages=2), cfg, None)
     assert counts(part) == [8, 8, 7, 7]
+
+
+def test_measured_costs_on_smollm2_shapes_favour_a_light_head_stage(caplog) -> None:
+    """Costs timed on this CPU with the real SmolLM2-135M shapes (random weights)."""
+    import logging
+
+    import torch
+
+    from pipeserve.pipeline.costs import measure_layer_costs
+    smol = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                       rope_theta=1e5, tie_word_embeddings=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        costs = measure_layer_costs(smol, torch.float32, repeats=5)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"SmolLM2 shapes, 8 decode tokens: embed {costs.embed * 1e3:.3f} ms, layer {costs.layer * 1e3:.3f} ms, "
+          f"head {costs.head * 1e3:.3f} ms (head = {costs.head / costs.layer:.1f} layers)")
+    assert costs.head > 3 * costs.layer > 0 and costs.embed > 0
+    assert costs.layer_bytes == smol.layer_params() * 4 and costs.head_bytes == smol.head_params() * 4
+    with caplog.at_level(logging.INFO, logger="pipeserve.pipeline.partition"):
+        from pipeserve.pipeline.partition import log_partition
+        part = auto_partition(30, 2, costs)
+        log_partition(part, costs, None)
+    assert counts(part)[1] < counts(part)[0]
+    assert "predicted chunk times" in caplog.text
+
+
+def test_partition_for_config_auto_measures_and_balances() -> None:
+    import torch
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=8192, hidden_size=64, intermediate_size=128, num_layers=8,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    part = partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_partition="auto", threads_per_stage=1),
+                                cfg, torch.float32)
+    assert part[0][0] == 0 and part[-1][1] == 8 and len(part) == 2
+    assert torch.get_num_threads() >= 1

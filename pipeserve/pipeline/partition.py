@@ -189,7 +189,12 @@ def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
 
         from pipeserve.pipeline.costs import measure_layer_costs
         device = _torch.device("cuda:0" if config.device == "cuda" else "cpu")
-        costs = measure_layer_costs(cfg, dtype, device, block_size=config.block_size)
+        threads = _torch.get_num_threads()
+        _torch.set_num_threads(config.stage_threads)  # measure as a stage will run
+        try:
+            costs = measure_layer_costs(cfg, dtype, device, block_size=config.block_size)
+        finally:
+            _torch.set_num_threads(threads)
     virtual = config.pp_virtual_stages if config.pp_schedule == "interleaved" else 1
     partition = choose_partition(config.pp_partition, cfg.num_layers, num_stages, virtual,
                                  costs, speeds, memory_limits)
