@@ -120,6 +120,7 @@ def test_pipeline_matches_single_stage(tiny, reference, pp: int, virtual: int) -
     finally:
         ex.shutdown()
     assert out == reference
+    assert [p.exitcode for p in ex.procs.values()] == [0] * pp   # clean stop, no abort at exit
     assert stats["steps_completed"] == NEW_TOKENS * len(PROMPTS)
     assert [s["steps"] for s in stats["stages"]] == [NEW_TOKENS * len(PROMPTS) * virtual] * pp
     # The tiny model computes in well under a millisecond, so whether two of

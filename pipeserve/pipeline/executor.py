@@ -250,10 +250,12 @@ class PipelineExecutor(Executor):
             output, intervals = obj
             self._add_intervals(intervals)
             self.timeline.step_finished(output.step_id, arrived)
+            # Queue the output before it stops counting as in flight: wait() must
+            # never see "nothing in flight, nothing done" while it is between the two.
+            self._done.put(output)
             with self._lock:
                 self._inflight.pop(output.step_id, None)
                 self._last_progress = time.monotonic()
-            self._done.put(output)
         elif kind == Kind.PONG:
             self._pongs.put((stage, obj, arrived))
         elif kind in (Kind.TIMELINE, Kind.BYE):
@@ -318,18 +320,21 @@ class PipelineExecutor(Executor):
             except queue.Empty:
                 return
 
-    def stats(self) -> dict:
-        """Per-stage busy fraction, bubble ratio, compute/send/recv/wait seconds and step counts
-        over the window from the first submit to the last result (see metrics.timeline)."""
+    def stats(self, last_seconds: float | None = None) -> dict:
+        """Per-stage busy fraction, bubble ratio, compute/send/recv/wait seconds and step
+        counts (see metrics.timeline), over the window from the first submit to the last
+        result, or over its last ``last_seconds``; plus their means over stages."""
         if not self._inflight:
             self.flush_timeline()
         window = self.timeline.window()
+        if window and last_seconds:
+            window = (max(window[0], window[1] - last_seconds), window[1])
         stages = self.timeline.stats(window)
-        mean = (lambda key: sum(getattr(s, key) for s in stages) / len(stages)) if stages else (lambda key: 0.0)
         return {"num_stages": self.num_stages, "virtual_stages": self.spec.virtual_stages,
                 "window_s": (window[1] - window[0]) if window else 0.0,
                 "steps_completed": len(self.timeline.step_spans()),
-                "busy_fraction": mean("busy_fraction"), "bubble_ratio": mean("bubble_ratio"),
+                "busy_fraction": _mean([s.busy_fraction for s in stages]),
+                "bubble_ratio": _mean([s.bubble_ratio for s in stages]),
                 "stages": [s.as_dict() for s in stages], "clock_offsets_s": list(self.clock_offsets),
                 "healthy": self.healthy}
 
@@ -356,14 +361,18 @@ class PipelineExecutor(Executor):
                 self._send(stage + 1, Kind.STOP, None)
             stop_processes(list(self.procs.values()), grace=5.0)
             self._receiver.join(timeout=2.0)
-        self._kill_all()
+        self._kill_all(stop_remote=not clean)
+        for thread in getattr(self, "_threads", []):
+            thread.join(timeout=0.5)  # threads left in gloo at interpreter exit may abort it
         if self.config.trace_file and self.timeline.step_spans():
             self.write_trace(self.config.trace_file)
 
-    def _kill_all(self) -> None:
+    def _kill_all(self, stop_remote: bool = True) -> None:
         self._closed = True
         stop_processes(list(self.procs.values()), grace=0.0)
-        for sendq in getattr(self, "_sendqs", {}).values():
+        for rank, sendq in getattr(self, "_sendqs", {}).items():
+            if stop_remote and rank - 1 not in self.procs:
+                sendq.put((rank, Kind.STOP, None, None))  # best effort: remote stages we cannot kill
             sendq.put(None)
 
     def __del__(self) -> None:
@@ -371,6 +380,10 @@ class PipelineExecutor(Executor):
             self._kill_all()
         except Exception:
             pass
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _signal_note(code: int | None) -> str:

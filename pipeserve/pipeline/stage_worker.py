@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -193,3 +194,9 @@ def stage_main(rank: int, master_addr: str, master_port: int, timeout: float) ->
     store.set(ready_key(rank), "1")
     transport = TorchTransport(store, rank, spec.num_stages + 1, local_address_for(master_addr), device)
     StageWorker(spec, stage, runners, transport).run()
+    # Every message has left (the sender joined). Skip interpreter teardown:
+    # destroying gloo's threads there can abort the process after a clean run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
