@@ -273,3 +273,20 @@ def test_bad_partition_is_refused_before_spawning() -> None:
     cfg = _synthetic_cfg()
     with pytest.raises(ValueError, match="covers 5 layers"):
         PipelineExecutor(config(2), SyntheticSource(), cfg, [(0, 2), (2, 5)], 8, 0, runner_factory=SleepRunner)
+
+
+def test_llm_with_two_stages_matches_one(tiny_checkpoints) -> None:
+    """Through the engine: pipeserve.LLM(..., pipeline_parallel_size=2) == PP = 1, greedy."""
+    from pipeserve import LLM, SamplingParams
+    path = str(tiny_checkpoints("llama_tied_gqa"))
+    prompts = ["hello world", "the quick brown fox", "tokens flow", "a stage holds its layers"]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    outputs = {}
+    for pp in (1, 2):
+        with LLM(model=path, pipeline_parallel_size=pp, dtype="float32", kv_cache_memory="8MiB",
+                 threads_per_stage=1) as llm:
+            outputs[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if pp == 2:
+                stats = llm.stats()["pipeline"]
+    assert outputs[2] == outputs[1]
+    assert stats["steps_completed"] > 0 and len(stats["stages"]) == 2
