@@ -250,9 +250,5 @@ class LLMEngine:
         return [str(p) for p in write(path)]
 
     def shutdown(self) -> None:
-        if self.config.trace_file and self.healthy and hasattr(self.executor, "write_trace"):
-            try:
-                self.write_trace(self.config.trace_file)
-            except Exception as exc:  # a failed trace must not block shutdown
-                logger.warning("could not write the trace file: %s", exc)
+        """Stops the stages; the pipeline executor writes ``--trace-file`` as it stops."""
         self.executor.shutdown()

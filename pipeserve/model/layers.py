@@ -94,10 +94,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor,
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    half = x32.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    # In the activation dtype, as the Hugging Face reference does (cos/sin cast down).
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
