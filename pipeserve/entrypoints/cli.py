@@ -18,11 +18,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "node_rank", 0) and args.command != "worker":
+        # The same command on another node runs that node's stages for the driver on node 0.
+        return _run_worker_node(args)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pipeserve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_worker_node(args: argparse.Namespace) -> int:
+    from pipeserve.pipeline.cli import run as run_worker
+    if not 0 < args.node_rank < args.nnodes:
+        print(f"pipeserve: error: --node-rank must be in [0, {args.nnodes}), got {args.node_rank}",
+              file=sys.stderr)
+        return 2
+    return run_worker(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
