@@ -194,7 +194,7 @@ def test_penalties_match_hand_computation():
 
 def test_penalties_steer_greedy_but_logprobs_stay_raw():
     raw = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
-    out = Sampler(0).sample(raw, [sp(temperature=0.0, frequency_penalty=1.0,
+    out = Sampler(0).sample(raw, [sp(temperature=0.0, frequency_penalty=1.0, num_logprobs=0,
                                      prompt_token_ids=[], output_token_ids=[0])])
     token, logprob, _ = out[0]
     assert token == 1
@@ -220,7 +220,9 @@ def test_logprobs_are_raw_log_softmax_with_ordered_top_n(logits):
     out = Sampler(0).sample(logits, params)
     ref = torch.log_softmax(logits, -1)
     for i, (token, logprob, top) in enumerate(out):
-        assert logprob == pytest.approx(float(ref[i, token]), abs=1e-5)
+        # Rows that asked for no logprobs skip the normalisation and read 0.0.
+        expected = float(ref[i, token]) if params[i].num_logprobs is not None else 0.0
+        assert logprob == pytest.approx(expected, abs=1e-5)
         n = params[i].num_logprobs or 0
         assert len(top) == n
         values, ids = ref[i].topk(n) if n else (torch.empty(0), torch.empty(0))

@@ -91,7 +91,7 @@ class OutputProcessor:
         return CompletionOutput(index=seq.index, text=text, token_ids=seq.output_token_ids,
                                 logprobs=state.logprobs, finish_reason=seq.finish_reason,
                                 stop_reason=seq.stop_reason,
-                                cumulative_logprob=state.cumulative_logprob)
+                                cumulative_logprob=None if state.logprobs is None else state.cumulative_logprob)
 
     def finish(self, group: SequenceGroup, reason: str | None, error: str | None = None) -> RequestOutput:
         """Final output of a request; ``reason`` marks sequences not yet finished (abort, error)."""

@@ -59,13 +59,15 @@ class Sampler:
         logits before penalties, bans, temperature and truncation (vLLM's
         default), so they describe the model, not the sampling settings.
         ``params[i].num_logprobs`` = N asks for the N best tokens of that raw
-        distribution; N = 0 or None returns only the sampled token's logprob.
+        distribution; N = 0 returns only the sampled token's logprob. Rows with
+        ``num_logprobs`` None skip the normalisation (a pass over the vocab) and
+        report a logprob of 0.0, which the engine does not show.
         """
         if logits.dim() != 2 or logits.shape[0] != len(params):
             raise ValueError(f"Sampler.sample expects logits [S, V] with S = len(params) = "
                              f"{len(params)}, got shape {tuple(logits.shape)}")
         logits = logits.float()
-        log_norm = torch.logsumexp(logits, dim=-1)                        # [S]
+        log_norm = _log_norm(logits, params)                              # [S]
         adjusted = self._adjusted_logits(logits, params)                  # [S, V]
         tokens = self._choose_tokens(adjusted, params)                    # [S]
         return self._results(logits, log_norm, tokens, params)
@@ -108,9 +110,22 @@ class Sampler:
     @staticmethod
     def _results(logits: torch.Tensor, log_norm: torch.Tensor, tokens: torch.Tensor,
                  params: list[SeqSampling]) -> list[SampleResult]:
-        chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - log_norm).tolist()
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1)            # [S]
+        wanted = torch.tensor([p.num_logprobs is not None for p in params], device=logits.device)
+        chosen = torch.where(wanted, chosen - log_norm, torch.zeros_like(chosen)).tolist()
         top = _top_logprobs(logits, log_norm, params)
         return [(t, lp, top.get(i, [])) for i, (t, lp) in enumerate(zip(tokens.tolist(), chosen))]
+
+
+def _log_norm(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+    """logsumexp over the vocab for the rows that want logprobs; 0 for the others."""
+    rows = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+    if len(rows) == len(params):
+        return torch.logsumexp(logits, dim=-1)
+    norm = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    if rows:
+        norm[rows] = torch.logsumexp(logits[rows], dim=-1)
+    return norm
 
 
 def _top_logprobs(logits: torch.Tensor, log_norm: torch.Tensor,
