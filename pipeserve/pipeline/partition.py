@@ -192,7 +192,12 @@ def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
         threads = _torch.get_num_threads()
         _torch.set_num_threads(config.stage_threads)  # measure as a stage will run
         try:
-            costs = measure_layer_costs(cfg, dtype, device, block_size=config.block_size)
+            # Cost ratios depend on the batch: the LM head is ~7 layers at 8 decode
+            # tokens but ~3 at 32 (attention grows with batch x context, the head
+            # with batch only). Measure at a serving-sized micro-batch.
+            batch = max(8, min(32, config.max_num_seqs // num_stages))
+            costs = measure_layer_costs(cfg, dtype, device, batch=batch, context=256,
+                                        block_size=config.block_size)
         finally:
             _torch.set_num_threads(threads)
     virtual = config.pp_virtual_stages if config.pp_schedule == "interleaved" else 1
