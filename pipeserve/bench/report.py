@@ -96,13 +96,16 @@ def serve_table(results: list[tuple[str, dict]]) -> list[str]:
 def targets(results: list[tuple[str, dict]]) -> list[str]:
     """The issue's two targets, checked on whatever runs exist."""
     lines = []
+    reference = _reference_dataset(results)
     for name, data in results:
         b = data.get("baseline")
         if b:
+            # The ≥ 3× target is set on the reference random workload; other runs are shown as measured.
             verdict = "meets" if b["speedup_output_tokens_per_s"] >= 3.0 else "misses"
+            judged = f" ({verdict} the ≥ 3× target)" if data["dataset"] == reference else " (not the reference workload)"
             lines.append(f"- `{name}`: pipeserve {b['pipeserve_output_tokens_per_s']:.0f} output tok/s vs "
                          f"transformers {b['hf_output_tokens_per_s']:.0f} (best batch {b['hf_best_batch_size']})"
-                         f" = **{b['speedup_output_tokens_per_s']:.2f}×** ({verdict} the ≥ 3× target)")
+                         f" = **{b['speedup_output_tokens_per_s']:.2f}×**{judged}")
     for on, off, ratio in prefix_cache_pairs(results):
         verdict = "meets" if ratio >= 2.0 else "misses"
         lines.append(f"- prefix caching: mean TTFT `{off}` / `{on}` = **{ratio:.2f}×** ({verdict} the ≥ 2× target)")
@@ -140,7 +143,8 @@ def commands(results: list[tuple[str, dict]]) -> list[str]:
 def best_engine_flags(results: list[tuple[str, dict]], dataset: str = "random") -> str:
     """Pipeline flags of the pipeserve run with the most output tokens/s on ``dataset``
     (run_all.sh measures the transformers baseline against that configuration)."""
-    runs = [run for _, data in results if data["kind"] == "throughput" and data["dataset"].get("name") == dataset
+    reference = _reference_dataset(results, dataset)
+    runs = [run for _, data in results if data["kind"] == "throughput" and data["dataset"] == reference
             for run in data["runs"] if run["backend"] == "pipeserve"]
     if not runs:
         raise ValueError(f"no pipeserve throughput result on the {dataset} workload to choose from")
@@ -150,6 +154,14 @@ def best_engine_flags(results: list[tuple[str, dict]], dataset: str = "random") 
     if engine["pp_schedule"] == "interleaved":
         flags += ["--pp-virtual-stages", str(engine["pp_virtual_stages"])]
     return " ".join(flags)
+
+
+def _reference_dataset(results: list[tuple[str, dict]], dataset: str = "random") -> dict | None:
+    """The reference workload: the ``dataset`` workload with the most output tokens
+    (run_all.sh's 256 requests); smaller side runs on the same dataset are not compared."""
+    candidates = [data["dataset"] for _, data in results
+                  if data["kind"] == "throughput" and data["dataset"].get("name") == dataset]
+    return max(candidates, key=lambda d: d.get("total_output_tokens", 0), default=None)
 
 
 def update_readme(readme: Path, section: str) -> None:

@@ -73,13 +73,18 @@ def load_model(spec: str) -> tuple[str, ModelConfig]:
     return name, ModelConfig.from_hf_dict(MODEL_PRESETS[name])
 
 
-def _read_config(path: Path) -> dict:
+def read_json(path: Path, what: str):
+    """Parse a user-given JSON file; a missing or broken file is a PlanInputError naming ``what``."""
     if not path.exists():
-        raise PlanInputError(f"model config {str(path)!r} does not exist")
+        raise PlanInputError(f"{what} {str(path)!r} does not exist")
     try:
-        cfg = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise PlanInputError(f"cannot read model config {str(path)!r}: {exc}") from exc
+        raise PlanInputError(f"cannot read {what} {str(path)!r}: {exc}") from exc
+
+
+def _read_config(path: Path) -> dict:
+    cfg = read_json(path, "model config")
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
     missing = [key for key in required if key not in cfg]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeserve.plan.presets import PlanInputError
+from pipeserve.plan.presets import PlanInputError, read_json
 
 CHARS_PER_TOKEN = 4.0  # ShareGPT text is not tokenized here (no runtime); ~4 chars per token
 KINDS = ("random", "shared-prefix", "sharegpt")
@@ -82,13 +81,7 @@ def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, count: i
 
 def load_sharegpt(path: str, limit: int) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) of the first human→gpt turn of each conversation."""
-    file = Path(path)
-    if not file.exists():
-        raise PlanInputError(f"ShareGPT file {path!r} does not exist")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanInputError(f"cannot read ShareGPT file {path!r}: {exc}") from exc
+    data = read_json(Path(path), "ShareGPT file")
     pairs = []
     for item in data if isinstance(data, list) else []:
         turns = item.get("conversations", []) if isinstance(item, dict) else []

@@ -7,16 +7,15 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pipeserve.engine.async_engine import RequestStream
 from pipeserve.outputs import RequestOutput
 from pipeserve.server.errors import APIError, error_body
 from pipeserve.server.logprobs import chat_logprobs
 from pipeserve.server.protocol import ChatCompletionRequest, resolve_max_tokens
-from pipeserve.server.serving import (Admission, ServerState, close_all, final_outputs, new_request_id,
-                                      open_streams, raise_for_failure, unless_disconnected)
-from pipeserve.server.streaming import DONE, DeltaTracker, EventStreamResponse, sse, usage
+from pipeserve.server.serving import Admission, ServerState, close_all, new_request_id, respond
+from pipeserve.server.streaming import DONE, DeltaTracker, sse, usage
 
 logger = logging.getLogger(__name__)
 
@@ -28,24 +27,11 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     max_tokens = resolve_max_tokens(body.requested_max_tokens, len(ids), state.max_model_len,
                                     prompt_field="messages")
     params = body.sampling_params(max_tokens, body.num_logprobs)
-    admission = Admission(state, 1)
     request_id = new_request_id("chatcmpl")
-    try:
-        streams = await open_streams(state, request_id, [(None, ids)], [params], priority=body.priority,
-                                     user=body.user)
-    except BaseException:
-        admission.release()
-        raise
     view = _View(state, body, request_id)
-    if body.stream:
-        return EventStreamResponse(_stream(view, streams[0], admission),
-                                   on_close=lambda: (close_all(streams), admission.release()))
-    try:
-        outputs = await unless_disconnected(raw, final_outputs(streams))
-    finally:
-        admission.release()
-    raise_for_failure(outputs)
-    return JSONResponse(view.response(outputs[0]))
+    return await respond(state, raw, body, request_id, [(None, ids)], [params],
+                         lambda streams, admission: _stream(view, streams[0], admission),
+                         lambda outputs: view.response(outputs[0]))
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:

@@ -7,16 +7,15 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pipeserve.engine.async_engine import RequestStream
 from pipeserve.outputs import CompletionOutput, RequestOutput
 from pipeserve.server.errors import error_body
 from pipeserve.server.logprobs import completion_logprobs
 from pipeserve.server.protocol import CompletionRequest, resolve_max_tokens
-from pipeserve.server.serving import (Admission, ServerState, close_all, final_outputs, new_request_id,
-                                      open_streams, raise_for_failure, unless_disconnected)
-from pipeserve.server.streaming import DONE, DeltaTracker, EventStreamResponse, merge_streams, sse, usage
+from pipeserve.server.serving import Admission, ServerState, close_all, new_request_id, respond
+from pipeserve.server.streaming import DONE, DeltaTracker, merge_streams, sse, usage
 
 logger = logging.getLogger(__name__)
 
@@ -27,24 +26,10 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     prompts = [_encode(state, p) for p in body.prompts()]
     params = [body.sampling_params(resolve_max_tokens(body.max_tokens, len(ids), state.max_model_len),
                                    body.logprobs) for _, ids in prompts]
-    admission = Admission(state, len(prompts))
     request_id = new_request_id("cmpl")
-    try:
-        streams = await open_streams(state, request_id, prompts, params, priority=body.priority,
-                                     user=body.user)
-    except BaseException:
-        admission.release()
-        raise
     view = _View(state, body, request_id, prompts)
-    if body.stream:
-        return EventStreamResponse(_stream(view, streams, admission),
-                                   on_close=lambda: (close_all(streams), admission.release()))
-    try:
-        outputs = await unless_disconnected(raw, final_outputs(streams))
-    finally:
-        admission.release()
-    raise_for_failure(outputs)
-    return JSONResponse(view.response(outputs))
+    return await respond(state, raw, body, request_id, prompts, params,
+                         lambda streams, admission: _stream(view, streams, admission), view.response)
 
 
 def _encode(state: ServerState, prompt: str | list[int]) -> tuple[str | None, list[int]]:

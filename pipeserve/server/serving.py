@@ -7,17 +7,19 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from pipeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.server.errors import APIError
 from pipeserve.server.metrics import ServerMetrics
+from pipeserve.server.streaming import EventStreamResponse
 
 T = TypeVar("T")
 
@@ -172,3 +174,28 @@ def raise_for_failure(outputs: Sequence[RequestOutput]) -> None:
             raise APIError(503, f"the request failed: {out.error}")
         if any(c.finish_reason == "abort" for c in out.outputs):
             raise APIError(503, "the request was aborted: the server is shutting down")
+
+
+async def respond(state: ServerState, raw: Request, body: Any, request_id: str,
+                  prompts: Sequence[tuple[str | None, list[int]]], params: Sequence[SamplingParams],
+                  events: Callable[[list[RequestStream], Admission], AsyncIterator[str]],
+                  render: Callable[[list[RequestOutput]], dict]) -> Response:
+    """Admit and run the prompts, then answer as Server-Sent Events (``events``)
+    or as one JSON body (``render``). The admission is released however the
+    request ends: done, failed, or the client gone."""
+    admission = Admission(state, len(prompts))
+    try:
+        streams = await open_streams(state, request_id, prompts, params, priority=body.priority,
+                                     user=body.user)
+    except BaseException:
+        admission.release()
+        raise
+    if body.stream:
+        return EventStreamResponse(events(streams, admission),
+                                   on_close=lambda: (close_all(streams), admission.release()))
+    try:
+        outputs = await unless_disconnected(raw, final_outputs(streams))
+    finally:
+        admission.release()
+    raise_for_failure(outputs)
+    return JSONResponse(render(outputs))
