@@ -87,3 +87,29 @@ def test_presets_case_insensitive() -> None:
     assert load_model("LLAMA-3.1-405b")[1].num_layers == 126
     with pytest.raises(PlanInputError, match="unknown hardware preset"):
         load_hardware("tpu-v9")
+
+
+def test_stage_compute_share_models_threading_loss():
+    from pipeserve.plan.hardware import load_hardware
+    import dataclasses
+    base = dataclasses.replace(load_hardware("cpu-local"), cores=4, parallel_efficiency=0.5)
+    # One stage with 4 cores at e = 0.5: 1 + 3 * 0.5 = 2.5 cores' worth of 4.
+    assert base.stage_compute_share(1) == pytest.approx(2.5 / 4)
+    # Two stages, 2 cores each: (1 + 0.5) / 4 each.
+    assert base.stage_compute_share(2) == pytest.approx(1.5 / 4)
+    # More stages than cores: time-sliced, an equal slice each, no threading loss.
+    assert base.stage_compute_share(8) == pytest.approx(1 / 8)
+    linear = dataclasses.replace(base, parallel_efficiency=1.0)
+    assert linear.stage_compute_share(2) == pytest.approx(0.5)
+
+
+def test_kv_read_amplification_scales_only_the_kv_bytes():
+    from pipeserve.plan.presets import load_model
+    from pipeserve.plan.roofline import BatchShape, LayerCosts
+    _, cfg = load_model("smollm2-135m")
+    shape = BatchShape.decode(8, 256)
+    one = LayerCosts(cfg, 2).layer(shape)
+    three = LayerCosts(cfg, 2, kv_read_amplification=3.0).layer(shape)
+    kv = (shape.kv_tokens + shape.new_tokens) * LayerCosts(cfg, 2).kv_bytes_per_token_layer()
+    assert three.bytes - one.bytes == pytest.approx(2 * kv)
+    assert three.flops == one.flops

@@ -55,6 +55,50 @@ def measure_matmul_flops(torch, model: ModelConfig, dtype, tokens: int) -> float
     return flops / _timed(run, repeats)
 
 
+def measure_parallel_efficiency(torch, model: ModelConfig, dtype, cores: int) -> float:
+    """How much of a linear speed-up one process gets from ``cores`` threads on a
+    decode-shaped layer: e in 1 + (cores - 1)·e."""
+    if cores < 2:
+        return 1.0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = measure_matmul_flops(torch, model, dtype, DECODE_TOKENS)
+        torch.set_num_threads(cores)
+        many = measure_matmul_flops(torch, model, dtype, DECODE_TOKENS)
+    finally:
+        torch.set_num_threads(threads)
+    return min(1.0, max(0.0, (many / one - 1.0) / (cores - 1)))
+
+
+def measure_kv_amplification(torch, model: ModelConfig, dtype, bandwidth: float,
+                             seqs: int = 64, context: int = 256, block_size: int = 16) -> float:
+    """Memory traffic per attended KV byte of a decode step done the way the
+    PyTorch CPU backend does it: gather whole blocks (a copy), then two batched
+    matmuls over the copy. Plain torch ops of those shapes, no runtime import."""
+    kv, d, heads = model.num_kv_heads, model.head_dim, model.num_heads
+    blocks = -(-context // block_size)
+    cache = [torch.randn(seqs * blocks * 2, block_size * kv * d).to(dtype) for _ in range(2)]
+    index = torch.randperm(seqs * blocks * 2)[: seqs * blocks]
+    q = torch.randn(seqs, heads, d).to(dtype)
+    ctx = blocks * block_size
+
+    def attend():
+        k = cache[0].index_select(0, index).view(seqs, ctx * kv, d)
+        v = cache[1].index_select(0, index).view(seqs, ctx, kv * d)
+        scores = torch.bmm(q, k.transpose(1, 2)).view(seqs, heads, ctx, kv)
+        return torch.bmm(scores.sum(-1).softmax(-1), v)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = _timed(attend, 5)
+    finally:
+        torch.set_num_threads(threads)
+    attended = 2 * seqs * ctx * kv * d * (torch.tensor([], dtype=dtype).element_size())
+    return max(1.0, seconds * bandwidth / attended)
+
+
 def measure_bandwidth(torch, nbytes: int = 256 * 1024**2) -> float:
     """Bytes/s of a large copy (a read and a write of every byte)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -161,6 +205,10 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
     overhead = measure_layer_overhead(torch, tdtype)
     torch.set_num_threads(threads)
     log(f"per-layer dispatch overhead: {overhead * 1e6:.1f} us")
+    efficiency = measure_parallel_efficiency(torch, model, tdtype, cores)
+    log(f"parallel efficiency of {cores} threads in one stage: {efficiency:.2f}")
+    amplification = measure_kv_amplification(torch, model, tdtype, bandwidth / cores)
+    log(f"KV read amplification of the CPU attention backend: {amplification:.2f}x")
     link_bw, link_lat = measure_gloo_link()
     log(f"gloo loopback: latency {link_lat * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s")
     log(f"calibration took {time.perf_counter() - started:.1f} s ({cores} cores)")
@@ -169,7 +217,8 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
         mem_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
         gpus_per_node=64, intra_node_bandwidth=link_bw, intra_node_latency=link_lat,
         inter_node_bandwidth=link_bw, inter_node_latency=link_lat, layer_overhead=overhead,
-        dtype=dtype, memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True)
+        dtype=dtype, memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True,
+        cores=cores, parallel_efficiency=efficiency, kv_read_amplification=amplification)
 
 
 def write_hardware_file(hw: Hardware, path: str) -> None:

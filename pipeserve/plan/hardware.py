@@ -37,6 +37,13 @@ class Hardware:
     # True where all stages of a node share one pool of compute and bandwidth
     # (cpu-local: P stage processes split the cores), so a stage gets 1/(stages on node).
     shared_compute: bool = False
+    # Shared compute only: the node's cores, and how well one stage uses several of them
+    # (1.0 = linear; a stage given c cores runs at 1 + (c - 1)·e cores' worth).
+    cores: int = 1
+    parallel_efficiency: float = 1.0
+    # Memory traffic per byte of KV attended: 1 for a fused paged kernel; pipeserve's
+    # PyTorch CPU backend copies the blocks it gathers, then reads the copy (~3).
+    kv_read_amplification: float = 1.0
 
     def __post_init__(self) -> None:
         for f in ("flops_prefill", "flops_decode", "mem_bandwidth", "mem_bytes",
@@ -47,6 +54,16 @@ class Hardware:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
+
+    def stage_compute_share(self, stages_on_node: int) -> float:
+        """Fraction of the node's compute one of ``stages_on_node`` stages gets."""
+        if not self.shared_compute:
+            return 1.0
+        cores_each = self.cores / stages_on_node
+        if cores_each <= 1.0:
+            return 1.0 / stages_on_node          # time-sliced cores: no threading loss
+        speedup = 1.0 + (cores_each - 1.0) * self.parallel_efficiency
+        return speedup / self.cores
 
     @property
     def usable_bytes(self) -> float:

@@ -57,10 +57,12 @@ class OpCost:
 class LayerCosts:
     """FLOPs and bytes of the model's pieces for a batch shape, on one of ``tp`` ranks."""
 
-    def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1) -> None:
+    def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1,
+                 kv_read_amplification: float = 1.0) -> None:
         self.model = model
         self.bytes = dtype_bytes
         self.tp = tp
+        self.kv_read_amplification = kv_read_amplification
         h = model.hidden_size
         self.attn_params = h * model.q_size * 2 + 2 * h * model.kv_size
         self.expert_params = 3 * h * model.intermediate_size
@@ -84,7 +86,7 @@ class LayerCosts:
         active = self.attn_params + self.expert_params * max(1, m.num_experts_per_tok)
         flops = 2 * active * t + 4 * shape.attn_pairs * m.q_size
         weights = self.attn_params + self.expert_params * self.experts_touched(t)
-        kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer()  # already per rank
+        kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer() * self.kv_read_amplification  # per rank
         act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * m.intermediate_size)
         return OpCost(flops / self.tp, (weights + act) * self.bytes / self.tp + kv)
 

@@ -26,7 +26,7 @@ class PipelineCosts:
         self.chunk_layers = list(chunk_layers)
         self.num_workers = num_workers
         self.dtype = dtype or hw.dtype
-        self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp)
+        self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification)
         nodes = [self.node_of(w) for w in range(num_workers)]
         # With shared compute every worker on a node gets an equal slice of it.
         self.share = [nodes.count(n) if hw.shared_compute else 1 for n in nodes]
@@ -44,7 +44,7 @@ class PipelineCosts:
     def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
         rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
         share = self.share[worker]
-        return cost.time(rate / share, self.hw.mem_bandwidth / share)
+        return cost.time(rate * self.hw.stage_compute_share(share), self.hw.mem_bandwidth / share)
 
     def layer_time(self, shape: BatchShape, worker: int = 0) -> float:
         """One decoder layer on one worker, its TP all-reduces included."""
