@@ -50,9 +50,15 @@ TINY_CASES = [(pp, s, e) for pp in (2, 3) for s, e in SCHEDULES if pp * e.get("p
 @pytest.mark.parametrize("pp,schedule,extra", TINY_CASES, ids=[f"pp{p}-{s}" for p, s, _ in TINY_CASES])
 @pytest.mark.parametrize("partition", ["uniform", "auto", "manual"])
 def test_tiny_qwen2_pipeline_equals_single_stage(qwen2, pp, schedule, extra, partition):
-    path, prompts, reference = qwen2
+    assert_matches_single_stage(qwen2, 4, pp, schedule, extra, partition)
+
+
+def assert_matches_single_stage(case, num_layers: int, pp: int, schedule: str, extra: dict,
+                                partition: str) -> None:
+    """``case`` is (model path, prompts, PP = 1 tokens); "manual" becomes an uneven split."""
+    path, prompts, reference = case
     virtual = extra.get("pp_virtual_stages", 1)
-    split = manual_split(pp, 4, virtual) if partition == "manual" else partition
+    split = manual_split(pp, num_layers, virtual) if partition == "manual" else partition
     got = run(path, prompts, pipeline_parallel_size=pp, pp_schedule=schedule, pp_partition=split, **extra)
     assert got == reference
 
@@ -72,11 +78,7 @@ def smollm2(smollm2_gguf):
     (3, "interleaved", {"pp_virtual_stages": 2}, "auto"),
 ])
 def test_smollm2_pipeline_equals_single_stage(smollm2, pp, schedule, extra, partition):
-    path, prompts, reference = smollm2
-    virtual = extra.get("pp_virtual_stages", 1)
-    split = manual_split(pp, 30, virtual) if partition == "manual" else partition
-    got = run(path, prompts, pipeline_parallel_size=pp, pp_schedule=schedule, pp_partition=split, **extra)
-    assert got == reference
+    assert_matches_single_stage(smollm2, 30, pp, schedule, extra, partition)
 
 
 def test_killed_stage_fails_every_request_and_leaves_no_process(qwen2):
