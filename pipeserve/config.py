@@ -27,6 +27,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: str | int = "1GiB"            # host pool for preemption by swap
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"           # auto | torch | cpu (C decode kernel)
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -66,6 +67,8 @@ class EngineConfig:
                  f"must be >= 1, got {self.pipeline_parallel_size}")
         _require(self.pp_schedule in ("async", "gpipe", "interleaved"), "pp_schedule",
                  f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
+        _require(self.attention_backend in ("auto", "torch", "cpu"), "attention_backend",
+                 f"must be auto, torch or cpu, got {self.attention_backend!r}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
 

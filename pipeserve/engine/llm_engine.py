@@ -6,6 +6,7 @@ the executor behind it only runs the steps it is given.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -45,6 +46,9 @@ class LLMEngine:
         self._inflight: dict[int, SchedulerOutput] = {}
         self._groups: dict = {}
         self._dead: str | None = None
+        # Objects made so far (model, tokenizer, tables) live as long as the
+        # engine: take them out of the cyclic collector's scans, as vLLM does.
+        gc.freeze()
         logger.info("engine ready: %d KV blocks of %d tokens (%d host blocks), max_model_len=%d",
                     self.num_blocks, config.block_size, self.num_host_blocks, self.max_model_len)
 
@@ -94,7 +98,8 @@ class LLMEngine:
                                  end_layer=self.model_config.num_layers, is_first=True, is_last=True,
                                  dtype=self.dtype, device=torch.device(self._device(0)),
                                  num_blocks=self.num_blocks, num_host_blocks=self.num_host_blocks,
-                                 block_size=self.config.block_size)
+                                 block_size=self.config.block_size,
+                                 attention_backend=self.config.attention_backend)
             return LocalExecutor(runner)
         from pipeserve.pipeline.executor import PipelineExecutor
         return PipelineExecutor(self.config, self.source, self.model_config, self.partition,

@@ -18,6 +18,7 @@ _HELP = {
     "scheduling_policy": "fcfs | priority | fair",
     "preemption_mode": "recompute | swap",
     "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",
+    "attention_backend": "auto (cpu on CPU when gcc is present, else torch) | torch | cpu (C decode kernel)",
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
 }
 _SHORT = {"pipeline_parallel_size": ["-pp"]}

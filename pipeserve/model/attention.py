@@ -35,22 +35,32 @@ class AttentionMetadata:
 
 
 @dataclass
-class _Group:
-    """Sequences attended together by one padded SDPA call."""
+class DecodeBatch:
+    """The decodes of a step (one new token each), attended together."""
 
-    query_index: torch.Tensor   # [B, max_q] rows of the flat query batch (padding points at row 0)
-    key_slots: torch.Tensor     # [B, max_ctx] cache slots (padding points at slot 0)
-    mask: torch.Tensor          # [B, 1, max_q, max_ctx] bool, True = attend
-    out_rows: torch.Tensor      # [n] rows of the flat output this group fills
-    valid: torch.Tensor         # [n] flat indices into [B * max_q] of the real queries
-    # Decode groups only: whole blocks are gathered, so keys are padded to a block multiple.
-    block_index: torch.Tensor | None = None   # [B, max_blocks] block ids (padding points at block 0)
-    bias: torch.Tensor | None = None          # [B, 1, 1, max_blocks * block_size] float32: 0 or -inf
+    query_index: torch.Tensor     # [B] rows of the flat query batch
+    block_index: torch.Tensor     # [B, max_blocks] block ids (padding points at block 0)
+    context_lens: torch.Tensor    # [B] int64
+    bias: torch.Tensor            # [B, 1, 1, max_blocks * block_size] float32: 0 or -inf (torch path)
+
+
+@dataclass
+class Prefill:
+    """One sequence's prompt (or prompt chunk): ``q_len`` new tokens at rows
+    ``start .. start + q_len`` of the flat batch."""
+
+    start: int
+    q_len: int
+    context_len: int
+    # Only when earlier tokens are cached (a prefix hit or a later chunk):
+    key_slots: torch.Tensor | None = None   # [context_len] cache slots
+    mask: torch.Tensor | None = None        # [1, 1, q_len, context_len] bool, True = attend
 
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    groups: list[_Group] = field(default_factory=list)
+    decodes: DecodeBatch | None = None
+    prefills: list[Prefill] = field(default_factory=list)
 
 
 class AttentionBackend(ABC):
@@ -83,14 +93,14 @@ def slot_mapping_for(query_lens: list[int], context_lens: list[int],
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Reference backend: gather each sequence's keys into a padded batch by
-    slot and call ``scaled_dot_product_attention`` with a boolean mask.
+    """Reference backend, PyTorch operators only.
 
-    Gathers use ``index_select`` on a flat index: on CPU it is 3-6x faster than
-    advanced indexing (and than gathering whole blocks) for these shapes.
-
-    Decodes (one query) and prefills are padded separately, so a long prompt
-    in the batch does not pad every decode to its length.
+    Prefills: one ``scaled_dot_product_attention`` call per sequence. A fresh
+    prompt attends to its own new keys (no gather from the cache) with
+    ``is_causal``, so the fused CPU/GPU kernels skip the masked half; a chunk
+    after cached tokens gathers its context by slot and passes a mask.
+    Decodes: batched matmuls over gathered blocks (``_attend_decodes``);
+    kernel backends override ``attend_decodes``.
     """
 
     def build_metadata(self, query_lens: list[int], context_lens: list[int],
@@ -102,13 +112,15 @@ class TorchPagedAttention(AttentionBackend):
         slots = slot_mapping_for(query_lens, context_lens, block_tables, block_size)
         starts = _query_starts(query_lens)
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
-        prefills = [i for i, q in enumerate(query_lens) if q > 1]
-        groups = [_build_group(idx, query_lens, context_lens, block_tables, block_size, starts, device)
-                  for idx in (decodes, prefills) if idx]
+        prefills = [_build_prefill(starts[i], query_lens[i], context_lens[i], block_tables[i], block_size,
+                                   device) for i, q in enumerate(query_lens) if q > 1]
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_lens=list(query_lens), context_lens=list(context_lens),
-            block_tables=[list(t) for t in block_tables], block_size=block_size, groups=groups)
+            block_tables=[list(t) for t in block_tables], block_size=block_size,
+            decodes=_build_decodes(decodes, starts, context_lens, block_tables, block_size, device)
+            if decodes else None,
+            prefills=prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -118,32 +130,38 @@ class TorchPagedAttention(AttentionBackend):
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)  # [n, heads, D]
-        for g in meta.groups:
-            out[g.out_rows] = _attend_group(q, k_cache, v_cache, g, scale)
+        if meta.decodes is not None:
+            out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, scale)
+        for p in meta.prefills:
+            out[p.start:p.start + p.q_len] = _attend_prefill(q, k, v, k_cache, v_cache, p, scale)
         return out
 
+    def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       d: DecodeBatch, scale: float) -> torch.Tensor:
+        """One query per sequence: [B, heads, D]. Overridden by kernel backends."""
+        return _attend_decodes(q, k_cache, v_cache, d, scale)
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  g: _Group, scale: float) -> torch.Tensor:
-    if g.bias is not None:
-        return _attend_decodes(q, k_cache, v_cache, g, scale)
-    bsz, max_q = g.query_index.shape
+
+def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, p: Prefill, scale: float) -> torch.Tensor:
+    """[q_len, heads, D] for one prefill sequence."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
-    slots = g.key_slots.view(-1)
-    qb = q.index_select(0, g.query_index.view(-1)).view(bsz, max_q, heads, head_dim).transpose(1, 2)
-    kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, slots).view(bsz, -1, kv_heads, head_dim)
-    vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, slots).view(bsz, -1, kv_heads, head_dim)
-    kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)                          # [B, kv_heads, max_ctx, D]
-    qb = qb.to(kb.dtype)                                                      # [B, heads, max_q, D]
-    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale,
-                                        enable_gqa=kb.shape[1] != heads)  # [B, heads, max_q, D]
-    ob = ob.transpose(1, 2).reshape(bsz * max_q, heads, head_dim)
-    return ob[g.valid]                              # [n, heads, D]
+    rows = slice(p.start, p.start + p.q_len)
+    if p.key_slots is None:   # fresh prompt: its keys are the new ones, in the model dtype
+        kb, vb = k[rows], v[rows]                                             # [q_len, kv_heads, D]
+    else:
+        kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, p.key_slots).view(-1, kv_heads, head_dim)
+        vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, p.key_slots).view(-1, kv_heads, head_dim)
+    qb = q[rows].to(kb.dtype).transpose(0, 1).unsqueeze(0)                    # [1, heads, q_len, D]
+    kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.to(kb.dtype).transpose(0, 1).unsqueeze(0)
+    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=p.mask, is_causal=p.mask is None,
+                                        scale=scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
+    return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    g: _Group, scale: float) -> torch.Tensor:
+                    g: DecodeBatch, scale: float) -> torch.Tensor:
     """One query per sequence, by batched matmuls over whole gathered blocks.
 
     On CPU, SDPA with a mask takes a slow path for a single query, and
@@ -162,7 +180,7 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # A 2-D view makes index_select a plain row copy (~3x faster than on the 4-D cache).
     kb = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks)          # [B * max_blocks, bs*kv*D]
     vb = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks)
-    qb = q.index_select(0, g.query_index.view(-1)).to(kb.dtype)             # [B, heads, D]
+    qb = q.index_select(0, g.query_index).to(kb.dtype)                      # [B, heads, D]
     if kv_heads <= _SHARED_SCORE_KV_HEADS:
         scores = torch.bmm(qb, kb.view(bsz, ctx * kv_heads, head_dim).transpose(1, 2))  # [B, heads, ctx*kv]
         scores = scores.view(bsz, kv_heads, group, ctx, kv_heads).diagonal(dim1=1, dim2=4)
@@ -192,39 +210,18 @@ def _query_starts(query_lens: list[int]) -> list[int]:
     return starts
 
 
-def _build_group(idx: list[int], query_lens: list[int], context_lens: list[int],
-                 block_tables: list[list[int]], block_size: int, starts: list[int],
-                 device: torch.device) -> _Group:
-    max_q = max(query_lens[i] for i in idx)
-    max_ctx = max(context_lens[i] for i in idx)
-    query_index = torch.zeros(len(idx), max_q, dtype=torch.int64)
-    key_slots = torch.zeros(len(idx), max_ctx, dtype=torch.int64)
-    # Padded query rows may attend to key 0 only: an all-False row would make
-    # SDPA return NaN, and those rows are dropped anyway.
-    mask = torch.zeros(len(idx), 1, max_q, max_ctx, dtype=torch.bool)
-    mask[:, :, :, 0] = True
-    out_rows: list[int] = []
-    valid: list[int] = []
-    key_pos = torch.arange(max_ctx)
-    for b, i in enumerate(idx):
-        q_len, ctx = query_lens[i], context_lens[i]
-        query_index[b, :q_len] = torch.arange(starts[i], starts[i] + q_len)
-        key_slots[b, :ctx] = _slots_of(block_tables[i], ctx, block_size)
-        # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
-        last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)            # [q_len, 1]
-        mask[b, 0, :q_len] = key_pos.unsqueeze(0) <= last_key              # [q_len, max_ctx]
-        out_rows.extend(range(starts[i], starts[i] + q_len))
-        valid.extend(range(b * max_q, b * max_q + q_len))
-    block_index = bias = None
-    if max_q == 1:
-        block_index, bias = _decode_blocks(idx, context_lens, block_tables, block_size, device)
-    return _Group(query_index.to(device), key_slots.to(device), mask.to(device),
-                  torch.tensor(out_rows, dtype=torch.int64, device=device),
-                  torch.tensor(valid, dtype=torch.int64, device=device), block_index, bias)
+def _build_prefill(start: int, q_len: int, ctx: int, table: list[int], block_size: int,
+                   device: torch.device) -> Prefill:
+    if ctx == q_len:
+        return Prefill(start, q_len, ctx)
+    # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
+    last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)                    # [q_len, 1]
+    mask = (torch.arange(ctx).unsqueeze(0) <= last_key).view(1, 1, q_len, ctx)
+    return Prefill(start, q_len, ctx, _slots_of(table, ctx, block_size).to(device), mask.to(device))
 
 
-def _decode_blocks(idx: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _build_decodes(idx: list[int], starts: list[int], context_lens: list[int],
+                   block_tables: list[list[int]], block_size: int, device: torch.device) -> DecodeBatch:
     """Block ids of each decode (padded with block 0) and the additive mask of their keys."""
     max_blocks = max((context_lens[i] + block_size - 1) // block_size for i in idx)
     block_index = torch.zeros(len(idx), max_blocks, dtype=torch.int64)
@@ -233,7 +230,11 @@ def _decode_blocks(idx: list[int], context_lens: list[int], block_tables: list[l
         used = (context_lens[i] + block_size - 1) // block_size
         block_index[b, :used] = torch.tensor(block_tables[i][:used], dtype=torch.int64)
         bias[b, 0, 0, :context_lens[i]] = 0.0
-    return block_index.to(device), bias.to(device)
+    return DecodeBatch(query_index=torch.tensor([starts[i] for i in idx], dtype=torch.int64, device=device),
+                       block_index=block_index.to(device),
+                       context_lens=torch.tensor([context_lens[i] for i in idx], dtype=torch.int64,
+                                                 device=device),
+                       bias=bias.to(device))
 
 
 def _slots_of(table: list[int], ctx: int, block_size: int) -> torch.Tensor:

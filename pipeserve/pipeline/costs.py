@@ -37,9 +37,11 @@ def _best_time(fn, repeats: int, device: torch.device) -> float:
 
 
 def _random_stage(cfg: ModelConfig, start: int, end: int, is_first: bool, is_last: bool,
-                  dtype: torch.dtype, device: torch.device):
+                  dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
+    from pipeserve.model.cpu_attention import select_backend
     from pipeserve.model.llama import LlamaModel  # the runtime's own layers, real shapes
-    stage = LlamaModel(cfg, start, end, is_first, is_last, dtype, device)
+    stage = LlamaModel(cfg, start, end, is_first, is_last, dtype, device,
+                       backend=select_backend(attention_backend, device))
     for p in stage.parameters():
         p.normal_(0.0, 0.02)
     return stage
@@ -53,14 +55,14 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                         batch: int = 8, context: int = 128, block_size: int = 16,
-                        repeats: int = 5) -> LayerCosts:
+                        repeats: int = 5, attention_backend: str = "auto") -> LayerCosts:
     """Time embedding, one decoder layer and norm + LM head for ``batch`` decode
     tokens, each attending to ``context`` earlier tokens."""
     device = torch.device(device)
     torch.manual_seed(0)
     # Only the model's public forward: a one-layer middle stage, and embedding-
     # only / head-only end stages (zero decoder layers).
-    layer_stage = _random_stage(cfg, 0, 1, False, False, dtype, device)
+    layer_stage = _random_stage(cfg, 0, 1, False, False, dtype, device, attention_backend)
     embed_stage = _random_stage(cfg, 0, 0, True, False, dtype, device)
     head_stage = _random_stage(cfg, 0, 0, False, True, dtype, device)
     blocks_per_seq = -(-(context + 1) // block_size)

@@ -198,7 +198,8 @@ def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
             # take the best of several repeats: this machine's timings are noisy.
             batch = max(8, min(64, config.max_num_seqs // num_stages))
             costs = measure_layer_costs(cfg, dtype, device, batch=batch, context=256,
-                                        block_size=config.block_size, repeats=9)
+                                        block_size=config.block_size, repeats=9,
+                                        attention_backend=config.attention_backend)
         finally:
             _torch.set_num_threads(threads)
     virtual = config.pp_virtual_stages if config.pp_schedule == "interleaved" else 1

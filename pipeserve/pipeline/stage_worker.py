@@ -9,6 +9,7 @@ message it sends; the last stage's results carry them to the driver.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -171,7 +172,8 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[
         runners[chunk] = factory(spec.source, spec.model_cfg, start_layer=start, end_layer=end,
                                  is_first=chunk == 0, is_last=chunk == last, dtype=dtype, device=device,
                                  num_blocks=spec.num_blocks, num_host_blocks=spec.num_host_blocks,
-                                 block_size=spec.config.block_size)
+                                 block_size=spec.config.block_size,
+                                 attention_backend=spec.config.attention_backend)
     return runners
 
 
@@ -192,6 +194,7 @@ def stage_main(rank: int, master_addr: str, master_port: int, timeout: float) ->
         store.set(failed_key(rank), traceback.format_exc())
         raise
     store.set(ready_key(rank), "1")
+    gc.freeze()  # the weights and caches live as long as the stage: keep them out of GC scans
     transport = TorchTransport(store, rank, spec.num_stages + 1, local_address_for(master_addr), device)
     StageWorker(spec, stage, runners, transport).run()
     # Every message has left (the sender joined). Skip interpreter teardown:

@@ -21,7 +21,7 @@ class ModelRunner:
     def __init__(self, source: ModelSource, cfg: ModelConfig, *, start_layer: int, end_layer: int,
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
-                 sampler_seed: int | None = None) -> None:
+                 sampler_seed: int | None = None, attention_backend: str = "auto") -> None:
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
@@ -29,7 +29,7 @@ class ModelRunner:
         self.is_first, self.is_last = is_first, is_last
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
-                                            dtype, self.device)
+                                            dtype, self.device, attention_backend)
         self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")

@@ -13,9 +13,11 @@ __all__ = ["ModelSource", "WeightReader", "load_model", "resolve_model"]
 
 def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_layer: int,
                is_first: bool, is_last: bool, dtype: torch.dtype,
-               device: torch.device | str) -> LlamaModel:
+               device: torch.device | str, attention_backend: str = "auto") -> LlamaModel:
     """Build the stage owning layers [start_layer, end_layer) and read only its tensors."""
-    model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, device)
+    from pipeserve.model.cpu_attention import select_backend
+    model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, device,
+                       backend=select_backend(attention_backend, device))
     params = dict(model.named_parameters())
     sources = model.checkpoint_names()
     if set(sources) != set(params):  # a parameter left out would keep torch.empty garbage

@@ -1,0 +1,95 @@
+"""The C decode kernel (``--attention-backend cpu``) against the PyTorch backend."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from pipeserve.kernels import build
+from pipeserve.model.attention import TorchPagedAttention
+from pipeserve.model.cpu_attention import CpuPagedAttention, select_backend
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _random_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], block_size: int,
+                  kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """A KV cache with blocks handed out in random order, and block tables into it."""
+    need = [-(-ctx // block_size) for ctx in context_lens]
+    ids = list(range(sum(need) + 3))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    shape = (len(ids), block_size, kv_heads, head_dim)
+    cache = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    return cache, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),     # SmolLM2's shape
+    (8, 2, 128, 16),    # Llama-3-style GQA, head_dim 128
+    (4, 4, 32, 5),      # MHA, a head_dim with the generic vector path, blocks not a multiple of 16
+    (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar path
+])
+def test_decodes_match_torch_backend(dtype, heads, kv_heads, head_dim, block_size):
+    rng = random.Random(hash((str(dtype), heads, head_dim)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    # Contexts from 1 token to several blocks, not multiples of the block size.
+    context_lens = [1, 2, 15, 16, 17, 33, 100, 257]
+    query_lens = [1] * len(context_lens)
+    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
+    n = len(context_lens)
+    q = torch.randn(n, heads, head_dim).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim).to(dtype)
+    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
+    meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
+        got = cpu.forward(q, k, v, cache, meta, head_dim ** -0.5)
+    assert got.dtype == q.dtype and got.shape == expected.shape
+    assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[dtype]
+
+
+def test_mixed_prefill_and_decode_batch_matches_torch_backend():
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    # decode, fresh prompt, prompt chunk after cached tokens, decode
+    query_lens, context_lens = [1, 20, 7, 1], [40, 20, 30, 3]
+    cache, tables = _random_batch(rng, query_lens, context_lens, 16, 3, 64, torch.float32)
+    total = sum(query_lens)
+    q, k, v = torch.randn(total, 9, 64), torch.randn(total, 3, 64), torch.randn(total, 3, 64)
+    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
+    meta = ref.build_metadata(query_lens, context_lens, tables, 16, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, 0.125)
+        got = cpu.forward(q, k, v, cache, meta, 0.125)
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    build.load_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            backend = select_backend("auto", "cpu")
+        assert type(backend) is TorchPagedAttention
+        assert "C decode kernel unavailable" in caplog.text
+        with pytest.raises(build.KernelBuildError, match="C compiler"):
+            select_backend("cpu", "cpu")
+    finally:
+        build.load_kernel.cache_clear()
+
+
+def test_backend_names_are_checked():
+    assert isinstance(select_backend("auto", "cpu"), CpuPagedAttention)
+    assert type(select_backend("torch", "cpu")) is TorchPagedAttention
+    with pytest.raises(ValueError, match="auto, torch, cpu"):
+        select_backend("flash", "cpu")
