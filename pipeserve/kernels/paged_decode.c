@@ -262,7 +262,137 @@ ATTEND_AVX512(attend_avx512_f16_any, DT_FLOAT16, 2, 0)
 typedef void (*attend_fn)(const float *, const char *, const char *, const int64_t *, int64_t, int64_t,
                           int64_t, int64_t, int64_t, float, float *, float *);
 
+#if defined(__AVX512BF16__)
+/* bfloat16 caches on CPUs with AVX512_BF16: products of bf16 pairs summed in
+ * float32 by one instruction (vdpbf16ps), so rows are never widened.
+ * Scores: q (rounded to bf16) . k, 32 dims per instruction. Values: two
+ * tokens per instruction, their rows interleaved, against the pair of their
+ * probabilities (rounded to bf16, as the PyTorch path does before its PV
+ * matmul). head_dim = 32 * npair. */
+static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float x) {
+    union { float f; uint32_t u; } v = {x};
+    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);   /* round to nearest even */
+}
+
+static inline __attribute__((always_inline)) void attend_seq_bf16dp(
+        const float *restrict q, const char *k_cache, const char *v_cache, const int64_t npair,
+        const int64_t *table, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t block_size,
+        float scale, float *restrict work, float *restrict out) {
+    const int64_t group = heads / kv_heads;
+    const int64_t head_dim = 32 * npair;
+    float *scores = work;                         /* [heads][ctx] */
+    float *acc = scores + heads * ctx;            /* [heads][2][head_dim]: lo and hi halves */
+    __m512bh qs[heads * npair];
+    const int64_t head_bytes = head_dim * 2;
+    const int64_t row_stride = kv_heads * head_bytes;
+    const int64_t block_stride = block_size * row_stride;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t w = 0; w < npair; w++) {
+            const float *src = q + h * head_dim + 32 * w;
+            qs[h * npair + w] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + 16), _mm512_set1_ps(scale)),
+                                                    _mm512_mul_ps(_mm512_loadu_ps(src), _mm512_set1_ps(scale)));
+        }
+
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const char *block = k_cache + table[start / block_size] * block_stride;
+        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
+        if (start + block_size < ctx)
+            prefetch_lines(k_cache + table[start / block_size + 1] * block_stride, block_stride);
+        for (int64_t h = 0; h < heads; h++) {
+            const __m512bh *qh = qs + h * npair;
+            const char *head = block + (h / group) * head_bytes;
+            float *sh = scores + h * ctx + start;
+            int64_t i = 0;
+            for (; i + 16 <= rows; i += 16) {
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) {
+                    const char *src = head + (i + j) * row_stride;
+                    __m512 dot = _mm512_setzero_ps();
+                    for (int64_t w = 0; w < npair; w++)
+                        dot = _mm512_dpbf16_ps(dot, qh[w], (__m512bh)_mm512_loadu_si512(src + 64 * w));
+                    dots[j] = dot;
+                }
+                _mm512_storeu_ps(sh + i, hsum16(dots));
+            }
+            for (; i < rows; i++) {
+                const char *src = head + i * row_stride;
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t w = 0; w < npair; w++)
+                    dot = _mm512_dpbf16_ps(dot, qh[w], (__m512bh)_mm512_loadu_si512(src + 64 * w));
+                sh[i] = _mm512_reduce_add_ps(dot);
+            }
+        }
+    }
+
+    float inv_sum[heads];
+    for (int64_t h = 0; h < heads; h++) inv_sum[h] = softmax_inplace(scores + h * ctx, ctx);
+
+    memset(acc, 0, (size_t)(heads * 2 * head_dim) * sizeof(float));
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const char *block = v_cache + table[start / block_size] * block_stride;
+        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
+        if (start + block_size < ctx)
+            prefetch_lines(v_cache + table[start / block_size + 1] * block_stride, block_stride);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *ph = scores + h * ctx + start;
+            const char *head = block + (h / group) * head_bytes;
+            float *ah = acc + h * 2 * head_dim;
+            __m512 lo[npair], hi[npair];
+            for (int64_t w = 0; w < npair; w++) {
+                lo[w] = _mm512_loadu_ps(ah + 32 * w);
+                hi[w] = _mm512_loadu_ps(ah + 32 * w + 16);
+            }
+            for (int64_t i = 0; i < rows; i += 2) {
+                const int second = i + 1 < rows;
+                const char *src0 = head + i * row_stride;
+                const char *src1 = src0 + row_stride;
+                const uint32_t pair = (uint32_t)f32_to_bf16(ph[i])
+                                      | (uint32_t)(second ? f32_to_bf16(ph[i + 1]) : 0) << 16;
+                const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int64_t w = 0; w < npair; w++) {
+                    const __m512i r0 = _mm512_loadu_si512(src0 + 64 * w);
+                    const __m512i r1 = second ? _mm512_loadu_si512(src1 + 64 * w) : zero;
+                    lo[w] = _mm512_dpbf16_ps(lo[w], (__m512bh)_mm512_unpacklo_epi16(r0, r1), p);
+                    hi[w] = _mm512_dpbf16_ps(hi[w], (__m512bh)_mm512_unpackhi_epi16(r0, r1), p);
+                }
+            }
+            for (int64_t w = 0; w < npair; w++) {
+                _mm512_storeu_ps(ah + 32 * w, lo[w]);
+                _mm512_storeu_ps(ah + 32 * w + 16, hi[w]);
+            }
+        }
+    }
+    /* Lane 4L + k of lo[w] holds dim 32w + 8L + k, of hi[w] dim 32w + 8L + 4 + k (k < 4). */
+    for (int64_t h = 0; h < heads; h++) {
+        const float *ah = acc + h * 2 * head_dim;
+        float *oh = out + h * head_dim;
+        for (int64_t w = 0; w < npair; w++)
+            for (int64_t lane = 0; lane < 4; lane++)
+                for (int64_t k = 0; k < 4; k++) {
+                    oh[32 * w + 8 * lane + k] = ah[32 * w + 4 * lane + k] * inv_sum[h];
+                    oh[32 * w + 8 * lane + 4 + k] = ah[32 * w + 16 + 4 * lane + k] * inv_sum[h];
+                }
+    }
+}
+
+#define ATTEND_BF16DP(NAME, NPAIR)                                                                     \
+    static void NAME(const float *q, const char *k, const char *v, const int64_t *table, int64_t ctx,  \
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,            \
+                     float scale, float *work, float *out) {                                           \
+        attend_seq_bf16dp(q, k, v, (NPAIR) ? (NPAIR) : head_dim / 32, table, ctx, heads, kv_heads,     \
+                          block_size, scale, work, out);                                               \
+    }
+ATTEND_BF16DP(attend_bf16dp_64, 2)
+ATTEND_BF16DP(attend_bf16dp_128, 4)
+ATTEND_BF16DP(attend_bf16dp_any, 0)
+#endif
+
 static attend_fn pick_avx512(int dtype, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BFLOAT16 && head_dim % 32 == 0 && head_dim <= 256)
+        return head_dim == 64 ? attend_bf16dp_64 : head_dim == 128 ? attend_bf16dp_128 : attend_bf16dp_any;
+#endif
     static const attend_fn table[3][3] = {
         {attend_avx512_f32_64, attend_avx512_f32_128, attend_avx512_f32_any},
         {attend_avx512_bf16_64, attend_avx512_bf16_128, attend_avx512_bf16_any},
