@@ -145,7 +145,7 @@ def test_measured_costs_on_smollm2_shapes_favour_a_light_head_stage(caplog) -> N
         costs = measure_layer_costs(smol, torch.float32, repeats=5)
     finally:
         torch.set_num_threads(threads)
-    print(f"SmolLM2 shapes, 8 decode tokens: embed {costs.embed * 1e3:.3f} ms, layer {costs.layer * 1e3:.3f} ms, "
+    print(f"SmolLM2 shapes, per prompt + generated token (8 decodes, 512 prompt tokens): embed {costs.embed * 1e3:.3f} ms, layer {costs.layer * 1e3:.3f} ms, "
           f"head {costs.head * 1e3:.3f} ms (head = {costs.head / costs.layer:.1f} layers)")
     assert costs.head > 3 * costs.layer > 0 and costs.embed > 0
     assert costs.layer_bytes == smol.layer_params() * 4 and costs.head_bytes == smol.head_params() * 4

@@ -1,9 +1,10 @@
 """Measure the per-part costs ``auto`` partitioning balances, on the actual device.
 
-Builds a one-layer stage of the real model (random weights, the real shapes),
-runs a representative decode batch through it, and times the embedding, one
-decoder layer and the final norm + LM head separately. Memory per part comes
-from the model's parameter counts.
+Builds a one-layer stage of the real model (random weights, the real shapes,
+the configured attention backend), runs a representative decode step and a
+prefill step through it, and times the embedding, one decoder layer and the
+final norm + LM head separately. Memory per part comes from the model's
+parameter counts.
 """
 
 from __future__ import annotations
@@ -52,12 +53,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _stage_input(cfg: ModelConfig, backend, query_lens: list[int], context_lens: list[int], block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+    """KV caches, metadata, positions, ids and hidden states for one step of the given shape."""
+    blocks = [-(-ctx // block_size) for ctx in context_lens]
+    shape = (sum(blocks), block_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(list(range(at, at + n)))
+        at += n
+    meta = backend.build_metadata(query_lens, context_lens, tables, block_size, device)
+    positions = torch.cat([torch.arange(ctx - q, ctx) for q, ctx in zip(query_lens, context_lens)]).to(device)
+    tokens = int(positions.shape[0])
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)             # [tokens]
+    hidden = torch.randn(tokens, cfg.hidden_size, dtype=dtype, device=device)    # [tokens, hidden]
+    return kv, meta, positions, ids, hidden
+
+
 @torch.inference_mode()
 def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
-                        batch: int = 8, context: int = 128, block_size: int = 16,
+                        batch: int = 8, context: int = 128, prefill_tokens: int = 512, block_size: int = 16,
                         repeats: int = 5, attention_backend: str = "auto") -> LayerCosts:
-    """Time embedding, one decoder layer and norm + LM head for ``batch`` decode
-    tokens, each attending to ``context`` earlier tokens."""
+    """Time embedding, one decoder layer and norm + LM head per *unit of
+    work*: one prompt token plus one generated token, the mix of a chat
+    workload whose prompts and answers have similar lengths.
+
+    A layer's unit cost is its time per token in a decode step (``batch``
+    tokens, each attending to ``context`` earlier ones) plus its time per
+    token in a prefill step (``prefill_tokens`` fresh prompt tokens, in
+    prompts of ``context`` tokens). The head runs on sampled rows only, so its
+    unit cost is its time per row of the decode batch. Timing decode alone
+    would overweight the head (it sees every decode token but only the last
+    token of each prompt) and skew the partition towards the first stage.
+    """
     device = torch.device(device)
     torch.manual_seed(0)
     # Only the model's public forward: a one-layer middle stage, and embedding-
@@ -65,17 +94,18 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     layer_stage = _random_stage(cfg, 0, 1, False, False, dtype, device, attention_backend)
     embed_stage = _random_stage(cfg, 0, 0, True, False, dtype, device)
     head_stage = _random_stage(cfg, 0, 0, False, True, dtype, device)
-    blocks_per_seq = -(-(context + 1) // block_size)
-    shape = (batch * blocks_per_seq, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    meta = layer_stage.backend.build_metadata([1] * batch, [context + 1] * batch, tables, block_size, device)
-    positions = torch.full((batch,), context, dtype=torch.int64, device=device)   # [batch]
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)                # [batch]
-    hidden = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)       # [batch, hidden]
-    embed_s = _best_time(lambda: embed_stage(ids, positions, meta, []), repeats, device)
-    layer_s = _best_time(lambda: layer_stage(hidden, positions, meta, kv), repeats, device)
-    head_s = _best_time(lambda: head_stage.compute_logits(hidden), repeats, device)
+    prompt = max(2, min(context, prefill_tokens))
+    shapes = {"decode": ([1] * batch, [context + 1] * batch),
+              "prefill": ([prompt] * max(1, prefill_tokens // prompt), [prompt] * max(1, prefill_tokens // prompt))}
+    embed_s = layer_s = 0.0
+    for query_lens, context_lens in shapes.values():
+        kv, meta, positions, ids, hidden = _stage_input(cfg, layer_stage.backend, query_lens, context_lens,
+                                                        block_size, dtype, device)
+        tokens = len(ids)
+        embed_s += _best_time(lambda: embed_stage(ids, positions, meta, []), repeats, device) / tokens
+        layer_s += _best_time(lambda: layer_stage(hidden, positions, meta, kv), repeats, device) / tokens
+    rows = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)       # [batch, hidden]
+    head_s = _best_time(lambda: head_stage.compute_logits(rows), repeats, device) / batch
     mem = parameter_bytes(cfg, dtype)
     return LayerCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
                       layer_bytes=mem.layer_bytes, head_bytes=mem.head_bytes)

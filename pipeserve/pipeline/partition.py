@@ -192,13 +192,15 @@ def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
         threads = _torch.get_num_threads()
         _torch.set_num_threads(config.stage_threads)  # measure as a stage will run
         try:
-            # Cost ratios depend on the batch: for SmolLM2 the LM head is ~7 layers
-            # at 8 decode tokens but ~2 at 64 (attention grows with batch x context,
-            # the head with batch only). Measure at a serving-sized micro-batch, and
-            # take the best of several repeats: this machine's timings are noisy.
-            batch = max(8, min(64, config.max_num_seqs // num_stages))
+            # Cost ratios depend on the batch and the mix: for SmolLM2 the LM head
+            # is ~7 layers at 8 decode tokens, ~5 at 64, ~3 once the prompt tokens
+            # that pass every layer but not the head are counted. Measure at a
+            # serving-sized micro-batch, with one prompt token per generated
+            # token, taking the best of several repeats (timings are noisy).
+            batch = max(8, min(128, config.max_num_seqs // num_stages))
             costs = measure_layer_costs(cfg, dtype, device, batch=batch, context=256,
-                                        block_size=config.block_size, repeats=9,
+                                        prefill_tokens=min(2048, config.max_num_batched_tokens),
+                                        block_size=config.block_size, repeats=5,
                                         attention_backend=config.attention_backend)
         finally:
             _torch.set_num_threads(threads)
