@@ -367,6 +367,10 @@ def test_gantt_window_and_stage_ratios_cover_only_the_timed_run(tmp_path):
     assert [r["stage"] for r in rows] == [0, 1]
     assert rows[0]["busy_ratio"] == pytest.approx(0.5) and rows[0]["bubble_ratio"] == pytest.approx(0.5)
     assert rows[1]["steps"] == 4  # the warm-up step is outside the window
+    # Steady state = t 10.4 .. 13.6: stage 0 computes 0.1 + 0.5 + 0.5 + 0.5 of its 3.2 s.
+    assert rows[0]["steady_busy_ratio"] == pytest.approx(1.6 / 3.2)
+    assert rows[0]["steady_bubble_ratio"] == pytest.approx(1.6 / 3.2)
+    assert rows[1]["steady_busy_ratio"] == pytest.approx((0.5 + 0.5 + 0.5 + 0.1) / 3.2)
     assert stage_ratios(None, (0.0, 1.0)) == []
     png = write_gantt(tmp_path / "g.png", timeline, (10.0, 14.0), 2.0, "test")
     assert png is not None and is_png(png)

@@ -68,14 +68,24 @@ def pipeline_timeline(llm):
     return timeline
 
 
+# The steady state leaves out this fraction of the run at each end: the fill of
+# the pipeline and its drain once the last requests finish.
+STEADY_TRIM = 0.1
+
+
 def stage_ratios(timeline, window: tuple[float, float]) -> list[dict]:
-    """Per-stage busy and bubble ratios over the timed run alone (the warm-up left out)."""
+    """Per-stage busy and bubble ratios over the timed run alone (the warm-up
+    left out), and over its steady state (``steady_*``: the middle 80%)."""
     if timeline is None:
         return []
+    trim = (window[1] - window[0]) * STEADY_TRIM
+    steady = timeline.stats((window[0] + trim, window[1] - trim))
     rows = []
-    for s in timeline.stats(window):
+    for s, st in zip(timeline.stats(window), steady):
         row = s.as_dict()
         row["busy_ratio"] = row.pop("busy_fraction")
+        row["steady_busy_ratio"] = st.busy_fraction
+        row["steady_bubble_ratio"] = st.bubble_ratio
         rows.append(row)
     return rows
 

@@ -49,7 +49,7 @@ def render(results: list[tuple[str, dict]]) -> str:
 
 def throughput_table(results: list[tuple[str, dict]]) -> list[str]:
     head = ["run", "backend", "workload", "PP", "schedule", "partition", "prefix cache", "req/s",
-            "in tok/s", "out tok/s", "mean TTFT ms", "prefix hit", "stage busy / bubble", "vs transformers"]
+            "in tok/s", "out tok/s", "mean TTFT ms", "prefix hit", "stage busy / bubble (steady bubble)", "vs transformers"]
     rows = []
     for name, data in results:
         for run in data["runs"]:
@@ -68,6 +68,7 @@ def _throughput_row(name: str, data: dict, run: dict) -> list[str]:
         if engine.get("pp_schedule") == "interleaved":
             cols[1] += f" V={engine.get('pp_virtual_stages')}"
     stages = " · ".join(f"{s.get('busy_ratio', 0):.2f}/{s.get('bubble_ratio', 0):.2f}"
+                        + (f" ({s['steady_bubble_ratio']:.2f})" if "steady_bubble_ratio" in s else "")
                         for s in run.get("stages", [])) or "-"
     ratio = "-"
     if run["backend"] == "pipeserve" and data.get("baseline"):

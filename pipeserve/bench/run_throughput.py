@@ -124,7 +124,9 @@ def format_summary(result: dict) -> str:
                      f"{run['output_tokens_per_s']:>11.1f}{run['ttft_ms']['mean']:>14.1f}")
         for stage in run.get("stages", []):
             lines.append(f"  stage {stage['stage']}: busy {stage.get('busy_ratio', float('nan')):.2f}"
-                         f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}")
+                         f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}"
+                         f"  (steady state: busy {stage.get('steady_busy_ratio', float('nan')):.2f}"
+                         f"  bubble {stage.get('steady_bubble_ratio', float('nan')):.2f})")
     if result.get("baseline"):
         b = result["baseline"]
         lines.append(f"pipeserve / transformers (b={b['hf_best_batch_size']}) output tokens/s: "
