@@ -53,6 +53,11 @@ def test_roofline_layer_counts_smollm2() -> None:
     # one token with no context: weights + activations + its own KV write
     act = 6 * h + 2 * q + 2 * kv + 4 * i
     assert costs.layer(shape).bytes == pytest.approx((params + act) * 2 + 2 * kv * 2)
+    # ... split into the matmul part (weights + activations) and attention (its own KV row)
+    assert costs.matmuls(shape).flops == pytest.approx(2 * params)
+    assert costs.matmuls(shape).bytes == pytest.approx((params + act) * 2)
+    assert costs.attention(shape).flops == 0.0
+    assert costs.attention(shape).bytes == pytest.approx(2 * kv * 2)
     assert costs.head(shape).flops == pytest.approx(2 * h * 49152)
 
 
@@ -113,3 +118,44 @@ def test_kv_read_amplification_scales_only_the_kv_bytes():
     kv = (shape.kv_tokens + shape.new_tokens) * LayerCosts(cfg, 2).kv_bytes_per_token_layer()
     assert three.bytes - one.bytes == pytest.approx(2 * kv)
     assert three.flops == one.flops
+
+
+def test_attention_costs_hand_values():
+    _, cfg = load_model("smollm2-135m")
+    # 4 sequences decoding at context 100: 400 pairs; reads 4·100 cached + 4 new KV rows.
+    shape = BatchShape.decode(4, 100)
+    costs = LayerCosts(cfg, 2, kv_read_amplification=5.0)
+    kv_row = 2 * 3 * 64 * 2   # K and V, 3 KV heads of 64, bf16
+    assert costs.attention(shape).flops == pytest.approx(4 * 400 * 576)
+    assert costs.attention(shape).bytes == pytest.approx(5.0 * 404 * kv_row)
+    # A prompt of 8 fresh tokens: 8·9/2 causal pairs.
+    assert LayerCosts(cfg, 2).attention(BatchShape.prefill(1, 8)).flops == pytest.approx(4 * 36 * 576)
+
+
+def test_layer_time_is_overhead_plus_matmul_plus_attention_terms():
+    import dataclasses
+
+    from pipeserve.plan.hardware import Hardware
+    from pipeserve.plan.stages import PipelineCosts
+    _, cfg = load_model("smollm2-135m")
+    hw = Hardware(name="t", flops_prefill=1e11, flops_decode=1e11, mem_bandwidth=1e10, mem_bytes=1e10,
+                  gpus_per_node=1, intra_node_bandwidth=1e9, intra_node_latency=1e-5,
+                  inter_node_bandwidth=1e9, inter_node_latency=1e-5, layer_overhead=50e-6,
+                  dtype="bfloat16", kv_read_amplification=4.0)
+    costs = PipelineCosts(cfg, hw, [cfg.num_layers], 1)
+    shape = BatchShape.decode(64, 1024)
+    mm, attn = costs.costs.matmuls(shape), costs.costs.attention(shape)
+    mm_term = max(mm.flops / 1e11, mm.bytes / 1e10)
+    attn_term = max(attn.flops / 1e11, attn.bytes / 1e10)
+    assert mm_term == pytest.approx(mm.flops / 1e11)      # 64 decodes: matmuls compute-bound
+    assert attn_term == pytest.approx(attn.bytes / 1e10)  # long context: attention memory-bound
+    assert costs.layer_time(shape) == pytest.approx(50e-6 + mm_term + attn_term)
+    # The sum, not one roofline of the totals: it is larger than max(total FLOPs, total bytes).
+    total = costs.costs.layer(shape)
+    assert costs.layer_time(shape) > 50e-6 + max(total.flops / 1e11, total.bytes / 1e10) * 1.01
+    # Attention grows with the context, the matmul term does not.
+    longer = BatchShape.decode(64, 2048)
+    grow = costs.layer_time(longer) - costs.layer_time(shape)
+    assert grow == pytest.approx(64 * 1024 * 2 * 3 * 64 * 2 * 4.0 / 1e10)
+    free = PipelineCosts(cfg, dataclasses.replace(hw, layer_overhead=0.0), [cfg.num_layers], 1)
+    assert free.layer_time(shape) == pytest.approx(mm_term + attn_term)

@@ -1,9 +1,31 @@
 """``pipeserve plan --calibrate``: measure this machine and write a hardware file.
 
-torch is imported lazily here and nowhere else in the planner. Measures: matmul
-FLOP/s at a decoder layer's decode and prefill shapes, memory bandwidth (large
-copy), the fixed per-layer dispatch overhead, and a loopback gloo point-to-point
-link between two processes (latency from tiny messages, bandwidth from big ones).
+torch (and the runtime's model code) is imported lazily here and nowhere else in
+the planner. The compute numbers come from timing the runtime's OWN decoder layer
+(``pipeserve.pipeline.costs``: one layer of the model with random weights, the
+configured attention backend, its real metadata and paged KV cache), not bare
+matmuls: a real layer costs much more than its four matmuls (RMSNorm in fp32,
+RoPE, SiLU and residual adds, the KV write, attention, per-op dispatch), and
+fitting the planner's roofline to the layer makes its predictions match engine
+runs. All layer timings use one thread and the minimum of several repeats (other
+processes on a shared machine only ever add time). With T(q, c) the layer's time
+for ``q`` sequences of query lengths / context lengths ``c``:
+
+- layer_overhead = T(1 decode, context 1): the dispatch floor of a layer;
+- kv_read_amplification = ΔT · (bandwidth / cores) / ΔKV bytes between 64 decodes
+  at context 1024 and at context 16: attention's cost per KV byte it reads,
+  relative to a plain read (the C decode kernel is partly compute-bound, so > 1);
+- flops_decode = matmul FLOPs of DECODE_TOKENS decodes / (T − overhead − the
+  attention term), at context 16, times the cores;
+- flops_prefill = (matmul + attention FLOPs) of 2 fresh prompts of
+  PREFILL_TOKENS / 2 tokens / (T − overhead), times the cores (prefill attention
+  is compute-bound, so it runs at the same rate);
+- parallel_efficiency: the layer at 64 decodes, context 256, on 1 thread vs all cores.
+
+So the planner's layer time, overhead + matmul term + attention term, reproduces
+the measured layer at these shapes. Memory bandwidth comes from a large copy, and
+the link from loopback gloo point-to-point between two processes (latency from
+tiny messages, bandwidth from big ones).
 """
 
 from __future__ import annotations
@@ -16,12 +38,16 @@ import time
 from pathlib import Path
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.plan.hardware import GIB, Hardware
+from pipeserve.plan.hardware import DTYPE_BYTES, GIB, Hardware
 from pipeserve.plan.presets import MODEL_PRESETS
-from pipeserve.plan.roofline import DECODE_TOKENS, PREFILL_TOKENS
+from pipeserve.plan.roofline import DECODE_TOKENS, PREFILL_TOKENS, BatchShape, LayerCosts
 
 _P2P_SIZES = (8, 4 * 1024**2)  # bytes: latency probe, bandwidth probe
 _DTYPES = ("float32", "bfloat16")
+_BLOCK_SIZE = 16
+_KV_SEQS, _KV_SHORT, _KV_LONG = 64, 16, 1024   # amplification: 64 decodes, context 16 vs 1024
+_DECODE_CONTEXT = 16                           # decode FLOP/s: a tiny context
+_EFFICIENCY_SEQS, _EFFICIENCY_CONTEXT = 64, 256
 
 
 def _timed(fn, repeats: int) -> float:
@@ -35,68 +61,110 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _layer_weights(torch, model: ModelConfig, dtype) -> list:
-    h = model.hidden_size
-    shapes = [(h, model.q_size + 2 * model.kv_size), (model.q_size, h),
-              (h, 2 * model.intermediate_size), (model.intermediate_size, h)]
-    return [torch.randn(k, n, dtype=dtype) * 0.02 for k, n in shapes]
+def _best(fn, repeats: int) -> float:
+    """Minimum seconds of ``fn()`` after one warm-up call: other processes only add time."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
-def measure_matmul_flops(torch, model: ModelConfig, dtype, tokens: int) -> float:
-    """FLOP/s of a decoder layer's four matmuls for ``tokens`` rows."""
-    weights = _layer_weights(torch, model, dtype)
-    inputs = [torch.randn(tokens, w.shape[0], dtype=dtype) for w in weights]
-    flops = sum(2 * tokens * w.shape[0] * w.shape[1] for w in weights)
-    repeats = 20 if tokens <= DECODE_TOKENS else 5
+class LayerTimer:
+    """Times the runtime's own decoder layer (a one-layer stage, random weights) on the CPU."""
 
-    def run() -> None:
-        for x, w in zip(inputs, weights):
-            torch.matmul(x, w)
-    return flops / _timed(run, repeats)
+    def __init__(self, torch, model: ModelConfig, dtype, attention_backend: str = "auto",
+                 block_size: int = _BLOCK_SIZE) -> None:
+        from pipeserve.pipeline.costs import _random_stage
+        self.torch, self.model, self.dtype, self.block_size = torch, model, dtype, block_size
+        self.device = torch.device("cpu")
+        self.measured: list[tuple[str, float]] = []   # (shape, best seconds), for the log
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            self.stage = _random_stage(model, 0, 1, False, False, dtype, self.device, attention_backend)
+
+    @property
+    def backend_name(self) -> str:
+        return type(self.stage.backend).__name__
+
+    def time(self, query_lens: list[int], context_lens: list[int], repeats: int) -> float:
+        """Best seconds of one layer forward over sequences with these query / context
+        lengths (context includes the new tokens; its KV is read from the paged cache)."""
+        from pipeserve.pipeline.costs import _stage_input
+        torch = self.torch
+        with torch.inference_mode():
+            kv, meta, positions, _ids, hidden = _stage_input(
+                self.model, self.stage.backend, query_lens, context_lens, self.block_size,
+                self.dtype, self.device)
+            seconds = _best(lambda: self.stage(hidden, positions, meta, kv), repeats)
+        label = (f"{len(query_lens)}x(q={query_lens[0]}, ctx={context_lens[0]}), "
+                 f"{torch.get_num_threads()} thread(s)")
+        self.measured.append((label, seconds))
+        return seconds
+
+    def decode(self, seqs: int, context: int, repeats: int) -> float:
+        """``seqs`` decodes, each attending to ``context`` cached keys plus its own."""
+        return self.time([1] * seqs, [context + 1] * seqs, repeats)
+
+    def prefill(self, prompts: int, prompt_len: int, repeats: int) -> float:
+        """``prompts`` fresh prompts of ``prompt_len`` tokens (no cached prefix)."""
+        return self.time([prompt_len] * prompts, [prompt_len] * prompts, repeats)
 
 
-def measure_parallel_efficiency(torch, model: ModelConfig, dtype, cores: int) -> float:
-    """How much of a linear speed-up one process gets from ``cores`` threads on a
-    decode-shaped layer: e in 1 + (cores - 1)·e."""
-    if cores < 2:
-        return 1.0
+def measure_layer_overhead(timer: LayerTimer) -> float:
+    """The layer's time for one decode token at context 1: its dispatch floor."""
+    return timer.time([1], [1], 100)
+
+
+def measure_kv_amplification(timer: LayerTimer, costs: LayerCosts, core_bandwidth: float,
+                             seqs: int = _KV_SEQS, short: int = _KV_SHORT, long: int = _KV_LONG) -> float:
+    """Attention's cost per KV byte read, relative to a plain read at one core's
+    bandwidth: the extra time of ``seqs`` decodes at a long context over a short one
+    (same matmuls) divided by the time to read the extra KV bytes. Floored at 1."""
+    extra = timer.decode(seqs, long, 10) - timer.decode(seqs, short, 10)
+    extra_bytes = (costs.attention(BatchShape.decode(seqs, long)).bytes
+                   - costs.attention(BatchShape.decode(seqs, short)).bytes)  # costs has amplification 1
+    return max(1.0, extra * core_bandwidth / extra_bytes)
+
+
+def measure_decode_flops(timer: LayerTimer, costs: LayerCosts, overhead: float, amplification: float,
+                         core_bandwidth: float) -> float:
+    """Per-core FLOP/s of the layer's matmuls at DECODE_TOKENS decodes (tiny context):
+    matmul FLOPs / (T − overhead − the attention term the planner will add)."""
+    shape = BatchShape.decode(DECODE_TOKENS, _DECODE_CONTEXT)
+    seconds = timer.decode(DECODE_TOKENS, _DECODE_CONTEXT, 30)
+    attention = costs.attention(shape).bytes * amplification / core_bandwidth
+    matmul_s = seconds - overhead - attention
+    return costs.matmuls(shape).flops / max(matmul_s, 0.05 * seconds)
+
+
+def measure_prefill_flops(timer: LayerTimer, costs: LayerCosts, overhead: float) -> float:
+    """Per-core FLOP/s of a prefill of PREFILL_TOKENS fresh tokens (2 prompts):
+    (matmul + attention FLOPs) / (T − overhead); prefill attention is compute-bound."""
+    prompts, prompt_len = 2, PREFILL_TOKENS // 2
+    shape = BatchShape.prefill(prompts, prompt_len)
+    seconds = timer.prefill(prompts, prompt_len, 5)
+    flops = costs.matmuls(shape).flops + costs.attention(shape).flops
+    return flops / max(seconds - overhead, 0.05 * seconds)
+
+
+def measure_parallel_efficiency(timer: LayerTimer, cores: int) -> tuple[float, float, float]:
+    """How much of a linear speed-up one process gets from ``cores`` threads on the
+    layer at a decode batch: e in 1 + (cores - 1)·e. Returns (e, T 1 thread, T cores)."""
+    torch = timer.torch
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = measure_matmul_flops(torch, model, dtype, DECODE_TOKENS)
+        one = timer.decode(_EFFICIENCY_SEQS, _EFFICIENCY_CONTEXT, 15)
+        if cores < 2:
+            return 1.0, one, one
         torch.set_num_threads(cores)
-        many = measure_matmul_flops(torch, model, dtype, DECODE_TOKENS)
+        many = timer.decode(_EFFICIENCY_SEQS, _EFFICIENCY_CONTEXT, 15)
     finally:
         torch.set_num_threads(threads)
-    return min(1.0, max(0.0, (many / one - 1.0) / (cores - 1)))
-
-
-def measure_kv_amplification(torch, model: ModelConfig, dtype, bandwidth: float,
-                             seqs: int = 64, context: int = 256, block_size: int = 16) -> float:
-    """Memory traffic per attended KV byte of a decode step done the way the
-    PyTorch CPU backend does it: gather whole blocks (a copy), then two batched
-    matmuls over the copy. Plain torch ops of those shapes, no runtime import."""
-    kv, d, heads = model.num_kv_heads, model.head_dim, model.num_heads
-    blocks = -(-context // block_size)
-    cache = [torch.randn(seqs * blocks * 2, block_size * kv * d).to(dtype) for _ in range(2)]
-    index = torch.randperm(seqs * blocks * 2)[: seqs * blocks]
-    q = torch.randn(seqs, heads, d).to(dtype)
-    ctx = blocks * block_size
-
-    def attend():
-        k = cache[0].index_select(0, index).view(seqs, ctx * kv, d)
-        v = cache[1].index_select(0, index).view(seqs, ctx, kv * d)
-        scores = torch.bmm(q, k.transpose(1, 2)).view(seqs, heads, ctx, kv)
-        return torch.bmm(scores.sum(-1).softmax(-1), v)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        seconds = _timed(attend, 5)
-    finally:
-        torch.set_num_threads(threads)
-    attended = 2 * seqs * ctx * kv * d * (torch.tensor([], dtype=dtype).element_size())
-    return max(1.0, seconds * bandwidth / attended)
+    return min(1.0, max(0.0, (one / many - 1.0) / (cores - 1))), one, many
 
 
 def measure_bandwidth(torch, nbytes: int = 256 * 1024**2) -> float:
@@ -104,30 +172,6 @@ def measure_bandwidth(torch, nbytes: int = 256 * 1024**2) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * nbytes / _timed(lambda: dst.copy_(src), 5)
-
-
-def measure_layer_overhead(torch, dtype) -> float:
-    """Seconds of a decoder layer's op sequence on tiny tensors: pure dispatch cost."""
-    tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=8, hidden_size=8,
-                       intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                       head_dim=8, max_position_embeddings=8)
-    wqkv, wo, wgu, wd = _layer_weights(torch, tiny, dtype)
-    k_cache = torch.randn(1, 1, 4, 8, dtype=dtype)
-    v_cache = torch.randn(1, 1, 4, 8, dtype=dtype)
-    x = torch.randn(1, 8, dtype=dtype)
-    norm = torch.ones(8, dtype=dtype)
-
-    def rms(t):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * norm
-
-    def layer() -> None:
-        qkv = rms(x) @ wqkv                                  # [1, q + 2kv]
-        q = qkv[:, :8].view(1, 1, 1, 8)
-        attn = torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache)
-        y = x + attn.reshape(1, -1) @ wo                     # [1, hidden]
-        gate, up = (rms(y) @ wgu).chunk(2, dim=-1)
-        _ = y + (torch.nn.functional.silu(gate) * up) @ wd
-    return _timed(layer, 200)
 
 
 def _free_port() -> int:
@@ -182,8 +226,8 @@ def measure_gloo_link(repeats: int = 60, timeout: float = 60.0) -> tuple[float, 
 
 
 def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
-              log=print) -> Hardware:
-    """Measure this machine; the model's shapes (default SmolLM2-135M) set the matmul sizes."""
+              log=print, attention_backend: str = "auto") -> Hardware:
+    """Measure this machine; the model (default SmolLM2-135M) is the layer that is timed."""
     import torch
     if dtype not in _DTYPES:
         raise ValueError(f"calibration dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -194,21 +238,36 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
     # the core count, so that a stage's share (shared_compute) is one core's worth.
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    decode = measure_matmul_flops(torch, model, tdtype, DECODE_TOKENS)
-    prefill = measure_matmul_flops(torch, model, tdtype, PREFILL_TOKENS)
-    torch.set_num_threads(threads)
-    log(f"matmul per core: decode {decode / 1e9:.1f} GFLOP/s, prefill {prefill / 1e9:.1f} GFLOP/s")
     bandwidth = measure_bandwidth(torch)
-    log(f"memory bandwidth: {bandwidth / 1e9:.2f} GB/s")
+    core_bandwidth = bandwidth / cores
+    log(f"memory bandwidth: {bandwidth / 1e9:.2f} GB/s ({core_bandwidth / 1e9:.2f} GB/s per core)")
+    timer = LayerTimer(torch, model, tdtype, attention_backend)
+    costs = LayerCosts(model, DTYPE_BYTES[dtype])
+    log(f"timing the runtime's decoder layer: {model.hidden_size} hidden, {dtype}, "
+        f"attention backend {timer.backend_name}, 1 thread, best of repeats")
     torch.set_num_threads(1)
-    overhead = measure_layer_overhead(torch, tdtype)
-    torch.set_num_threads(threads)
-    log(f"per-layer dispatch overhead: {overhead * 1e6:.1f} us")
-    efficiency = measure_parallel_efficiency(torch, model, tdtype, cores)
-    log(f"parallel efficiency of {cores} threads in one stage: {efficiency:.2f}")
-    amplification = measure_kv_amplification(torch, model, tdtype, bandwidth / cores)
-    log(f"KV read amplification of the CPU attention backend: {amplification:.2f}x")
+    try:
+        overhead = measure_layer_overhead(timer)
+        log(f"per-layer overhead (1 decode, context 1): {overhead * 1e6:.1f} us")
+        amplification = measure_kv_amplification(timer, costs, core_bandwidth)
+        log(f"KV read amplification ({_KV_SEQS} decodes, context {_KV_LONG} vs {_KV_SHORT}): "
+            f"{amplification:.2f}x")
+        decode = measure_decode_flops(timer, costs, overhead, amplification, core_bandwidth)
+        prefill = measure_prefill_flops(timer, costs, overhead)
+    finally:
+        torch.set_num_threads(threads)
+    log(f"layer FLOP/s per core: decode ({DECODE_TOKENS} tokens) {decode / 1e9:.1f} GFLOP/s, "
+        f"prefill ({PREFILL_TOKENS} tokens) {prefill / 1e9:.1f} GFLOP/s")
+    efficiency, one, many = measure_parallel_efficiency(timer, cores)
+    log(f"parallel efficiency of {cores} threads in one stage: {efficiency:.2f} "
+        f"({_EFFICIENCY_SEQS} decodes at context {_EFFICIENCY_CONTEXT}: {one * 1e3:.2f} ms on 1 thread, "
+        f"{many * 1e3:.2f} ms on {cores})")
+    for label, seconds in timer.measured:
+        log(f"  layer {label}: {seconds * 1e3:.3f} ms")
+    if cores > 1 and many > one:
+        log(f"warning: the layer ran slower on {cores} threads than on 1: other processes hold "
+            f"the cores (or thread pools contend); parallel_efficiency is unreliable, rerun "
+            f"--calibrate on an idle machine")
     link_bw, link_lat = measure_gloo_link()
     log(f"gloo loopback: latency {link_lat * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s")
     log(f"calibration took {time.perf_counter() - started:.1f} s ({cores} cores)")

@@ -21,8 +21,8 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    flops_prefill: float          # FLOP/s of big matmuls (prefill: hundreds of tokens)
-    flops_decode: float           # FLOP/s of skinny matmuls (decode: a few tokens)
+    flops_prefill: float          # FLOP/s of a layer's matmuls in a prefill (hundreds of tokens)
+    flops_decode: float           # FLOP/s of a layer's matmuls in a decode (a few tokens)
     mem_bandwidth: float          # bytes/s of device memory
     mem_bytes: float              # device memory size
     gpus_per_node: int
@@ -41,8 +41,9 @@ class Hardware:
     # (1.0 = linear; a stage given c cores runs at 1 + (c - 1)·e cores' worth).
     cores: int = 1
     parallel_efficiency: float = 1.0
-    # Memory traffic per byte of KV attended: 1 for a fused paged kernel; pipeserve's
-    # PyTorch CPU backend copies the blocks it gathers, then reads the copy (~3).
+    # Attention's cost per KV byte attended, relative to a plain read at mem_bandwidth:
+    # 1 for a memory-bound fused paged kernel; `--calibrate` measures it on the runtime's
+    # decoder layer (the CPU backend's C decode kernel is partly compute-bound, so > 1).
     kv_read_amplification: float = 1.0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,10 @@
 """Roofline costs of one decoder layer, the embedding and the LM head on one device.
 
 time = max(FLOPs / FLOP/s, bytes / bandwidth): a kernel is bound by whichever of
-compute or memory traffic takes longer. Counts are per tensor-parallel rank.
+compute or memory traffic takes longer. A decoder layer is two such parts run
+one after the other by separate kernels, so its time is the SUM of two roofline
+terms: the matmuls (weights' FLOPs vs weight + activation bytes) and attention
+(4·pairs·q_size FLOPs vs the KV bytes it reads). Counts are per tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from dataclasses import dataclass
 
 from pipeserve.model.config import ModelConfig
 
-# FLOP/s is calibrated at two matmul heights; between them interpolate in log(tokens).
+# FLOP/s is calibrated (with the runtime's own decoder layer) at a decode batch of
+# DECODE_TOKENS tokens and a prefill of PREFILL_TOKENS tokens; between them it is
+# interpolated in log(tokens).
 DECODE_TOKENS = 16
 PREFILL_TOKENS = 512
 
@@ -80,15 +85,35 @@ class LayerCosts:
     def kv_bytes_per_token_layer(self) -> float:
         return 2 * self.kv_heads_per_rank * self.model.head_dim * self.bytes
 
-    def layer(self, shape: BatchShape) -> OpCost:
-        """One decoder layer: QKV/O and MLP matmuls, attention over the KV cache."""
+    def matmuls(self, shape: BatchShape) -> OpCost:
+        """A decoder layer's QKV/O and MLP matmuls: the weights' FLOPs against reading
+        the weights (MoE: the experts touched) and the activations."""
         m, t = self.model, shape.new_tokens
         active = self.attn_params + self.expert_params * max(1, m.num_experts_per_tok)
-        flops = 2 * active * t + 4 * shape.attn_pairs * m.q_size
         weights = self.attn_params + self.expert_params * self.experts_touched(t)
-        kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer() * self.kv_read_amplification  # per rank
         act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * m.intermediate_size)
-        return OpCost(flops / self.tp, (weights + act) * self.bytes / self.tp + kv)
+        return OpCost(2 * active * t / self.tp, (weights + act) * self.bytes / self.tp)
+
+    def attention(self, shape: BatchShape) -> OpCost:
+        """A decoder layer's attention: 4·pairs·q_size FLOPs (QK^T and PV) against the KV
+        bytes read (cached + new tokens) times ``kv_read_amplification``, the measured
+        cost per attended KV byte of the attention kernel relative to a plain read."""
+        t = shape.new_tokens
+        kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer() * self.kv_read_amplification  # per rank
+        return OpCost(4 * shape.attn_pairs * self.model.q_size / self.tp, kv)
+
+    def layer(self, shape: BatchShape) -> OpCost:
+        """All FLOPs and bytes of one decoder layer (matmuls + attention). Counts only:
+        its time is ``matmuls(shape).time(...) + attention(shape).time(...)``, not the
+        roofline of these totals (the two parts are separate kernels that do not overlap)."""
+        mm, attn = self.matmuls(shape), self.attention(shape)
+        return OpCost(mm.flops + attn.flops, mm.bytes + attn.bytes)
+
+    def layer_time(self, shape: BatchShape, flops_per_s: float, bytes_per_s: float) -> float:
+        """Seconds of one decoder layer's kernels (no dispatch overhead, no all-reduce):
+        the matmul roofline term plus the attention roofline term."""
+        return (self.matmuls(shape).time(flops_per_s, bytes_per_s)
+                + self.attention(shape).time(flops_per_s, bytes_per_s))
 
     def embedding(self, shape: BatchShape) -> OpCost:
         """Gather one row per token: memory traffic only."""

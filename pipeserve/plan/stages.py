@@ -41,16 +41,21 @@ class PipelineCosts:
     def node_of(self, worker: int) -> int:
         return (worker * self.tp) // self.hw.gpus_per_node
 
-    def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
+    def _rates(self, tokens: int, worker: int) -> tuple[float, float]:
+        """(FLOP/s, bytes/s) this worker gets for an op over ``tokens`` rows."""
         rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
         share = self.share[worker]
-        return cost.time(rate * self.hw.stage_compute_share(share), self.hw.mem_bandwidth / share)
+        return rate * self.hw.stage_compute_share(share), self.hw.mem_bandwidth / share
+
+    def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
+        return cost.time(*self._rates(tokens, worker))
 
     def layer_time(self, shape: BatchShape, worker: int = 0) -> float:
-        """One decoder layer on one worker, its TP all-reduces included."""
+        """One decoder layer on one worker: dispatch overhead + matmul roofline term +
+        attention roofline term (separate kernels, no overlap) + its TP all-reduces."""
         if shape.new_tokens == 0:
             return 0.0
-        compute = self._op_time(self.costs.layer(shape), shape.new_tokens, worker)
+        compute = self.costs.layer_time(shape, *self._rates(shape.new_tokens, worker))
         reduce = 2 * ring_allreduce_time(self.costs.allreduce_bytes(shape), self.tp,
                                          self.hw.intra_node_bandwidth, self.hw.intra_node_latency)
         return compute + reduce + self.hw.layer_overhead
