@@ -229,6 +229,43 @@ def test_chunked_prefill_respects_budget_and_decodes_come_first() -> None:
     assert long.num_output_tokens == 1
 
 
+def test_prefill_budget_caps_prompt_tokens_not_decodes() -> None:
+    eng = FakeEngine(num_blocks=64, max_num_batched_tokens=32)
+    short = eng.add([1, 2, 3], max_tokens=8).seqs[0]
+    eng.submit()
+    eng.complete_oldest()                     # short is now decoding
+    long = eng.add(list(range(10, 30)), max_tokens=2).seqs[0]
+    other = eng.add([7] * 6, max_tokens=2).seqs[0]
+    out = eng.sched.schedule(prefill_budget=0)
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(short, 1)]
+    eng.inflight.append(out)
+    eng.complete_oldest()
+    out = eng.sched.schedule(prefill_budget=5)    # a chunk of the first prompt only
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(short, 1), (long, 5)]
+    eng.inflight.append(out)
+    eng.complete_oldest()
+    out = eng.sched.schedule(prefill_budget=18)   # the rest of it, then a chunk of the next
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(short, 1), (long, 15), (other, 3)]
+
+
+def test_engine_throttles_prompt_tokens_to_the_lightest_micro_batch_in_flight() -> None:
+    from types import SimpleNamespace
+
+    from pipeserve.engine.llm_engine import LLMEngine
+
+    def batch(*sizes: int) -> SchedulerOutput:
+        out = SchedulerOutput()
+        out.scheduled = [SimpleNamespace(num_new_tokens=n) for n in sizes]
+        return out
+    engine = SimpleNamespace(config=EngineConfig(block_size=16), _inflight={})
+    engine._inflight = {1: batch(1, 1, 1, 300), 2: batch(1, 1)}     # 300 prompt tokens, and none
+    assert LLMEngine._prefill_throttle(engine, 1024) == 32          # 0 + a quantum of 1024 // 32
+    engine._inflight = {1: batch(1, 900), 2: batch(700, 1)}
+    assert LLMEngine._prefill_throttle(engine, 1024) == 732
+    engine._inflight = {1: batch(1000)}
+    assert LLMEngine._prefill_throttle(engine, 1024) == 1024        # never above the budget
+
+
 def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
     eng = FakeEngine(num_blocks=32, max_num_batched_tokens=8, enable_chunked_prefill=False)
     eng.add([1] * 6, max_tokens=2)

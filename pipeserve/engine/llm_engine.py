@@ -181,14 +181,43 @@ class LLMEngine:
             self.executor.submit(step)
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
-        """Spread the work over the micro-batches that can still be started."""
-        if self.executor.max_inflight == 1:
+        """Spread the work evenly over the micro-batches in flight.
+
+        Each micro-batch gets at most its share of all live sequences (in
+        flight or not) and of the token budget. Taking every ready sequence
+        instead lets the micro-batches drift apart (the one formed while the
+        other is in flight grabs all newly prefilled sequences), and with P
+        micro-batches alternating over P stages the longer one sets the pace
+        while the others wait: a bubble on every stage.
+        """
+        inflight = self.executor.max_inflight
+        if inflight == 1:
             return {}
-        ready = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped \
-            - self.scheduler.num_inflight
-        max_seqs = max(1, math.ceil(ready / free_slots))
-        budget = max(1, self.config.max_num_batched_tokens // self.executor.max_inflight)
-        return {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
+        live = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped
+        ready = live - self.scheduler.num_inflight
+        share = math.ceil(live / inflight)
+        max_seqs = max(1, min(share, math.ceil(ready / free_slots)) if self._gpipe else share)
+        budget = max(1, self.config.max_num_batched_tokens // inflight)
+        limits = {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
+        if not self._gpipe and self.config.enable_chunked_prefill and self._inflight:
+            limits["prefill_budget"] = self._prefill_throttle(budget)
+        return limits
+
+    def _prefill_throttle(self, budget: int) -> int:
+        """Token throttling (as in gLLM): a new micro-batch carries at most one
+        quantum more prompt tokens than the lightest one in flight.
+
+        Prompts arrive in bursts (a request is admitted when another frees its
+        KV blocks), so without this one micro-batch carries a whole
+        ``budget`` of prompt tokens while the next carries none, and every
+        stage idles for the difference. Capped, the prompt work ramps up over
+        the micro-batches a quantum at a time and stays spread over all of
+        them; the decodes are not affected.
+        """
+        quantum = max(self.config.block_size, budget // 32)
+        lightest = min(sum(item.num_new_tokens for item in sched.scheduled if item.num_new_tokens > 1)
+                       for sched in self._inflight.values())
+        return min(budget, lightest + quantum)
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.time()

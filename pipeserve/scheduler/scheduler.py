@@ -36,14 +36,21 @@ __all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput"]
 class _Budget:
     tokens: int
     seqs: int
+    prefill: int = 1 << 62    # of ``tokens``, at most this many for prompts (chunks)
 
     @property
     def exhausted(self) -> bool:
         return self.tokens <= 0 or self.seqs <= 0
 
-    def take(self, num_tokens: int) -> None:
+    @property
+    def prefill_tokens(self) -> int:
+        return min(self.tokens, self.prefill)
+
+    def take(self, num_tokens: int, prefill: bool) -> None:
         self.tokens -= num_tokens
         self.seqs -= 1
+        if prefill:
+            self.prefill -= num_tokens
 
 
 class Scheduler:
@@ -146,10 +153,16 @@ class Scheduler:
         }
 
     # -- scheduling ----------------------------------------------------------
-    def schedule(self, token_budget: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
-        """Form one micro-batch from the sequences not in flight, and mark them in flight."""
+    def schedule(self, token_budget: int | None = None, max_seqs: int | None = None,
+                 prefill_budget: int | None = None) -> SchedulerOutput:
+        """Form one micro-batch from the sequences not in flight, and mark them in flight.
+
+        ``prefill_budget`` caps the prompt tokens (new prompts and chunks) of
+        the micro-batch, within ``token_budget``; decodes are not affected."""
         budget = _Budget(token_budget if token_budget is not None else self.config.max_num_batched_tokens,
                          max_seqs if max_seqs is not None else self.config.max_num_seqs)
+        if prefill_budget is not None:
+            budget.prefill = max(0, prefill_budget)
         out = SchedulerOutput()
         self._schedule_running(budget, out)
         if not out.preempted:
@@ -172,6 +185,9 @@ class Scheduler:
                 continue                       # preempted earlier in this call
             num_new = min(seq.num_uncomputed_tokens, budget.tokens)
             if seq.is_prefill:
+                if budget.prefill_tokens <= 0:
+                    continue
+                num_new = min(num_new, budget.prefill_tokens)
                 # A running prefill takes the chunk that fits rather than preempting.
                 num_new = min(num_new, self.block_manager.num_fitting_tokens(seq)) or num_new
             if self._make_room(seq, num_new, ready, done, out):
@@ -229,7 +245,9 @@ class Scheduler:
                 break
             if self._waits_for_first(seq):
                 continue                # a sibling waits for its first sequence's prefill
-            num_new = self.block_manager.admit(seq, budget.tokens, self._allow_partial(seq),
+            if budget.prefill_tokens <= 0:
+                break
+            num_new = self.block_manager.admit(seq, budget.prefill_tokens, self._allow_partial(seq),
                                                share_from=self._fork_parent(seq))
             if num_new == 0:
                 break
@@ -269,8 +287,8 @@ class Scheduler:
         return self.config.enable_chunked_prefill or seq.num_tokens > self.config.max_num_batched_tokens
 
     def _add(self, seq: Sequence, num_new: int, budget: _Budget, out: SchedulerOutput) -> None:
+        budget.take(num_new, prefill=seq.is_prefill)
         out.scheduled.append(ScheduledSeq(seq, num_new))
-        budget.take(num_new)
 
     # -- step completion -----------------------------------------------------
     def on_step_done(self, out: SchedulerOutput) -> None:
