@@ -34,3 +34,14 @@ def test_predictions_for_each_default_threaded_run(tmp_path, capsys):
 def test_empty_folder_is_a_clear_error(tmp_path, capsys):
     assert main([str(tmp_path), "--hardware", "cpu-local"]) == 2
     assert "no random-workload" in capsys.readouterr().err
+
+
+def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
+    _bench_json(tmp_path / "a.json", 1, "async", 100.0)
+    roomy = rows(tmp_path, "cpu-local")[0]["predicted"]
+    doc = json.loads((tmp_path / "a.json").read_text())
+    doc["runs"][0]["engine"]["block_size"] = 16
+    doc["runs"][0]["scheduler"] = {"num_blocks": 5}      # 80 tokens: one request at a time
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    tight = rows(tmp_path, "cpu-local")[0]["predicted"]
+    assert tight < 0.5 * roomy

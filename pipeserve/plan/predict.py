@@ -14,11 +14,13 @@ from pipeserve.plan.workload import Workload
 
 
 def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Workload,
-             record_intervals: bool = True) -> SimResult:
-    """Run the simulator for an evaluated configuration (its partition, K and KV capacity)."""
+             record_intervals: bool = True, kv_capacity_tokens: float | None = None) -> SimResult:
+    """Run the simulator for an evaluated configuration (its partition, K and KV
+    capacity; ``kv_capacity_tokens`` overrides the capacity the plan derives from
+    the hardware's memory, e.g. with the block count a real engine allocated)."""
     req = est.req
     costs = PipelineCosts(model, hw, est.chunk_layers, req.pp, req.tp, req.dtype)
-    capacity = est.batch * (req.input_len + req.output_len)
+    capacity = kv_capacity_tokens or est.batch * (req.input_len + req.output_len)
     longest = max(t.prompt_len + t.output_len for t in workload.build())
     cfg = SimConfig(schedule=req.schedule, micro_batches=est.micro_batches,
                     max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
@@ -30,7 +32,7 @@ def predict_throughput(model: ModelConfig, hardware: Hardware, pp: int, schedule
                        workload: Workload, *, tp: int = 1, micro_batches: int | None = None,
                        virtual_stages: int | None = None, partition: str = "uniform",
                        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                       dtype: str | None = None) -> dict:
+                       dtype: str | None = None, kv_capacity_tokens: float | None = None) -> dict:
     """Predict a pipeline run: simulated throughput/TTFT/TPOT/bubbles plus the analytic terms.
 
     ``virtual_stages`` defaults to 2 for ``interleaved`` and 1 otherwise; ``partition``
@@ -43,7 +45,8 @@ def predict_throughput(model: ModelConfig, hardware: Hardware, pp: int, schedule
                       input_len=workload.input_len, output_len=workload.output_len,
                       request_rate=workload.request_rate)
     est = evaluate(model, hardware, req)
-    result = simulate(model, hardware, est, workload, record_intervals=False).summary()
+    result = simulate(model, hardware, est, workload, record_intervals=False,
+                      kv_capacity_tokens=kv_capacity_tokens).summary()
     result.update(analytic_output_tokens_per_s=est.throughput, eta=est.eta, alpha=est.alpha,
                   gain=est.gain, micro_batches=est.micro_batches, partition=est.chunk_layers,
                   stage_forward_s=est.t_stage, t_comm_s=est.t_comm, fits=est.fits,

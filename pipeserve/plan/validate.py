@@ -49,12 +49,20 @@ def _compare(path: Path, cfg, hw) -> dict | None:
         cfg, hw, pp, schedule, workload, micro_batches=engine.get("pp_micro_batches"),
         virtual_stages=engine.get("pp_virtual_stages") if schedule == "interleaved" else None,
         partition=engine.get("pp_partition", "uniform"), max_num_seqs=engine["max_num_seqs"],
-        max_num_batched_tokens=engine["max_num_batched_tokens"], dtype=engine["dtype"])
+        max_num_batched_tokens=engine["max_num_batched_tokens"], dtype=engine["dtype"],
+        kv_capacity_tokens=_kv_capacity(run, engine))
     measured = run["output_tokens_per_s"]
     pred = predicted["output_tokens_per_s"]
     return {"file": path.name, "label": doc.get("label") or path.stem, "pp": pp, "schedule": schedule,
             "partition": engine.get("pp_partition"), "measured": measured, "predicted": pred,
             "ratio": pred / measured}
+
+
+def _kv_capacity(run: dict, engine: dict) -> float | None:
+    """Tokens the measured engine's KV cache held (its block count), so the
+    simulator admits requests under the same memory limit; None if not recorded."""
+    blocks = run.get("scheduler", {}).get("num_blocks")
+    return blocks * engine["block_size"] if blocks else None
 
 
 def markdown(table: list[dict]) -> str:
