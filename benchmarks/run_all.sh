@@ -56,7 +56,7 @@ if wanted vs_transformers; then
   if [[ -n "${DRY_RUN:-}" ]]; then BEST=("<pipeline flags of the fastest random-workload row>")
   else read -r -a BEST <<< "$(python -m pipeserve.bench.report "$RESULTS" --best-engine-flags)"; fi
   row vs_transformers "best pipeserve configuration vs transformers" "${RANDOM_256[@]}" "${BEST[@]}" \
-    --backend both --hf-batch-size 32,64
+    --backend both --hf-batch-size 64,128
 fi
 
 # Online: a rate sweep against a pipeserve server (PP=2), TTFT/TPOT SLO.

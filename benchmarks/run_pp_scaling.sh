@@ -12,3 +12,5 @@ pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition uniform --label "PP=2,
   --output $RESULTS/scaling_pp2_uniform.json --plot $RESULTS/plots/scaling_pp2_uniform
 pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition auto --label "PP=2, 1 thread/stage, auto" \
   --output $RESULTS/scaling_pp2_auto.json --plot $RESULTS/plots/scaling_pp2_auto
+pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition 17,13 --label "PP=2, 1 thread/stage, manual 17,13" \
+  --output $RESULTS/scaling_pp2_manual.json --plot $RESULTS/plots/scaling_pp2_manual
