@@ -241,7 +241,9 @@ class PipelineExecutor(Executor):
             try:
                 message = self.transport.recv()
             except Exception as exc:
-                self._fail(f"lost the connection to the pipeline stages: {exc}")
+                # A killed stage resets its sockets as it exits: name the dead
+                # process when there is one, not just the broken connection.
+                self._fail(self._dead_stage_message() or f"lost the connection to the pipeline stages: {exc}")
                 return
             self._on_message(message.src - 1, message.kind, message.obj, message.arrived)
 
@@ -274,14 +276,25 @@ class PipelineExecutor(Executor):
             Interval(iv.stage, iv.kind, iv.start - self.clock_offsets[iv.stage],
                      iv.end - self.clock_offsets[iv.stage], iv.step_id, iv.chunk) for iv in intervals])
 
+    def _dead_stage_message(self, grace_s: float = 1.0) -> str | None:
+        """Which local stage process died, waiting up to ``grace_s`` for its exit to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for stage, proc in self.procs.items():
+                if not proc.is_alive():
+                    return (f"pipeline stage {stage} (pid {proc.pid}) died with exit code {proc.exitcode}"
+                            f"{_signal_note(proc.exitcode)}")
+            if time.monotonic() >= deadline or self._closed:
+                return None
+            time.sleep(POLL_S)
+
     def _watch_loop(self) -> None:
         while not self._closed and self._failure is None:
             time.sleep(POLL_S)
-            for stage, proc in self.procs.items():
-                if not proc.is_alive() and not self._closed:
-                    self._fail(f"pipeline stage {stage} (pid {proc.pid}) died with exit code {proc.exitcode}"
-                               f"{_signal_note(proc.exitcode)}")
-                    return
+            message = self._dead_stage_message(grace_s=0.0)
+            if message is not None and not self._closed:
+                self._fail(message)
+                return
             with self._lock:
                 silent = bool(self._inflight) and \
                     time.monotonic() - self._last_progress > self.config.stage_timeout
