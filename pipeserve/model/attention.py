@@ -41,7 +41,19 @@ class DecodeBatch:
     query_index: torch.Tensor     # [B] rows of the flat query batch
     block_index: torch.Tensor     # [B, max_blocks] block ids (padding points at block 0)
     context_lens: torch.Tensor    # [B] int64
-    bias: torch.Tensor            # [B, 1, 1, max_blocks * block_size] float32: 0 or -inf (torch path)
+    block_size: int
+    _bias: torch.Tensor | None = field(default=None, repr=False)
+
+    def key_bias(self) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] float32: 0 for a real key, -inf for
+        padding. Only the PyTorch decode path needs it: built on first use, then
+        shared by every layer of the step."""
+        if self._bias is None:
+            keys = self.block_index.shape[1] * self.block_size
+            pad = torch.arange(keys, device=self.context_lens.device) >= self.context_lens.unsqueeze(1)
+            bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
+            self._bias = bias[:, None, None, :]                             # [B, 1, 1, keys]
+        return self._bias
 
 
 @dataclass
@@ -188,7 +200,7 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         keys = kb.view(bsz, ctx, kv_heads, head_dim).permute(0, 2, 3, 1)    # [B, kv_heads, D, ctx]
         scores = torch.matmul(qb.view(bsz, kv_heads, group, head_dim), keys)
-    probs = torch.softmax(scores.float() * scale + g.bias, dim=-1).to(vb.dtype)  # [B, kv_heads, group, ctx]
+    probs = torch.softmax(scores.float() * scale + g.key_bias(), dim=-1).to(vb.dtype)  # [B, kv_heads, group, ctx]
     if kv_heads <= _SHARED_SCORE_KV_HEADS:
         out = torch.bmm(probs.reshape(bsz, heads, ctx), vb.view(bsz, ctx, kv_heads * head_dim))
         out = out.view(bsz, kv_heads, group, kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # [B, group, D, kv]
@@ -222,19 +234,17 @@ def _build_prefill(start: int, q_len: int, ctx: int, table: list[int], block_siz
 
 def _build_decodes(idx: list[int], starts: list[int], context_lens: list[int],
                    block_tables: list[list[int]], block_size: int, device: torch.device) -> DecodeBatch:
-    """Block ids of each decode (padded with block 0) and the additive mask of their keys."""
+    """Block ids of each decode (padded with block 0) and their context lengths."""
     max_blocks = max((context_lens[i] + block_size - 1) // block_size for i in idx)
     block_index = torch.zeros(len(idx), max_blocks, dtype=torch.int64)
-    bias = torch.full((len(idx), 1, 1, max_blocks * block_size), float("-inf"), dtype=torch.float32)
     for b, i in enumerate(idx):
         used = (context_lens[i] + block_size - 1) // block_size
         block_index[b, :used] = torch.tensor(block_tables[i][:used], dtype=torch.int64)
-        bias[b, 0, 0, :context_lens[i]] = 0.0
     return DecodeBatch(query_index=torch.tensor([starts[i] for i in idx], dtype=torch.int64, device=device),
                        block_index=block_index.to(device),
                        context_lens=torch.tensor([context_lens[i] for i in idx], dtype=torch.int64,
                                                  device=device),
-                       bias=bias.to(device))
+                       block_size=block_size)
 
 
 def _slots_of(table: list[int], ctx: int, block_size: int) -> torch.Tensor:
