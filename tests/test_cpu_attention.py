@@ -17,7 +17,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 def _kernel_missing() -> str | None:
     try:
-        build.load_kernel("paged_decode")
+        build.load_kernel("paged_attention")
     except build.KernelBuildError as exc:
         return f"the C decode kernel cannot be built here: {exc}"
     return None
@@ -109,3 +109,52 @@ def test_backend_names_are_checked():
     assert type(select_backend("torch", "cpu")) is TorchPagedAttention
     with pytest.raises(ValueError, match="auto, torch, cpu"):
         select_backend("flash", "cpu")
+
+
+def _prefill_kernel_missing() -> str | None:
+    missing = _kernel_missing()
+    if missing:
+        return missing
+    if not CpuPagedAttention().prefill_kernel_applies(torch.bfloat16, 64):
+        return "this CPU has no AVX512_BF16: bf16 prefills use the torch path (covered elsewhere)"
+    return None
+
+
+needs_prefill_kernel = pytest.mark.skipif(_prefill_kernel_missing() is not None,
+                                          reason=str(_prefill_kernel_missing()))
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),     # SmolLM2's shape
+    (8, 2, 128, 16),    # Llama-3-style GQA, head_dim 128
+    (4, 4, 32, 5),      # MHA, blocks not a multiple of the kernel's 16-key tiles
+    (4, 1, 256, 16),    # MQA, head_dim 256
+])
+def test_bf16_prefills_match_torch_backend(heads, kv_heads, head_dim, block_size):
+    rng = random.Random(head_dim * 31 + heads)
+    torch.manual_seed(rng.randrange(1 << 30))
+    # Fresh prompts (one token short of, at, and past tile edges), chunks after
+    # cached tokens (a prefix hit / a later chunk), and a decode in between.
+    query_lens = [2, 16, 17, 100, 1, 7, 40]
+    context_lens = [2, 16, 17, 100, 50, 30, 333]
+    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, torch.bfloat16)
+    total = sum(query_lens)
+    q = torch.randn(total, heads, head_dim).bfloat16()
+    k = torch.randn(total, kv_heads, head_dim).bfloat16()
+    v = torch.randn(total, kv_heads, head_dim).bfloat16()
+    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
+    meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
+        got = cpu.forward(q, k, v, cache, meta, head_dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[torch.bfloat16]
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_leaves_other_dtypes_to_torch():
+    cpu = CpuPagedAttention()
+    assert not cpu.prefill_kernel_applies(torch.float32, 64)
+    assert not cpu.prefill_kernel_applies(torch.float16, 64)
+    assert not cpu.prefill_kernel_applies(torch.bfloat16, 48)

@@ -64,6 +64,7 @@ class Prefill:
     start: int
     q_len: int
     context_len: int
+    seq: int                                # index of the sequence in the step
     # Only when earlier tokens are cached (a prefix hit or a later chunk):
     key_slots: torch.Tensor | None = None   # [context_len] cache slots
     mask: torch.Tensor | None = None        # [1, 1, q_len, context_len] bool, True = attend
@@ -73,6 +74,8 @@ class Prefill:
 class TorchAttentionMetadata(AttentionMetadata):
     decodes: DecodeBatch | None = None
     prefills: list[Prefill] = field(default_factory=list)
+    # Per-step inputs a kernel backend derives on the first layer and reuses.
+    backend_state: dict = field(default_factory=dict, repr=False)
 
 
 class AttentionBackend(ABC):
@@ -124,7 +127,7 @@ class TorchPagedAttention(AttentionBackend):
         slots = slot_mapping_for(query_lens, context_lens, block_tables, block_size)
         starts = _query_starts(query_lens)
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
-        prefills = [_build_prefill(starts[i], query_lens[i], context_lens[i], block_tables[i], block_size,
+        prefills = [_build_prefill(i, starts[i], query_lens[i], context_lens[i], block_tables[i], block_size,
                                    device) for i, q in enumerate(query_lens) if q > 1]
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -144,9 +147,16 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:
             out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, scale)
+        if meta.prefills:
+            self.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+                        out: torch.Tensor) -> None:
+        """Write the prefill rows of ``out``. Overridden by kernel backends."""
         for p in meta.prefills:
             out[p.start:p.start + p.q_len] = _attend_prefill(q, k, v, k_cache, v_cache, p, scale)
-        return out
 
     def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        d: DecodeBatch, scale: float) -> torch.Tensor:
@@ -222,14 +232,14 @@ def _query_starts(query_lens: list[int]) -> list[int]:
     return starts
 
 
-def _build_prefill(start: int, q_len: int, ctx: int, table: list[int], block_size: int,
+def _build_prefill(seq: int, start: int, q_len: int, ctx: int, table: list[int], block_size: int,
                    device: torch.device) -> Prefill:
     if ctx == q_len:
-        return Prefill(start, q_len, ctx)
+        return Prefill(start, q_len, ctx, seq)
     # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
     last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)                    # [q_len, 1]
     mask = (torch.arange(ctx).unsqueeze(0) <= last_key).view(1, 1, q_len, ctx)
-    return Prefill(start, q_len, ctx, _slots_of(table, ctx, block_size).to(device), mask.to(device))
+    return Prefill(start, q_len, ctx, seq, _slots_of(table, ctx, block_size).to(device), mask.to(device))
 
 
 def _build_decodes(idx: list[int], starts: list[int], context_lens: list[int],

@@ -455,3 +455,251 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     }
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------
+ * Paged prefill attention for bfloat16 caches on CPUs with AVX512_BF16.
+ *
+ * The queries of one sequence sit at positions ctx - q_len .. ctx - 1 and
+ * attend causally to keys 0 .. their own position, read from the paged cache
+ * (the runner writes the new keys first), so a fresh prompt, a chunk after
+ * cached tokens and a prefix-cache hit are the same case.
+ *
+ * Work item = (sequence, kv head). Its keys and values are first copied into
+ * a scratch laid out for vdpbf16ps (16-key tiles; keys transposed so one
+ * instruction scores 16 keys against a pair of query dims, values interleaved
+ * by key pairs), then every query row of the G heads that share the kv head
+ * walks the tiles up to its position with an online softmax (flash attention:
+ * running max and sum, output rescaled when the max grows). R rows go
+ * together so that their accumulators fill the registers; probabilities are
+ * rounded to bf16 before the PV product, as the PyTorch path does.
+ * ------------------------------------------------------------------------- */
+#if defined(__AVX512BF16__)
+#define PREFILL_KERNEL 1
+/* Fully unroll the loops over rows and vectors so the accumulators stay in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
+/* Array bounds are fixed (not R, NV) so that, once inlined with constant R and
+ * NV, the arrays become registers instead of stack VLAs. */
+#define PF_MAX_R 4
+#define PF_MAX_NV 16
+
+/* exp(x) of 16 lanes, x <= 0: the polynomial of exp_nonpositive, scaled by 2^n. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The max of 16 lanes, in every lane. */
+static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+/* Keys and values 0 .. ctx - 1 of one kv head -> the scratch.
+ * kt: [tiles][head_dim / 2][16] dwords, dword (tile, k, j) = dims 2k, 2k+1 of key 16 tile + j.
+ * vi: [tiles][8][head_dim] dwords, dword (tile, j, d) = dim d of keys 16 tile + 2j and + 2j + 1.
+ * Keys past ctx are zero (they are always masked; zero keeps NaN out). */
+static void stage_kv_tiles(const char *k_cache, const char *v_cache, const int64_t *table, int64_t ctx,
+                           int64_t kv_head, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                           uint32_t *restrict kt, uint16_t *restrict vi) {
+    const int64_t pairs = head_dim / 2, tiles = (ctx + 15) / 16;
+    const int64_t row_stride = kv_heads * head_dim * 2, block_stride = block_size * row_stride;
+    const int64_t head_offset = kv_head * head_dim * 2;
+    memset(kt, 0, (size_t)(tiles * pairs * 16) * sizeof(uint32_t));
+    memset(vi, 0, (size_t)(tiles * 16 * head_dim) * sizeof(uint16_t));
+    for (int64_t t = 0; t < ctx; t++) {
+        const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
+        const uint32_t *kr = (const uint32_t *)(k_cache + offset);
+        const uint16_t *vr = (const uint16_t *)(v_cache + offset);
+        uint32_t *kd = kt + (t / 16) * pairs * 16 + t % 16;
+        for (int64_t k = 0; k < pairs; k++) kd[k * 16] = kr[k];
+        uint16_t *vd = vi + (((t / 16) * 8 + (t % 16) / 2) * head_dim) * 2 + (t % 2);
+        for (int64_t d = 0; d < head_dim; d++) vd[2 * d] = vr[d];
+    }
+}
+
+/* Rows r0 .. r0 + nr - 1 (row = query token * group + head in group) of one
+ * (sequence, kv head); R rows at a time, head_dim = 16 * NV. */
+static inline __attribute__((always_inline)) void prefill_rows(
+        const uint16_t *q, uint16_t *out, int64_t r0, int nr, const int R, const int NV, int64_t first_pos,
+        int64_t group, int64_t kv_head, int64_t heads, const uint32_t *kt, const uint16_t *vi, float scale) {
+    const int64_t head_dim = 16 * NV, pairs = 8 * NV;
+    const uint32_t *qp[PF_MAX_R];
+    uint16_t *op[PF_MAX_R];
+    int64_t pos[PF_MAX_R];
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        const int64_t r = r0 + (i < nr ? i : nr - 1);   /* spare lanes repeat the last row, unused */
+        const int64_t token = r / group, head = kv_head * group + r % group;
+        pos[i] = first_pos + token;
+        qp[i] = (const uint32_t *)(q + (token * heads + head) * head_dim);
+        op[i] = out + (token * heads + head) * head_dim;
+    }
+    __m512 acc[PF_MAX_R][PF_MAX_NV], lsum[PF_MAX_R], m[PF_MAX_R];   /* m: the running max, in every lane */
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        UNROLL
+        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_setzero_ps();
+        lsum[i] = _mm512_setzero_ps();
+        m[i] = _mm512_set1_ps(-INFINITY);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t tiles = pos[nr - 1] / 16 + 1;   /* rows are in position order */
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const uint32_t *kb = kt + tile * pairs * 16;
+        __m512 s0[PF_MAX_R], s1[PF_MAX_R];   /* two chains per row: the dot products are latency-bound otherwise */
+        UNROLL
+        for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < pairs; k += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + k * 16);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (k + 1) * 16);
+            UNROLL
+            for (int i = 0; i < R; i++) {
+                s0[i] = _mm512_dpbf16_ps(s0[i], k0, (__m512bh)_mm512_set1_epi32((int)qp[i][k]));
+                s1[i] = _mm512_dpbf16_ps(s1[i], k1, (__m512bh)_mm512_set1_epi32((int)qp[i][k + 1]));
+            }
+        }
+        const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int)(tile * 16)), iota);
+        uint32_t pb[PF_MAX_R][8];   /* probabilities as bf16 pairs (keys 2j, 2j + 1) */
+        UNROLL
+        for (int i = 0; i < R; i++) {
+            /* A row whose position is before this tile gets no valid key: its max stays and
+             * its probabilities are 0 (tile 0 is valid for every row, so the running max is
+             * finite from the first tile on). */
+            const __mmask16 valid = _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32((int)pos[i]));
+            const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid,
+                                                _mm512_add_ps(s0[i], s1[i]), vscale);
+            const __m512 m_new = _mm512_max_ps(m[i], max16(x));
+            if (_mm512_cmp_ps_mask(m_new, m[i], _CMP_GT_OQ)) {   /* rescale what was summed so far */
+                const __m512 alpha = exp16(_mm512_sub_ps(m[i], m_new));
+                UNROLL
+                for (int c = 0; c < NV; c++) acc[i][c] = _mm512_mul_ps(acc[i][c], alpha);
+                lsum[i] = _mm512_mul_ps(lsum[i], alpha);
+                m[i] = m_new;
+            }
+            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, m_new)));
+            const __m256bh p16 = _mm512_cvtneps_pbh(p);
+            /* Sum the rounded probabilities: numerator and denominator then agree. */
+            lsum[i] = _mm512_add_ps(lsum[i], _mm512_cvtpbh_ps(p16));
+            _mm256_storeu_si256((__m256i *)pb[i], (__m256i)p16);
+        }
+        const uint16_t *vb = vi + tile * 16 * head_dim;
+        UNROLL
+        for (int j = 0; j < 8; j++) {
+            __m512bh v[PF_MAX_NV];
+            UNROLL
+            for (int c = 0; c < NV; c++) v[c] = (__m512bh)_mm512_loadu_si512(vb + (j * head_dim + 16 * c) * 2);
+            UNROLL
+            for (int i = 0; i < R; i++) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[i][j]);
+                UNROLL
+                for (int c = 0; c < NV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], v[c], pp);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[i]));
+        UNROLL
+        for (int c = 0; c < NV; c++)
+            _mm256_storeu_si256((__m256i *)(op[i] + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], inv)));
+    }
+}
+
+#define PREFILL_ROWS(NAME, R, NV)                                                                      \
+    static void NAME(const uint16_t *q, uint16_t *out, int64_t r0, int nr, int64_t first_pos,          \
+                     int64_t group, int64_t kv_head, int64_t heads, const uint32_t *kt,                \
+                     const uint16_t *vi, float scale) {                                                \
+        prefill_rows(q, out, r0, nr, R, NV, first_pos, group, kv_head, heads, kt, vi, scale);         \
+    }
+PREFILL_ROWS(prefill_rows_64, 4, 4)
+PREFILL_ROWS(prefill_rows_128, 2, 8)
+PREFILL_ROWS(prefill_rows_32, 4, 2)
+PREFILL_ROWS(prefill_rows_256, 1, 16)
+#endif
+
+/* Can pipeserve_paged_prefill run this shape? (bf16 cache, AVX512_BF16 CPU,
+ * head_dim 32, 64, 128 or 256.) */
+int pipeserve_prefill_supported(int dtype, int64_t head_dim) {
+#if defined(PREFILL_KERNEL)
+    return dtype == DT_BFLOAT16 && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+#else
+    (void)dtype;
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+/* q, out: [tokens, heads, head_dim] bfloat16 (the flat batch; only prefill rows are written).
+ * Per prefill sequence s: seqs[4 s .. 4 s + 3] = (first row in the batch, q_len, context_len,
+ * unused); block_tables: [num_seqs, max_blocks] int64.
+ * Returns 0; -1 when scratch memory cannot be allocated; -2 for an unsupported shape. */
+int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache,
+                            const int64_t *seqs, int64_t num_seqs, const int64_t *block_tables,
+                            int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale, uint16_t *out, int num_threads) {
+#if defined(PREFILL_KERNEL)
+    if (!pipeserve_prefill_supported(DT_BFLOAT16, head_dim) || heads % kv_heads != 0) return -2;
+    const int64_t group = heads / kv_heads;
+    const int R = head_dim == 128 ? 2 : head_dim == 256 ? 1 : 4;
+    int64_t max_tiles = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t tiles = (seqs[4 * s + 2] + 15) / 16;
+        max_tiles = tiles > max_tiles ? tiles : max_tiles;
+    }
+    const size_t scratch = (size_t)max_tiles * 16 * head_dim * 2 * 2;   /* kt + vi bytes */
+    const int64_t items = num_seqs * kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        char *work = (char *)aligned_alloc(64, (scratch + 63) / 64 * 64);
+        if (!work) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            if (!work) continue;
+            const int64_t s = item / kv_heads, kv_head = item % kv_heads;
+            const int64_t row = seqs[4 * s], q_len = seqs[4 * s + 1], ctx = seqs[4 * s + 2];
+            uint32_t *kt = (uint32_t *)work;
+            uint16_t *vi = (uint16_t *)(work + (size_t)max_tiles * 16 * head_dim * 2);
+            stage_kv_tiles((const char *)k_cache, (const char *)v_cache, block_tables + s * max_blocks, ctx,
+                           kv_head, kv_heads, head_dim, block_size, kt, vi);
+            const uint16_t *qs = q + row * heads * head_dim;
+            uint16_t *os = out + row * heads * head_dim;
+            const int64_t rows = q_len * group;
+            for (int64_t r0 = 0; r0 < rows; r0 += R) {
+                const int nr = rows - r0 < R ? (int)(rows - r0) : R;
+                if (head_dim == 64)
+                    prefill_rows_64(qs, os, r0, nr, ctx - q_len, group, kv_head, heads, kt, vi, scale);
+                else if (head_dim == 128)
+                    prefill_rows_128(qs, os, r0, nr, ctx - q_len, group, kv_head, heads, kt, vi, scale);
+                else if (head_dim == 32)
+                    prefill_rows_32(qs, os, r0, nr, ctx - q_len, group, kv_head, heads, kt, vi, scale);
+                else
+                    prefill_rows_256(qs, os, r0, nr, ctx - q_len, group, kv_head, heads, kt, vi, scale);
+            }
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)seqs; (void)num_seqs; (void)block_tables; (void)max_blocks;
+    (void)heads; (void)kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)out; (void)num_threads;
+    return -2;
+#endif
+}
