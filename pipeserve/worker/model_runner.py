@@ -7,6 +7,9 @@ their KV lives and which blocks to move first.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
@@ -45,6 +48,8 @@ class ModelRunner:
         shape = (blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
 
         def make() -> torch.Tensor:
+            if device.type == "cpu" and not pin:
+                return _zeros_on_huge_pages(shape, self.dtype)
             t = torch.zeros(shape, dtype=self.dtype, device=device)
             return t.pin_memory() if pin else t
 
@@ -131,3 +136,30 @@ class ModelRunner:
         for src_pair, dst_pair in zip(src_caches, dst_caches):
             for src, dst in zip(src_pair, dst_pair):
                 dst[dst_idx] = src[src_idx].to(dst_device)  # the gather copies first: safe for chains
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages.
+
+    Decode attention reads KV blocks scattered over the whole cache; with 4 KiB
+    pages nearly every block costs a TLB miss. Where transparent huge pages are
+    in ``madvise`` mode, advising the (still untouched) allocation before
+    zeroing it makes the faults allocate huge pages. Best effort: elsewhere it
+    is plain zeros.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE:
+        start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(start, end - start, _MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass
+    return t.zero_()
