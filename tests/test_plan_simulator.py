@@ -77,6 +77,28 @@ def test_async_unsaturated_is_latency_bound() -> None:
     assert result["tpot_s"]["p50"] == pytest.approx(1.0 + 1.0 + 0.5 + 0.5)
 
 
+@dataclass
+class DriverCosts(ConstantCosts):
+    driver: float = 0.0
+
+    def driver_time(self, shape: BatchShape) -> float:
+        return self.driver
+
+
+def test_driver_work_is_serial_ahead_of_the_first_stage() -> None:
+    # One micro-batch in flight: each token waits for the driver, then both stages.
+    one = PipelineSimulator(DriverCosts([1.0, 1.0], driver=0.5), SimConfig("async", micro_batches=1))
+    result = one.run(_all_at_once(1, output_len=5))
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(0.5 + 1.0 + 1.0)
+    assert result.driver_busy == pytest.approx(5 * 0.5)
+    # gpipe forms its M micro-batches one after the other: the second is ready at 2 x 0.5,
+    # which the first one's stage-0 second hides; with a slow driver it shows.
+    fast = PipelineSimulator(DriverCosts([1.0, 1.0], driver=0.5), SimConfig("gpipe", micro_batches=2))
+    assert fast.run(_all_at_once(2, output_len=1)).summary()["duration_s"] == pytest.approx(0.5 + 3 * 1.0)
+    slow = PipelineSimulator(DriverCosts([1.0, 1.0], driver=2.0), SimConfig("gpipe", micro_batches=2))
+    assert slow.run(_all_at_once(2, output_len=1)).summary()["duration_s"] == pytest.approx(2 * 2.0 + 2 * 1.0)
+
+
 def test_chunked_prefill_and_prefix_cache() -> None:
     costs = ConstantCosts([1.0])
     shared = [TraceRequest(float(i) * 100, 300, 2, prefix_id=0, prefix_len=200) for i in range(2)]

@@ -23,7 +23,10 @@ for ``q`` sequences of query lengths / context lengths ``c``:
 - parallel_efficiency: the layer at 64 decodes, context 256, on 1 thread vs all cores.
 
 So the planner's layer time, overhead + matmul term + attention term, reproduces
-the measured layer at these shapes. Memory bandwidth comes from a large copy, and
+the measured layer at these shapes. The engine's work outside the layers is
+timed on its own code too: each stage's per-micro-batch step (unpickle, attention
+metadata) and the driver's (schedule, build, process tokens, detokenize), the
+latter with an executor that answers at once so only the driver is timed. Memory bandwidth comes from a large copy, and
 the link from loopback gloo point-to-point between two processes (latency from
 tiny messages, bandwidth from big ones).
 """
@@ -167,6 +170,103 @@ def measure_parallel_efficiency(timer: LayerTimer, cores: int) -> tuple[float, f
     return min(1.0, max(0.0, (one / many - 1.0) / (cores - 1))), one, many
 
 
+def _fit_two(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, b) with seconds = a·steps + b·seq_steps through two (steps, seq_steps, seconds)
+    points, each clamped at 0 (noise can push a tiny fixed part below zero)."""
+    (n1, s1, t1), (n2, s2, t2) = points
+    det = n1 * s2 - n2 * s1
+    a, b = (t1 * s2 - t2 * s1) / det, (n1 * t2 - n2 * t1) / det
+    if a < 0:
+        return 0.0, (t1 + t2) / (s1 + s2)
+    if b < 0:
+        return (t1 + t2) / (n1 + n2), 0.0
+    return a, b
+
+
+def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int = 128,
+                            prompt_len: int = 64, output_len: int = 48) -> tuple[float, float]:
+    """(s per micro-batch, s per sequence in it) of the engine's driver: the real
+    LLMEngine (scheduler, step builder, output processing and detokenizer, pickling
+    the step as the pipeline transport does) over an executor that answers at once,
+    so all the time measured is the driver's. Two runs, small and large
+    micro-batches, separate the fixed and per-sequence parts."""
+    import pickle
+
+    from pipeserve.config import EngineConfig
+    from pipeserve.engine.llm_engine import LLMEngine
+    from pipeserve.sampling_params import SamplingParams
+    from pipeserve.worker.executor import Executor
+    from pipeserve.worker.step import SampledToken, StepOutput
+
+    class InstantExecutor(Executor):
+        def __init__(self, inflight: int) -> None:
+            self.max_inflight = inflight
+            self.done: list = []
+            self.steps = self.seq_steps = 0
+
+        def submit(self, step) -> None:
+            pickle.loads(pickle.dumps(step))   # the transport's serialization, both ends
+            self.steps += 1
+            self.seq_steps += len(step.seqs)
+            out = StepOutput(step.step_id, [SampledToken(s.seq_id, 1000 + s.seq_id % 7, 0.0)
+                                            for s in step.seqs if s.sampling is not None])
+            self.done.append(pickle.loads(pickle.dumps(out)))
+
+        def wait(self, timeout: float | None = None) -> list:
+            done, self.done = self.done, []
+            return done
+
+        @property
+        def num_inflight(self) -> int:
+            return len(self.done)
+
+    class DriverOnlyEngine(LLMEngine):
+        def _make_executor(self) -> Executor:
+            return InstantExecutor(2)
+
+    points = []
+    for max_seqs in (8, requests):
+        config = EngineConfig.from_kwargs(model=model, pipeline_parallel_size=2, pp_partition="uniform",
+                                          max_num_seqs=max_seqs, kv_cache_memory="256MiB")
+        engine = DriverOnlyEngine(config)
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+        start = time.perf_counter()
+        for i in range(requests):
+            engine.add_request(str(i), {"prompt_token_ids": [(i * 31 + j) % 5000 + 100 for j in range(prompt_len)]},
+                               params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        points.append((engine.executor.steps, engine.executor.seq_steps, time.perf_counter() - start))
+        engine.shutdown()
+    return _fit_two(points)
+
+
+def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[float, float]:
+    """(s per micro-batch, s per sequence) of a stage's work outside its layers:
+    unpickle the step, build the attention metadata and positions (the runner's
+    ``_prepare``), for decode batches of 1 and 64 sequences."""
+    import pickle
+    from types import SimpleNamespace
+
+    from pipeserve.worker.model_runner import ModelRunner
+    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+
+    bs = timer.block_size
+    runner = SimpleNamespace(model=SimpleNamespace(backend=timer.stage.backend), block_size=bs,
+                             device=timer.device)
+    blocks = (context + 1 + bs - 1) // bs
+    points = []
+    for seqs in (1, 64):
+        step = StepInput(0, [SeqStep(i, [100 + i], context, list(range(i * blocks, (i + 1) * blocks)),
+                                     SeqSampling(0.0, 1.0, 0, 0.0, None, 5)) for i in range(seqs)])
+        wire = pickle.dumps(step)
+        seconds = _best(lambda: ModelRunner._prepare(runner, pickle.loads(wire)), 20)
+        points.append((1, seqs, seconds))
+    (_, s1, t1), (_, s2, t2) = points
+    per_seq = max(0.0, (t2 - t1) / (s2 - s1))
+    return max(0.0, t1 - per_seq * s1), per_seq
+
+
 def measure_bandwidth(torch, nbytes: int = 256 * 1024**2) -> float:
     """Bytes/s of a large copy (a read and a write of every byte)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -254,8 +354,17 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
             f"{amplification:.2f}x")
         decode = measure_decode_flops(timer, costs, overhead, amplification, core_bandwidth)
         prefill = measure_prefill_flops(timer, costs, overhead)
+        stage_step, stage_seq = measure_stage_step_overhead(timer)
     finally:
         torch.set_num_threads(threads)
+    log(f"stage work per micro-batch outside the layers: {stage_step * 1e6:.0f} us + "
+        f"{stage_seq * 1e6:.1f} us per sequence")
+    try:
+        driver_step, driver_seq = measure_driver_overhead()
+        log(f"driver work per micro-batch: {driver_step * 1e6:.0f} us + {driver_seq * 1e6:.1f} us per sequence")
+    except Exception as exc:   # no tokenizer files here: leave the driver out of the model
+        driver_step = driver_seq = 0.0
+        log(f"warning: driver overhead not measured ({exc}); the planner will leave it out")
     log(f"layer FLOP/s per core: decode ({DECODE_TOKENS} tokens) {decode / 1e9:.1f} GFLOP/s, "
         f"prefill ({PREFILL_TOKENS} tokens) {prefill / 1e9:.1f} GFLOP/s")
     efficiency, one, many = measure_parallel_efficiency(timer, cores)
@@ -277,7 +386,9 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
         gpus_per_node=64, intra_node_bandwidth=link_bw, intra_node_latency=link_lat,
         inter_node_bandwidth=link_bw, inter_node_latency=link_lat, layer_overhead=overhead,
         dtype=dtype, memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True,
-        cores=cores, parallel_efficiency=efficiency, kv_read_amplification=amplification)
+        cores=cores, parallel_efficiency=efficiency, kv_read_amplification=amplification,
+        driver_step_overhead=driver_step, driver_seq_overhead=driver_seq,
+        stage_step_overhead=stage_step, stage_seq_overhead=stage_seq)
 
 
 def write_hardware_file(hw: Hardware, path: str) -> None:

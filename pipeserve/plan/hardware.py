@@ -45,6 +45,17 @@ class Hardware:
     # 1 for a memory-bound fused paged kernel; `--calibrate` measures it on the runtime's
     # decoder layer (the CPU backend's C decode kernel is partly compute-bound, so > 1).
     kv_read_amplification: float = 1.0
+    # The engine's own CPU work, outside the layers (`--calibrate` measures both on
+    # the runtime's code; 0 = not modelled):
+    # - the driver, per micro-batch: schedule it, build its step, take its sampled
+    #   tokens back (detokenize, stop checks): driver_step_overhead + driver_seq_overhead
+    #   per sequence in it; one serial resource, ahead of the micro-batch's first stage;
+    # - each stage, per micro-batch: unpickle the step and build its attention
+    #   metadata (slots, block tables): stage_step_overhead + stage_seq_overhead per sequence.
+    driver_step_overhead: float = 0.0
+    driver_seq_overhead: float = 0.0
+    stage_step_overhead: float = 0.0
+    stage_seq_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("flops_prefill", "flops_decode", "mem_bandwidth", "mem_bytes",

@@ -37,6 +37,7 @@ class SimResult:
     first_start: float = 0.0                            # first forward begins
     last_end: float = 0.0                               # last micro-batch returns
     micro_batches: int = 0                              # micro-batches launched
+    driver_busy: float = 0.0                            # s the driver spent forming them
 
     @property
     def span(self) -> float:
@@ -63,6 +64,7 @@ class SimResult:
             "requests_per_s": len(reqs) / duration,
             "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "e2e_s": percentiles(e2e),
             "bubble_ratio": self.bubble_ratios(), "micro_batches": self.micro_batches,
+            "driver_busy_ratio": self.driver_busy / self.span,
         }
 
 

@@ -11,6 +11,10 @@ a slot has at most one micro-batch in flight.
   every one to return before the next step.
 - ``interleaved``: as gpipe, but the cost model has P·V chunks, chunk c on worker
   c mod P, so each micro-batch goes round the ring V times.
+
+The driver is one more serial resource: forming a micro-batch (scheduling it,
+building its step, taking its tokens back) costs ``driver_time(shape)`` before
+its first chunk is ready; micro-batches formed together queue for the driver.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class CostModel(Protocol):
     def worker_of(self, chunk: int) -> int: ...
     def chunk_time(self, chunk: int, shape: BatchShape) -> float: ...
     def hop_time(self, chunk: int, shape: BatchShape) -> float: ...
+    # Optional: the driver's work per micro-batch (0 when a cost model leaves it out).
+    # def driver_time(self, shape: BatchShape) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,8 @@ class PipelineSimulator:
         self.cached_prefixes: set[int] = set()
         self.next_mb = 0
         self.launch_pending = False
+        self.driver_free = 0.0
+        self.driver_time = getattr(self.costs, "driver_time", lambda shape: 0.0)
         self.result = SimResult(self.cfg.schedule, workers, busy=[0.0] * workers,
                                 first_start=math.inf)
         for rid, item in enumerate(trace):
@@ -187,7 +195,11 @@ class PipelineSimulator:
         self.next_mb += 1
         self.in_flight[mb] = (slot, items, shape)
         self.result.micro_batches += 1
-        self._push(now, _READY, (mb, 0))
+        # The driver forms micro-batches one at a time.
+        seconds = self.driver_time(shape)
+        self.driver_free = max(now, self.driver_free) + seconds
+        self.result.driver_busy += seconds
+        self._push(self.driver_free, _READY, (mb, 0))
 
     # -- workers ---------------------------------------------------------------
     def _dispatch(self, worker: int, now: float) -> None:

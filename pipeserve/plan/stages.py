@@ -21,8 +21,12 @@ class PipelineCosts:
     """Seconds per chunk and per hop for a micro-batch shape; the simulator's cost model."""
 
     def __init__(self, model: ModelConfig, hw: Hardware, chunk_layers: list[int],
-                 num_workers: int, tp: int = 1, dtype: str | None = None) -> None:
+                 num_workers: int, tp: int = 1, dtype: str | None = None,
+                 compute_scale: float = 1.0) -> None:
+        """``compute_scale``: the fraction of each worker's compute left to it
+        (below 1 where another process, the driver, shares the cores)."""
         self.model, self.hw, self.tp = model, hw, tp
+        self.compute_scale = compute_scale
         self.chunk_layers = list(chunk_layers)
         self.num_workers = num_workers
         self.dtype = dtype or hw.dtype
@@ -45,7 +49,8 @@ class PipelineCosts:
         """(FLOP/s, bytes/s) this worker gets for an op over ``tokens`` rows."""
         rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
         share = self.share[worker]
-        return rate * self.hw.stage_compute_share(share), self.hw.mem_bandwidth / share
+        scale = self.compute_scale if self.node_of(worker) == 0 else 1.0   # the driver runs on node 0
+        return rate * self.hw.stage_compute_share(share) * scale, self.hw.mem_bandwidth / share * scale
 
     def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
         return cost.time(*self._rates(tokens, worker))
@@ -74,12 +79,33 @@ class PipelineCosts:
     def chunk_time(self, chunk: int, shape: BatchShape) -> float:
         """Forward time of one chunk: its layers, plus the embedding / LM head at the ends."""
         worker = self.worker_of(chunk)
-        t = self.chunk_layers[chunk] * self.layer_time(shape, worker)
+        t = self.chunk_layers[chunk] * self.layer_time(shape, worker) + self.stage_step_time(shape, worker)
         if chunk == 0:
             t += self.embedding_time(shape, worker)
         if chunk == self.num_chunks - 1:
             t += self.head_time(shape, worker)
         return t
+
+    def stage_step_time(self, shape: BatchShape, worker: int = 0) -> float:
+        """A stage's per-micro-batch work outside its layers (step unpickling,
+        attention metadata), slowed like its compute when the cores are shared."""
+        if shape.new_tokens == 0:
+            return 0.0
+        seconds = self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs
+        scale = self.compute_scale if self.node_of(worker) == 0 else 1.0
+        return seconds / (self._share_speed(worker) * scale)
+
+    def _share_speed(self, worker: int) -> float:
+        """This worker's speed relative to one core (shared compute), else 1."""
+        if not self.hw.shared_compute:
+            return 1.0
+        return min(1.0, self.hw.stage_compute_share(self.share[worker]) * self.hw.cores)
+
+    def driver_time(self, shape: BatchShape) -> float:
+        """The driver's serial work for one micro-batch (schedule, build, process results)."""
+        if shape.num_seqs == 0:
+            return 0.0
+        return self.hw.driver_step_overhead + self.hw.driver_seq_overhead * shape.num_seqs
 
     def link(self, src_worker: int, dst_worker: int) -> tuple[float, float]:
         """(bandwidth, latency) of the link between two workers."""
