@@ -6,7 +6,9 @@ reads each key and value row once, straight from its block.
 Prefills (bfloat16 caches on CPUs with AVX512_BF16): a flash-attention loop on
 vdpbf16ps, about 3x PyTorch's CPU SDPA on SmolLM2's shapes (head_dim 64, where
 SDPA reaches ~35 GFLOP/s); other dtypes and CPUs prefill through SDPA.
-Both live in pipeserve/kernels/paged_attention.c. ``select_backend`` picks
+Both live in pipeserve/kernels/paged_attention.c. The backend also carries
+the fused bfloat16 elementwise kernels (``pipeserve.model.cpu_ops``) that the
+model uses for RMSNorm, RoPE and SiLU. ``select_backend`` picks
 this backend for ``--attention-backend auto`` on CPU when a C compiler is
 present, and says why when it falls back.
 """
@@ -42,6 +44,9 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
         self._prefill_supported.restype = ctypes.c_int
+        from pipeserve.model.cpu_ops import CpuElementwise
+        # RMSNorm, RoPE and SiLU-times-up for bfloat16 activations (the model picks them up).
+        self.elementwise = CpuElementwise()
 
     def prefill_kernel_applies(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Does the C prefill kernel handle this cache dtype and head size on this CPU?"""

@@ -14,17 +14,29 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    # Fused CPU kernels (pipeserve.model.cpu_ops.CpuElementwise), set by the model
+    # when its attention backend provides them; used for bfloat16 CPU tensors only.
+    ops = None
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_norm(x)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual (norm(x), x)."""
+        if self.ops is not None and self.ops.applies(x):
+            return self.ops.rmsnorm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         # Statistics in float32 even for half-precision activations, as the
         # reference implementation does; otherwise bf16 drifts visibly.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * x32.to(x.dtype), x
 
 
 class Linear(nn.Module):
@@ -53,6 +65,8 @@ class Embedding(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate and up fused into one matmul."""
 
+    ops = None   # as RMSNorm.ops
+
     def __init__(self, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -61,7 +75,10 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [n, inter] each
+        gate_up = self.gate_up_proj(x)                                          # [n, 2 * inter]
+        if self.ops is not None and self.ops.applies(gate_up):
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)                # [n, inter] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -86,10 +103,13 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [n, heads, D], k: [n, kv_heads, D]; rope from ``RotaryEmbedding``."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [n, heads, D], k: [n, kv_heads, D]; rope from ``RotaryEmbedding``;
+    ``ops``: fused CPU kernels (bfloat16 CPU tensors only)."""
     cos, sin = rope
+    if ops is not None and ops.applies(q):
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -30,6 +30,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
         self.backend = backend
+        self.ops = getattr(backend, "elementwise", None)   # fused CPU kernels, if the backend has them
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = x.shape[0]
@@ -37,7 +38,7 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)      # [n, heads, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, rope)
+        q, k = apply_rotary(q, k, rope, self.ops)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, heads, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -51,9 +52,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
-    def forward(self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added to the residual stream
+        (or the stage's input, with ``residual`` None). Returns this layer's MLP
+        output and the residual stream before it: each residual add is fused
+        with the norm after it."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(rope, x, meta, kv_cache), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -77,6 +84,11 @@ class LlamaModel(nn.Module):
         # With tied embeddings the last stage keeps its own copy of the
         # embedding matrix as the head: stages do not share memory.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device) if is_last else None
+        ops = getattr(self.backend, "elementwise", None)
+        if ops is not None:
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, SwiGLU)):
+                    module.ops = ops
 
     @property
     def num_layers(self) -> int:
@@ -91,9 +103,10 @@ class LlamaModel(nn.Module):
         else:
             h = input_ids_or_hidden.to(self.dtype)
         rope = self.rotary(positions)  # shared by every layer of the step
+        residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h = layer(rope, h, attn_metadata, kv)
-        return h
+            h, residual = layer(rope, h, residual, attn_metadata, kv)
+        return h if residual is None else h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (final norm + head)."""

@@ -1,0 +1,153 @@
+/* Fused elementwise kernels for bfloat16 activations on CPUs.
+ *
+ * A decoder layer's small ops (RMSNorm with its float32 statistics, the
+ * residual add, RoPE, SiLU times up) are each several PyTorch passes over the
+ * activations with a float32 copy in between; here each is one pass per row.
+ * Every result is rounded to bfloat16 at the same points as the PyTorch code
+ * it replaces (pipeserve.model.layers), so outputs match it up to the order
+ * of the float32 sum of squares. Plain C that gcc vectorises (-O3
+ * -march=native; `omp simd` allows the reductions to be reordered).
+ */
+#include <math.h>
+#include <stdint.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+
+/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } x = {f};
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x) for any float x (clamped to the float range): 2^n * p(r), r = x - n ln2,
+ * a degree-6 polynomial (relative error about 2e-7, like expf), vectorisable. */
+#pragma omp declare simd
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.3888889e-3f;
+    p = p * r + 8.3333333e-3f;
+    p = p * r + 4.1666667e-2f;
+    p = p * r + 1.6666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* RMSNorm over rows of `dim`, optionally after a residual add:
+ *   x = delta ? bf16(h + delta) : h          (x is written to x_out when delta is given)
+ *   out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))
+ * as `w * (x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).to(bf16)`. */
+void pipeserve_rmsnorm_bf16(const uint16_t *h, const uint16_t *delta, uint16_t *x_out, const uint16_t *w,
+                            uint16_t *out, int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *hr = h + r * dim;
+        uint16_t *orow = out + r * dim;
+        const uint16_t *xr = hr;
+        if (delta) {
+            const uint16_t *dr = delta + r * dim;
+            uint16_t *xo = x_out + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) xo[d] = f32_to_bf16(bf16_to_f32(hr[d]) + bf16_to_f32(dr[d]));
+            xr = xo;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < dim; d++) {
+            const float x = bf16_to_f32(xr[d]);
+            ss += x * x;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++)
+            orow[d] = f32_to_bf16(bf16_to_f32(w[d]) * round_bf16(bf16_to_f32(xr[d]) * inv));
+    }
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* bf16 rounding in one instruction (vcvtneps2bf16: round to nearest even; it
+ * flushes float32 subnormals, |x| < 1.2e-38, to zero, where PyTorch keeps them). */
+static inline __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+static inline __m512 exp16_any(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* SwiGLU's activation: gate_up rows are [gate (inter) | up (inter)];
+ *   out = bf16(bf16(silu(gate)) * up)   as `F.silu(gate) * up` in bf16. */
+void pipeserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        int64_t i = 0;
+#if defined(__AVX512BF16__)
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = load_bf16x16(g + i);
+            const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(s)), 16));
+            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(sr, load_bf16x16(u + i))));
+        }
+#endif
+#pragma omp simd
+        for (int64_t j = i; j < inter; j++) {
+            const float x = bf16_to_f32(g[j]);
+            const float s = round_bf16(x / (1.0f + exp_f32(-x)));
+            o[j] = f32_to_bf16(s * bf16_to_f32(u[j]));
+        }
+    }
+}
+
+/* Rotate-half RoPE of one tensor: x [n][heads][D] with row stride `stride`
+ * (elements between tokens; x may be a slice of the fused qkv output) ->
+ * out [n][heads][D] contiguous. cos/sin: [n][D] float32, rounded to bf16 first;
+ *   out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))   as the PyTorch path. */
+void pipeserve_rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, int64_t n, int64_t heads,
+                         int64_t head_dim, const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xi = x + t * stride + h * head_dim;
+            uint16_t *o = out + (t * heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = bf16_to_f32(xi[d]), x2 = bf16_to_f32(xi[d + half]);
+                o[d] = f32_to_bf16(round_bf16(x1 * round_bf16(c[d])) + round_bf16(-x2 * round_bf16(s[d])));
+                o[d + half] = f32_to_bf16(round_bf16(x2 * round_bf16(c[d + half]))
+                                          + round_bf16(x1 * round_bf16(s[d + half])));
+            }
+        }
+    }
+}

@@ -1,0 +1,84 @@
+"""The fused bfloat16 elementwise kernels against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeserve.kernels import build
+from pipeserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _rotate
+
+
+def _kernel_missing() -> str | None:
+    try:
+        build.load_kernel("elementwise")
+    except build.KernelBuildError as exc:
+        return f"the C elementwise kernels cannot be built here: {exc}"
+    return None
+
+
+needs_kernel = pytest.mark.skipif(_kernel_missing() is not None, reason=str(_kernel_missing()))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pipeserve.model.cpu_ops import CpuElementwise
+    return CpuElementwise()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,dim", [(1, 576), (37, 576), (5, 100)])
+def test_add_rmsnorm_matches_torch_bit_for_bit(ops, rows, dim):
+    torch.manual_seed(rows + dim)
+    x, residual = (torch.randn(rows, dim) * 3).bfloat16(), torch.randn(rows, dim).bfloat16()
+    norm = RMSNorm(dim, 1e-5, torch.bfloat16, torch.device("cpu"))
+    norm.weight.data.copy_(torch.randn(dim))
+    with torch.inference_mode():
+        expected_sum = x + residual
+        expected = norm(expected_sum)                    # the PyTorch path (norm.ops is None)
+        got, got_sum = ops.rmsnorm(x, norm.weight, 1e-5, residual)
+        alone, same = ops.rmsnorm(x, norm.weight, 1e-5)
+    assert torch.equal(got_sum, expected_sum)
+    # Only the float32 sum of squares may be ordered differently: allow one bf16 step on a few.
+    assert (got != expected).float().mean().item() < 1e-3
+    assert (got.float() - expected.float()).abs().max().item() <= 2 ** -7 * expected.float().abs().max().item()
+    assert same is x and (alone != norm(x)).float().mean().item() < 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(3, 1536), (20, 40), (1, 7)])
+def test_silu_mul_matches_torch(ops, rows, inter):
+    torch.manual_seed(inter)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).bfloat16()
+    gate, up = gate_up.split(inter, dim=-1)
+    expected = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (3, 64), (2, 128)])
+def test_rope_on_a_qkv_slice_matches_torch(ops, heads, head_dim):
+    torch.manual_seed(heads * head_dim)
+    n = 11
+    qkv = torch.randn(n, heads * head_dim + 40).bfloat16()        # q is a strided slice of it
+    q = qkv[:, :heads * head_dim].view(n, heads, head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))(torch.arange(n) * 97)
+    got = ops.rope(q, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, _rotate(q, cos, sin))
+
+
+@needs_kernel
+def test_the_model_uses_them_for_bfloat16_only(ops):
+    mlp = SwiGLU(16, 24, torch.bfloat16, torch.device("cpu"))
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn(p.shape))
+    x = torch.randn(4, 16).bfloat16()
+    with torch.inference_mode():
+        plain = mlp(x)
+        mlp.ops = ops
+        fused = mlp(x)
+        assert torch.equal(plain, fused)
+        assert not ops.applies(x.float())   # float32 (the token-identity reference) stays on PyTorch
