@@ -78,3 +78,16 @@ def test_calibrate_writes_usable_hardware_file(tmp_path) -> None:
     hw = load_hardware(str(out))
     assert hw.flops_prefill > 1e9 and hw.mem_bandwidth > 1e9
     assert 0 < hw.intra_node_latency < 0.1 and hw.shared_compute
+    # The engine's own work outside the layers, timed on its code (the tokenizer is installed here).
+    assert 0 < hw.driver_step_overhead + hw.driver_seq_overhead * 64 < 0.1
+    assert 0 < hw.stage_step_overhead + hw.stage_seq_overhead * 64 < 0.1
+
+
+def test_overhead_fit_separates_fixed_and_per_sequence_parts() -> None:
+    from pipeserve.plan.calibrate import _fit_two
+    a, b = 2e-4, 3e-5
+    points = [(100, 800, 100 * a + 800 * b), (40, 900, 40 * a + 900 * b)]
+    assert _fit_two(points) == (pytest.approx(a), pytest.approx(b))
+    # Noise that makes the fixed part negative: all of it per sequence, none below zero.
+    fixed, per_seq = _fit_two([(100, 800, 0.01), (40, 900, 0.0118)])
+    assert fixed == 0.0 and per_seq > 0

@@ -54,14 +54,28 @@ def _sync(device: torch.device) -> None:
 
 
 def _stage_input(cfg: ModelConfig, backend, query_lens: list[int], context_lens: list[int], block_size: int,
-                 dtype: torch.dtype, device: torch.device):
-    """KV caches, metadata, positions, ids and hidden states for one step of the given shape."""
+                 dtype: torch.dtype, device: torch.device, cache_blocks: int = 0):
+    """KV caches, metadata, positions, ids and hidden states for one step of the given shape.
+
+    By default each sequence's blocks are consecutive in a cache just big enough.
+    ``cache_blocks``: a cache of that many blocks (allocated as the runtime does)
+    with every sequence's blocks drawn at random from it, as a long-running
+    engine's block tables end up (freed blocks are reused in LRU order), so
+    attention pays for reading scattered blocks.
+    """
     blocks = [-(-ctx // block_size) for ctx in context_lens]
-    shape = (sum(blocks), block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+    total = max(sum(blocks), cache_blocks)
+    shape = (total, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if device.type == "cpu":
+        from pipeserve.worker.model_runner import _zeros_on_huge_pages
+        kv = [(_zeros_on_huge_pages(shape, dtype), _zeros_on_huge_pages(shape, dtype))]
+    else:
+        kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(0)).tolist() if cache_blocks \
+        else list(range(total))
     tables, at = [], 0
     for n in blocks:
-        tables.append(list(range(at, at + n)))
+        tables.append(order[at:at + n])
         at += n
     meta = backend.build_metadata(query_lens, context_lens, tables, block_size, device)
     positions = torch.cat([torch.arange(ctx - q, ctx) for q, ctx in zip(query_lens, context_lens)]).to(device)

@@ -194,11 +194,14 @@ def _read_file(path: Path) -> dict:
     return raw
 
 
-# This machine, from `pipeserve plan --calibrate` (typical of several runs on the
-# 2-core development host; rerun --calibrate and pass the file for your own host).
-# One process per stage with cores // P threads, so stages share the cores.
+# This machine, from `pipeserve plan --calibrate --dtype bfloat16` (rounded; rerun
+# --calibrate and pass the file for your own host). One process per stage with
+# cores // P threads, so stages share the cores.
 HARDWARE_PRESETS["cpu-local"] = Hardware(
-    name="cpu-local", flops_prefill=2 * 91e9, flops_decode=2 * 45e9, mem_bandwidth=22e9,
-    mem_bytes=25.2e9, gpus_per_node=64, intra_node_bandwidth=3.1e9, intra_node_latency=50e-6,
-    inter_node_bandwidth=3.1e9, inter_node_latency=50e-6, layer_overhead=52e-6,
-    dtype="float32", memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True)
+    name="cpu-local", flops_prefill=2 * 181e9, flops_decode=2 * 222e9, mem_bandwidth=34e9,
+    mem_bytes=25.2e9, gpus_per_node=64, intra_node_bandwidth=5.5e9, intra_node_latency=51e-6,
+    inter_node_bandwidth=5.5e9, inter_node_latency=51e-6, layer_overhead=519e-6,
+    dtype="bfloat16", memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True,
+    cores=2, parallel_efficiency=0.80, kv_read_amplification=2.62,
+    driver_step_overhead=31e-6, driver_seq_overhead=26e-6, stage_step_overhead=27e-6,
+    stage_seq_overhead=9.3e-6)

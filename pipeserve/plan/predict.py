@@ -22,8 +22,10 @@ def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Work
     trace = workload.build()
     capacity = kv_capacity_tokens or est.batch * (req.input_len + req.output_len)
     longest = max(t.prompt_len + t.output_len for t in trace)
+    # As the engine: --max-num-batched-tokens is the budget of all micro-batches in flight.
+    budget = max(1, req.max_num_batched_tokens // est.micro_batches)
     cfg = SimConfig(schedule=req.schedule, micro_batches=est.micro_batches,
-                    max_num_seqs=req.max_num_seqs, max_num_batched_tokens=req.max_num_batched_tokens,
+                    max_num_seqs=req.max_num_seqs, max_num_batched_tokens=budget,
                     kv_capacity_tokens=max(capacity, longest), record_intervals=record_intervals)
     # With P > 1 the driver is a process of its own; where the stages share the
     # node's cores (cpu-local) its CPU time is taken from theirs. How much depends

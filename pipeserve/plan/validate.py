@@ -46,7 +46,7 @@ def _compare(path: Path, cfg, hw) -> dict | None:
                         output_len=data["output_len"], range_ratio=data["range_ratio"], seed=data["seed"])
     pp, schedule = engine["pipeline_parallel_size"], engine["pp_schedule"]
     predicted = predict_throughput(
-        cfg, hw, pp, schedule, workload, micro_batches=engine.get("pp_micro_batches"),
+        cfg, hw, pp, schedule, workload, micro_batches=_engine_inflight(engine),
         virtual_stages=engine.get("pp_virtual_stages") if schedule == "interleaved" else None,
         partition=engine.get("pp_partition", "uniform"), max_num_seqs=engine["max_num_seqs"],
         max_num_batched_tokens=engine["max_num_batched_tokens"], dtype=engine["dtype"],
@@ -56,6 +56,19 @@ def _compare(path: Path, cfg, hw) -> dict | None:
     return {"file": path.name, "label": doc.get("label") or path.stem, "pp": pp, "schedule": schedule,
             "partition": engine.get("pp_partition"), "measured": measured, "predicted": pred,
             "ratio": pred / measured}
+
+
+def _engine_inflight(engine: dict) -> int:
+    """Micro-batches the measured engine kept in flight (its executor's
+    ``max_inflight``): 1 at PP = 1, else ``--pp-max-inflight`` or P (gpipe: M if larger)."""
+    pp = engine["pipeline_parallel_size"]
+    if pp == 1:
+        return 1
+    if engine.get("pp_max_inflight"):
+        return engine["pp_max_inflight"]
+    if engine["pp_schedule"] == "gpipe":
+        return max(pp, engine.get("pp_micro_batches") or pp)
+    return pp
 
 
 def _kv_capacity(run: dict, engine: dict) -> float | None:
