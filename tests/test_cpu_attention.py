@@ -1,4 +1,4 @@
-"""The C decode kernel (``--attention-backend cpu``) against the PyTorch backend."""
+"""The C attention kernels (``--attention-backend cpu``) against the PyTorch backend."""
 
 from __future__ import annotations
 
@@ -11,21 +11,12 @@ import torch
 from pipeserve.kernels import build
 from pipeserve.model.attention import TorchPagedAttention
 from pipeserve.model.cpu_attention import CpuPagedAttention, select_backend
+from tests.kernels import kernel_missing, skip_without_kernel
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def _kernel_missing() -> str | None:
-    try:
-        build.load_kernel("paged_attention")
-    except build.KernelBuildError as exc:
-        return f"the C decode kernel cannot be built here: {exc}"
-    return None
-
-
-# The kernel needs a C compiler (gcc); without one the engine falls back to the
-# torch backend, which the rest of the suite covers. Say so instead of failing.
-needs_kernel = pytest.mark.skipif(_kernel_missing() is not None, reason=str(_kernel_missing()))
+needs_kernel = skip_without_kernel("paged_attention")
 
 
 def _random_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], block_size: int,
@@ -43,6 +34,23 @@ def _random_batch(rng: random.Random, query_lens: list[int], context_lens: list[
     return cache, tables
 
 
+def _both_backends(rng: random.Random, query_lens: list[int], context_lens: list[int], heads: int,
+                   kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+    """(torch backend output, cpu backend output) for one random step of this shape."""
+    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
+    total = sum(query_lens)
+    q = torch.randn(total, heads, head_dim).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim).to(dtype)
+    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
+    meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
+        got = cpu.forward(q, k, v, cache, meta, head_dim ** -0.5)
+    assert got.dtype == dtype and got.shape == expected.shape
+    return expected, got
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
@@ -56,18 +64,8 @@ def test_decodes_match_torch_backend(dtype, heads, kv_heads, head_dim, block_siz
     torch.manual_seed(rng.randrange(1 << 30))
     # Contexts from 1 token to several blocks, not multiples of the block size.
     context_lens = [1, 2, 15, 16, 17, 33, 100, 257]
-    query_lens = [1] * len(context_lens)
-    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
-    n = len(context_lens)
-    q = torch.randn(n, heads, head_dim).to(dtype)
-    k = torch.randn(n, kv_heads, head_dim).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim).to(dtype)
-    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
-    meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
-    with torch.inference_mode():
-        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
-        got = cpu.forward(q, k, v, cache, meta, head_dim ** -0.5)
-    assert got.dtype == q.dtype and got.shape == expected.shape
+    expected, got = _both_backends(rng, [1] * len(context_lens), context_lens, heads, kv_heads, head_dim,
+                                   block_size, dtype)
     assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[dtype]
 
 
@@ -76,15 +74,7 @@ def test_mixed_prefill_and_decode_batch_matches_torch_backend():
     rng = random.Random(7)
     torch.manual_seed(7)
     # decode, fresh prompt, prompt chunk after cached tokens, decode
-    query_lens, context_lens = [1, 20, 7, 1], [40, 20, 30, 3]
-    cache, tables = _random_batch(rng, query_lens, context_lens, 16, 3, 64, torch.float32)
-    total = sum(query_lens)
-    q, k, v = torch.randn(total, 9, 64), torch.randn(total, 3, 64), torch.randn(total, 3, 64)
-    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
-    meta = ref.build_metadata(query_lens, context_lens, tables, 16, torch.device("cpu"))
-    with torch.inference_mode():
-        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, 0.125)
-        got = cpu.forward(q, k, v, cache, meta, 0.125)
+    expected, got = _both_backends(rng, [1, 20, 7, 1], [40, 20, 30, 3], 9, 3, 64, 16, torch.float32)
     assert (got - expected).abs().max().item() < 1e-5
 
 
@@ -112,7 +102,7 @@ def test_backend_names_are_checked():
 
 
 def _prefill_kernel_missing() -> str | None:
-    missing = _kernel_missing()
+    missing = kernel_missing("paged_attention")
     if missing:
         return missing
     if not CpuPagedAttention().prefill_kernel_applies(torch.bfloat16, 64):
@@ -138,17 +128,8 @@ def test_bf16_prefills_match_torch_backend(heads, kv_heads, head_dim, block_size
     # cached tokens (a prefix hit / a later chunk), and a decode in between.
     query_lens = [2, 16, 17, 100, 1, 7, 40]
     context_lens = [2, 16, 17, 100, 50, 30, 333]
-    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, torch.bfloat16)
-    total = sum(query_lens)
-    q = torch.randn(total, heads, head_dim).bfloat16()
-    k = torch.randn(total, kv_heads, head_dim).bfloat16()
-    v = torch.randn(total, kv_heads, head_dim).bfloat16()
-    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
-    meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
-    with torch.inference_mode():
-        expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
-        got = cpu.forward(q, k, v, cache, meta, head_dim ** -0.5)
-    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    expected, got = _both_backends(rng, query_lens, context_lens, heads, kv_heads, head_dim, block_size,
+                                   torch.bfloat16)
     assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[torch.bfloat16]
 
 

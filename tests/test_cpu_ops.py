@@ -6,19 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeserve.kernels import build
 from pipeserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _rotate
+from tests.kernels import skip_without_kernel
 
 
-def _kernel_missing() -> str | None:
-    try:
-        build.load_kernel("elementwise")
-    except build.KernelBuildError as exc:
-        return f"the C elementwise kernels cannot be built here: {exc}"
-    return None
-
-
-needs_kernel = pytest.mark.skipif(_kernel_missing() is not None, reason=str(_kernel_missing()))
+needs_kernel = skip_without_kernel("elementwise")
 
 
 @pytest.fixture(scope="module")

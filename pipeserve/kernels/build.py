@@ -60,7 +60,8 @@ def load_kernel(name: str) -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelBuildError(f"cannot run the C compiler {cc!r}: {exc}") from exc
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(_FLAGS), version,
+    headers = "".join(h.read_text() for h in sorted(_HERE.glob("*.h")))   # included by the sources
+    key = hashlib.sha256("\0".join([source.read_text(), headers, " ".join(_FLAGS), version,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():

@@ -11,40 +11,9 @@
 #include <math.h>
 #include <stdint.h>
 
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)v << 16;
-    return x.f;
-}
-
-/* Round to nearest even, as PyTorch's float -> bfloat16 (NaN stays NaN). */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t u; } x = {f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
+#include "vec_math.h"
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* exp(x) for any float x (clamped to the float range): 2^n * p(r), r = x - n ln2,
- * a degree-6 polynomial (relative error about 2e-7, like expf), vectorisable. */
-#pragma omp declare simd
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round to nearest */
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.3888889e-3f;
-    p = p * r + 8.3333333e-3f;
-    p = p * r + 4.1666667e-2f;
-    p = p * r + 1.6666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* RMSNorm over rows of `dim`, optionally after a residual add:
  *   x = delta ? bf16(h + delta) : h          (x is written to x_out when delta is given)
@@ -77,8 +46,6 @@ void pipeserve_rmsnorm_bf16(const uint16_t *h, const uint16_t *delta, uint16_t *
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-
 static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -87,21 +54,6 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
  * flushes float32 subnormals, |x| < 1.2e-38, to zero, where PyTorch keeps them). */
 static inline __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
-static inline __m512 exp16_any(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3888889e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 #endif
 
 /* SwiGLU's activation: gate_up rows are [gate (inter) | up (inter)];
@@ -114,7 +66,7 @@ void pipeserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t row
 #if defined(__AVX512BF16__)
         for (; i + 16 <= inter; i += 16) {
             const __m512 x = load_bf16x16(g + i);
-            const __m512 e = exp16_any(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(s)), 16));
             _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(sr, load_bf16x16(u + i))));

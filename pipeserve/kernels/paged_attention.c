@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2 };
 
 /* Row of `n` cache elements -> float32. */
@@ -37,28 +39,6 @@ static inline void load_row(const void *src, int dtype, int64_t n, float *restri
     }
 }
 
-/* exp(x) for x <= 0 (scores minus their max), vectorisable: 2^n * p(r) with
- * r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 polynomial (relative error
- * about 2e-7, like expf). Values below -87 flush to 0. */
-#pragma omp declare simd
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;          /* ln2 split in a high part ... */
-    r = r + n * 2.12194440e-4f;              /* ... and a low part (Cody-Waite) */
-    float p = 1.3888889e-3f;
-    p = p * r + 8.3333333e-3f;
-    p = p * r + 4.1666667e-2f;
-    p = p * r + 1.6666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
-
 /* s <- exp(s - max s); returns 1 / sum (the caller scales the output once). */
 static float softmax_inplace(float *s, int64_t n) {
     float m = s[0];
@@ -67,7 +47,7 @@ static float softmax_inplace(float *s, int64_t n) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
-        s[t] = exp_nonpositive(s[t] - m);
+        s[t] = exp_f32(s[t] - m);
         sum += s[t];
     }
     return 1.0f / sum;
@@ -277,10 +257,6 @@ typedef void (*attend_fn)(const float *, const char *, const char *, const int64
  * tokens per instruction, their rows interleaved, against the pair of their
  * probabilities (rounded to bf16, as the PyTorch path does before its PV
  * matmul). head_dim = 32 * npair. */
-static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float x) {
-    union { float f; uint32_t u; } v = {x};
-    return (uint16_t)((v.u + 0x7FFF + ((v.u >> 16) & 1)) >> 16);   /* round to nearest even */
-}
 
 /* One block's values for GN query heads sharing a kv head (head_dim = 32 * npair):
  * acc_g += p_g[t] v[t] over the block's rows, two rows per vdpbf16ps (their
@@ -551,23 +527,6 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * NV, the arrays become registers instead of stack VLAs. */
 #define PF_MAX_R 4
 #define PF_MAX_NV 16
-
-/* exp(x) of 16 lanes, x <= 0: the polynomial of exp_nonpositive, scaled by 2^n. */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.3888889e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* The max of 16 lanes, in every lane. */
 static inline __attribute__((always_inline)) __m512 max16(__m512 x) {

@@ -1,0 +1,64 @@
+/* Math shared by the CPU kernels: exp and bfloat16 conversions.
+ * Included by paged_attention.c and elementwise.c (build.py hashes the headers
+ * of this folder into each kernel's cache key). */
+#ifndef PIPESERVE_VEC_MATH_H
+#define PIPESERVE_VEC_MATH_H
+#include <stdint.h>
+
+/* bfloat16 bits -> float. */
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+
+/* float -> bfloat16 bits, round to nearest even as PyTorch (NaN stays NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } x = {f};
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x), x clamped to [-87, 88] (the float range), vectorisable: 2^n * p(r)
+ * with r = x - n ln2 in [-ln2/2, ln2/2] (ln2 split in a high and a low part,
+ * Cody-Waite) and a degree-6 polynomial: relative error about 2e-7, like expf. */
+#pragma omp declare simd
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    /* Round to nearest by the 1.5 * 2^23 trick: vectorises, unlike roundf. */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.3888889e-3f;
+    p = p * r + 8.3333333e-3f;
+    p = p * r + 4.1666667e-2f;
+    p = p * r + 1.6666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp_f32 of 16 lanes (the same polynomial, scaled by 2^n with vscalefps). */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.3888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+#endif
