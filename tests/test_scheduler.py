@@ -212,12 +212,18 @@ def test_every_request_finishes_under_a_tiny_kv_budget() -> None:
 
 
 # -- batching ----------------------------------------------------------------
-def test_chunked_prefill_respects_budget_and_decodes_come_first() -> None:
-    eng = FakeEngine(num_blocks=32, max_num_batched_tokens=8)
-    short = eng.add([1, 2, 3], max_tokens=5).seqs[0]
+def _decoding_then_long_prompt(num_blocks: int, budget: int, short_tokens: int):
+    """An engine where a 3-token prompt is already decoding and a 20-token prompt waits."""
+    eng = FakeEngine(num_blocks=num_blocks, max_num_batched_tokens=budget)
+    short = eng.add([1, 2, 3], max_tokens=short_tokens).seqs[0]
     eng.submit()
     eng.complete_oldest()                     # short is now decoding
     long = eng.add(list(range(10, 30)), max_tokens=2).seqs[0]
+    return eng, short, long
+
+
+def test_chunked_prefill_respects_budget_and_decodes_come_first() -> None:
+    eng, short, long = _decoding_then_long_prompt(num_blocks=32, budget=8, short_tokens=5)
     chunks = []
     for _ in range(3):
         out = eng.submit()
@@ -230,11 +236,7 @@ def test_chunked_prefill_respects_budget_and_decodes_come_first() -> None:
 
 
 def test_prefill_budget_caps_prompt_tokens_not_decodes() -> None:
-    eng = FakeEngine(num_blocks=64, max_num_batched_tokens=32)
-    short = eng.add([1, 2, 3], max_tokens=8).seqs[0]
-    eng.submit()
-    eng.complete_oldest()                     # short is now decoding
-    long = eng.add(list(range(10, 30)), max_tokens=2).seqs[0]
+    eng, short, long = _decoding_then_long_prompt(num_blocks=64, budget=32, short_tokens=8)
     other = eng.add([7] * 6, max_tokens=2).seqs[0]
     out = eng.sched.schedule(prefill_budget=0)
     assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(short, 1)]

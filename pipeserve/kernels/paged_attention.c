@@ -145,6 +145,62 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 d[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+enum { DOT_FMA = 0, DOT_BF16 = 1 };
+
+/* q_h . k for one key row: DOT_FMA widens `nvec` vectors of 16 cache elements
+ * and multiplies them with float32 q; DOT_BF16 (AVX512_BF16, bf16 caches)
+ * multiplies `nvec` pairs of 32 bf16 with vdpbf16ps. `kind` is a constant in
+ * each caller. Returns 16 partial sums. */
+static inline __attribute__((always_inline)) __m512 row_dot(const char *qh, const char *src, const int kind,
+                                                            const int dtype, const int64_t elem,
+                                                            const int64_t nvec) {
+#if defined(__AVX512BF16__)
+    if (kind == DOT_BF16) {
+        const __m512bh *q = (const __m512bh *)qh;
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t w = 0; w < nvec; w++)
+            dot = _mm512_dpbf16_ps(dot, q[w], (__m512bh)_mm512_loadu_si512(src + 64 * w));
+        return dot;
+    }
+#endif
+    const __m512 *q = (const __m512 *)qh;
+    __m512 dot = _mm512_mul_ps(q[0], load16(src, dtype));
+    for (int64_t v = 1; v < nvec; v++) dot = _mm512_fmadd_ps(q[v], load16(src + 16 * v * elem, dtype), dot);
+    return dot;
+}
+
+/* Scores of one sequence: scores[h][t] = q_h . k_t for every head and key, the
+ * blocks walked once each (all kv heads of a row together, so every cache line
+ * is read once and in order), sixteen keys per tree reduction. qs holds each
+ * head's query, q_head_bytes apart, in the form row_dot takes. */
+static inline __attribute__((always_inline)) void score_pass(
+        const char *qs, int64_t q_head_bytes, const int kind, const int dtype, const int64_t elem,
+        const int64_t nvec, const char *k_cache, const int64_t *table, int64_t ctx, int64_t heads, int64_t group,
+        int64_t head_bytes, int64_t row_stride, int64_t block_size, float *restrict scores) {
+    const int64_t block_stride = block_size * row_stride;
+    for (int64_t b = 0; b < PF_DIST && b * block_size < ctx; b++)
+        prefetch_lines(k_cache + table[b] * block_stride, block_stride);
+    for (int64_t start = 0; start < ctx; start += block_size) {
+        const char *block = k_cache + table[start / block_size] * block_stride;
+        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
+        if (start + PF_DIST * block_size < ctx)
+            prefetch_lines(k_cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
+        for (int64_t h = 0; h < heads; h++) {
+            const char *qh = qs + h * q_head_bytes;
+            const char *head = block + (h / group) * head_bytes;
+            float *sh = scores + h * ctx + start;
+            int64_t i = 0;
+            for (; i + 16 <= rows; i += 16) {
+                __m512 dots[16];
+                for (int j = 0; j < 16; j++) dots[j] = row_dot(qh, head + (i + j) * row_stride, kind, dtype, elem, nvec);
+                _mm512_storeu_ps(sh + i, hsum16(dots));
+            }
+            for (; i < rows; i++)
+                sh[i] = _mm512_reduce_add_ps(row_dot(qh, head + i * row_stride, kind, dtype, elem, nvec));
+        }
+    }
+}
+
 /* One sequence, every head, for head_dim = 16 * nvec (nvec <= 16). Blocks are
  * walked once each for K and for V, all kv heads of a row together, so every
  * cache line is read from memory once and in order. Each caller passes a
@@ -163,37 +219,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < heads * nvec; i++) qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), vscale);
 
-    /* Scores: q . k for every key, sixteen keys per tree reduction. */
-    for (int64_t start = 0; start < ctx; start += block_size) {
-        const char *block = k_cache + table[start / block_size] * block_stride;
-        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
-        if (start + block_size < ctx)
-            prefetch_lines(k_cache + table[start / block_size + 1] * block_stride, block_stride);
-        for (int64_t h = 0; h < heads; h++) {
-            const __m512 *qh = qs + h * nvec;
-            const char *head = block + (h / group) * head_bytes;
-            float *sh = scores + h * ctx + start;
-            int64_t i = 0;
-            for (; i + 16 <= rows; i += 16) {
-                __m512 dots[16];
-                for (int j = 0; j < 16; j++) {
-                    const char *src = head + (i + j) * row_stride;
-                    __m512 dot = _mm512_mul_ps(qh[0], load16(src, dtype));
-                    for (int64_t v = 1; v < nvec; v++)
-                        dot = _mm512_fmadd_ps(qh[v], load16(src + 16 * v * elem, dtype), dot);
-                    dots[j] = dot;
-                }
-                _mm512_storeu_ps(sh + i, hsum16(dots));
-            }
-            for (; i < rows; i++) {
-                const char *src = head + i * row_stride;
-                __m512 dot = _mm512_mul_ps(qh[0], load16(src, dtype));
-                for (int64_t v = 1; v < nvec; v++)
-                    dot = _mm512_fmadd_ps(qh[v], load16(src + 16 * v * elem, dtype), dot);
-                sh[i] = _mm512_reduce_add_ps(dot);
-            }
-        }
-    }
+    score_pass((const char *)qs, nvec * (int64_t)sizeof(__m512), DOT_FMA, dtype, elem, nvec, k_cache, table, ctx,
+               heads, group, head_bytes, row_stride, block_size, scores);
 
     float inv_sum[heads];
     for (int64_t h = 0; h < heads; h++) inv_sum[h] = softmax_inplace(scores + h * ctx, ctx);
@@ -331,38 +358,8 @@ static inline __attribute__((always_inline)) void attend_seq_bf16dp(
                                                     _mm512_mul_ps(_mm512_loadu_ps(src), _mm512_set1_ps(scale)));
         }
 
-    for (int64_t b = 0; b < PF_DIST && b * block_size < ctx; b++)
-        prefetch_lines(k_cache + table[b] * block_stride, block_stride);
-    for (int64_t start = 0; start < ctx; start += block_size) {
-        const char *block = k_cache + table[start / block_size] * block_stride;
-        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
-        if (start + PF_DIST * block_size < ctx)
-            prefetch_lines(k_cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
-        for (int64_t h = 0; h < heads; h++) {
-            const __m512bh *qh = qs + h * npair;
-            const char *head = block + (h / group) * head_bytes;
-            float *sh = scores + h * ctx + start;
-            int64_t i = 0;
-            for (; i + 16 <= rows; i += 16) {
-                __m512 dots[16];
-                for (int j = 0; j < 16; j++) {
-                    const char *src = head + (i + j) * row_stride;
-                    __m512 dot = _mm512_setzero_ps();
-                    for (int64_t w = 0; w < npair; w++)
-                        dot = _mm512_dpbf16_ps(dot, qh[w], (__m512bh)_mm512_loadu_si512(src + 64 * w));
-                    dots[j] = dot;
-                }
-                _mm512_storeu_ps(sh + i, hsum16(dots));
-            }
-            for (; i < rows; i++) {
-                const char *src = head + i * row_stride;
-                __m512 dot = _mm512_setzero_ps();
-                for (int64_t w = 0; w < npair; w++)
-                    dot = _mm512_dpbf16_ps(dot, qh[w], (__m512bh)_mm512_loadu_si512(src + 64 * w));
-                sh[i] = _mm512_reduce_add_ps(dot);
-            }
-        }
-    }
+    score_pass((const char *)qs, npair * (int64_t)sizeof(__m512bh), DOT_BF16, DT_BFLOAT16, 2, npair, k_cache, table,
+               ctx, heads, group, head_bytes, row_stride, block_size, scores);
 
     float inv_sum[heads];
     for (int64_t h = 0; h < heads; h++) inv_sum[h] = softmax_inplace(scores + h * ctx, ctx);
