@@ -130,6 +130,18 @@ static inline void prefetch_lines(const char *start, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
 }
 
+/* The block that holds tokens start .. start + rows - 1 (start a multiple of
+ * block_size), for walking a sequence's blocks in order; asks for the block
+ * PF_DIST ahead meanwhile. */
+static inline __attribute__((always_inline)) const char *walk_block(
+        const char *cache, const int64_t *table, int64_t start, int64_t ctx, int64_t block_size,
+        int64_t block_stride, int64_t *rows) {
+    *rows = ctx - start < block_size ? ctx - start : block_size;
+    if (start + PF_DIST * block_size < ctx)
+        prefetch_lines(cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
+    return cache + table[start / block_size] * block_stride;
+}
+
 /* Sixteen vectors -> one vector of their sixteen horizontal sums (lane j = sum of d[j]):
  * a transposing tree of 45 shuffles and adds instead of 16 separate reductions. */
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 d[16]) {
@@ -181,10 +193,8 @@ static inline __attribute__((always_inline)) void score_pass(
     for (int64_t b = 0; b < PF_DIST && b * block_size < ctx; b++)
         prefetch_lines(k_cache + table[b] * block_stride, block_stride);
     for (int64_t start = 0; start < ctx; start += block_size) {
-        const char *block = k_cache + table[start / block_size] * block_stride;
-        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
-        if (start + PF_DIST * block_size < ctx)
-            prefetch_lines(k_cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
+        int64_t rows;
+        const char *block = walk_block(k_cache, table, start, ctx, block_size, block_stride, &rows);
         for (int64_t h = 0; h < heads; h++) {
             const char *qh = qs + h * q_head_bytes;
             const char *head = block + (h / group) * head_bytes;
@@ -229,10 +239,8 @@ static inline __attribute__((always_inline)) void attend_seq_avx512(
      * block stays in L1 for the next head). */
     memset(acc, 0, (size_t)(heads * nvec * 16) * sizeof(float));
     for (int64_t start = 0; start < ctx; start += block_size) {
-        const char *block = v_cache + table[start / block_size] * block_stride;
-        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
-        if (start + block_size < ctx)
-            prefetch_lines(v_cache + table[start / block_size + 1] * block_stride, block_stride);
+        int64_t rows;
+        const char *block = walk_block(v_cache, table, start, ctx, block_size, block_stride, &rows);
         for (int64_t h = 0; h < heads; h++) {
             const float *ph = scores + h * ctx + start;
             const char *head = block + (h / group) * head_bytes;
@@ -386,10 +394,8 @@ static inline __attribute__((always_inline)) void attend_seq_bf16dp(
     memset(acc, 0, (size_t)(heads * 2 * head_dim) * sizeof(float));
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
     for (int64_t start = 0; start < ctx; start += block_size) {
-        const char *block = v_cache + table[start / block_size] * block_stride;
-        const int64_t rows = ctx - start < block_size ? ctx - start : block_size;
-        if (start + PF_DIST * block_size < ctx)
-            prefetch_lines(v_cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
+        int64_t rows;
+        const char *block = walk_block(v_cache, table, start, ctx, block_size, block_stride, &rows);
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
             const char *head = block + kvh * head_bytes;
             for (int64_t g0 = 0; g0 < group; g0 += gmax) {
@@ -449,6 +455,17 @@ static attend_fn pick_avx512(int dtype, int64_t head_dim) {
 #define HAVE_AVX512 0
 #endif
 
+/* One thread's work buffer (64-byte aligned, freed with free); when it cannot be
+ * had, *failed is set and the caller's entry point returns -1. */
+static void *thread_scratch(size_t bytes, int *failed) {
+    void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return p;
+}
+
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * Returns 0, or -1 when a work buffer cannot be allocated. */
@@ -474,11 +491,7 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        float *work = (float *)malloc((size_t)work_floats * sizeof(float));
-        if (!work) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *work = (float *)thread_scratch((size_t)work_floats * sizeof(float), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!work) continue;
@@ -691,11 +704,7 @@ int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        char *work = (char *)aligned_alloc(64, (scratch + 63) / 64 * 64);
-        if (!work) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        char *work = (char *)thread_scratch(scratch, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!work) continue;
