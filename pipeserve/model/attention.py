@@ -64,10 +64,28 @@ class Prefill:
     start: int
     q_len: int
     context_len: int
-    seq: int                                # index of the sequence in the step
-    # Only when earlier tokens are cached (a prefix hit or a later chunk):
-    key_slots: torch.Tensor | None = None   # [context_len] cache slots
-    mask: torch.Tensor | None = None        # [1, 1, q_len, context_len] bool, True = attend
+    table: list[int] = field(default_factory=list, repr=False)   # the sequence's block table
+    block_size: int = 0
+    device: torch.device | None = None
+    _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def fresh(self) -> bool:
+        """A whole prompt with nothing cached before it: it attends to its own new keys."""
+        return self.context_len == self.q_len
+
+    def cached_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a chunk after cached tokens (a prefix hit or a later chunk): its key
+        slots [context_len] and mask [1, 1, q_len, context_len] (bool, True =
+        attend). Only the PyTorch path needs them: built on first use, then
+        shared by every layer of the step."""
+        if self._context is None:
+            ctx, q_len = self.context_len, self.q_len
+            # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
+            last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)                    # [q_len, 1]
+            mask = (torch.arange(ctx).unsqueeze(0) <= last_key).view(1, 1, q_len, ctx)
+            self._context = (_slots_of(self.table, ctx, self.block_size).to(self.device), mask.to(self.device))
+        return self._context
 
 
 @dataclass
@@ -127,8 +145,8 @@ class TorchPagedAttention(AttentionBackend):
         slots = slot_mapping_for(query_lens, context_lens, block_tables, block_size)
         starts = _query_starts(query_lens)
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
-        prefills = [_build_prefill(i, starts[i], query_lens[i], context_lens[i], block_tables[i], block_size,
-                                   device) for i, q in enumerate(query_lens) if q > 1]
+        prefills = [Prefill(starts[i], query_lens[i], context_lens[i], block_tables[i], block_size, device)
+                    for i, q in enumerate(query_lens) if q > 1]
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_lens=list(query_lens), context_lens=list(context_lens),
@@ -170,14 +188,16 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
     rows = slice(p.start, p.start + p.q_len)
-    if p.key_slots is None:   # fresh prompt: its keys are the new ones, in the model dtype
+    mask = None
+    if p.fresh:   # its keys are the new ones, in the model dtype
         kb, vb = k[rows], v[rows]                                             # [q_len, kv_heads, D]
     else:
-        kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, p.key_slots).view(-1, kv_heads, head_dim)
-        vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, p.key_slots).view(-1, kv_heads, head_dim)
+        key_slots, mask = p.cached_context()
+        kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
+        vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
     qb = q[rows].to(kb.dtype).transpose(0, 1).unsqueeze(0)                    # [1, heads, q_len, D]
     kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.to(kb.dtype).transpose(0, 1).unsqueeze(0)
-    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=p.mask, is_causal=p.mask is None,
+    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
                                         scale=scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
     return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
 
@@ -232,29 +252,26 @@ def _query_starts(query_lens: list[int]) -> list[int]:
     return starts
 
 
-def _build_prefill(seq: int, start: int, q_len: int, ctx: int, table: list[int], block_size: int,
-                   device: torch.device) -> Prefill:
-    if ctx == q_len:
-        return Prefill(start, q_len, ctx, seq)
-    # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
-    last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)                    # [q_len, 1]
-    mask = (torch.arange(ctx).unsqueeze(0) <= last_key).view(1, 1, q_len, ctx)
-    return Prefill(start, q_len, ctx, seq, _slots_of(table, ctx, block_size).to(device), mask.to(device))
-
-
 def _build_decodes(idx: list[int], starts: list[int], context_lens: list[int],
                    block_tables: list[list[int]], block_size: int, device: torch.device) -> DecodeBatch:
     """Block ids of each decode (padded with block 0) and their context lengths."""
-    max_blocks = max((context_lens[i] + block_size - 1) // block_size for i in idx)
-    block_index = torch.zeros(len(idx), max_blocks, dtype=torch.int64)
-    for b, i in enumerate(idx):
-        used = (context_lens[i] + block_size - 1) // block_size
-        block_index[b, :used] = torch.tensor(block_tables[i][:used], dtype=torch.int64)
+    block_index = block_index_of([block_tables[i] for i in idx], [context_lens[i] for i in idx], block_size)
     return DecodeBatch(query_index=torch.tensor([starts[i] for i in idx], dtype=torch.int64, device=device),
                        block_index=block_index.to(device),
                        context_lens=torch.tensor([context_lens[i] for i in idx], dtype=torch.int64,
                                                  device=device),
                        block_size=block_size)
+
+
+def block_index_of(tables: list[list[int]], context_lens: list[int], block_size: int) -> torch.Tensor:
+    """[n, max_blocks] int64 CPU tensor: the blocks each sequence's context uses,
+    padded with block 0 (kernels and masks stop at the context length)."""
+    max_blocks = max((ctx + block_size - 1) // block_size for ctx in context_lens)
+    index = torch.zeros(len(tables), max_blocks, dtype=torch.int64)
+    for row, (table, ctx) in enumerate(zip(tables, context_lens)):
+        used = (ctx + block_size - 1) // block_size
+        index[row, :used] = torch.tensor(table[:used], dtype=torch.int64)
+    return index
 
 
 def _slots_of(table: list[int], ctx: int, block_size: int) -> torch.Tensor:

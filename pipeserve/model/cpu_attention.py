@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from pipeserve.model.attention import AttentionBackend, DecodeBatch, TorchAttentionMetadata, TorchPagedAttention
+from pipeserve.model.attention import (AttentionBackend, DecodeBatch, TorchAttentionMetadata, TorchPagedAttention,
+                                      block_index_of)
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +98,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
 def _prefill_args(meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """(seqs [n, 4]: first row, q_len, context_len, 0; block tables [n, max_blocks]) of the prefills."""
-    bs = meta.block_size
-    max_blocks = max((p.context_len + bs - 1) // bs for p in meta.prefills)
     seqs = torch.tensor([[p.start, p.q_len, p.context_len, 0] for p in meta.prefills], dtype=torch.int64)
-    tables = torch.zeros(len(meta.prefills), max_blocks, dtype=torch.int64)
-    for i, p in enumerate(meta.prefills):
-        used = (p.context_len + bs - 1) // bs
-        tables[i, :used] = torch.tensor(meta.block_tables[p.seq][:used], dtype=torch.int64)
+    tables = block_index_of([p.table for p in meta.prefills], [p.context_len for p in meta.prefills],
+                            meta.block_size)
     return seqs, tables
 
 

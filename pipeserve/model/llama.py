@@ -20,6 +20,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 
 
 class LlamaAttention(nn.Module):
+    ops = None   # fused CPU kernels for RoPE, as RMSNorm.ops (set by LlamaModel)
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -30,7 +32,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
         self.backend = backend
-        self.ops = getattr(backend, "elementwise", None)   # fused CPU kernels, if the backend has them
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = x.shape[0]
@@ -87,7 +88,7 @@ class LlamaModel(nn.Module):
         ops = getattr(self.backend, "elementwise", None)
         if ops is not None:
             for module in self.modules():
-                if isinstance(module, (RMSNorm, SwiGLU)):
+                if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
                     module.ops = ops
 
     @property

@@ -67,8 +67,8 @@ def _stage_input(cfg: ModelConfig, backend, query_lens: list[int], context_lens:
     total = max(sum(blocks), cache_blocks)
     shape = (total, block_size, cfg.num_kv_heads, cfg.head_dim)
     if device.type == "cpu":
-        from pipeserve.worker.model_runner import _zeros_on_huge_pages
-        kv = [(_zeros_on_huge_pages(shape, dtype), _zeros_on_huge_pages(shape, dtype))]
+        from pipeserve.worker.model_runner import zeros_on_huge_pages
+        kv = [(zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype))]
     else:
         kv = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))]
     order = torch.randperm(total, generator=torch.Generator().manual_seed(0)).tolist() if cache_blocks \

@@ -267,9 +267,7 @@ def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[
         wire = pickle.dumps(step)
         seconds = _best(lambda: ModelRunner._prepare(runner, pickle.loads(wire)), 20)
         points.append((1, seqs, seconds))
-    (_, s1, t1), (_, s2, t2) = points
-    per_seq = max(0.0, (t2 - t1) / (s2 - s1))
-    return max(0.0, t1 - per_seq * s1), per_seq
+    return _fit_two(points)
 
 
 def measure_bandwidth(torch, nbytes: int = 256 * 1024**2) -> float:

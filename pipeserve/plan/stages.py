@@ -49,8 +49,12 @@ class PipelineCosts:
         """(FLOP/s, bytes/s) this worker gets for an op over ``tokens`` rows."""
         rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
         share = self.share[worker]
-        scale = self.compute_scale if self.node_of(worker) == 0 else 1.0   # the driver runs on node 0
+        scale = self._compute_scale(worker)
         return rate * self.hw.stage_compute_share(share) * scale, self.hw.mem_bandwidth / share * scale
+
+    def _compute_scale(self, worker: int) -> float:
+        """compute_scale for workers on node 0, where the driver runs; 1 elsewhere."""
+        return self.compute_scale if self.node_of(worker) == 0 else 1.0
 
     def _op_time(self, cost: OpCost, tokens: int, worker: int) -> float:
         return cost.time(*self._rates(tokens, worker))
@@ -92,8 +96,7 @@ class PipelineCosts:
         if shape.new_tokens == 0:
             return 0.0
         seconds = self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs
-        scale = self.compute_scale if self.node_of(worker) == 0 else 1.0
-        return seconds / (self._share_speed(worker) * scale)
+        return seconds / (self._share_speed(worker) * self._compute_scale(worker))
 
     def _share_speed(self, worker: int) -> float:
         """This worker's speed relative to one core (shared compute), else 1."""

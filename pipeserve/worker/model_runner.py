@@ -49,7 +49,7 @@ class ModelRunner:
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
-                return _zeros_on_huge_pages(shape, self.dtype)
+                return zeros_on_huge_pages(shape, self.dtype)
             t = torch.zeros(shape, dtype=self.dtype, device=device)
             return t.pin_memory() if pin else t
 
@@ -142,7 +142,7 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
-def _zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages.
 
     Decode attention reads KV blocks scattered over the whole cache; with 4 KiB
