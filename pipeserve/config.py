@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,6 +52,8 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29533
     rendezvous_timeout: float = 60.0
+    # Front-door bounds
+    max_n: int = 128                          # most sequences one request may ask for (OpenAI's n limit)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -71,6 +74,27 @@ class EngineConfig:
                  f"must be auto, torch or cpu, got {self.attention_backend!r}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Values that would hang or crash the engine later are refused here, naming the flag."""
+        for name in ("max_model_len", "num_gpu_blocks_override", "threads_per_stage", "pp_max_inflight",
+                     "pp_micro_batches"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, f"must be >= 1 (or unset for the default), got {value}")
+        for name in ("pp_virtual_stages", "nnodes", "max_n"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("stage_timeout", "rendezvous_timeout"):
+            value = getattr(self, name)
+            _require(value > 0 and math.isfinite(value), name, f"must be a positive number of seconds, got {value}")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank",
+                 f"must be in [0, --nnodes {self.nnodes}), got {self.node_rank}")
+        _require(0 <= self.master_port <= 65535, "master_port", f"must be a TCP port (0-65535), got {self.master_port}")
+        _require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
+                 f"must be cpu or cuda, got {self.device!r}")
+        _require(self.pp_virtual_stages == 1 or self.pp_schedule == "interleaved", "pp_virtual_stages",
+                 f"only applies to --pp-schedule interleaved (got {self.pp_virtual_stages} with "
+                 f"{self.pp_schedule!r})")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -117,6 +117,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        if params.n > self.config.max_n:
+            raise RequestRejected(f"n={params.n} is over the limit of {self.config.max_n} sequences per "
+                                  "request (--max-n)")
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         group = make_group(request_id, text, ids, params, vocab_size=self.model_config.vocab_size,
                            max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,

@@ -8,7 +8,7 @@ import os
 import sys
 
 from pipeserve.entrypoints.args import add_engine_args, config_from_args
-from pipeserve.server.serving import DEFAULT_MAX_BODY_BYTES
+from pipeserve.server.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +21,9 @@ def register(subparsers) -> None:
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--api-key", default=os.environ.get("PIPESERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 (default: $PIPESERVE_API_KEY)")
-    server.add_argument("--max-queue", type=_non_negative, default=None,
-                        help="most prompts the server handles at once (running + waiting); "
-                        "beyond it requests get 429 (default: no limit)")
+    server.add_argument("--max-queue", type=_non_negative, default=DEFAULT_MAX_QUEUE,
+                        help="most sequences (prompts x n) the server handles at once (running + "
+                        f"waiting); beyond it requests get 429 (default: {DEFAULT_MAX_QUEUE})")
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients send and see (default: the --model value)")
     server.add_argument("--max-request-bytes", type=_non_negative, default=DEFAULT_MAX_BODY_BYTES,
@@ -58,13 +58,15 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, observer=metrics.observe)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_name=name,
                         model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
-                        max_queue=args.max_queue, max_body_bytes=args.max_request_bytes)
+                        max_queue=args.max_queue, max_n=config.max_n,
+                        max_body_bytes=args.max_request_bytes)
     app = build_app(state, api_key=args.api_key)
     print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-              shutdown_timeout=args.shutdown_timeout)  # returns after SIGINT/SIGTERM
+              shutdown_timeout=args.shutdown_timeout,
+              on_timeout=async_engine.shutdown)  # returns after SIGINT/SIGTERM
     finally:
         async_engine.shutdown()  # idempotent: the app's lifespan normally did it already
     return 0

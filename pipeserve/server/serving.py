@@ -24,6 +24,9 @@ from pipeserve.server.streaming import EventStreamResponse
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# Sequences (running + waiting) the server holds at once; beyond it 429 (vLLM has no bound, but an
+# unbounded queue lets one client starve the rest for ever).
+DEFAULT_MAX_QUEUE = 4096
 
 
 @dataclass
@@ -34,10 +37,11 @@ class ServerState:
     model_path: str
     max_model_len: int
     metrics: ServerMetrics
-    max_queue: int | None = None
+    max_queue: int | None = DEFAULT_MAX_QUEUE
+    max_n: int = 128
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
-    admitted: int = 0     # requests (prompts) being handled; event-loop thread only
+    admitted: int = 0     # sequences (prompts x n) being handled; event-loop thread only
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -54,7 +58,7 @@ class ServerState:
 
 
 class Admission:
-    """Counts prompts in the server against ``--max-queue``; 429 when full.
+    """Counts sequences (prompts x n) in the server against ``--max-queue``; 429 when full.
 
     Checked and counted on the event loop, so concurrent requests cannot
     overshoot the limit between the check and the count.
@@ -62,8 +66,8 @@ class Admission:
 
     def __init__(self, state: ServerState, count: int) -> None:
         if state.max_queue is not None and state.admitted + count > state.max_queue:
-            raise APIError(429, f"the server queue is full ({state.admitted} of {state.max_queue} requests "
-                           "in progress); retry later", code="queue_full")
+            raise APIError(429, f"the server queue is full ({state.admitted} of {state.max_queue} sequences "
+                           f"in progress, this request adds {count}); retry later", code="queue_full")
         self.state = state
         self.count = count
         state.admitted += count
@@ -71,6 +75,14 @@ class Admission:
     def release(self) -> None:
         self.state.admitted -= self.count
         self.count = 0
+
+
+def check_n(state: ServerState, params: Sequence[SamplingParams]) -> None:
+    """Bound the sequences one request may start: ``n`` is at most ``--max-n``."""
+    for p in params:
+        if p.n > state.max_n:
+            raise APIError(400, f"n={p.n} is over this server's limit of {state.max_n} sequences per "
+                           "request (--max-n)", param="n")
 
 
 def new_request_id(prefix: str) -> str:
@@ -183,7 +195,8 @@ async def respond(state: ServerState, raw: Request, body: Any, request_id: str,
     """Admit and run the prompts, then answer as Server-Sent Events (``events``)
     or as one JSON body (``render``). The admission is released however the
     request ends: done, failed, or the client gone."""
-    admission = Admission(state, len(prompts))
+    check_n(state, params)
+    admission = Admission(state, sum(p.n for p in params))
     try:
         streams = await open_streams(state, request_id, prompts, params, priority=body.priority,
                                      user=body.user)

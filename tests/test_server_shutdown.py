@@ -1,0 +1,60 @@
+"""SIGTERM with long requests in flight: the server gives them ``--shutdown-timeout`` seconds, then
+aborts them and exits, leaving no process behind. Its own server (the shared one in
+test_server_e2e.py lets its last stream finish)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.checkpoints import build_checkpoint
+from tests.test_server_e2e import KEY, NAME, _children, _start_server, _stop, _wait_for
+
+SHUTDOWN_TIMEOUT = 3.0
+
+
+def test_sigterm_aborts_long_requests_after_the_shutdown_timeout(tmp_path):
+    model_dir = build_checkpoint("llama_tied_gqa", tmp_path / "tiny")
+    server = _start_server(model_dir, 2, tmp_path / "server.log", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
+                           "--max-num-seqs", "8")
+    try:
+        children = _children(server.proc.pid)
+        # 64 sequences of 240 tokens, 8 at a time: far longer than the shutdown timeout.
+        body = {"model": NAME, "prompt": ["a long request"] * 8, "n": 8, "max_tokens": 240,
+                "ignore_eos": True}
+        answers: list[httpx.Response | Exception] = []
+
+        def post() -> None:
+            try:
+                answers.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=120,
+                                          headers={"Authorization": f"Bearer {KEY}"}))
+            except httpx.HTTPError as exc:
+                answers.append(exc)
+
+        client = threading.Thread(target=post)
+        client.start()
+        assert _wait_for(lambda: _running(server) > 0, 30.0), "the request never started running"
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(SHUTDOWN_TIMEOUT + 30) == 0, server.log.read_text()[-3000:]
+        elapsed = time.monotonic() - start
+        client.join(30)
+        assert elapsed < SHUTDOWN_TIMEOUT + 20, f"exit took {elapsed:.1f} s"
+        # The aborted request is answered with an OpenAI-style 503, not dropped or a 500.
+        assert len(answers) == 1 and isinstance(answers[0], httpx.Response), answers
+        assert answers[0].status_code == 503 and "shutting down" in answers[0].json()["error"]["message"]
+        assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
+    finally:
+        _stop(server)
+
+
+def _running(server) -> float:
+    try:
+        metrics = server.metrics()
+    except httpx.HTTPError:
+        return 0.0
+    return metrics.get(("pipeserve_num_requests_running", ()), 0.0)
