@@ -81,7 +81,7 @@ def test_mixed_prefill_and_decode_batch_matches_torch_backend():
 def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path / "cache"))
-    build.load_kernel.cache_clear()
+    build.forget_loaded()
     try:
         with caplog.at_level(logging.WARNING):
             backend = select_backend("auto", "cpu")
@@ -90,7 +90,7 @@ def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch, tmp_path, capl
         with pytest.raises(build.KernelBuildError, match="C compiler"):
             select_backend("cpu", "cpu")
     finally:
-        build.load_kernel.cache_clear()
+        build.forget_loaded()
 
 
 @needs_kernel

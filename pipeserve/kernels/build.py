@@ -22,6 +22,7 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_BUILD_TIMEOUT_S = 300
 
 
 class KernelBuildError(RuntimeError):
@@ -51,9 +52,34 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
-@functools.lru_cache(maxsize=None)
 def load_kernel(name: str) -> ctypes.CDLL:
-    """Build (if not cached) and load ``pipeserve/kernels/<name>.c``."""
+    """Build (if not cached) and load ``pipeserve/kernels/<name>.c``; ``KernelBuildError`` otherwise.
+
+    A failure is remembered: in this process (every runner asks), and in the cache
+    directory next to where the library would be, so that the other stage processes
+    and later runs on this machine fall back at once instead of compiling again.
+    Delete ``<name>-<key>.failed`` (or change the source, compiler or flags) to retry.
+    """
+    outcome = _load_once(name)
+    if isinstance(outcome, KernelBuildError):
+        raise outcome
+    return outcome
+
+
+@functools.lru_cache(maxsize=None)
+def _load_once(name: str) -> ctypes.CDLL | KernelBuildError:
+    try:
+        return _build_and_load(name)
+    except KernelBuildError as exc:
+        return exc
+
+
+def forget_loaded() -> None:
+    """Forget what this process built or failed to build (tests change CC or the cache dir)."""
+    _load_once.cache_clear()
+
+
+def _build_and_load(name: str) -> ctypes.CDLL:
     source = _HERE / f"{name}.c"
     cc = _compiler()
     try:
@@ -64,21 +90,54 @@ def load_kernel(name: str) -> ctypes.CDLL:
     key = hashlib.sha256("\0".join([source.read_text(), headers, " ".join(_FLAGS), version,
                                     _cpu_signature()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
+    failed = target.with_suffix(".failed")
+    if failed.exists():
+        raise KernelBuildError(f"an earlier build of {source.name} failed here ({failed}; delete it to retry):\n"
+                               f"{_read_text(failed)}")
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run([cc, *_FLAGS, str(source), "-o", tmp, "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                raise KernelBuildError(f"building {source.name} failed ({cc} {' '.join(_FLAGS)}):\n"
-                                       f"{result.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        target = _compile(cc, source, target, failed)
     try:
         return ctypes.CDLL(str(target))
     except OSError as exc:
         raise KernelBuildError(f"cannot load {target}: {exc}") from exc
+
+
+def _compile(cc: str, source: Path, target: Path, failed: Path) -> Path:
+    """Compile into ``target``'s directory, or a private temporary one when the cache cannot be written."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError:
+        target = Path(tempfile.mkdtemp(prefix="pipeserve-kernels-")) / target.name
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            result = subprocess.run([cc, *_FLAGS, str(source), "-o", tmp, "-lm"],
+                                    capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise KernelBuildError(f"building {source.name} with {cc} did not finish: {exc}") from exc
+        if result.returncode != 0:
+            error = KernelBuildError(f"building {source.name} failed ({cc} {' '.join(_FLAGS)}):\n"
+                                     f"{result.stderr.strip()[-2000:]}")
+            _write_text(failed, str(error))
+            raise error
+        os.replace(tmp, target)
+        return target
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()[-2000:]
+    except OSError:
+        return "(unreadable)"
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError:
+        pass   # an unwritable cache only costs the other processes a build attempt each

@@ -311,21 +311,44 @@ def _p2p_worker(rank: int, port: int, repeats: int, results) -> None:
 
 
 def measure_gloo_link(repeats: int = 60, timeout: float = 60.0) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of loopback gloo send/recv between two processes."""
+    """(bandwidth bytes/s, latency s) of loopback gloo send/recv between two processes.
+
+    The two processes are daemons and are ended however the measurement ends: a
+    timeout raises ``TimeoutError`` and leaves nothing running.
+    """
+    import queue
+
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_p2p_worker, args=(r, port, repeats, results)) for r in (0, 1)]
-    for proc in procs:
-        proc.start()
-    timings = results.get(timeout=timeout)
-    for proc in procs:
-        proc.join(timeout=timeout)
+    procs = [ctx.Process(target=_p2p_worker, args=(r, port, repeats, results), daemon=True) for r in (0, 1)]
+    try:
+        for proc in procs:
+            proc.start()
+        try:
+            timings = results.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the gloo link measurement did not finish within {timeout:.0f} s") from None
+        for proc in procs:
+            proc.join(timeout=timeout)
+    finally:
+        _end_processes(procs)
     small, large = _P2P_SIZES
     latency = timings[small]
     bandwidth = large / max(timings[large] - latency, 1e-9)
     return bandwidth, latency
+
+
+def _end_processes(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
