@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipeserve.sampling_params import SamplingParams
 
@@ -110,7 +110,6 @@ class SequenceGroup:
     last_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def is_finished(self) -> bool:

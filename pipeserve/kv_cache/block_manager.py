@@ -67,9 +67,6 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` tokens fits in the whole cache."""
         return self.blocks_for(num_tokens) <= self.num_blocks

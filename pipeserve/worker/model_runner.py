@@ -39,11 +39,6 @@ class ModelRunner:
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
-    @staticmethod
-    def kv_cache_block_bytes(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one KV block across ``num_layers`` layers (K and V)."""
-        return 2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
     def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
         shape = (blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
 
