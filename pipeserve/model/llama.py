@@ -15,6 +15,7 @@ from torch import nn
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from pipeserve.model.moe import SparseMoeBlock, build_mlp, mlp_checkpoint_names
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 
@@ -22,9 +23,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 class LlamaAttention(nn.Module):
     ops = None   # fused CPU kernels for RoPE, as RMSNorm.ops (set by LlamaModel)
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        self.sliding_window = cfg.layer_sliding_window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim ** -0.5
@@ -40,18 +42,20 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope, self.ops)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, heads, D]
+        # The window keyword only when this layer slides (backends without it run full attention).
+        window = {} if self.sliding_window is None else {"sliding_window": self.sliding_window}
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **window)  # [n, heads, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, backend, dtype, device)
+        self.self_attn = LlamaAttention(cfg, layer, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        self.mlp = build_mlp(cfg, layer, dtype, device)  # dense SwiGLU or mixture of experts
 
     def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +83,8 @@ class LlamaModel(nn.Module):
         self.backend = backend or TorchPagedAttention()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device) if is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.backend, dtype, device)
-                                    for _ in range(start_layer, end_layer))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer, self.backend, dtype, device)
+                                    for layer in range(start_layer, end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if is_last else None
         # With tied embeddings the last stage keeps its own copy of the
         # embedding matrix as the head: stages do not share memory.
@@ -88,7 +92,7 @@ class LlamaModel(nn.Module):
         ops = getattr(self.backend, "elementwise", None)
         if ops is not None:
             for module in self.modules():
-                if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
+                if isinstance(module, (RMSNorm, SwiGLU, SparseMoeBlock, LlamaAttention)):
                     module.ops = ops
 
     @property
@@ -123,6 +127,7 @@ class LlamaModel(nn.Module):
             names["embed_tokens.weight"] = ["model.embed_tokens.weight"]
         for local, layer in enumerate(range(self.start_layer, self.end_layer)):
             names.update(_layer_names(local, layer, self.cfg.attention_bias))
+            names.update(mlp_checkpoint_names(self.cfg, f"layers.{local}.", f"model.layers.{layer}.", layer))
         if self.is_last:
             names["norm.weight"] = ["model.norm.weight"]
             head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
@@ -137,8 +142,6 @@ def _layer_names(local: int, layer: int, bias: bool) -> dict[str, list[str]]:
         ours + "post_attention_layernorm.weight": [hf + "post_attention_layernorm.weight"],
         ours + "self_attn.qkv_proj.weight": [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
         ours + "self_attn.o_proj.weight": [hf + "self_attn.o_proj.weight"],
-        ours + "mlp.gate_up_proj.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
-        ours + "mlp.down_proj.weight": [hf + "mlp.down_proj.weight"],
     }
     if bias:
         names[ours + "self_attn.qkv_proj.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
