@@ -73,6 +73,19 @@ def moe_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def reference(moe_checkpoint):
+    """kind -> (prompts, transformers' float32 greedy continuations), computed once per kind."""
+    done: dict[str, tuple] = {}
+
+    def get(kind: str) -> tuple[list[list[int]], list[list[int]]]:
+        if kind not in done:
+            batch = prompts(3, seed=len(kind))
+            done[kind] = batch, hf_greedy(moe_checkpoint(kind), batch)
+        return done[kind]
+    return get
+
+
 def prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 30))] for _ in range(count)]
@@ -102,13 +115,12 @@ BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_float32_greedy_matches_transformers_at_pp1_and_pp2(moe_checkpoint, kind, backend):
-    path = moe_checkpoint(kind)
-    batch = prompts(3, seed=len(kind))
-    reference = hf_greedy(path, batch)
+def test_float32_greedy_matches_transformers_at_pp1_and_pp2(moe_checkpoint, reference, kind, backend):
+    batch, expected = reference(kind)
     for pp in (1, 2):
-        got = generate(path, batch, dtype="float32", attention_backend=backend, pipeline_parallel_size=pp)
-        assert got == reference, f"{kind} PP={pp} {backend}"
+        got = generate(moe_checkpoint(kind), batch, dtype="float32", attention_backend=backend,
+                       pipeline_parallel_size=pp)
+        assert got == expected, f"{kind} PP={pp} {backend}"
 
 
 def all_position_argmax(path: Path, texts: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -187,3 +199,87 @@ def test_experts_on_a_dense_architecture_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_local_experts"):
         read_hf_config(tmp_path)
+
+
+# -- costing: compute by ACTIVE parameters, memory by TOTAL parameters --------------------------
+def _mixed_moe_config() -> ModelConfig:
+    """Qwen2-MoE shape: 6 layers, the first 3 dense (mlp_only_layers) and wide, the last 3 with
+    8 narrow experts (top-2) and a shared expert: MoE layers store more but compute less."""
+    return ModelConfig.from_hf_dict({
+        **_COMMON, "architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 6, "intermediate_size": 512,
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [0, 1, 2]})
+
+
+def test_config_counts_total_and_active_expert_parameters():
+    cfg = _mixed_moe_config()
+    h, attn_norms = 64, 64 * 64 * 2 + 2 * 64 * 32 + (64 + 2 * 32) + 2 * 64   # q, o, k, v, qkv bias, norms
+    assert [cfg.is_moe_layer(i) for i in range(6)] == [False] * 3 + [True] * 3
+    router, shared = 8 * h, 3 * h * 64 + h
+    assert cfg.layer_params(0) == cfg.active_layer_params(0) == attn_norms + 3 * h * 512
+    assert cfg.layer_params(5) == attn_norms + router + 8 * 3 * h * 96 + shared
+    assert cfg.active_layer_params(5) == attn_norms + router + 2 * 3 * h * 96 + shared
+    assert cfg.layer_params(5) > cfg.layer_params(0) > cfg.active_layer_params(5)
+    assert cfg.total_params() == (cfg.embedding_params() + cfg.head_params()
+                                  + sum(cfg.layer_params(i) for i in range(6)))
+
+
+def test_auto_partition_balances_active_and_caps_total_parameters():
+    from pipeserve.pipeline.costs import layer_times, parameter_bytes
+    from pipeserve.pipeline.layer_costs import LayerCosts
+    from pipeserve.pipeline.partition import auto_partition, chunk_bytes
+    cfg = _mixed_moe_config()
+    mem = parameter_bytes(cfg, torch.float32)
+    assert mem.layer_sizes == tuple(cfg.layer_params(i) * 4 for i in range(6))     # every expert stored
+    times = layer_times(cfg, 1.0, measured_layer=3)
+    assert times == pytest.approx([cfg.active_layer_params(i) / cfg.active_layer_params(3) for i in range(6)])
+    costs = LayerCosts(0.0, 1.0, 0.0, layer_sizes=mem.layer_sizes, layer_times=times)
+    # Compute: the dense layers are the slow ones, so the first stage gets fewer layers than
+    # a balance of stored (total) parameters would give it (that one puts 4 layers first).
+    part = auto_partition(6, 2, costs)
+    by_total = auto_partition(6, 2, LayerCosts(0.0, 1.0, 0.0, layer_times=tuple(map(float, mem.layer_sizes))))
+    assert part[0][1] < 4 == by_total[0][1]
+    # Memory: a limit of two MoE layers' TOTAL bytes forces the MoE layers apart.
+    limit = 2 * mem.layer_sizes[5]
+    capped = auto_partition(6, 2, costs, memory_limits=[None, limit])
+    assert capped == [(0, 4), (4, 6)] and chunk_bytes(costs, 4, 6, False, True) <= limit
+
+
+def test_measured_costs_time_an_expert_layer_and_scale_the_dense_ones():
+    from pipeserve.pipeline.costs import measure_layer_costs
+    cfg = _mixed_moe_config()
+    costs = measure_layer_costs(cfg, torch.float32, batch=4, context=16, prefill_tokens=32, repeats=1,
+                                attention_backend="torch")
+    assert costs.layer > 0 and len(costs.layer_times) == 6
+    assert costs.layer_times[3] == costs.layer                         # the measured layer has experts
+    assert costs.layer_times[0] / costs.layer_times[3] == pytest.approx(
+        cfg.active_layer_params(0) / cfg.active_layer_params(3))
+    assert costs.layer_sizes[3] == cfg.layer_params(3) * 4
+
+
+def test_planner_costs_moe_compute_by_active_and_memory_by_total():
+    from pipeserve.plan.memory import stage_weight_bytes
+    from pipeserve.plan.presets import load_model as load_preset
+    from pipeserve.plan.roofline import BatchShape, LayerCosts as Roofline
+    _, mixtral = load_preset("mixtral-8x7b")
+    costs = Roofline(mixtral, 2)
+    h, expert = 4096, 3 * 4096 * 14336
+    attn = costs.attn_params
+    one = costs.matmuls(BatchShape.decode(1, 100))
+    assert one.flops == pytest.approx(2 * (attn + 8 * h + 2 * expert))              # k = 2 experts' FLOPs
+    assert one.bytes > 2 * (attn + 2 * expert) and one.bytes < 2 * (attn + 3 * expert)  # 2 experts read
+    big = costs.matmuls(BatchShape.prefill(8, 512))
+    assert big.flops == pytest.approx(2 * (attn + 8 * h + 2 * expert) * 8 * 512)  # still k per token
+    assert big.bytes > 2 * (attn + 8 * expert)                                        # all 8 experts read
+    stored = stage_weight_bytes(mixtral, costs, 32, False, False)
+    assert stored == pytest.approx(32 * mixtral.layer_params(0) * 2)
+    assert mixtral.layer_params(0) > attn + 8 * expert                                # all experts stored
+    # A model mixing dense and expert layers: per-layer averages of both kinds.
+    mixed = _mixed_moe_config()
+    mixed_costs = Roofline(mixed, 4)
+    assert mixed_costs.moe_fraction == 0.5
+    assert stage_weight_bytes(mixed, mixed_costs, 6, False, False) == pytest.approx(
+        4 * sum(mixed.layer_params(i) for i in range(6)))
+    active, _ = mixed_costs.mlp_params(1)
+    assert active == pytest.approx((3 * 64 * 512 + mixed.active_layer_params(5) - mixed.active_layer_params(0)
+                                    + 3 * 64 * 512) / 2)
