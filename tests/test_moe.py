@@ -128,7 +128,7 @@ def all_position_argmax(path: Path, texts: list[list[int]], dtype: torch.dtype) 
     from pipeserve.model.loader import load_model, resolve_model
     src = resolve_model(str(path))
     cfg = src.load_config()
-    model = load_model(src, cfg, 0, cfg.num_layers, True, True, dtype, "cpu", attention_backend="torch")
+    model = load_model(src, cfg, 0, cfg.num_layers, True, True, dtype, "cpu")  # auto: C kernels + fused ops
     rows = []
     with torch.inference_mode():
         for ids in texts:
@@ -147,7 +147,7 @@ def all_position_argmax(path: Path, texts: list[list[int]], dtype: torch.dtype) 
 def test_bfloat16_teacher_forced_top1_agrees_with_float32(moe_checkpoint, kind):
     """Feed the float32 greedy texts to both dtypes: >= 95 % of the next-token argmaxes agree."""
     path = moe_checkpoint(kind)
-    batch = prompts(4, seed=7)
+    batch = prompts(6, seed=7)
     texts = [p + g for p, g in zip(batch, generate(path, batch, dtype="float32"))]
     f32 = all_position_argmax(path, texts, torch.float32)
     bf16 = all_position_argmax(path, texts, torch.bfloat16)
@@ -283,3 +283,22 @@ def test_planner_costs_moe_compute_by_active_and_memory_by_total():
     active, _ = mixed_costs.mlp_params(1)
     assert active == pytest.approx((3 * 64 * 512 + mixed.active_layer_params(5) - mixed.active_layer_params(0)
                                     + 3 * 64 * 512) / 2)
+
+
+def test_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+    import gguf
+    import numpy as np
+
+    from pipeserve.model.loader.gguf import read_gguf_config
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="expert_count"):
+        read_gguf_config(path)

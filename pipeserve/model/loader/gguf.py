@@ -44,6 +44,10 @@ def read_gguf_config(path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (only 'llama')")
+    if _field(reader, "llama.expert_count"):  # Mixtral as llama.cpp writes it
+        raise ValueError(f"{path} is a mixture-of-experts GGUF (llama.expert_count="
+                         f"{_field(reader, 'llama.expert_count')}), which the GGUF loader does not "
+                         "support; use the Hugging Face safetensors checkpoint instead")
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(f"{path} carries llama3 'rope_freqs' scaling factors, which the GGUF "
                          "loader does not support; use the Hugging Face checkpoint instead")
