@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Mixture-of-experts families (pipeserve/model/moe.py; Qwen3-MoE once Qwen3's q/k norm is in).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
+from pipeserve.model.families import DENSE_ARCHITECTURES, family_fields, normalized
+
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES
+# Mixture-of-experts families (pipeserve/model/moe.py); Qwen3-MoE has Qwen3's q/k norm.
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = SUPPORTED_ARCHITECTURES + MOE_ARCHITECTURES
 
 
@@ -44,10 +46,22 @@ class ModelConfig:
     # window set means every layer slides (Mistral).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    # Per-family switches (pipeserve/model/families.py sets them from config.json).
+    hidden_act: str = "silu"                     # the gate's activation: silu (SwiGLU), gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False                        # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False               # Gemma: RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False                 # Gemma: norms on the attention and MLP outputs too
+    scale_embeddings: bool = False               # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None   # Gemma: attention scale = scalar ** -0.5 (else head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    rope_local_theta: float | None = None        # Gemma 3: plain-RoPE base of the sliding layers
+    fused_checkpoint: bool = False               # Phi-3: the checkpoint stores qkv_proj and gate_up_proj
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dictionary."""
+        cfg = normalized(cfg)
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         heads = cfg["num_attention_heads"]
@@ -81,7 +95,12 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **_moe_fields(cfg, arch),
             **_sliding_window_fields(cfg, cfg["num_hidden_layers"]),
+            **family_fields(cfg),
         )
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The attention window of (global) decoder layer ``layer``; None = full attention."""

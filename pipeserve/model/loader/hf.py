@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pipeserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pipeserve.model.families import normalized, refuse_unsupported
 from pipeserve.model.moe import refuse_moe_switches
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -24,6 +25,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise ValueError(f"architecture {archs[0]!r} in {path} is not supported; pipeserve runs "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     refuse_moe_switches(raw, path)
+    raw = normalized(raw)
+    refuse_unsupported(raw, path)
     return ModelConfig.from_hf_dict(raw)
 
 
@@ -42,7 +45,8 @@ class SafetensorsReader:
     def read(self, name: str) -> torch.Tensor:
         file = self._file_of.get(name)
         if file is None:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+            untied = " (config.json sets tie_word_embeddings false)" if name == "lm_head.weight" else ""
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.directory}{untied}")
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         self.names_read.append(name)
