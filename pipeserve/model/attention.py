@@ -50,6 +50,25 @@ class DecodeBatch:
     context_lens: torch.Tensor    # [B] int64
     block_size: int
     _bias: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _windowed: dict[int, DecodeBatch] = field(default_factory=dict, repr=False)
+
+    def in_window(self, window: int) -> DecodeBatch:
+        """The same decodes over only the blocks a sliding window touches: each
+        row's blocks from the one holding its first visible key, positions
+        shifted by whole blocks (which neither the window mask nor the softmax
+        sees). Built on first use per window (PyTorch decode path)."""
+        if window not in self._windowed:
+            ctx, size = self.context_lens, self.block_size
+            first = torch.clamp(ctx - window, min=0) // size                # [B] first block in the window
+            width = int(((ctx + size - 1) // size - first).max())
+            if width == self.block_index.shape[1]:
+                self._windowed[window] = self
+            else:
+                cols = torch.clamp(first.unsqueeze(1) + torch.arange(width, device=ctx.device),
+                                   max=self.block_index.shape[1] - 1)       # [B, width]
+                self._windowed[window] = DecodeBatch(self.query_index, self.block_index.gather(1, cols),
+                                                     ctx - first * size, size)
+        return self._windowed[window]
 
     def key_bias(self, window: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_blocks * block_size] float32: 0 for a key the query sees,
@@ -296,6 +315,8 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads more of a small product, so above a few kv heads the keys are
     laid out per head instead.
     """
+    if shape.window is not None:
+        g = g.in_window(shape.window)
     bsz, max_blocks = g.block_index.shape
     block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     heads = q.shape[1]
