@@ -32,8 +32,9 @@ def _configs() -> dict:
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}
     return {
-        # head_dim 24 is neither hidden / heads (16) nor a power of two.
-        "qwen3": lambda: Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=False),
+        # head_dim 24 is neither hidden / heads (16) nor a power of two; layers 2 and 3 slide.
+        "qwen3": lambda: Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=False, use_sliding_window=True,
+                                     sliding_window=WINDOW, max_window_layers=2),
         "phi3": lambda: Phi3Config(**_BASE, tie_word_embeddings=False),
         "phi3_longrope": lambda: Phi3Config(**{**_BASE, "max_position_embeddings": 96},
                                             original_max_position_embeddings=24, rope_parameters=longrope,
@@ -151,6 +152,30 @@ def teacher_forced_logits(path: Path, tokens: list[int], dtype: torch.dtype) -> 
     with torch.no_grad():
         hidden = model(torch.tensor(tokens), torch.arange(n), meta, caches)
         return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_layer_params_count_the_built_layers(family_dirs, kind):
+    """The partitioner and planner cost a layer by ``layer_params``: it counts the
+    q/k norms and Gemma's extra norms the runtime builds."""
+    from pipeserve.model.llama import LlamaModel
+    cfg = resolve_model(str(family_dirs(kind))).load_config()
+    model = LlamaModel(cfg, 0, cfg.num_layers, True, True)
+    for i, layer in enumerate(model.layers):
+        assert cfg.layer_params(i) == sum(p.numel() for p in layer.parameters())
+
+
+def test_layer_sliding_window_as_transformers_reads_the_config():
+    from pipeserve.model.config import ModelConfig
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4)
+    windows = lambda raw: [ModelConfig.from_hf_dict({**shape, **raw}).layer_sliding_window(i) for i in range(4)]  # noqa: E731
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 8, "max_window_layers": 1}
+    assert windows({**qwen2, "use_sliding_window": True}) == [None, 8, 8, 8]
+    assert windows({**qwen2, "use_sliding_window": False}) == [None] * 4
+    assert windows({"architectures": ["MistralForCausalLM"], "sliding_window": 8}) == [8] * 4
+    gemma = {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8,
+             "layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert windows(gemma) == [8, None, 8, None]
 
 
 # -- refusals: each switch the engine does not implement, named at load ------

@@ -162,7 +162,10 @@ class ModelConfig:
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        return attn + 2 * h
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        norms = 4 if self.sandwich_norms else 2
+        return attn + norms * h
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
