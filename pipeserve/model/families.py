@@ -109,6 +109,7 @@ def _float_or_none(value) -> float | None:
 def refuse_unsupported(cfg: dict, where: object) -> None:
     """Raise ValueError naming the first config switch of a dense family that the
     engine does not implement (``where``: the config's path, for the message)."""
+    cfg = normalized(cfg)
     arch = architecture_of(cfg)
     act = hidden_act(cfg)
     if act not in ACTIVATIONS:

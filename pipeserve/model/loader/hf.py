@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pipeserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from pipeserve.model.families import normalized, refuse_unsupported
+from pipeserve.model.families import refuse_unsupported
 from pipeserve.model.moe import refuse_moe_switches
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -25,7 +25,6 @@ def read_hf_config(directory: Path) -> ModelConfig:
         raise ValueError(f"architecture {archs[0]!r} in {path} is not supported; pipeserve runs "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     refuse_moe_switches(raw, path)
-    raw = normalized(raw)
     refuse_unsupported(raw, path)
     return ModelConfig.from_hf_dict(raw)
 
