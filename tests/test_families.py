@@ -181,6 +181,13 @@ def test_layer_sliding_window_as_transformers_reads_the_config():
     gemma = {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8,
              "layer_types": ["sliding_attention", "full_attention"] * 2}
     assert windows(gemma) == [8, None, 8, None]
+    # Hub configs written before layer_types existed: transformers derives the pattern.
+    assert windows({"architectures": ["Gemma2ForCausalLM"], "sliding_window": 8}) == [8, None, 8, None]
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "sliding_window_pattern": 3,
+              "rope_theta": 1e6, "rope_local_base_freq": 1e4}
+    assert windows(gemma3) == [8, 8, None, 8]
+    cfg = ModelConfig.from_hf_dict({**shape, **gemma3})
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
 
 
 # -- refusals: each switch the engine does not implement, named at load ------

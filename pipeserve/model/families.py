@@ -47,11 +47,19 @@ def hidden_act(cfg: dict) -> str:
 
 
 def normalized(cfg: dict) -> dict:
-    """A copy of ``cfg`` in the layout ``ModelConfig.from_hf_dict`` reads: Gemma 3's
-    per-layer-type ``rope_parameters`` flattened to the global layers' (the
-    sliding layers' base goes to ``rope_local_base_freq``), Phi-3's "su" named
-    longrope, and longrope's defaults filled in as transformers does."""
+    """A copy of ``cfg`` in the layout ``ModelConfig.from_hf_dict`` reads: Gemma's
+    ``layer_types`` derived as transformers does when an older config lacks it,
+    Gemma 3's per-layer-type ``rope_parameters`` flattened to the global layers'
+    (the sliding layers' base goes to ``rope_local_base_freq``), Phi-3's "su"
+    named longrope, and longrope's defaults filled in as transformers does."""
     cfg = dict(cfg)
+    arch = architecture_of(cfg)
+    if arch in _GEMMA and cfg.get("layer_types") is None and cfg.get("sliding_window") is not None:
+        # Configs older than transformers' layer_types: Gemma 2 alternates (sliding first),
+        # Gemma 3 has one global layer every sliding_window_pattern layers.
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(cfg.get("sliding_window_pattern", 6))
+        cfg["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         local = params.get("sliding_attention") or {}
@@ -97,7 +105,7 @@ def family_fields(cfg: dict) -> dict:
         "query_pre_attn_scalar": float(scalar) if scalar is not None else None,
         "attn_logit_softcapping": _float_or_none(cfg.get("attn_logit_softcapping")) if gemma else None,
         "final_logit_softcapping": _float_or_none(cfg.get("final_logit_softcapping")) if gemma else None,
-        "rope_local_theta": _float_or_none(cfg.get("rope_local_base_freq")) if arch == "Gemma3ForCausalLM" else None,
+        "rope_local_theta": float(cfg.get("rope_local_base_freq", 10000.0)) if arch == "Gemma3ForCausalLM" else None,
         "fused_checkpoint": arch in _FUSED_CHECKPOINT,
     }
 

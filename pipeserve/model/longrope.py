@@ -6,7 +6,13 @@ it is longer; cos and sin are multiplied by ``attention_factor`` either way.
 Transformers switches on the longest position of its batch; here each
 sequence switches on its own context length, which is the same for one
 sequence (a prompt: its length; a decode: the length so far). Keys already
-cached keep the rotation they were written with, as in transformers.
+cached keep the rotation they were written with, as transformers' forward
+does. Two cases therefore differ from transformers' Phi-3 ``generate()``:
+a sequence that grows past the original length while decoding (generate()
+then drops its cache and recomputes every key with the long factors), and a
+prompt longer than it prefilled in chunks (the chunks within the original
+length rotate with the short factors). Matching both needs the scheduler to
+recompute the sequence at the crossing.
 """
 
 from __future__ import annotations
