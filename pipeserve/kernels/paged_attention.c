@@ -46,8 +46,9 @@ static inline void load_row(const void *src, int dtype, int64_t n, float *restri
 
 /* s <- c tanh(s / c): Gemma 2's attention logit soft cap. */
 static void softcap_inplace(float *s, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
 #pragma omp simd
-    for (int64_t t = 0; t < n; t++) s[t] = cap * tanh_f32(s[t] / cap);
+    for (int64_t t = 0; t < n; t++) s[t] = cap * tanh_f32(s[t] * inv);
 }
 
 /* The first key a decode at position ctx - 1 sees. */
@@ -677,7 +678,7 @@ static inline __attribute__((always_inline)) void prefill_rows(
                 _mm512_set1_epi32(window > 0 ? (int)(pos[i] - window) : -1));
             __m512 x = _mm512_mul_ps(_mm512_add_ps(s0[i], s1[i]), vscale);
             if (softcap > 0.0f)
-                x = _mm512_mul_ps(_mm512_set1_ps(softcap), tanh16(_mm512_div_ps(x, _mm512_set1_ps(softcap))));
+                x = _mm512_mul_ps(_mm512_set1_ps(softcap), tanh16(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / softcap))));
             x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, x);
             const __m512 m_new = _mm512_max_ps(m[i], max16(x));
             if (_mm512_cmp_ps_mask(m_new, m[i], _CMP_GT_OQ)) {   /* rescale what was summed so far */
