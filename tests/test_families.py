@@ -130,6 +130,27 @@ def test_greedy_matches_transformers_pp1_and_pp2_both_backends(family_dirs, kind
                        **extra) == expected
 
 
+def test_longrope_crossing_the_original_length_matches_transformers_forward(family_dirs):
+    """A sequence decoding past original_max_position_embeddings (24) switches to the
+    long factors for its new tokens, keeping its cached keys: logits equal
+    transformers' forward with its cache at every step (generate() differs: it
+    recomputes the cache at the crossing; see pipeserve/model/longrope.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_model_numerics import Driver, make_runner
+    path = family_dirs("phi3_longrope")
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = prompts_for("phi3_longrope")[2][:20]
+    driver = Driver(make_runner(path))
+    ours, cache, ids = driver.logits([driver.seq_step(0, prompt)])[0], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for token in range(3, 3 + 8):      # contexts 20 .. 28: short, then long from 25 on
+            res = hf(ids, past_key_values=cache, use_cache=True)
+            cache, ids = res.past_key_values, torch.tensor([[token]])
+            torch.testing.assert_close(ours, res.logits[0, -1], rtol=0, atol=1e-4)
+            ours = driver.logits([driver.seq_step(0, [token])])[0]
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_bfloat16_top1_agrees_with_float32(family_dirs, kind):
     """Teacher-forced: the same tokens through both dtypes (the C kernels in
