@@ -337,3 +337,11 @@ def test_mixtral_gguf_matches_transformers(moe_checkpoint, tmp_path, qtype, tol)
         assert (ours - ref).abs().max().item() < tol
     else:
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.95
+
+
+def test_qwen3_moe_preset_has_the_published_total_and_active_sizes():
+    from pipeserve.plan.presets import load_model as load_preset
+    _, cfg = load_preset("Qwen3-30B-A3B")
+    active = cfg.embedding_params() + cfg.head_params() + sum(map(cfg.active_layer_params, range(cfg.num_layers)))
+    assert cfg.total_params() / 1e9 == pytest.approx(30.5, abs=0.05)    # "30.5B total, 3.3B activated"
+    assert active / 1e9 == pytest.approx(3.3, abs=0.06)
