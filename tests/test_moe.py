@@ -345,3 +345,14 @@ def test_qwen3_moe_preset_has_the_published_total_and_active_sizes():
     active = cfg.embedding_params() + cfg.head_params() + sum(map(cfg.active_layer_params, range(cfg.num_layers)))
     assert cfg.total_params() / 1e9 == pytest.approx(30.5, abs=0.05)    # "30.5B total, 3.3B activated"
     assert active / 1e9 == pytest.approx(3.3, abs=0.06)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_params_equal_the_built_layers(kind):
+    """Memory costing counts exactly what a stage builds, layer by layer (all experts included)."""
+    from pipeserve.model.llama import LlamaModel
+    cfg = ModelConfig.from_hf_dict({**_configs()[kind]().to_dict(), "architectures": [ARCHS[kind]]})
+    model = LlamaModel(cfg, 0, cfg.num_layers, False, False)
+    built = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert built == [cfg.layer_params(i) for i in range(cfg.num_layers)]
+    assert any(cfg.active_layer_params(i) < cfg.layer_params(i) for i in range(cfg.num_layers))
