@@ -244,6 +244,12 @@ def test_unsupported_switch_is_refused_at_load(family_dirs, tmp_path, kind, chan
         resolve_model(str(tmp_path)).load_config()
 
 
+def test_every_accepted_activation_is_implemented():
+    from pipeserve.model.families import ACTIVATIONS
+    from pipeserve.model.layers import GATE_ACTIVATIONS
+    assert set(ACTIVATIONS) == set(GATE_ACTIVATIONS)
+
+
 def test_untied_checkpoint_without_lm_head_is_refused(family_dirs, tmp_path):
     """tie_word_embeddings false but no lm_head.weight: the message names the switch."""
     from safetensors.torch import load_file, save_file

@@ -30,7 +30,7 @@ _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
 _FUSED_CHECKPOINT = ("Phi3ForCausalLM",)
 _QKV_BIAS_DEFAULT = ("Qwen2ForCausalLM",)       # q/k/v bias without an attention_bias key
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")       # the gate's activation: SwiGLU, GeGLU
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")       # SwiGLU, GeGLU: layers.GATE_ACTIVATIONS runs them
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Gemma-only switches: any other family setting one is refused.
