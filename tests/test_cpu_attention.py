@@ -139,3 +139,84 @@ def test_prefill_kernel_leaves_other_dtypes_to_torch():
     assert not cpu.prefill_kernel_applies(torch.float32, 64)
     assert not cpu.prefill_kernel_applies(torch.float16, 64)
     assert not cpu.prefill_kernel_applies(torch.bfloat16, 48)
+
+
+# -- sliding windows and soft-capped scores, both backends against a float64 reference --------------
+
+def reference_attention(q: torch.Tensor, cache, tables: list[list[int]], query_lens: list[int],
+                        context_lens: list[int], block_size: int, scale: float, window: int | None,
+                        softcap: float | None) -> torch.Tensor:
+    """float64, one sequence at a time, every key read back by its position
+    (transformers' rule: the query at position i sees keys j with i - window < j <= i)."""
+    k_cache, v_cache = cache
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
+    out, row = torch.empty(q.shape, dtype=torch.float64), 0
+    for q_len, ctx, table in zip(query_lens, context_lens, tables):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        keys = k_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
+        values = v_cache.reshape(-1, kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
+        queries = q[row:row + q_len].double()                                    # [q_len, heads, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale             # [heads, q_len, ctx]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos_q = torch.arange(ctx - q_len, ctx).unsqueeze(1)
+        pos_k = torch.arange(ctx).unsqueeze(0)
+        seen = (pos_k <= pos_q) & ((pos_k > pos_q - window) if window is not None else True)
+        probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+        out[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, values)
+        row += q_len
+    return out
+
+
+def _attend(backend, rng: random.Random, query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype,
+            window, softcap):
+    """(backend output, float64 reference) for one random step."""
+    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
+    total = sum(query_lens)
+    # Queries 4x the usual spread: scores of several units, so a soft cap of 5 bends them.
+    q = (4 * torch.randn(total, heads, head_dim)).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim).to(dtype)
+    meta = backend.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    scale = head_dim ** -0.5
+    with torch.inference_mode():
+        got = backend.forward(q, k, v, cache, meta, scale, sliding_window=window, logit_softcap=softcap)
+    return got, reference_attention(q, cache, tables, query_lens, context_lens, block_size, scale, window, softcap)
+
+
+# Decodes (1 key .. many blocks), fresh prompts, and chunks after cached tokens (a prefix hit / a later chunk).
+WINDOW_QUERY_LENS = [1, 1, 1, 1, 1, 2, 40, 7, 40, 1]
+WINDOW_CONTEXT_LENS = [1, 15, 16, 17, 100, 2, 40, 30, 333, 257]
+WINDOW_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 6e-2}   # bf16: scores of several units, rounded
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),     # SmolLM2's shape (bf16: the AVX512_BF16 decode and prefill kernels)
+    (4, 4, 32, 5),      # MHA, blocks not a multiple of 16: windows start inside blocks and tiles
+    (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar decode path, torch prefills
+])
+def test_window_and_softcap_match_reference(backend_name, dtype, window, softcap, heads, kv_heads, head_dim,
+                                            block_size):
+    if backend_name == "cpu" and kernel_missing("paged_attention"):
+        pytest.skip(kernel_missing("paged_attention"))
+    backend = CpuPagedAttention() if backend_name == "cpu" else TorchPagedAttention()
+    rng = random.Random(hash((head_dim, window, softcap)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    got, expected = _attend(backend, rng, WINDOW_QUERY_LENS, WINDOW_CONTEXT_LENS, heads, kv_heads, head_dim,
+                            block_size, dtype, window, softcap)
+    assert got.dtype == dtype
+    assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+
+
+def test_window_and_softcap_change_the_reference():
+    """The reference is sensitive to both, far beyond the tolerances (so the test above can fail)."""
+    def reference(window, softcap):
+        torch.manual_seed(3)
+        return _attend(TorchPagedAttention(), random.Random(3), [1, 40], [100, 40], 4, 2, 32, 16,
+                       torch.float32, window, softcap)[1]
+    plain, windowed, capped = reference(None, None), reference(8, None), reference(8, 5.0)
+    assert (plain - windowed).abs().max() > 0.3 and (windowed - capped).abs().max() > 0.3

@@ -6,6 +6,13 @@ kv_heads, head_dim]``; token ``p`` of a sequence lives in slot
 flat: the new tokens of all sequences concatenated, each sequence with its
 own query length (1 for a decode, more for a prefill or a prefill chunk) and
 context length (tokens attended, the new ones included).
+
+Per layer, ``forward`` may narrow what a query sees and reshape its scores:
+``sliding_window`` W (a query at position i sees keys j with i - W < j <= i,
+as transformers' ``sliding_window_overlay``) and ``logit_softcap`` c (scores
+become c * tanh(scores / c) before the softmax, as Gemma 2). One step may mix
+windows (Gemma alternates local and global layers), so masks are cached per
+window on the step's metadata.
 """
 
 from __future__ import annotations
@@ -42,18 +49,42 @@ class DecodeBatch:
     block_index: torch.Tensor     # [B, max_blocks] block ids (padding points at block 0)
     context_lens: torch.Tensor    # [B] int64
     block_size: int
-    _bias: torch.Tensor | None = field(default=None, repr=False)
+    _bias: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+    _windowed: dict[int, DecodeBatch] = field(default_factory=dict, repr=False)
 
-    def key_bias(self) -> torch.Tensor:
-        """[B, 1, 1, max_blocks * block_size] float32: 0 for a real key, -inf for
-        padding. Only the PyTorch decode path needs it: built on first use, then
-        shared by every layer of the step."""
-        if self._bias is None:
+    def in_window(self, window: int) -> DecodeBatch:
+        """The same decodes over only the blocks a sliding window touches: each
+        row's blocks from the one holding its first visible key, positions
+        shifted by whole blocks (which neither the window mask nor the softmax
+        sees). Built on first use per window (PyTorch decode path)."""
+        if window not in self._windowed:
+            ctx, size = self.context_lens, self.block_size
+            first = torch.clamp(ctx - window, min=0) // size                # [B] first block in the window
+            width = int(((ctx + size - 1) // size - first).max())
+            if width == self.block_index.shape[1]:
+                self._windowed[window] = self
+            else:
+                cols = torch.clamp(first.unsqueeze(1) + torch.arange(width, device=ctx.device),
+                                   max=self.block_index.shape[1] - 1)       # [B, width]
+                self._windowed[window] = DecodeBatch(self.query_index, self.block_index.gather(1, cols),
+                                                     ctx - first * size, size)
+        return self._windowed[window]
+
+    def key_bias(self, window: int | None = None) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] float32: 0 for a key the query sees,
+        -inf for padding and for keys before the window. Only the PyTorch decode
+        path needs it: built on first use per window, then shared by every layer
+        of the step with that window."""
+        if window not in self._bias:
             keys = self.block_index.shape[1] * self.block_size
-            pad = torch.arange(keys, device=self.context_lens.device) >= self.context_lens.unsqueeze(1)
-            bias = torch.zeros(pad.shape, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
-            self._bias = bias[:, None, None, :]                             # [B, 1, 1, keys]
-        return self._bias
+            key_pos = torch.arange(keys, device=self.context_lens.device)
+            ctx = self.context_lens.unsqueeze(1)                            # [B, 1]; the query is at ctx - 1
+            hidden = key_pos >= ctx
+            if window is not None:
+                hidden |= key_pos <= ctx - 1 - window
+            bias = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+            self._bias[window] = bias.masked_fill_(hidden, float("-inf"))[:, None, None, :]   # [B, 1, 1, keys]
+        return self._bias[window]
 
 
 @dataclass
@@ -67,25 +98,49 @@ class Prefill:
     table: list[int] = field(default_factory=list, repr=False)   # the sequence's block table
     block_size: int = 0
     device: torch.device | None = None
-    _context: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _context: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def fresh(self) -> bool:
         """A whole prompt with nothing cached before it: it attends to its own new keys."""
         return self.context_len == self.q_len
 
-    def cached_context(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a chunk after cached tokens (a prefix hit or a later chunk): its key
-        slots [context_len] and mask [1, 1, q_len, context_len] (bool, True =
-        attend). Only the PyTorch path needs them: built on first use, then
-        shared by every layer of the step."""
-        if self._context is None:
-            ctx, q_len = self.context_len, self.q_len
-            # Query j (absolute position ctx - q_len + j) sees keys 0 .. ctx - q_len + j.
-            last_key = torch.arange(ctx - q_len, ctx).unsqueeze(1)                    # [q_len, 1]
-            mask = (torch.arange(ctx).unsqueeze(0) <= last_key).view(1, 1, q_len, ctx)
-            self._context = (_slots_of(self.table, ctx, self.block_size).to(self.device), mask.to(self.device))
-        return self._context
+    def first_key(self, window: int | None) -> int:
+        """Position of the first key any of this chunk's queries sees."""
+        first_query = self.context_len - self.q_len
+        return 0 if window is None else max(0, first_query - window + 1)
+
+    def cached_context(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a chunk after cached tokens (a prefix hit or a later chunk): the
+        slots of the keys it sees, [keys] from ``first_key(window)`` on, and the
+        mask [1, 1, q_len, keys] (bool, True = attend). Only the PyTorch path
+        needs them: built on first use per window, then shared by every layer of
+        the step with that window."""
+        if window not in self._context:
+            first = self.first_key(window)
+            slots = _slots_of(self.table, self.context_len, self.block_size)[first:]
+            mask = causal_mask(self.context_len - self.q_len, self.q_len, first, self.context_len, window)
+            self._context[window] = (slots.to(self.device), mask.to(self.device))
+        return self._context[window]
+
+    def fresh_window_mask(self, window: int) -> torch.Tensor:
+        """[1, 1, q_len, q_len] bool: a fresh prompt's causal mask inside the window."""
+        if window not in self._window_masks:
+            self._window_masks[window] = causal_mask(0, self.q_len, 0, self.q_len, window).to(self.device)
+        return self._window_masks[window]
+
+
+def causal_mask(first_query: int, q_len: int, first_key: int, end_key: int, window: int | None) -> torch.Tensor:
+    """[1, 1, q_len, end_key - first_key] bool, True where query i (position
+    first_query + i) sees key j (position first_key + j): j <= i, and
+    i - window < j inside a sliding window (transformers' convention)."""
+    query_pos = torch.arange(first_query, first_query + q_len).unsqueeze(1)          # [q_len, 1]
+    key_pos = torch.arange(first_key, end_key).unsqueeze(0)                          # [1, keys]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask.view(1, 1, q_len, end_key - first_key)
 
 
 @dataclass
@@ -94,6 +149,27 @@ class TorchAttentionMetadata(AttentionMetadata):
     prefills: list[Prefill] = field(default_factory=list)
     # Per-step inputs a kernel backend derives on the first layer and reuses.
     backend_state: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class ScoreShape:
+    """How one layer turns q.k into the scores it softmaxes."""
+
+    scale: float
+    window: int | None = None      # sliding window in tokens
+    softcap: float | None = None   # scores = softcap * tanh(scores / softcap)
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {self.softcap}")
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """Soft-capped scores (already scaled), in place where possible."""
+        if self.softcap is None:
+            return scores
+        return scores.div_(self.softcap).tanh_().mul_(self.softcap)
 
 
 class AttentionBackend(ABC):
@@ -107,9 +183,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         """q: [n, heads, D], k/v: [n, kv_heads, D] for the new tokens. Writes k/v
-        into the cache, then attends. Returns [n, heads, D]."""
+        into the cache, then attends. Returns [n, heads, D]. ``sliding_window``
+        (tokens) and ``logit_softcap``: this layer's, None for none (see the
+        module docstring)."""
 
 
 def slot_mapping_for(query_lens: list[int], context_lens: list[int],
@@ -156,34 +235,36 @@ class TorchPagedAttention(AttentionBackend):
             prefills=prefills)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                logit_softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)  # internal: built by this backend
         k_cache, v_cache = kv_cache
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        shape = ScoreShape(scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:
-            out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, scale)
+            out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, shape)
         if meta.prefills:
-            self.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+            self.attend_prefills(q, k, v, k_cache, v_cache, meta, shape, out)
         return out
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+                        v_cache: torch.Tensor, meta: TorchAttentionMetadata, shape: ScoreShape,
                         out: torch.Tensor) -> None:
         """Write the prefill rows of ``out``. Overridden by kernel backends."""
         for p in meta.prefills:
-            out[p.start:p.start + p.q_len] = _attend_prefill(q, k, v, k_cache, v_cache, p, scale)
+            out[p.start:p.start + p.q_len] = _attend_prefill(q, k, v, k_cache, v_cache, p, shape)
 
     def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       d: DecodeBatch, scale: float) -> torch.Tensor:
+                       d: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
         """One query per sequence: [B, heads, D]. Overridden by kernel backends."""
-        return _attend_decodes(q, k_cache, v_cache, d, scale)
+        return _attend_decodes(q, k_cache, v_cache, d, shape)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, p: Prefill, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, p: Prefill, shape: ScoreShape) -> torch.Tensor:
     """[q_len, heads, D] for one prefill sequence."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
@@ -191,19 +272,39 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     mask = None
     if p.fresh:   # its keys are the new ones, in the model dtype
         kb, vb = k[rows], v[rows]                                             # [q_len, kv_heads, D]
+        if shape.window is not None and shape.window < p.q_len:
+            mask = p.fresh_window_mask(shape.window)
     else:
-        key_slots, mask = p.cached_context()
+        key_slots, mask = p.cached_context(shape.window)
         kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
         vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
     qb = q[rows].to(kb.dtype).transpose(0, 1).unsqueeze(0)                    # [1, heads, q_len, D]
     kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.to(kb.dtype).transpose(0, 1).unsqueeze(0)
-    ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                        scale=scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
+    if shape.softcap is not None:
+        ob = _softcapped_attention(qb, kb, vb, mask, shape)
+    else:
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
+                                            scale=shape.scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
     return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
 
 
+def _softcapped_attention(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor | None,
+                          shape: ScoreShape) -> torch.Tensor:
+    """SDPA cannot soft-cap its scores: the explicit product, rounded as
+    transformers' eager attention (float32 softmax, probabilities in the
+    value dtype). qb [1, heads, q_len, D], kb/vb [1, kv_heads, keys, D]."""
+    group = qb.shape[1] // kb.shape[1]
+    kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
+    scores = shape.cap(torch.matmul(qb, kb.transpose(2, 3)).float().mul_(shape.scale))   # [1, heads, q_len, keys]
+    if mask is None:
+        q_len, keys = scores.shape[2], scores.shape[3]
+        mask = causal_mask(keys - q_len, q_len, 0, keys, None).to(scores.device)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(vb.dtype), vb)       # [1, heads, q_len, D]
+
+
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    g: DecodeBatch, scale: float) -> torch.Tensor:
+                    g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
     """One query per sequence, by batched matmuls over whole gathered blocks.
 
     On CPU, SDPA with a mask takes a slow path for a single query, and
@@ -214,6 +315,8 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads more of a small product, so above a few kv heads the keys are
     laid out per head instead.
     """
+    if shape.window is not None:
+        g = g.in_window(shape.window)
     bsz, max_blocks = g.block_index.shape
     block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     heads = q.shape[1]
@@ -230,7 +333,8 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         keys = kb.view(bsz, ctx, kv_heads, head_dim).permute(0, 2, 3, 1)    # [B, kv_heads, D, ctx]
         scores = torch.matmul(qb.view(bsz, kv_heads, group, head_dim), keys)
-    probs = torch.softmax(scores.float() * scale + g.key_bias(), dim=-1).to(vb.dtype)  # [B, kv_heads, group, ctx]
+    scores = shape.cap(scores.float() * shape.scale) + g.key_bias(shape.window)
+    probs = torch.softmax(scores, dim=-1).to(vb.dtype)                      # [B, kv_heads, group, ctx]
     if kv_heads <= _SHARED_SCORE_KV_HEADS:
         out = torch.bmm(probs.reshape(bsz, heads, ctx), vb.view(bsz, ctx, kv_heads * head_dim))
         out = out.view(bsz, kv_heads, group, kv_heads, head_dim).diagonal(dim1=1, dim2=3)  # [B, group, D, kv]

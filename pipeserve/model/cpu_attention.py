@@ -6,6 +6,8 @@ reads each key and value row once, straight from its block.
 Prefills (bfloat16 caches on CPUs with AVX512_BF16): a flash-attention loop on
 vdpbf16ps, about 3x PyTorch's CPU SDPA on SmolLM2's shapes (head_dim 64, where
 SDPA reaches ~35 GFLOP/s); other dtypes and CPUs prefill through SDPA.
+Both kernels take the layer's sliding window (a decode reads only the blocks
+its window touches) and logit soft cap.
 Both live in pipeserve/kernels/paged_attention.c. The backend also carries
 the fused bfloat16 elementwise kernels (``pipeserve.model.cpu_ops``) that the
 model uses for RMSNorm, RoPE and SiLU. ``select_backend`` picks
@@ -20,8 +22,8 @@ import logging
 
 import torch
 
-from pipeserve.model.attention import (AttentionBackend, DecodeBatch, TorchAttentionMetadata, TorchPagedAttention,
-                                      block_index_of)
+from pipeserve.model.attention import (AttentionBackend, DecodeBatch, ScoreShape, TorchAttentionMetadata,
+                                      TorchPagedAttention, block_index_of)
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +38,11 @@ class CpuPagedAttention(TorchPagedAttention):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = lib.pipeserve_paged_decode
         self._decode.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, ptr, ctypes.c_int]
+                                 ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
-        self._prefill.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                  ctypes.c_int]
+        self._prefill.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                                  ctypes.c_float, ptr, ctypes.c_int]
         self._prefill.restype = ctypes.c_int
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
@@ -55,12 +57,12 @@ class CpuPagedAttention(TorchPagedAttention):
         return code is not None and bool(self._prefill_supported(code, head_dim))
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: TorchAttentionMetadata, scale: float,
+                        v_cache: torch.Tensor, meta: TorchAttentionMetadata, shape: ScoreShape,
                         out: torch.Tensor) -> None:
         if not (q.dtype == k_cache.dtype and k_cache.device.type == "cpu" and q.is_contiguous()
                 and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and self.prefill_kernel_applies(k_cache.dtype, k_cache.shape[3])):
-            super().attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+            super().attend_prefills(q, k, v, k_cache, v_cache, meta, shape, out)
             return
         args = meta.backend_state.get("prefill")
         if args is None:   # once per step, shared by every layer
@@ -68,13 +70,14 @@ class CpuPagedAttention(TorchPagedAttention):
         seqs, tables = args
         rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.data_ptr(), seqs.shape[0],
                            tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
-                           k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads())
+                           k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
+                           torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged prefill kernel could not allocate its scratch"
                               if rc == -1 else f"paged prefill kernel refused the shape (code {rc})")
 
     def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       g: DecodeBatch, scale: float) -> torch.Tensor:
+                       g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs contiguous KV caches in CPU memory; "
                              "use --attention-backend torch")
@@ -89,8 +92,8 @@ class CpuPagedAttention(TorchPagedAttention):
         lens = g.context_lens.contiguous()
         rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
                           block_index.data_ptr(), block_index.shape[1], lens.data_ptr(),
-                          bsz, heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
-                          out.data_ptr(), torch.get_num_threads())
+                          bsz, heads, k_cache.shape[2], head_dim, k_cache.shape[1], shape.scale,
+                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
         return out.to(q.dtype)

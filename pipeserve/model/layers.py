@@ -18,9 +18,13 @@ class RMSNorm(nn.Module):
     # when its attention backend provides them; used for bfloat16 CPU tensors only.
     ops = None
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device,
+                 unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        # Gemma scales by (1 + weight), in float32 before rounding; the fused
+        # kernel does Llama's weight * round(x), so it is not used then.
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -28,7 +32,7 @@ class RMSNorm(nn.Module):
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual (norm(x), x)."""
-        if self.ops is not None and self.ops.applies(x):
+        if self.ops is not None and not self.unit_offset and self.ops.applies(x):
             return self.ops.rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -36,6 +40,8 @@ class RMSNorm(nn.Module):
         # reference implementation does; otherwise bf16 drifts visibly.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype), x
         return self.weight * x32.to(x.dtype), x
 
 
@@ -63,23 +69,30 @@ class Embedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)); gate and up fused into one matmul. With
+    ``act="gelu_pytorch_tanh"`` the gate is GELU (tanh approximation): GeGLU (Gemma)."""
 
-    ops = None   # as RMSNorm.ops
+    ops = None   # as RMSNorm.ops (SiLU only)
 
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, act: str = "silu") -> None:
         super().__init__()
+        if act not in GATE_ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(GATE_ACTIVATIONS)})")
+        self.act = act
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                                          # [n, 2 * inter]
-        if self.ops is not None and self.ops.applies(gate_up):
+        if self.act == "silu" and self.ops is not None and self.ops.applies(gate_up):
             return self.down_proj(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)                # [n, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(GATE_ACTIVATIONS[self.act](gate) * up)
+
+
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,10 +1,16 @@
-"""One model definition for the Llama family (Llama, Mistral, Qwen2, SmolLM2).
+"""One decoder for every dense family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM2).
 
 A ``LlamaModel`` owns a contiguous range of decoder layers: a pipeline stage.
 It builds only those layers, plus the embedding on the first stage and the
 final norm and LM head on the last. It maps tokens (first stage) or hidden
 states (other stages) to hidden states over a flat batch of tokens; the
 attention metadata says which sequence each token belongs to.
+
+The families differ by switches on ``ModelConfig`` (set in
+pipeserve/model/families.py, which tabulates them): per-head q/k norm,
+Gemma's (1 + w) norms, its norms on the attention and MLP outputs, GeGLU,
+scaled embeddings, soft-capping, per-layer windows and RoPE bases. The
+checkpoint name map at the end of this file is where their tensor names differ.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from torch import nn
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache, TorchPagedAttention
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from pipeserve.model.longrope import LongRotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 
@@ -22,15 +29,23 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 class LlamaAttention(nn.Module):
     ops = None   # fused CPU kernels for RoPE, as RMSNorm.ops (set by LlamaModel)
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        # Keywords for the backend: this layer's window and soft-cap, only when set.
+        self.backend_options = {key: value for key, value in (
+            ("sliding_window", cfg.layer_sliding_window(layer)),
+            ("logit_softcap", cfg.attn_logit_softcapping)) if value is not None}
         # q, k and v share one matmul; the loader concatenates the checkpoint's three.
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, dtype, device)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, dtype, device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # RMSNorm over each head, before RoPE (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)
         self.backend = backend
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
@@ -39,19 +54,28 @@ class LlamaAttention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)      # [n, heads, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope, self.ops)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [n, heads, D]
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **self.backend_options)  # [n, heads, D]
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(cfg, backend, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = LlamaAttention(cfg, layer, backend, dtype, device)
+        self.post_attention_layernorm = norm()   # before the MLP (Gemma's pre_feedforward_layernorm)
+        self.mlp = _mlp(cfg, layer, dtype, device)
+        # Gemma's "sandwich": norms on the attention and MLP outputs, before each residual add.
+        self.attn_output_norm = norm() if cfg.sandwich_norms else None
+        self.mlp_output_norm = norm() if cfg.sandwich_norms else None
+        # Gemma 3's sliding layers use their own RoPE base.
+        self.rope_kind = "local" if cfg.rope_local_theta and cfg.layer_sliding_window(layer) else "global"
 
     def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +84,21 @@ class LlamaDecoderLayer(nn.Module):
         output and the residual stream before it: each residual add is fused
         with the norm after it."""
         x, residual = self.input_layernorm.add_norm(h, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(rope, x, meta, kv_cache), residual)
-        return self.mlp(x), residual
+        attn = self.self_attn(rope, x, meta, kv_cache)
+        if self.attn_output_norm is not None:
+            attn = self.attn_output_norm(attn)
+        x, residual = self.post_attention_layernorm.add_norm(attn, residual)
+        out = self.mlp(x)
+        if self.mlp_output_norm is not None:
+            out = self.mlp_output_norm(out)
+        return out, residual
+
+
+def _mlp(cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    if cfg.num_experts:  # mixture-of-experts families
+        from pipeserve.model.moe import build_mlp
+        return build_mlp(cfg, layer, dtype, device)
+    return SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype, device, cfg.hidden_act)
 
 
 class LlamaModel(nn.Module):
@@ -77,18 +114,20 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, device
         self.backend = backend or TorchPagedAttention()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        self.rotary = _rotary(cfg, device)
+        self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, None, device)
+                             if cfg.rope_local_theta else None)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device) if is_first else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.backend, dtype, device)
-                                    for _ in range(start_layer, end_layer))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if is_last else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer, self.backend, dtype, device)
+                                    for layer in range(start_layer, end_layer))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset) if is_last else None
         # With tied embeddings the last stage keeps its own copy of the
         # embedding matrix as the head: stages do not share memory.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device) if is_last else None
         ops = getattr(self.backend, "elementwise", None)
-        if ops is not None:
+        if ops is not None:  # each module checks it applies (dtype, and no Gemma norm / GeGLU)
             for module in self.modules():
-                if isinstance(module, (RMSNorm, SwiGLU, LlamaAttention)):
+                if hasattr(type(module), "ops"):
                     module.ops = ops
 
     @property
@@ -101,19 +140,32 @@ class LlamaModel(nn.Module):
         [n, hidden] before the final norm (``compute_logits`` applies it)."""
         if self.is_first:
             h = self.embed_tokens(input_ids_or_hidden)  # [n, hidden]
+            if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the activation dtype, as Gemma does
+                h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         else:
             h = input_ids_or_hidden.to(self.dtype)
-        rope = self.rotary(positions)  # shared by every layer of the step
+        ropes = self._ropes(positions, attn_metadata)  # shared by every layer of the step
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(rope, h, residual, attn_metadata, kv)
+            h, residual = layer(ropes[layer.rope_kind], h, residual, attn_metadata, kv)
         return h if residual is None else h + residual
+
+    def _ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> dict[str, Rope]:
+        if isinstance(self.rotary, LongRotaryEmbedding):
+            ropes = {"global": self.rotary(positions, meta.query_lens, meta.context_lens)}
+        else:
+            ropes = {"global": self.rotary(positions)}
+        if self.local_rotary is not None:
+            ropes["local"] = self.local_rotary(positions)
+        return ropes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab] (final norm + head)."""
         if not self.is_last:
             raise RuntimeError("compute_logits needs the last stage (final norm and LM head)")
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden)).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def checkpoint_names(self) -> dict[str, list[str]]:
         """Our parameter name -> the Hugging Face checkpoint tensors it is made
@@ -122,7 +174,7 @@ class LlamaModel(nn.Module):
         if self.is_first:
             names["embed_tokens.weight"] = ["model.embed_tokens.weight"]
         for local, layer in enumerate(range(self.start_layer, self.end_layer)):
-            names.update(_layer_names(local, layer, self.cfg.attention_bias))
+            names.update(_layer_names(self.cfg, f"layers.{local}.", f"model.layers.{layer}.", layer))
         if self.is_last:
             names["norm.weight"] = ["model.norm.weight"]
             head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
@@ -130,16 +182,38 @@ class LlamaModel(nn.Module):
         return names
 
 
-def _layer_names(local: int, layer: int, bias: bool) -> dict[str, list[str]]:
-    ours, hf = f"layers.{local}.", f"model.layers.{layer}."
+def _rotary(cfg: ModelConfig, device: torch.device) -> nn.Module:
+    kind = (cfg.rope_scaling or {}).get("rope_type")
+    if kind == "longrope":
+        return LongRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+
+def _layer_names(cfg: ModelConfig, ours: str, hf: str, layer: int) -> dict[str, list[str]]:
+    attn = hf + "self_attn."
+    # Gemma's post_attention_layernorm is the attention-output norm; its pre-MLP norm is pre_feedforward_layernorm.
+    pre_mlp = "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
     names = {
         ours + "input_layernorm.weight": [hf + "input_layernorm.weight"],
-        ours + "post_attention_layernorm.weight": [hf + "post_attention_layernorm.weight"],
-        ours + "self_attn.qkv_proj.weight": [hf + f"self_attn.{p}_proj.weight" for p in "qkv"],
-        ours + "self_attn.o_proj.weight": [hf + "self_attn.o_proj.weight"],
-        ours + "mlp.gate_up_proj.weight": [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"],
-        ours + "mlp.down_proj.weight": [hf + "mlp.down_proj.weight"],
+        ours + "post_attention_layernorm.weight": [hf + pre_mlp + ".weight"],
+        ours + "self_attn.qkv_proj.weight": ([attn + "qkv_proj.weight"] if cfg.fused_checkpoint
+                                             else [attn + f"{p}_proj.weight" for p in "qkv"]),
+        ours + "self_attn.o_proj.weight": [attn + "o_proj.weight"],
     }
-    if bias:
-        names[ours + "self_attn.qkv_proj.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if cfg.attention_bias:
+        names[ours + "self_attn.qkv_proj.bias"] = [attn + f"{p}_proj.bias" for p in "qkv"]
+    if cfg.qk_norm:
+        names[ours + "self_attn.q_norm.weight"] = [attn + "q_norm.weight"]
+        names[ours + "self_attn.k_norm.weight"] = [attn + "k_norm.weight"]
+    if cfg.sandwich_norms:
+        names[ours + "attn_output_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+        names[ours + "mlp_output_norm.weight"] = [hf + "post_feedforward_layernorm.weight"]
+    if cfg.num_experts:
+        from pipeserve.model.moe import mlp_checkpoint_names
+        names.update(mlp_checkpoint_names(cfg, ours, hf, layer))
+    else:
+        gate_up = ([hf + "mlp.gate_up_proj.weight"] if cfg.fused_checkpoint
+                   else [hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"])
+        names[ours + "mlp.gate_up_proj.weight"] = gate_up
+        names[ours + "mlp.down_proj.weight"] = [hf + "mlp.down_proj.weight"]
     return names

@@ -18,10 +18,22 @@ from pipeserve.pipeline.layer_costs import LayerCosts
 
 
 def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype) -> LayerCosts:
-    """Memory of each part (no timing): used alone when memory is all that matters."""
+    """Memory of each part (no timing): used alone when memory is all that matters.
+    A layer's bytes are its TOTAL parameters (MoE: every expert is stored)."""
     size = dtype.itemsize
+    sizes = tuple(cfg.layer_params(i) * size for i in range(cfg.num_layers))
     return LayerCosts(embed=0.0, layer=0.0, head=0.0, embed_bytes=cfg.embedding_params() * size,
-                      layer_bytes=cfg.layer_params() * size, head_bytes=cfg.head_params() * size)
+                      layer_bytes=max(sizes, default=0), head_bytes=cfg.head_params() * size,
+                      layer_sizes=sizes if len(set(sizes)) > 1 else ())
+
+
+def layer_times(cfg: ModelConfig, measured: float, measured_layer: int) -> tuple[float, ...]:
+    """Each layer's time from one measured layer, scaled by ACTIVE parameters (MoE: the
+    router, k experts and the shared expert a token runs); empty when all layers match."""
+    active = [cfg.active_layer_params(i) for i in range(cfg.num_layers)]
+    if len(set(active)) <= 1:
+        return ()
+    return tuple(measured * a / active[measured_layer] for a in active)
 
 
 def _best_time(fn, repeats: int, device: torch.device) -> float:
@@ -105,7 +117,10 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     torch.manual_seed(0)
     # Only the model's public forward: a one-layer middle stage, and embedding-
     # only / head-only end stages (zero decoder layers).
-    layer_stage = _random_stage(cfg, 0, 1, False, False, dtype, device, attention_backend)
+    # The measured layer: the first with experts where the model has any (its routed
+    # experts run on random router weights, so tokens spread over them as in use).
+    measured = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), 0)
+    layer_stage = _random_stage(cfg, measured, measured + 1, False, False, dtype, device, attention_backend)
     embed_stage = _random_stage(cfg, 0, 0, True, False, dtype, device)
     head_stage = _random_stage(cfg, 0, 0, False, True, dtype, device)
     prompt = max(2, min(context, prefill_tokens))
@@ -122,4 +137,5 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     head_s = _best_time(lambda: head_stage.compute_logits(rows), repeats, device) / batch
     mem = parameter_bytes(cfg, dtype)
     return LayerCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
-                      layer_bytes=mem.layer_bytes, head_bytes=mem.head_bytes)
+                      layer_bytes=mem.layer_bytes, head_bytes=mem.head_bytes,
+                      layer_times=layer_times(cfg, layer_s, measured), layer_sizes=mem.layer_sizes)

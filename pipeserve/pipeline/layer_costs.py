@@ -19,3 +19,16 @@ class LayerCosts:
     embed_bytes: int = 0
     layer_bytes: int = 0
     head_bytes: int = 0
+    # Models whose decoder layers differ (MoE with dense layers: decoder_sparse_step,
+    # mlp_only_layers): each layer's time and bytes, indexed by layer. Empty: every
+    # layer costs ``layer`` and ``layer_bytes``.
+    layer_times: tuple[float, ...] = ()
+    layer_sizes: tuple[int, ...] = ()
+
+    def span_time(self, start: int, end: int) -> float:
+        """Time of decoder layers [start, end)."""
+        return sum(self.layer_times[start:end]) if self.layer_times else (end - start) * self.layer
+
+    def span_bytes(self, start: int, end: int) -> int:
+        """Bytes of decoder layers [start, end)."""
+        return sum(self.layer_sizes[start:end]) if self.layer_sizes else (end - start) * self.layer_bytes

@@ -83,13 +83,15 @@ def parse_stage_speeds(text: str | None, num_stages: int) -> list[float]:
     return speeds
 
 
-def chunk_time(costs: LayerCosts, layers: int, is_first: bool, is_last: bool, speed: float = 1.0) -> float:
-    work = layers * costs.layer + (costs.embed if is_first else 0.0) + (costs.head if is_last else 0.0)
+def chunk_time(costs: LayerCosts, start: int, end: int, is_first: bool, is_last: bool,
+               speed: float = 1.0) -> float:
+    """Time of a chunk holding layers [start, end) (plus the embedding / head at the ends)."""
+    work = costs.span_time(start, end) + (costs.embed if is_first else 0.0) + (costs.head if is_last else 0.0)
     return work / speed
 
 
-def chunk_bytes(costs: LayerCosts, layers: int, is_first: bool, is_last: bool) -> int:
-    return (layers * costs.layer_bytes + (costs.embed_bytes if is_first else 0)
+def chunk_bytes(costs: LayerCosts, start: int, end: int, is_first: bool, is_last: bool) -> int:
+    return (costs.span_bytes(start, end) + (costs.embed_bytes if is_first else 0)
             + (costs.head_bytes if is_last else 0))
 
 
@@ -97,7 +99,7 @@ def stage_times(partition: Partition, costs: LayerCosts, speeds: list[float] | N
     """Predicted time of each chunk (chunk i runs on worker i mod len(speeds))."""
     speeds = speeds or [1.0] * len(partition)
     last = len(partition) - 1
-    return [chunk_time(costs, end - start, i == 0, i == last, speeds[i % len(speeds)])
+    return [chunk_time(costs, start, end, i == 0, i == last, speeds[i % len(speeds)])
             for i, (start, end) in enumerate(partition)]
 
 
@@ -120,9 +122,9 @@ def auto_partition(num_layers: int, parts: int, costs: LayerCosts, speeds: list[
         for n in range(p, num_layers - (parts - p) + 1):
             for k in range(1, n - (p - 1) + 1):
                 limit = limits[p - 1]
-                if limit is not None and chunk_bytes(costs, k, first, last) > limit:
+                if limit is not None and chunk_bytes(costs, n - k, n, first, last) > limit:
                     continue
-                value = max(best[p - 1][n - k], chunk_time(costs, k, first, last, speeds[p - 1]))
+                value = max(best[p - 1][n - k], chunk_time(costs, n - k, n, first, last, speeds[p - 1]))
                 if value < best[p][n]:
                     best[p][n], choice[p][n] = value, k
     if best[parts][num_layers] == inf:
@@ -136,7 +138,8 @@ def auto_partition(num_layers: int, parts: int, costs: LayerCosts, speeds: list[
 
 def _no_fit_message(num_layers: int, parts: int, costs: LayerCosts, limits: list[int | None]) -> str:
     return (f"no split of {num_layers} layers into {parts} pipeline chunks fits the memory limits "
-            f"{limits} (one layer takes {costs.layer_bytes} bytes, the embedding {costs.embed_bytes}, "
+            f"{limits} (one layer takes {max(costs.layer_sizes, default=costs.layer_bytes)} bytes, "
+            f"the embedding {costs.embed_bytes}, "
             f"the LM head {costs.head_bytes}): add stages or raise the limits")
 
 

@@ -30,7 +30,8 @@ class StageMemory:
 def stage_weight_bytes(model: ModelConfig, costs: LayerCosts, layers: int, first: bool,
                        last: bool) -> float:
     """Parameters a stage stores per TP rank (tied embeddings stored on both ends if P > 1)."""
-    params = layers * model.layer_params()
+    # The average layer's parameters (MoE: ALL experts are stored, not just the active ones).
+    params = layers * sum(map(model.layer_params, range(model.num_layers))) / model.num_layers
     if first:
         params += model.embedding_params()
     if last and not (first and model.tie_word_embeddings):
@@ -47,8 +48,7 @@ def kv_bytes_per_token(costs: LayerCosts, layers: int) -> float:
 
 def activation_bytes(model: ModelConfig, costs: LayerCosts, tokens: int, last: bool) -> float:
     """Peak transient of a forward over ``tokens`` tokens (one layer live at a time)."""
-    inter = model.intermediate_size * max(1, model.num_experts_per_tok)
-    per_token = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 3 * inter
+    per_token = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 3 * costs.mlp_width()
     act = tokens * per_token * costs.bytes / costs.tp
     if last:
         act += tokens * model.vocab_size * 4 / costs.tp  # fp32 logits (upper bound: all rows)

@@ -39,6 +39,14 @@ MODEL_PRESETS: dict[str, dict] = {
         "rope_theta": 1000000.0, "tie_word_embeddings": False,
         "num_local_experts": 8, "num_experts_per_tok": 2,
     },
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
     "SmolLM2-135M": {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
         "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,

@@ -70,7 +70,16 @@ class LayerCosts:
         self.kv_read_amplification = kv_read_amplification
         h = model.hidden_size
         self.attn_params = h * model.q_size * 2 + 2 * h * model.kv_size
-        self.expert_params = 3 * h * model.intermediate_size
+        # MoE: each layer with experts has a router, E routed experts of which a token
+        # runs k, and optionally a shared expert every token runs; a model may mix such
+        # layers with dense ones (decoder_sparse_step, mlp_only_layers). Costs are per
+        # AVERAGE layer: the fraction of layers with experts weights each kind.
+        self.expert_params = 3 * h * model.expert_intermediate_size
+        shared = model.shared_expert_intermediate_size
+        self.moe_always_params = h * model.num_experts + (3 * h * shared + h if shared else 0)
+        self.dense_mlp_params = 3 * h * model.intermediate_size
+        layers = range(model.num_layers)
+        self.moe_fraction = sum(map(model.is_moe_layer, layers)) / model.num_layers if model.num_experts else 0.0
         # KV heads are split across TP ranks, replicated once there are more ranks than heads.
         self.kv_heads_per_rank = max(1.0, model.num_kv_heads / tp)
 
@@ -85,13 +94,30 @@ class LayerCosts:
     def kv_bytes_per_token_layer(self) -> float:
         return 2 * self.kv_heads_per_rank * self.model.head_dim * self.bytes
 
+    def mlp_params(self, tokens: int) -> tuple[float, float]:
+        """(parameters one token multiplies by, parameters a batch of ``tokens`` reads) of the
+        average layer's MLP: MoE compute counts the ACTIVE experts (k per token), its weight
+        traffic the experts touched; dense layers count their one MLP for both."""
+        m, f = self.model, self.moe_fraction
+        active = self.moe_always_params + self.expert_params * m.num_experts_per_tok
+        read = self.moe_always_params + self.expert_params * self.experts_touched(tokens)
+        return (f * active + (1 - f) * self.dense_mlp_params,
+                f * read + (1 - f) * self.dense_mlp_params * (1.0 if tokens else 0.0))
+
+    def mlp_width(self) -> float:
+        """Intermediate activations per token of the average layer's MLP (k experts + shared, or dense)."""
+        m, f = self.model, self.moe_fraction
+        moe = m.num_experts_per_tok * m.expert_intermediate_size + m.shared_expert_intermediate_size
+        return f * moe + (1 - f) * m.intermediate_size
+
     def matmuls(self, shape: BatchShape) -> OpCost:
-        """A decoder layer's QKV/O and MLP matmuls: the weights' FLOPs against reading
-        the weights (MoE: the experts touched) and the activations."""
+        """A decoder layer's QKV/O and MLP matmuls: the active weights' FLOPs against
+        reading the weights (MoE: the experts touched) and the activations."""
         m, t = self.model, shape.new_tokens
-        active = self.attn_params + self.expert_params * max(1, m.num_experts_per_tok)
-        weights = self.attn_params + self.expert_params * self.experts_touched(t)
-        act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * m.intermediate_size)
+        mlp_active, mlp_read = self.mlp_params(t)
+        active = self.attn_params + mlp_active
+        weights = self.attn_params + mlp_read
+        act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * self.mlp_width())
         return OpCost(2 * active * t / self.tp, (weights + act) * self.bytes / self.tp)
 
     def attention(self, shape: BatchShape) -> OpCost:

@@ -40,8 +40,18 @@ def _read(reader: WeightReader, source: ModelSource, name: str) -> torch.Tensor:
 
 
 def _fill(param: torch.Tensor, name: str, parts: list[torch.Tensor]) -> None:
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if param.dim() == parts[0].dim() + 1:  # stacked experts [E, ...]: parts listed expert by expert
+        tensor = torch.stack([torch.cat(group, dim=0) for group in _per_expert(parts, param.shape[0], name)])
+    else:
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint tensor(s) for {name} have shape {tuple(tensor.shape)}, "
                          f"the config implies {tuple(param.shape)}")
     param.copy_(tensor)  # casts to the stage's dtype and moves to its device
+
+
+def _per_expert(parts: list[torch.Tensor], experts: int, name: str) -> list[list[torch.Tensor]]:
+    if len(parts) % experts:
+        raise ValueError(f"{name} stacks {experts} experts but the checkpoint gives {len(parts)} tensors")
+    per = len(parts) // experts
+    return [parts[e * per:(e + 1) * per] for e in range(experts)]

@@ -30,6 +30,11 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# Mixtral: the router, and each expert's w1 (gate) / w3 (up) / w2 (down) as one slice of
+# a tensor stacking all experts ([E, rows, cols]).
+_MOE_ROUTER = "block_sparse_moe.gate"
+_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])")
+_EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -59,8 +64,9 @@ def _config_from_metadata(reader: gguf.GGUFReader) -> ModelConfig:
     hidden = int(get("embedding_length"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    experts = int(get("expert_count", 0) or 0)   # Mixtral: llama.cpp's "llama" with experts
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture="MixtralForCausalLM" if experts else "LlamaForCausalLM",
         vocab_size=_vocab_size(reader),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -75,6 +81,8 @@ def _config_from_metadata(reader: gguf.GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
+        num_experts=experts,
+        num_experts_per_tok=int(get("expert_used_count", 0) or 0) if experts else 0,
     )
 
 
@@ -93,13 +101,19 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_location(hf_name: str) -> tuple[str, int | None]:
+    """(GGUF tensor name, expert index into its stacked first dimension or None)."""
     if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
+        return _GLOBAL_NAMES[hf_name], None
     m = _LAYER_RE.fullmatch(hf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is not None and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}", None
+    if m is not None and m.group(2) == _MOE_ROUTER:
+        return f"blk.{m.group(1)}.ffn_gate_inp.{m.group(3)}", None
+    expert = _EXPERT_RE.fullmatch(m.group(2)) if m is not None else None
+    if expert is None:
         raise KeyError(f"no GGUF equivalent of tensor {hf_name!r}")
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"blk.{m.group(1)}.{_EXPERT_NAMES[expert.group(2)]}.{m.group(3)}", int(expert.group(1))
 
 
 class GGUFWeightReader:
@@ -112,17 +126,20 @@ class GGUFWeightReader:
         self.names_read: list[str] = []  # GGUF names, in read order
         self._reader = open_gguf(path)
         self._tensors = {t.name: t for t in self._reader.tensors}
+        # Stacked expert tensors, dequantized once for all their experts' reads
+        # (a layer's gate and up stacks are read alternately: keep the last two).
+        self._stacks: dict[str, np.ndarray] = {}
 
     def names(self) -> set[str]:
         return set(self._tensors)
 
     def read(self, hf_name: str) -> torch.Tensor:
-        name = gguf_name(hf_name)
+        name, expert = gguf_location(hf_name)
         tensor = self._tensors.get(name)
         if tensor is None:
             raise KeyError(f"tensor {name!r} (for {hf_name!r}) is not in {self.path}")
         self.names_read.append(name)
-        array = dequantize_tensor(tensor)
+        array = dequantize_tensor(tensor) if expert is None else self._stack(name, tensor)[expert]
         if ".attn_q." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
         elif ".attn_k." in name:
@@ -131,8 +148,16 @@ class GGUFWeightReader:
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array))
 
+    def _stack(self, name: str, tensor) -> np.ndarray:
+        if name not in self._stacks:
+            if len(self._stacks) == 2:
+                self._stacks.pop(next(iter(self._stacks)))
+            self._stacks[name] = dequantize_tensor(tensor)
+        return self._stacks[name]
+
     def close(self) -> None:
         self._tensors.clear()
+        self._stacks.clear()
 
 
 def dequantize_tensor(tensor) -> np.ndarray:

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 
 from pipeserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pipeserve.model.families import refuse_unsupported
+from pipeserve.model.moe import refuse_moe_switches
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -22,8 +24,8 @@ def read_hf_config(directory: Path) -> ModelConfig:
     if archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {archs[0]!r} in {path} is not supported; pipeserve runs "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    if raw.get("num_local_experts"):
-        raise ValueError(f"{path} describes a mixture-of-experts model, which the runtime does not run")
+    refuse_moe_switches(raw, path)
+    refuse_unsupported(raw, path)
     return ModelConfig.from_hf_dict(raw)
 
 
@@ -42,7 +44,8 @@ class SafetensorsReader:
     def read(self, name: str) -> torch.Tensor:
         file = self._file_of.get(name)
         if file is None:
-            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+            untied = " (config.json sets tie_word_embeddings false)" if name == "lm_head.weight" else ""
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.directory}{untied}")
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         self.names_read.append(name)
