@@ -19,6 +19,11 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped Hugging Face tokenizer (grammar engines build their token tables from it)."""
+        return self._tok
+
+    @property
     def chat_template(self) -> str | None:
         return self._tok.chat_template
 
