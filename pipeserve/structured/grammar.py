@@ -7,6 +7,11 @@ import json
 from pipeserve.structured.params import StructuredOutputsParams
 
 
+# JSON on one line, ", " and ": " between items (a schema's own "x-guidance" overrides it).
+# Free whitespace lets a small model spend its max_tokens on newlines and indentation.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def grammar_of(spec: StructuredOutputsParams) -> str:
     """llguidance's serialised grammar for ``spec``. Raises ``ValueError`` naming the problem
     (an invalid schema, regex or grammar) so the API can answer 400."""
@@ -14,9 +19,9 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
 
     kind = spec.kind
     if kind == "json":
-        grammar = LLMatcher.grammar_from_json_schema(spec.schema())
+        grammar = LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_LAYOUT)
     elif kind == "json_object":
-        grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
+        grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(spec.regex)
     elif kind == "choice":
