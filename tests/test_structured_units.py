@@ -137,12 +137,44 @@ def test_tool_stream_holds_a_call_and_streams_plain_text():
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "echo", "arguments": "{}"}
 
 
-def test_guides_walk_a_choice_and_then_allow_only_eos():
+@pytest.fixture(scope="module")
+def tok():
     from pipeserve.model.loader import resolve_model
+    from pipeserve.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+# A Hermes / Qwen 2.5 style template: renders ``tools`` and each call's arguments as a dict.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}\n</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n")
+
+
+def test_a_template_that_takes_tools_renders_them_and_earlier_calls(tok):
+    own = tok.hf_tokenizer.chat_template
+    tok.hf_tokenizer.chat_template = HERMES_TEMPLATE
+    try:
+        tools = ChatTools.of(TOOLS, "auto", tok.chat_template)
+        messages = tools.template_messages([
+            {"role": "user", "content": "1+2?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"}])
+        text = tok.decode(tok.apply_chat_template(messages, tools=tools.template_tools()),
+                          skip_special_tokens=False)
+    finally:
+        tok.hf_tokenizer.chat_template = own
+    assert tools.fmt == "hermes" and '"name": "add"' in text.split("</tools>")[0]
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<|im_start|>tool\n3<|im_end|>" in text
+
+
+def test_guides_walk_a_choice_and_then_allow_only_eos(tok):
     from pipeserve.sequence import Sequence
     from pipeserve.structured.guides import Guides
-    from pipeserve.tokenizer import load_tokenizer
-    tok = load_tokenizer(resolve_model("smollm2-135m-instruct"))
     guides = Guides(tok.hf_tokenizer, 49152)
     seq = Sequence("r", 0, [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
     plain = Sequence("p", 0, [1, 2], SamplingParams())
