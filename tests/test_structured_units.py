@@ -189,3 +189,13 @@ def test_guides_walk_a_choice_and_then_allow_only_eos(tok):
     assert not guides.advance(seq, tok.encode("no", add_special_tokens=False)[0])
     guides.drop(seq.seq_id)
     assert len(guides) == 0
+
+
+def test_masked_rows_report_raw_logprobs_of_the_chosen_and_top_tokens():
+    logits = torch.randn(2, V)
+    raw = torch.log_softmax(logits, dim=-1)
+    rows = [_params(_mask([3, 9])), _params(_mask([3, 9]))]
+    rows[0].num_logprobs, rows[1].num_logprobs = 0, 2
+    (t0, lp0, top0), (t1, lp1, top1) = Sampler(seed=0).sample(logits.clone(), rows)
+    assert t0 in (3, 9) and abs(lp0 - float(raw[0, t0])) < 1e-5
+    assert [t for t, _ in top1] == raw[1].topk(2).indices.tolist()   # the model's top-2, not the grammar's

@@ -76,8 +76,19 @@ class Sampler:
     # -- steps -------------------------------------------------------------
     @staticmethod
     def _adjusted_logits(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """Logits after penalties, bans and grammar masks; the raw logits stay untouched."""
+        """Logits after penalties, bans and grammar masks.
+
+        The raw logits stay untouched where they are still read (logprobs). A
+        grammar mask alone is applied in place on its rows: it leaves the allowed
+        tokens' values as they were, the log-normaliser is already taken, and
+        only the chosen (allowed) token's raw logit is read again, unless the row
+        wants top-N logprobs. So a constrained row costs its batch mates no copy.
+        """
         if not any(has_penalty(p) or p.banned_token_ids or p.allowed_token_mask is not None for p in params):
+            return logits
+        if not any(has_penalty(p) or p.banned_token_ids or (p.allowed_token_mask is not None and p.num_logprobs)
+                   for p in params):
+            apply_token_masks(logits, [p.allowed_token_mask for p in params])
             return logits
         adjusted = logits.clone()
         apply_penalties(adjusted, params)
