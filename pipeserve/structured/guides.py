@@ -70,6 +70,7 @@ class Guides:
         return len(self._matchers)
 
     def _fill(self, seq_id: int) -> None:
-        import llguidance.torch as llt
-        mask = self._masks[seq_id]
-        llt.fill_next_token_bitmask(self._matchers[seq_id], mask[None, :], 0)
+        # What llguidance.torch.fill_next_token_bitmask does, without importing that module
+        # (it pulls in torch.jit scripting): the matcher writes the words into our buffer.
+        mask = self._masks[seq_id]                       # [ceil(vocab/32)] int32, contiguous
+        self._matchers[seq_id].unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * mask.element_size())
