@@ -67,6 +67,9 @@ def test_params_need_exactly_one_constraint_and_take_vllm_names():
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(ValueError, match="unknown"):
         StructuredOutputsParams.from_dict({"jsn": {}})
+    with pytest.raises(ValueError, match="whitespace_pattern"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ?")
+    assert grammar_of(StructuredOutputsParams.from_dict({"json_object": True, "whitespace_pattern": "[ ]?"}))
     old = SamplingParams(guided_decoding=GuidedDecodingParams(regex="[0-9]+"))
     new = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     assert old.structured_outputs == new.structured_outputs and old.structured_outputs.kind == "regex"
@@ -76,6 +79,7 @@ def test_params_need_exactly_one_constraint_and_take_vllm_names():
     (StructuredOutputsParams(json={"type": "nope"}), "JSON schema"),
     (StructuredOutputsParams(regex="(("), "regex"),
     (StructuredOutputsParams(grammar="start: undefined_rule"), "undefined_rule"),
+    (StructuredOutputsParams(json_object=True, whitespace_pattern="[ ]{0,2"), "unclosed"),
 ])
 def test_bad_grammars_raise_value_errors_naming_them(spec, words):
     with pytest.raises(ValueError, match=words):

@@ -18,10 +18,13 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     from llguidance import LLMatcher  # imported where a constrained request appears
 
     kind = spec.kind
+    layout = JSON_LAYOUT
+    if spec.whitespace_pattern is not None:
+        layout = {**JSON_LAYOUT, "whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
     if kind == "json":
-        grammar = LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_LAYOUT)
+        grammar = LLMatcher.grammar_from_json_schema(spec.schema(), defaults=layout)
     elif kind == "json_object":
-        grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+        grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=layout)
     elif kind == "regex":
         grammar = LLMatcher.grammar_from_regex(spec.regex)
     elif kind == "choice":

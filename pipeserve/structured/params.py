@@ -23,12 +23,16 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None                # Lark grammar (``start:`` rule)
     json_object: bool | None = None           # any JSON object
+    # JSON only: a regex for the whitespace allowed between tokens (default: none, one line).
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
                              f"json_object; got {given or 'none'}")
+        if self.whitespace_pattern is not None and given[0] not in ("json", "json_object"):
+            raise ValueError("StructuredOutputsParams.whitespace_pattern applies to json and json_object only")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c
                                                                    for c in self.choice)):
             raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
@@ -53,10 +57,11 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> "StructuredOutputsParams":
-        unknown = sorted(set(value) - set(_KINDS) - {"whitespace_pattern", "backend"})
+        fields = set(_KINDS) | {"whitespace_pattern"}
+        unknown = sorted(set(value) - fields)
         if unknown:
             raise ValueError(f"unknown structured_outputs field(s): {', '.join(unknown)}")
-        return cls(**{k: value[k] for k in _KINDS if k in value})
+        return cls(**value)
 
 
 # vLLM's name before v0.12 for the same object.
