@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Grammar-constrained output (vLLM's current name; ``guided_decoding`` is its older one).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False)
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -40,6 +45,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("SamplingParams.guided_decoding and structured_outputs are the same "
+                                 "setting (old and new name): give one")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

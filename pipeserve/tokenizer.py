@@ -19,6 +19,11 @@ class Tokenizer:
         self.vocab_size: int = len(hf_tokenizer)
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped Hugging Face tokenizer (grammar engines build their token tables from it)."""
+        return self._tok
+
+    @property
     def chat_template(self) -> str | None:
         return self._tok.chat_template
 
@@ -34,14 +39,15 @@ class Tokenizer:
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
         return self._tok.convert_tokens_to_string(tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
         if not self._tok.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt (completions) instead "
                              "of chat messages")
         # Render to text, then encode without adding BOS again: the template
         # already writes every special token it wants.
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **({"tools": tools} if tools else {}))
         return self.encode(text, add_special_tokens=False)
 
 

@@ -33,6 +33,7 @@ MODEL = "fake-model"
 
 class FakeTokenizer:
     eos_token_ids = (0,)
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]

@@ -21,6 +21,7 @@ from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pipeserve.structured.guides import Guides
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.step import StepOutput
@@ -43,6 +44,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks)
         self.executor = self._make_executor()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
         self._groups: dict = {}
         self._dead: str | None = None
@@ -125,9 +127,20 @@ class LLMEngine:
                            max_model_len=self.max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
                            fits_in_cache=self.scheduler.can_ever_fit, priority=priority, user=user,
                            arrival_time=arrival_time)
+        self._start_guides(group)
         self._groups[request_id] = group
         self.outputs.add(group)
         self.scheduler.add_request(group)
+
+    def _start_guides(self, group) -> None:
+        """Grammar matchers (and first masks) for a constrained request; a bad grammar is refused."""
+        try:
+            for seq in group.seqs:
+                self.guides.start(seq)
+        except ValueError as exc:
+            for seq in group.seqs:
+                self.guides.drop(seq.seq_id)
+            raise RequestRejected(str(exc)) from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self._groups.get(request_id)
@@ -178,7 +191,8 @@ class LLMEngine:
             sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
             if sched.is_empty:
                 break
-            step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies)
+            step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
+                              self.guides.mask if len(self.guides) else None)
             self._note_scheduled(sched)
             self._inflight[step.step_id] = sched
             self.executor.submit(step)
@@ -241,7 +255,10 @@ class LLMEngine:
                 continue  # aborted while in flight
             seq.append_token(tok.token_id)
             reason = self.outputs.on_token(group, seq, tok)
+            if reason is None and not self.guides.advance(seq, tok.token_id):
+                reason = "stop"  # the grammar has no way on (every allowed token was banned)
             if reason is not None:
+                self.guides.drop(seq.seq_id)
                 self.scheduler.finish_seq(seq, reason)
             touched[group.request_id] = group
         return [self._output(group) for group in touched.values()]
@@ -253,6 +270,8 @@ class LLMEngine:
 
     def _finish_group(self, group, reason: str | None, error: str | None = None) -> RequestOutput:
         self._groups.pop(group.request_id, None)
+        for seq in group.seqs:
+            self.guides.drop(seq.seq_id)
         return self.outputs.finish(group, reason, error)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 from pipeserve.sequence import Sequence
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
@@ -11,25 +13,27 @@ from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
 _step_ids = itertools.count()
 
 
-def build_step(scheduled, swap_in, swap_out, copies) -> StepInput:
-    """``scheduled``: the scheduler's ``ScheduledSeq`` list for one micro-batch."""
-    seqs = [_seq_step(s.seq, s.num_new_tokens, s.sample) for s in scheduled]
+def build_step(scheduled, swap_in, swap_out, copies, mask_of: Callable[[int], Any] | None = None) -> StepInput:
+    """``scheduled``: the scheduler's ``ScheduledSeq`` list for one micro-batch;
+    ``mask_of(seq_id)``: the grammar mask of a constrained sequence's next token, else None."""
+    seqs = [_seq_step(s.seq, s.num_new_tokens, s.sample, mask_of) for s in scheduled]
     return StepInput(step_id=next(_step_ids), seqs=seqs, swap_in=list(swap_in),
                      swap_out=list(swap_out), copies=list(copies))
 
 
-def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool) -> SeqStep:
+def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool, mask_of) -> SeqStep:
     start = seq.num_computed_tokens
+    mask = mask_of(seq.seq_id) if sample and mask_of is not None else None
     return SeqStep(
         seq_id=seq.seq_id,
         token_ids=seq.token_ids[start:start + num_new_tokens],
         start_pos=start,
         block_table=list(seq.block_table),
-        sampling=sampling_inputs(seq) if sample else None,
+        sampling=sampling_inputs(seq, mask) if sample else None,
     )
 
 
-def sampling_inputs(seq: Sequence) -> SeqSampling:
+def sampling_inputs(seq: Sequence, allowed_token_mask=None) -> SeqSampling:
     p = seq.params
     penalties = p.needs_penalties
     return SeqSampling(
@@ -46,6 +50,7 @@ def sampling_inputs(seq: Sequence) -> SeqSampling:
         output_token_ids=seq.output_token_ids if penalties else None,
         banned_token_ids=banned_tokens(seq),
         num_logprobs=p.logprobs,
+        allowed_token_mask=allowed_token_mask,
     )
 
 

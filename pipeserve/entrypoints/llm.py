@@ -19,6 +19,7 @@ from pipeserve.engine.input_processor import PromptType
 from pipeserve.engine.llm_engine import LLMEngine
 from pipeserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.structured.chat_tools import ChatTools
 
 
 class LLM:
@@ -54,12 +55,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             *, add_generation_prompt: bool = True, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             *, add_generation_prompt: bool = True, use_tqdm: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate.
+
+        ``tools`` (OpenAI format) go into the prompt the way the template renders them
+        (SmolLM2's template does not: they go into its function-calling system prompt);
+        ``pipeserve.structured.tools.parse_tool_calls`` reads the calls out of the text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
+        chat_tools = ChatTools.of(tools, None, tokenizer.chat_template)
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt)} for conv in conversations]
+            chat_tools.template_messages(conv), add_generation_prompt=add_generation_prompt,
+            tools=chat_tools.template_tools())} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:

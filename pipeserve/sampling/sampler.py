@@ -25,6 +25,7 @@ from pipeserve.sampling.draw import inverse_cdf
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
 from pipeserve.sampling.penalties import apply_bans, apply_penalties, has_penalty
 from pipeserve.sampling.seeding import draw_uniforms
+from pipeserve.sampling.token_mask import apply_token_masks
 from pipeserve.worker.step import SeqSampling
 
 # (sampled token id, its logprob, top-N (token id, logprob) best first)
@@ -75,12 +76,24 @@ class Sampler:
     # -- steps -------------------------------------------------------------
     @staticmethod
     def _adjusted_logits(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """Logits after penalties and bans; the raw logits stay untouched."""
-        if not any(has_penalty(p) or p.banned_token_ids for p in params):
+        """Logits after penalties, bans and grammar masks.
+
+        The raw logits stay untouched where they are still read (logprobs). A
+        grammar mask alone is applied in place on its rows: it leaves the allowed
+        tokens' values as they were, the log-normaliser is already taken, and
+        only the chosen (allowed) token's raw logit is read again, unless the row
+        wants top-N logprobs. So a constrained row costs its batch mates no copy.
+        """
+        if not any(has_penalty(p) or p.banned_token_ids or p.allowed_token_mask is not None for p in params):
+            return logits
+        if not any(has_penalty(p) or p.banned_token_ids or (p.allowed_token_mask is not None and p.num_logprobs)
+                   for p in params):
+            apply_token_masks(logits, [p.allowed_token_mask for p in params])
             return logits
         adjusted = logits.clone()
         apply_penalties(adjusted, params)
         apply_bans(adjusted, params)
+        apply_token_masks(adjusted, [p.allowed_token_mask for p in params])
         return adjusted
 
     def _choose_tokens(self, adjusted: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pipeserve.server.logprobs import chat_logprobs
 from pipeserve.server.protocol import ChatCompletionRequest, resolve_max_tokens
 from pipeserve.server.serving import Admission, ServerState, close_all, new_request_id, respond
 from pipeserve.server.streaming import DONE, DeltaTracker, sse, usage
+from pipeserve.structured.chat_tools import ChatTools, ToolsError, ToolStream
 
 logger = logging.getLogger(__name__)
 
@@ -23,20 +24,30 @@ logger = logging.getLogger(__name__)
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(body.model)
     state.check_healthy()
-    ids = _render(state, body)
+    try:
+        tools = ChatTools.of(body.tools, body.tool_choice, state.tokenizer.chat_template)
+    except ToolsError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    ids = _render(state, body, tools)
     max_tokens = resolve_max_tokens(body.requested_max_tokens, len(ids), state.max_model_len,
                                     prompt_field="messages")
-    params = body.sampling_params(max_tokens, body.num_logprobs)
+    structured = body.structured()
+    if tools.forced and structured is not None:
+        raise APIError(400, f"tool_choice {tools.mode!r} already constrains the output; drop the other "
+                       "constraint (response_format / structured_outputs / guided_*)", param="tool_choice")
+    params = body.sampling_params(max_tokens, body.num_logprobs, tools.structured() or structured)
     request_id = new_request_id("chatcmpl")
-    view = _View(state, body, request_id)
+    view = _View(state, body, request_id, tools)
     return await respond(state, raw, body, request_id, [(None, ids)], [params],
                          lambda streams, admission: _stream(view, streams[0], admission),
                          lambda outputs: view.response(outputs[0]))
 
 
-def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def _render(state: ServerState, body: ChatCompletionRequest, tools: ChatTools) -> list[int]:
     try:
-        return list(state.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True))
+        extra = {"tools": tools.template_tools()} if tools.template_tools() else {}
+        return list(state.tokenizer.apply_chat_template(tools.template_messages(body.template_messages()),
+                                                        add_generation_prompt=True, **extra))
     except APIError:
         raise
     except Exception as exc:  # the template refused the conversation (roles, order)
@@ -47,17 +58,24 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 class _View:
     """Shapes engine outputs into chat completion objects for one HTTP request."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str,
+                 tools: ChatTools) -> None:
         self.state = state
         self.body = body
+        self.tools = tools
         self.id = request_id
         self.created = int(time.time())
         self.top_n = body.top_logprobs or 0
 
     def response(self, out: RequestOutput) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, 0, len(c.token_ids), self.state.decode_token, self.top_n),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, has_calls = self.tools.message(c.text)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, 0, len(c.token_ids), self.state.decode_token,
+                                                      self.top_n),
+                            "finish_reason": _finish_reason(c.finish_reason, has_calls),
+                            "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.state.model_name, "choices": choices, "usage": usage([out])}
 
@@ -71,6 +89,7 @@ class _View:
 
 async def _stream(view: _View, stream: RequestStream, admission: Admission) -> AsyncIterator[str]:
     tracker = DeltaTracker()
+    tool_stream = ToolStream(view.tools) if view.tools.active else None
     last: RequestOutput | None = None
     try:
         # OpenAI clients expect the role alone in each choice's first delta.
@@ -81,7 +100,7 @@ async def _stream(view: _View, stream: RequestStream, admission: Admission) -> A
             if out.error:
                 yield sse(error_body(503, f"the request failed: {out.error}"))
                 break
-            content, finished = _delta_choices(view, tracker, out)
+            content, finished = _delta_choices(view, tracker, out, tool_stream)
             for choices in (content, finished):  # a finish_reason comes in a chunk of its own
                 if choices:
                     yield view.chunk(choices)
@@ -97,12 +116,20 @@ async def _stream(view: _View, stream: RequestStream, admission: Admission) -> A
     yield DONE
 
 
-def _delta_choices(view: _View, tracker: DeltaTracker, out: RequestOutput) -> tuple[list[dict], list[dict]]:
+def _delta_choices(view: _View, tracker: DeltaTracker, out: RequestOutput,
+                   tool_stream: ToolStream | None = None) -> tuple[list[dict], list[dict]]:
     """(content deltas, finish deltas) that ``out`` adds to what was already sent."""
     content, finished = [], []
     for c in out.outputs:
         delta = tracker.delta(c.index, c)
         if delta is None:
+            continue
+        if tool_stream is not None:
+            deltas, has_calls = tool_stream.deltas(c.index, delta.text, delta.finish_reason is not None)
+            content += [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+            if delta.finish_reason is not None:
+                finished.append({"index": c.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": _finish_reason(delta.finish_reason, has_calls)})
             continue
         logprobs = chat_logprobs(c, delta.start, delta.end, view.state.decode_token, view.top_n)
         if delta.text or (logprobs and logprobs["content"]):
@@ -112,3 +139,8 @@ def _delta_choices(view: _View, tracker: DeltaTracker, out: RequestOutput) -> tu
             finished.append({"index": c.index, "delta": {}, "logprobs": None,
                              "finish_reason": delta.finish_reason})
     return content, finished
+
+
+def _finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
+    """OpenAI reports an answer that ends in tool calls as "tool_calls"."""
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason

@@ -24,8 +24,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
     state.check_model(body.model)
     state.check_healthy()
     prompts = [_encode(state, p) for p in body.prompts()]
+    structured = body.structured()
     params = [body.sampling_params(resolve_max_tokens(body.max_tokens, len(ids), state.max_model_len),
-                                   body.logprobs) for _, ids in prompts]
+                                   body.logprobs, structured) for _, ids in prompts]
     request_id = new_request_id("cmpl")
     view = _View(state, body, request_id, prompts)
     return await respond(state, raw, body, request_id, prompts, params,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.server.errors import APIError
+from pipeserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     def check_common(self) -> None:
         if self.logit_bias:
@@ -65,7 +73,13 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint, compiled once to check it (400 naming a bad one)."""
+        from pipeserve.server.structured import structured_outputs_of
+        return structured_outputs_of(self)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ``APIError(400)`` naming the parameter when a value is out of range."""
         try:
             return SamplingParams(
@@ -77,7 +91,7 @@ class _SamplingFields(BaseModel):
                 stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
         except ValueError as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from None
 
@@ -114,11 +128,15 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: role and plain-text content."""
-        message = {"role": self.role, "content": _text_content(self.content)}
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: role, plain-text content, and an
+        assistant's ``tool_calls`` or a tool answer's ``tool_call_id`` when present."""
+        message: dict[str, Any] = {"role": self.role, "content": _text_content(self.content)}
         if self.name:
             message["name"] = self.name
+        for key in ("tool_calls", "tool_call_id"):
+            if (self.model_extra or {}).get(key) is not None:
+                message[key] = self.model_extra[key]
         return message
 
 
@@ -131,16 +149,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
-        if self.tools or self.functions:
-            raise APIError(400, "tools and function calling are not supported by pipeserve", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported by pipeserve", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if self.functions:
+            raise APIError(400, "the deprecated functions field is not supported; send tools", param="functions")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -156,7 +171,7 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
 
 

@@ -28,6 +28,9 @@ class SeqSampling:
     # Token ids masked out (set to -inf) this step: EOS/stop ids while < min_tokens.
     banned_token_ids: list[int] = field(default_factory=list)
     num_logprobs: int | None = None  # top-N logprobs to return (None = none)
+    # Grammar mask (structured outputs): packed int32 bitmask [ceil(vocab/32)] torch tensor,
+    # bit t % 32 of word t // 32 set when token t may be sampled. None = unconstrained.
+    allowed_token_mask: object | None = None
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar-constrained decoding (llguidance) and tool calling."""
