@@ -77,7 +77,8 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, device
         self.backend = backend or TorchPagedAttention()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device,
+                                      cfg.rope_freq_factors)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device) if is_first else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.backend, dtype, device)
                                     for _ in range(start_layer, end_layer))
