@@ -92,8 +92,10 @@ def save_tiny_tokenizer(directory: Path) -> None:
 
 
 def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
-    """Convert a tiny HF Llama checkpoint to GGUF the way llama.cpp does
-    (q/k rows permuted to its rotary layout), all matrices in ``qtype``."""
+    """Convert a tiny HF Llama or Qwen2 checkpoint to GGUF the way llama.cpp's
+    convert_hf_to_gguf.py does, all matrices in ``qtype``: llama's q/k rows
+    (and biases) permuted to its rotary layout and llama3 scaling written as
+    ``rope_freqs``; qwen2's rows left as they are."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -102,8 +104,11 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = {"llama": "llama", "qwen2": "qwen2"}[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, cfg)
+    if arch == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     for hf_name, tensor in state.items():
         name, array = _gguf_tensor(hf_name, tensor.float().numpy(), cfg)
         _add_tensor(writer, name, array, qtype)
@@ -123,7 +128,8 @@ def _write_metadata(w, cfg) -> None:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    if cfg.model_type == "llama":  # LlamaModel adds it; Qwen2Model does not
+        w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
 
@@ -141,11 +147,38 @@ def _gguf_tensor(hf_name: str, array: np.ndarray, cfg) -> tuple[str, np.ndarray]
         return top[hf_name], array
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    if module == "self_attn.q_proj":
+    permuted = cfg.model_type in ("llama", "mixtral")  # LlamaModel (and Mixtral, written as llama) permutes q/k
+    if permuted and module == "self_attn.q_proj":
         array = _llama_cpp_permute(array, cfg.num_attention_heads)
-    elif module == "self_attn.k_proj":
+    elif permuted and module == "self_attn.k_proj":
         array = _llama_cpp_permute(array, cfg.num_key_value_heads)
     return f"blk.{layer}.{_RENAME[module]}.{kind}", array
+
+
+def llama3_rope_factors(cfg) -> np.ndarray:
+    """rope_freqs as LlamaModel.generate_extra_tensors computes it: per dimension,
+    1 (short wavelengths), ``factor`` (long ones) or the smooth blend's inverse,
+    in float32. The converter reads original_max_position_embeddings from the
+    top level of config.json (default 8192, which is Llama 3.1's value inside
+    rope_scaling); here it comes from the rope parameters, where the tiny
+    checkpoint keeps it."""
+    import math
+    rope = cfg.rope_parameters
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_ctx = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            factors.append(1.0)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(float(1 / ((1 - smooth) / factor + smooth)))
+    return np.array(factors, dtype=np.float32)
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

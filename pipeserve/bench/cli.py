@@ -51,12 +51,16 @@ def _add_throughput(kinds) -> None:
     p = kinds.add_parser("throughput", help="offline throughput through LLM.generate (and transformers)")
     _add_dataset_args(p)
     g = p.add_argument_group("backends")
-    g.add_argument("--backend", choices=("pipeserve", "hf", "both"), default="pipeserve",
-                   help="hf: transformers generate in static batches; both: one run each, and their ratio")
+    g.add_argument("--backend", default="pipeserve",
+                   help="comma-separated: pipeserve, hf (transformers generate in static batches), "
+                        "llamacpp (llama-cpp-python, one sequence at a time; optional extra "
+                        "pipeserve[llamacpp]); both = pipeserve,hf. Several: one run each, and ratios")
     g.add_argument("--hf-batch-size", default="8",
                    help="transformers batch size(s), comma-separated; the best one is the baseline")
     g.add_argument("--hf-dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
                    help="dtype of the transformers baseline (default: the engine's --dtype)")
+    g.add_argument("--llamacpp-threads", type=int, default=None,
+                   help="llama.cpp threads (default: all cores, as pipeserve's stages share them)")
     g.add_argument("--num-warmup", type=int, default=2, help="short untimed requests before the run")
     g.add_argument("--gantt-window", type=float, default=2.0,
                    help="seconds of the pipeline timeline, from the middle of the run, in the Gantt chart")

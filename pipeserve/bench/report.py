@@ -61,6 +61,8 @@ def _throughput_row(name: str, data: dict, run: dict) -> list[str]:
     engine = run.get("engine", {})
     if run["backend"] == "hf":
         backend, cols = f"transformers b={run['batch_size']} {run.get('dtype', '')}".rstrip(), ["-"] * 4
+    elif run["backend"] == "llamacpp":
+        backend, cols = f"llama.cpp {run.get('threads')} threads", ["-"] * 4
     else:
         backend = "pipeserve"
         cols = [str(engine.get(c, "-")) for c in _ENGINE_COLUMNS]

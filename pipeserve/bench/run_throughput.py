@@ -10,6 +10,7 @@ from pathlib import Path
 from pipeserve.bench.datasets import BenchRequest
 from pipeserve.bench.hf_baseline import run_hf
 from pipeserve.bench.hf_source import load_hf_model, load_hf_tokenizer
+from pipeserve.bench.llamacpp_baseline import import_llama_cpp, load_llama, run_llamacpp
 from pipeserve.bench.offline import (pipeline_timeline, prefix_cache_delta, run_pipeserve, stage_ratios,
                                      warm_up, write_gantt)
 from pipeserve.bench.plots import plot_latency_cdfs
@@ -20,22 +21,29 @@ from pipeserve.entrypoints.args import config_from_args
 
 def run_throughput_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    backends = parse_backends(args.backend)
     batch_sizes = parse_batch_sizes(args.hf_batch_size)
+    gguf_path = llamacpp_model(config.model) if "llamacpp" in backends else None  # fail before any run
     tokenizer = load_hf_tokenizer(config.model, config.tokenizer)
     requests = build_requests(args, tokenizer)
     result = {**result_header("throughput", args), "dataset": dataset_json(args, requests), "runs": []}
     latencies: dict[str, dict[str, list[float]]] = {}
     plots: list[str] = []
-    if args.backend in ("pipeserve", "both"):
+    if "pipeserve" in backends:
         run, records, gantt = pipeserve_run(config, requests, args)
         result["runs"].append(run)
         plots += [gantt] if gantt else []
         latencies["pipeserve"] = latency_series(records)
-    if args.backend in ("hf", "both"):
+    if "hf" in backends:
         for run, records in hf_runs(config, requests, batch_sizes, args, tokenizer.pad_token_id):
             result["runs"].append(run)
             latencies[f"transformers b={run['batch_size']}"] = latency_series(records)
+    if gguf_path is not None:
+        run, records = llamacpp_run(gguf_path, requests, args)
+        result["runs"].append(run)
+        latencies[f"llama.cpp {run['threads']} threads"] = latency_series(records)
     result["baseline"] = baseline(result["runs"])
+    result["llamacpp"] = llamacpp_comparison(result["runs"])
     if args.plot:
         cdf = plot_latency_cdfs(latencies, Path(args.plot) / "latency_cdf.png", "offline latency CDFs")
         result["plots"] = ([str(cdf)] if cdf else []) + plots
@@ -43,6 +51,62 @@ def run_throughput_command(args: argparse.Namespace) -> int:
         write_json(result, args.output)
     print(format_summary(result))
     return 0
+
+
+BACKENDS = ("pipeserve", "hf", "llamacpp")
+
+
+def parse_backends(text: str) -> list[str]:
+    """``--backend``: comma-separated names from BACKENDS; ``both`` is pipeserve,hf."""
+    names = [part.strip() for part in str(text).replace("both", "pipeserve,hf").split(",") if part.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if not names or unknown:
+        raise ValueError(f"--backend {text!r}: use comma-separated names from {', '.join(BACKENDS)} "
+                         "(or both = pipeserve,hf), e.g. pipeserve,llamacpp")
+    return list(dict.fromkeys(names))
+
+
+def llamacpp_model(model: str) -> str:
+    """The GGUF file llama.cpp runs for ``--model``; checks llama-cpp-python is installed."""
+    from pipeserve.model.loader import resolve_model
+    import_llama_cpp()
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        raise ValueError(f"--backend llamacpp runs GGUF files; --model {model!r} is a Hugging Face "
+                         "directory (convert it with llama.cpp's convert_hf_to_gguf.py)")
+    return str(source.path)
+
+
+def llamacpp_run(gguf_path: str, requests: list[BenchRequest],
+                 args: argparse.Namespace) -> tuple[dict, list[RequestRecord]]:
+    """One timed run of llama.cpp (loading and a short warm-up are not timed)."""
+    threads = args.llamacpp_threads or os.cpu_count() or 1
+    llm = load_llama(gguf_path, requests, threads)
+    warm = [BenchRequest(r.prompt_token_ids[:32], 8) for r in requests[:max(0, args.num_warmup)]]
+    run_llamacpp(llm, warm, progress=False)
+    records, duration = run_llamacpp(llm, requests, args.temperature, args.progress)
+    return {"backend": "llamacpp", "threads": threads, "model": gguf_path,
+            **latency_metrics(records, duration)}, records
+
+
+def llamacpp_comparison(runs: list[dict]) -> dict | None:
+    """pipeserve over llama.cpp from this same run: output tokens/s, and decode speed (1 / mean TPOT)."""
+    ours = [r for r in runs if r["backend"] == "pipeserve"]
+    theirs = [r for r in runs if r["backend"] == "llamacpp"]
+    if not ours or not theirs:
+        return None
+    a, b = ours[0], theirs[0]
+    return {"llamacpp_output_tokens_per_s": b["output_tokens_per_s"],
+            "pipeserve_output_tokens_per_s": a["output_tokens_per_s"],
+            "ratio_output_tokens_per_s": a["output_tokens_per_s"] / b["output_tokens_per_s"],
+            "llamacpp_decode_tokens_per_s": _decode_rate(b), "pipeserve_decode_tokens_per_s": _decode_rate(a),
+            "ratio_decode_tokens_per_s": _decode_rate(a) / _decode_rate(b) if _decode_rate(b) else None}
+
+
+def _decode_rate(run: dict) -> float:
+    """Tokens/s of one sequence after its first token: 1000 / mean TPOT (ms)."""
+    tpot = run.get("tpot_ms", {}).get("mean", 0.0)
+    return 1000.0 / tpot if tpot else 0.0
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -117,11 +181,14 @@ def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
 
 
 def format_summary(result: dict) -> str:
-    lines = [f"{'backend':<22}{'req/s':>9}{'in tok/s':>11}{'out tok/s':>11}{'mean TTFT ms':>14}"]
+    lines = [f"{'backend':<22}{'req/s':>9}{'in tok/s':>11}{'out tok/s':>11}{'mean TTFT ms':>14}"
+             f"{'mean TPOT ms':>14}"]
     for run in result["runs"]:
-        name = run["backend"] if run["backend"] != "hf" else f"transformers b={run['batch_size']}"
+        name = {"hf": f"transformers b={run.get('batch_size')}",
+                "llamacpp": f"llama.cpp {run.get('threads')} thr"}.get(run["backend"], run["backend"])
         lines.append(f"{name:<22}{run['requests_per_s']:>9.2f}{run['input_tokens_per_s']:>11.1f}"
-                     f"{run['output_tokens_per_s']:>11.1f}{run['ttft_ms']['mean']:>14.1f}")
+                     f"{run['output_tokens_per_s']:>11.1f}{run['ttft_ms']['mean']:>14.1f}"
+                     f"{run.get('tpot_ms', {}).get('mean', float('nan')):>14.2f}")
         for stage in run.get("stages", []):
             lines.append(f"  stage {stage['stage']}: busy {stage.get('busy_ratio', float('nan')):.2f}"
                          f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}"
@@ -131,4 +198,10 @@ def format_summary(result: dict) -> str:
         b = result["baseline"]
         lines.append(f"pipeserve / transformers (b={b['hf_best_batch_size']}) output tokens/s: "
                      f"{b['speedup_output_tokens_per_s']:.2f}x")
+    if result.get("llamacpp"):
+        c = result["llamacpp"]
+        decode = "-" if c["ratio_decode_tokens_per_s"] is None else f"{c['ratio_decode_tokens_per_s']:.2f}x"
+        lines.append(f"pipeserve / llama.cpp output tokens/s: {c['ratio_output_tokens_per_s']:.2f}x; "
+                     f"decode tokens/s (1/TPOT): {c['pipeserve_decode_tokens_per_s']:.1f} / "
+                     f"{c['llamacpp_decode_tokens_per_s']:.1f} = {decode}")
     return "\n".join(lines)

@@ -28,6 +28,9 @@ class ModelConfig:
     # llama3-style scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    # Per-dimension divisors of the RoPE frequencies [head_dim / 2]: a GGUF's
+    # rope_freqs tensor (llama.cpp's form of llama3 scaling); None for none.
+    rope_freq_factors: tuple[float, ...] | None = field(default=None, hash=False, compare=False)
     attention_bias: bool = False              # q/k/v bias (Qwen2)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None

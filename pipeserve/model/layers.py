@@ -96,7 +96,8 @@ GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, app
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE (the Hugging Face layout), with optional llama3/linear scaling.
+    """Rotate-half RoPE (the Hugging Face layout), with optional llama3/linear scaling
+    or per-dimension frequency factors (a GGUF's ``rope_freqs``).
 
     cos/sin are computed per step from the absolute positions of the batch
     (one small outer product shared by all layers) instead of a table over
@@ -104,9 +105,12 @@ class RotaryEmbedding(nn.Module):
     stage otherwise.
     """
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, device: torch.device) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, device: torch.device,
+                 freq_factors: tuple[float, ...] | None = None) -> None:
         super().__init__()
         inv_freq = scaled_inv_freq(rope_inv_freq(head_dim, theta), scaling)  # [head_dim / 2]
+        if freq_factors is not None:  # llama.cpp's rope_freqs: theta_i = pos * inv_freq_i / factor_i
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

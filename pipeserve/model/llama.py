@@ -186,7 +186,7 @@ def _rotary(cfg: ModelConfig, device: torch.device) -> nn.Module:
     kind = (cfg.rope_scaling or {}).get("rope_type")
     if kind == "longrope":
         return LongRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
-    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+    return RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device, cfg.rope_freq_factors)
 
 
 def _layer_names(cfg: ModelConfig, ours: str, hf: str, layer: int) -> dict[str, list[str]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pipeserve.model.config import ModelConfig
 from pipeserve.plan import formulas
 from pipeserve.plan.hardware import Hardware
-from pipeserve.plan.memory import StageMemory, kv_token_capacity, stage_memory
+from pipeserve.plan.memory import StageMemory, kv_token_capacity, stage_memory, stage_weight_bytes
 from pipeserve.plan.partition import auto_partition, check_parts, parse_partition, uniform_partition
 from pipeserve.plan.presets import PlanInputError
 from pipeserve.plan.roofline import BatchShape
@@ -25,6 +25,7 @@ class PlanRequest:
     virtual_stages: int = 1              # V (interleaved)
     partition: str = "auto"              # auto | uniform | "19,11"
     dtype: str | None = None             # default: the hardware's
+    quantization: str | None = None      # weights' format (q4_k_m, int8 ...); None: the dtype
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     input_len: int = 1024                # S_in, mean prompt tokens
@@ -68,7 +69,7 @@ def _chunks(req: PlanRequest, model: ModelConfig, hw: Hardware) -> list[int]:
         return uniform_partition(model.num_layers, parts)
     if req.partition != "auto":
         return parse_partition(req.partition, model.num_layers, parts)
-    probe = PipelineCosts(model, hw, [1] * parts, req.pp, req.tp, req.dtype)
+    probe = PipelineCosts(model, hw, [1] * parts, req.pp, req.tp, req.dtype, quantization=req.quantization)
     shape = BatchShape.decode(max(1, req.max_num_seqs // req.pp), req.input_len + req.output_len / 2)
     per_layer = [probe.layer_time(shape, probe.worker_of(c)) for c in range(parts)]
     fixed = [probe.chunk_time(c, shape) - per_layer[c] for c in range(parts)]
@@ -82,8 +83,9 @@ def _chunks(req: PlanRequest, model: ModelConfig, hw: Hardware) -> list[int]:
 
 def _memory_cap(req: PlanRequest, model: ModelConfig, hw: Hardware, probe: PipelineCosts):
     """Most layers a chunk may hold so its worker's weights and activations fit."""
-    per_layer = model.layer_params() * probe.costs.bytes / req.tp
-    ends = (model.embedding_params() + model.head_params()) * probe.costs.bytes / req.tp
+    per_layer = stage_weight_bytes(model, probe.costs, 1, False, False)
+    ends = stage_weight_bytes(model, probe.costs, 0, True, False) + stage_weight_bytes(
+        model, probe.costs, 0, False, True)
     room = hw.usable_bytes - ends
     limit = max(1, int(room / per_layer / req.virtual_stages)) if room > 0 else 1
     return lambda chunk: limit
@@ -93,7 +95,7 @@ def evaluate(model: ModelConfig, hw: Hardware, req: PlanRequest) -> PlanEstimate
     if req.tp < 1 or model.num_heads % req.tp:
         raise PlanInputError(f"--tp {req.tp} must divide the {model.num_heads} attention heads")
     chunks = _chunks(req, model, hw)
-    costs = PipelineCosts(model, hw, chunks, req.pp, req.tp, req.dtype)
+    costs = PipelineCosts(model, hw, chunks, req.pp, req.tp, req.dtype, quantization=req.quantization)
     worker_layers = [sum(chunks[c] for c in range(len(chunks)) if costs.worker_of(c) == w)
                      for w in range(req.pp)]
     seq_len = req.input_len + req.output_len

@@ -8,12 +8,13 @@ import math
 import sys
 
 from pipeserve.plan.analysis import PlanRequest, evaluate
-from pipeserve.plan.hardware import load_hardware
+from pipeserve.plan.hardware import load_hardware, parse_quantity
 from pipeserve.plan.predict import simulate
 from pipeserve.plan.presets import PlanInputError, load_model
-from pipeserve.plan.recommend import TARGETS, recommend
+from pipeserve.plan.quantization import WEIGHT_FORMATS, weight_format
+from pipeserve.plan.recommend import TARGETS, fewest_stages, model_weight_bytes, recommend
 from pipeserve.plan.report import (SYMBOLS, explain, format_candidates, format_estimate,
-                                   format_hardware, format_simulation)
+                                   format_fewest_stages, format_hardware, format_simulation)
 from pipeserve.plan.simulator import SCHEDULES
 from pipeserve.plan.workload import KINDS, Workload
 
@@ -37,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
     p.add_argument("--partition", default="auto", help="auto | uniform | comma list (19,11)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "fp8"), default=None)
+    p.add_argument("--quantization", default=None, metavar="FORMAT",
+                   help=f"weights' storage format ({', '.join(WEIGHT_FORMATS)}); default: the dtype")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="memory of one device, overriding the hardware's (e.g. 24GiB)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dataset", choices=KINDS, default="random")
@@ -79,12 +84,22 @@ def _check_args(args: argparse.Namespace) -> None:
             raise PlanInputError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.micro_batches is not None and args.micro_batches < 1:
         raise PlanInputError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.quantization is not None:
+        args.quantization = weight_format(args.quantization).name
+
+
+def _hardware(args: argparse.Namespace):
+    hw = load_hardware(args.hardware)
+    if args.device_memory is None:
+        return hw
+    memory = parse_quantity(args.device_memory, "--device-memory")
+    return dataclasses.replace(hw, name=f"{hw.name} ({memory / 2**30:.0f} GiB)", mem_bytes=memory)
 
 
 def _plan(args: argparse.Namespace) -> int:
     _check_args(args)
     name, model = load_model(args.model)
-    hw = load_hardware(args.hardware)
+    hw = _hardware(args)
     workload = Workload(kind=args.dataset, num_requests=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, range_ratio=args.range_ratio,
                         prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
@@ -92,7 +107,8 @@ def _plan(args: argparse.Namespace) -> int:
     req = PlanRequest(pp=args.pp, tp=args.tp, micro_batches=args.micro_batches,
                       schedule=args.schedule,
                       virtual_stages=args.virtual_stages if args.schedule == "interleaved" else 1,
-                      partition=args.partition, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                      partition=args.partition, dtype=args.dtype, quantization=args.quantization,
+                      max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       input_len=args.input_len, output_len=args.output_len,
                       request_rate=args.request_rate)
@@ -103,6 +119,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(SYMBOLS)
     est = evaluate(model, hw, req)
     print(format_estimate(est, "Requested"))
+    print(format_fewest_stages(fewest_stages(model, hw, req), model_weight_bytes(model, hw, req), hw))
     best, results = recommend(model, hw, req, args.target)
     print(format_candidates(results, best, args.target))
     print(explain(best, results, args.target))

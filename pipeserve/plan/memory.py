@@ -29,16 +29,21 @@ class StageMemory:
 
 def stage_weight_bytes(model: ModelConfig, costs: LayerCosts, layers: int, first: bool,
                        last: bool) -> float:
-    """Parameters a stage stores per TP rank (tied embeddings stored on both ends if P > 1)."""
-    # The average layer's parameters (MoE: ALL experts are stored, not just the active ones).
-    params = layers * sum(map(model.layer_params, range(model.num_layers))) / model.num_layers
+    """Bytes of the weights a stage stores per TP rank (tied embeddings stored on both
+    ends if P > 1). Quantized: layers and embedding at ``costs.weight_bytes``, the LM
+    head at ``costs.head_weight_bytes`` (a tied embedding is the head, so it too);
+    the final norm stays in the dtype. MoE: ALL experts are stored, not just the active ones."""
+    average_layer = sum(map(model.layer_params, range(model.num_layers))) / model.num_layers
+    nbytes = layers * average_layer * costs.weight_bytes
+    head_matrix = model.head_params() - model.hidden_size
     if first:
-        params += model.embedding_params()
+        embed = costs.head_weight_bytes if model.tie_word_embeddings else costs.weight_bytes
+        nbytes += model.embedding_params() * embed
+    if last:
+        nbytes += model.hidden_size * costs.bytes  # final norm
     if last and not (first and model.tie_word_embeddings):
-        params += model.head_params()
-    elif last:
-        params += model.hidden_size  # final norm; the head reuses the embedding
-    return params * costs.bytes / costs.tp
+        nbytes += head_matrix * costs.head_weight_bytes
+    return nbytes / costs.tp
 
 
 def kv_bytes_per_token(costs: LayerCosts, layers: int) -> float:

@@ -34,7 +34,8 @@ def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Work
     shares_cores = hw.shared_compute and req.pp > 1
     scale, result = 1.0, None
     for _ in range(_DRIVER_ROUNDS if shares_cores else 1):
-        costs = PipelineCosts(model, hw, est.chunk_layers, req.pp, req.tp, req.dtype, compute_scale=scale)
+        costs = PipelineCosts(model, hw, est.chunk_layers, req.pp, req.tp, req.dtype, compute_scale=scale,
+                              quantization=req.quantization)
         result = PipelineSimulator(costs, cfg).run(trace)
         driver_cores = result.driver_busy / result.span
         if driver_cores == 0.0:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from pipeserve.model.config import ModelConfig
 from pipeserve.plan.analysis import PlanEstimate, PlanRequest, evaluate
 from pipeserve.plan.hardware import Hardware
+from pipeserve.plan.memory import stage_weight_bytes
 from pipeserve.plan.presets import PlanInputError
+from pipeserve.plan.stages import PipelineCosts
 
 TARGETS = ("throughput", "latency")
 
@@ -48,3 +51,26 @@ def recommend(model: ModelConfig, hw: Hardware, base: PlanRequest,
     fitting = [r for r in results if r.fits]
     best = max(fitting, key=lambda r: score(r, target), default=None)
     return best, results
+
+
+def model_weight_bytes(model: ModelConfig, hw: Hardware, req: PlanRequest) -> float:
+    """Bytes of all the model's weights in ``req``'s dtype and quantization (one copy)."""
+    costs = PipelineCosts(model, hw, [model.num_layers], 1, 1, req.dtype, quantization=req.quantization)
+    return stage_weight_bytes(model, costs.costs, model.num_layers, True, True)
+
+
+def fewest_stages(model: ModelConfig, hw: Hardware, base: PlanRequest) -> PlanEstimate | None:
+    """The smallest P (stages of ``base.tp`` devices each, auto partition, async) at which
+    every stage holds its weights, its activations and the KV of at least one sequence;
+    None when even one layer per stage is too much."""
+    start = max(1, math.ceil(model_weight_bytes(model, hw, base) / base.tp / hw.usable_bytes))
+    for pp in range(start, model.num_layers + 1):
+        req = dataclasses.replace(base, pp=pp, micro_batches=None, partition="auto", schedule="async",
+                                  virtual_stages=1)
+        try:
+            est = evaluate(model, hw, req)
+        except PlanInputError:
+            continue
+        if est.fits:
+            return est
+    return None

@@ -41,6 +41,7 @@ def format_hardware(hw: Hardware) -> str:
 def format_estimate(est: PlanEstimate, title: str) -> str:
     r = est.req
     lines = [f"{title}: PP={r.pp} x TP={r.tp}, schedule {r.schedule}"
+             + (f", weights {r.quantization}" if r.quantization else "")
              + (f", V={r.virtual_stages}" if r.virtual_stages > 1 else "")
              + f", partition {'/'.join(map(str, est.chunk_layers))} layers"]
     lines.append(f"  inputs: S_in={r.input_len} S_out={r.output_len} max_num_seqs={r.max_num_seqs} "
@@ -69,6 +70,18 @@ def format_estimate(est: PlanEstimate, title: str) -> str:
     return "\n".join(lines)
 
 
+def format_fewest_stages(est: PlanEstimate | None, weight_bytes: float, hw: Hardware) -> str:
+    """How many stages of this hardware the model needs (``recommend.fewest_stages``)."""
+    r = est.req if est else None
+    fmt = f"{weight_bytes / 1e9:.2f} GB of weights"
+    if est is None:
+        return (f"Stages needed: none fits; {fmt} and one layer per stage already exceed "
+                f"{hw.usable_bytes / 1e9:.1f} GB usable per device")
+    return (f"Stages needed: {fmt} -> at least PP={r.pp} x TP={r.tp} of {hw.usable_bytes / 1e9:.1f} GB usable "
+            f"each (partition {'/'.join(map(str, est.chunk_layers))} layers, KV room for B={est.batch} "
+            f"sequences of {r.input_len + r.output_len} tokens)")
+
+
 def format_candidates(results: list[PlanEstimate], best: PlanEstimate | None, target: str) -> str:
     lines = [f"Candidates (same device count), target {target}:",
              "  PP x TP   fits  N   B     tokens/s   T (s)   TPOT ms  eta    gain"]
@@ -84,7 +97,7 @@ def format_candidates(results: list[PlanEstimate], best: PlanEstimate | None, ta
 def explain(best: PlanEstimate | None, results: list[PlanEstimate], target: str) -> str:
     if best is None:
         return ("Recommendation: nothing fits. Every split runs out of memory; use more devices, "
-                "a smaller dtype, or a device with more memory.")
+                "a smaller dtype or --quantization, or a device with more memory.")
     r = best.req
     why = {"throughput": f"the most output tokens/s ({best.throughput:,.0f})",
            "latency": f"the shortest request latency ({best.latency['T']:.2f} s)"}[target]

@@ -63,9 +63,15 @@ class LayerCosts:
     """FLOPs and bytes of the model's pieces for a batch shape, on one of ``tp`` ranks."""
 
     def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1,
-                 kv_read_amplification: float = 1.0) -> None:
+                 kv_read_amplification: float = 1.0, weight_bytes: float | None = None,
+                 head_weight_bytes: float | None = None) -> None:
+        """``weight_bytes`` / ``head_weight_bytes``: bytes per stored weight of the layers
+        and embedding / of the LM head when they are quantized (default: ``dtype_bytes``);
+        activations and the KV cache stay at ``dtype_bytes``."""
         self.model = model
         self.bytes = dtype_bytes
+        self.weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
+        self.head_weight_bytes = self.weight_bytes if head_weight_bytes is None else head_weight_bytes
         self.tp = tp
         self.kv_read_amplification = kv_read_amplification
         h = model.hidden_size
@@ -118,7 +124,7 @@ class LayerCosts:
         active = self.attn_params + mlp_active
         weights = self.attn_params + mlp_read
         act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * self.mlp_width())
-        return OpCost(2 * active * t / self.tp, (weights + act) * self.bytes / self.tp)
+        return OpCost(2 * active * t / self.tp, (weights * self.weight_bytes + act * self.bytes) / self.tp)
 
     def attention(self, shape: BatchShape) -> OpCost:
         """A decoder layer's attention: 4·pairs·q_size FLOPs (QK^T and PV) against the KV
@@ -149,7 +155,7 @@ class LayerCosts:
         """Final norm + LM head (vocab-parallel under TP) for the rows that sample; fp32 logits."""
         m, rows = self.model, shape.logit_rows
         flops = 2 * rows * m.hidden_size * m.vocab_size
-        traffic = m.vocab_size * m.hidden_size * self.bytes + rows * m.vocab_size * 4
+        traffic = m.vocab_size * m.hidden_size * self.head_weight_bytes + rows * m.vocab_size * 4
         return OpCost(flops / self.tp, traffic / self.tp + rows * m.hidden_size * self.bytes)
 
     def hidden_bytes(self, shape: BatchShape) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pipeserve.model.config import ModelConfig
 from pipeserve.plan.hardware import DTYPE_BYTES, Hardware
+from pipeserve.plan.quantization import weight_format
 from pipeserve.plan.roofline import (BatchShape, LayerCosts, OpCost, flops_rate,
                                      ring_allreduce_time)
 
@@ -22,15 +23,18 @@ class PipelineCosts:
 
     def __init__(self, model: ModelConfig, hw: Hardware, chunk_layers: list[int],
                  num_workers: int, tp: int = 1, dtype: str | None = None,
-                 compute_scale: float = 1.0) -> None:
+                 compute_scale: float = 1.0, quantization: str | None = None) -> None:
         """``compute_scale``: the fraction of each worker's compute left to it
-        (below 1 where another process, the driver, shares the cores)."""
+        (below 1 where another process, the driver, shares the cores);
+        ``quantization``: the weights' storage format (None: the dtype)."""
         self.model, self.hw, self.tp = model, hw, tp
         self.compute_scale = compute_scale
         self.chunk_layers = list(chunk_layers)
         self.num_workers = num_workers
         self.dtype = dtype or hw.dtype
-        self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification)
+        fmt = None if quantization is None else weight_format(quantization)
+        self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
+                                fmt and fmt.bytes, fmt and fmt.head_bytes)
         nodes = [self.node_of(w) for w in range(num_workers)]
         # With shared compute every worker on a node gets an equal slice of it.
         self.share = [nodes.count(n) if hw.shared_compute else 1 for n in nodes]

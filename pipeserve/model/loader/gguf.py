@@ -7,6 +7,7 @@ bytes of the tensors it asks for.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -16,6 +17,7 @@ import torch
 from pipeserve.model.config import ModelConfig
 
 T = gguf.GGMLQuantizationType
+K = gguf.Keys
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
 
 # Hugging Face name -> GGUF name; "{i}" is the layer index.
@@ -44,56 +46,129 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
         raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How llama.cpp's converter (convert_hf_to_gguf.py) wrote one model family."""
+
+    hf_architecture: str          # the ModelConfig.architecture the file loads as
+    qk_rows_permuted: bool        # q/k rows reordered to llama.cpp's interleaved rotary layout
+    attention_bias: bool | None   # q/k/v biases: always (True), or as the file has them (None)
+    moe_architecture: str | None = None   # what the file loads as when it has experts
+
+
+# general.architecture -> family. Adding a Llama-shaped family is one line here.
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    # LlamaModel.modify_tensors permutes q_proj/k_proj weights and biases.
+    "llama": GGUFArchitecture("LlamaForCausalLM", qk_rows_permuted=True, attention_bias=None,
+                              moe_architecture="MixtralForCausalLM"),
+    # Qwen2Model keeps TextModel's default modify_tensors: rows stay as Hugging Face has them.
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", qk_rows_permuted=False, attention_bias=True),
+}
+ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling as per-dimension divisors of the frequencies
+
+
+def gguf_architecture(arch: str, path: Path | str = "the file") -> GGUFArchitecture:
+    family = GGUF_ARCHITECTURES.get(arch)
+    if family is None:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported; pipeserve loads "
+                         f"GGUF files of: {', '.join(GGUF_ARCHITECTURES)}")
+    return family
+
+
+def qk_rows_permuted(cfg: ModelConfig) -> bool:
+    """Whether a GGUF of this model stores q/k rows in llama.cpp's rotary order."""
+    return any(f.qk_rows_permuted for f in GGUF_ARCHITECTURES.values()
+               if cfg.architecture in (f.hf_architecture, f.moe_architecture))
+
+
 def read_gguf_config(path: Path) -> ModelConfig:
     reader = open_gguf(path)
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (only 'llama')")
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
-        raise ValueError(f"{path} carries llama3 'rope_freqs' scaling factors, which the GGUF "
-                         "loader does not support; use the Hugging Face checkpoint instead")
-    return _config_from_metadata(reader)
-
-
-def _config_from_metadata(reader: gguf.GGUFReader) -> ModelConfig:
-    def get(key: str, default=None):
-        return _field(reader, f"llama.{key}", default)
-
-    names = {t.name for t in reader.tensors}
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    experts = int(get("expert_count", 0) or 0)   # Mixtral: llama.cpp's "llama" with experts
+    arch = str(_field(reader, "general.architecture"))
+    family = gguf_architecture(arch, path)
+    tensors = {t.name: t for t in reader.tensors}
+    meta = _ArchMetadata(reader, arch)
+    heads = int(meta.require(K.Attention.HEAD_COUNT))
+    hidden = int(meta.require(K.LLM.EMBEDDING_LENGTH))
+    head_dim = int(meta.get(K.Attention.KEY_LENGTH, hidden // heads))
+    rotary = int(meta.get(K.Rope.DIMENSION_COUNT, head_dim))
+    if rotary != head_dim:
+        raise ValueError(f"{path} rotates {rotary} of {head_dim} dimensions per head (partial RoPE), "
+                         "which pipeserve does not implement")
+    bias = "blk.0.attn_q.bias" in tensors
+    if family.attention_bias and not bias:
+        raise ValueError(f"{path} is a {arch!r} GGUF without the q/k/v biases that family has "
+                         "(blk.0.attn_q.bias is missing); the file looks truncated or mislabelled")
+    experts = int(meta.get(K.LLM.EXPERT_COUNT, 0) or 0)   # Mixtral: llama.cpp's "llama" with experts
+    eos = _field(reader, K.Tokenizer.EOS_ID)
+    bos = _field(reader, K.Tokenizer.BOS_ID)
     return ModelConfig(
-        architecture="MixtralForCausalLM" if experts else "LlamaForCausalLM",
-        vocab_size=_vocab_size(reader),
+        architecture=family.moe_architecture if experts and family.moe_architecture else family.hf_architecture,
+        vocab_size=_vocab_size(meta, tensors),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=int(meta.require(K.LLM.FEED_FORWARD_LENGTH)),
+        num_layers=int(meta.require(K.LLM.BLOCK_COUNT)),
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        attention_bias="blk.0.attn_q.bias" in names,
-        tie_word_embeddings="output.weight" not in names,
+        num_kv_heads=int(meta.get(K.Attention.HEAD_COUNT_KV, heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(meta.get(K.LLM.CONTEXT_LENGTH, 2048)),
+        rms_norm_eps=float(meta.get(K.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        rope_theta=float(meta.get(K.Rope.FREQ_BASE, 10000.0)),
+        rope_scaling=_rope_scaling(meta, path),
+        rope_freq_factors=_rope_freq_factors(tensors.get(ROPE_FREQS), head_dim, path),
+        attention_bias=bias,
+        tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         num_experts=experts,
-        num_experts_per_tok=int(get("expert_used_count", 0) or 0) if experts else 0,
+        num_experts_per_tok=int(meta.get(K.LLM.EXPERT_USED_COUNT, 0) or 0) if experts else 0,
     )
 
 
-def _vocab_size(reader: gguf.GGUFReader) -> int:
-    size = _field(reader, "llama.vocab_size")
+class _ArchMetadata:
+    """Metadata keys of one architecture: gguf's "{arch}.block_count" templates, filled in."""
+
+    def __init__(self, reader: gguf.GGUFReader, arch: str) -> None:
+        self.reader, self.arch = reader, arch
+
+    def get(self, template: str, default=None):
+        return _field(self.reader, template.format(arch=self.arch), default)
+
+    def require(self, template: str):
+        value = self.get(template)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {template.format(arch=self.arch)!r}, which pipeserve "
+                             "needs to build the model")
+        return value
+
+
+def _rope_scaling(meta: _ArchMetadata, path: Path) -> dict | None:
+    kind = str(meta.get(K.Rope.SCALING_TYPE, "none"))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta.require(K.Rope.SCALING_FACTOR))}
+    raise ValueError(f"{path} uses {kind!r} RoPE scaling, which pipeserve does not implement "
+                     "(supported in GGUF files: none, linear, and llama3 via rope_freqs)")
+
+
+def _rope_freq_factors(tensor, head_dim: int, path: Path) -> tuple[float, ...] | None:
+    """llama.cpp divides each RoPE frequency by its factor (llama3 context extension)."""
+    if tensor is None:
+        return None
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(-1)
+    if values.size != head_dim // 2:
+        raise ValueError(f"{path}: {ROPE_FREQS} has {values.size} factors, expected head_dim / 2 = "
+                         f"{head_dim // 2}")
+    return tuple(float(v) for v in values)
+
+
+def _vocab_size(meta: _ArchMetadata, tensors: dict) -> int:
+    size = meta.get(K.LLM.VOCAB_SIZE)
     if size is not None:
         return int(size)
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            return int(t.shape[-1])  # GGUF shapes list the fastest dimension first
-    raise ValueError("GGUF file has neither llama.vocab_size nor token_embd.weight")
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes list the fastest dimension first
+    raise ValueError(f"GGUF file has neither {meta.arch}.vocab_size nor token_embd.weight")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -118,7 +193,7 @@ def gguf_location(hf_name: str) -> tuple[str, int | None]:
 
 class GGUFWeightReader:
     """Reads tensors by their Hugging Face names, dequantized to float32 and
-    with llama.cpp's rotary row permutation of q/k undone."""
+    with llama.cpp's rotary row permutation of q/k undone (where the family has one)."""
 
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
         self.path = path
@@ -129,6 +204,7 @@ class GGUFWeightReader:
         # Stacked expert tensors, dequantized once for all their experts' reads
         # (a layer's gate and up stacks are read alternately: keep the last two).
         self._stacks: dict[str, np.ndarray] = {}
+        self._permuted = qk_rows_permuted(cfg)  # llama yes, qwen2 no
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -140,9 +216,9 @@ class GGUFWeightReader:
             raise KeyError(f"tensor {name!r} (for {hf_name!r}) is not in {self.path}")
         self.names_read.append(name)
         array = dequantize_tensor(tensor) if expert is None else self._stack(name, tensor)[expert]
-        if ".attn_q." in name:
+        if self._permuted and ".attn_q." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
-        elif ".attn_k." in name:
+        elif self._permuted and ".attn_k." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_kv_heads)
         if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
             array = array.copy()

@@ -1,0 +1,82 @@
+"""Bytes per weight of the formats a model's weights may be stored in (``--quantization``).
+
+Weight-only: the KV cache and activations keep the dtype. Three kinds of entry:
+
+- GGUF block types (ggml's block structs): ``bytes per block / weights per block``,
+  e.g. Q4_K = 144 bytes / 256 weights = 4.5 bits, Q8_0 = 34 / 32 = 8.5 bits.
+  ``llama-quantize`` keeps ``output.weight`` (the LM head, or the tied embedding)
+  at Q6_K for every file type below Q8_0, so the head is counted at 6.5625 bits.
+- GGUF *mixes* (``q4_k_m`` …): llama-quantize gives some tensors more bits
+  (attn_v, ffn_down of some layers, the head). Their bits per weight are the
+  whole-file averages llama.cpp's tools/quantize/README.md reports (Llama 2 7B:
+  Q4_K_M 4.84, Q5_K_M 5.68 …); a 70B differs by about 1 % (Llama-3.1-70B Q4_K_M
+  files are 42.5 GB for 70.6 B parameters: 4.82 bits).
+- pipeserve's load-time ``int8`` / ``int4``: one bfloat16 scale (int8) or scale
+  and zero point (int4) per group of ``GROUP_SIZE`` weights along the input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeserve.plan.presets import PlanInputError
+
+GROUP_SIZE = 128   # int8 / int4 group size assumed here (one bfloat16 scale (+ zero) per group)
+Q6_K_BITS = 8 * 210 / 256  # 6.5625: llama-quantize's LM head below Q8_0
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    bits: float          # bits per weight of the decoder layers and the input embedding
+    head_bits: float     # bits per weight of the LM head (output.weight)
+    note: str
+
+    @property
+    def bytes(self) -> float:
+        return self.bits / 8
+
+    @property
+    def head_bytes(self) -> float:
+        return self.head_bits / 8
+
+
+def _block(name: str, block_bytes: int, block_weights: int, head_bits: float | None = None) -> WeightFormat:
+    bits = 8 * block_bytes / block_weights
+    head = Q6_K_BITS if head_bits is None else head_bits
+    return WeightFormat(name, bits, head, f"GGUF {name.upper()}: {block_bytes} bytes / {block_weights} "
+                                         f"weights, head at {head:g} bits")
+
+
+def _mix(name: str, bits: float) -> WeightFormat:
+    return WeightFormat(name, bits, Q6_K_BITS, f"GGUF {name.upper()} mix: {bits} bits average "
+                                               "(llama.cpp quantize README), head Q6_K")
+
+
+def _dense(name: str, bits: int) -> WeightFormat:
+    return WeightFormat(name, bits, bits, f"{bits}-bit dense")
+
+WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
+    _dense("f32", 32), _dense("f16", 16), _dense("bf16", 16), _dense("fp8", 8),
+    # GGUF block types (ggml block structs: bytes, weights)
+    _block("q8_0", 34, 32, head_bits=8.5),
+    _block("q6_k", 210, 256),
+    _block("q5_0", 22, 32), _block("q5_1", 24, 32),
+    _block("q4_0", 18, 32), _block("q4_1", 20, 32),
+    # GGUF file-type mixes of K-quants
+    _mix("q5_k_m", 5.68), _mix("q5_k_s", 5.52), _mix("q4_k_m", 4.84), _mix("q4_k_s", 4.58),
+    _mix("q3_k_l", 4.27), _mix("q3_k_m", 3.91), _mix("q3_k_s", 3.50), _mix("q2_k", 3.35),
+    # pipeserve's group-wise load-time quantization (weights + bf16 scale [+ zero] per group)
+    WeightFormat("int8", 8 + 16 / GROUP_SIZE, 8 + 16 / GROUP_SIZE,
+                 f"int8, one bf16 scale per {GROUP_SIZE} weights"),
+    WeightFormat("int4", 4 + 32 / GROUP_SIZE, 4 + 32 / GROUP_SIZE,
+                 f"int4, bf16 scale and zero per {GROUP_SIZE} weights"),
+)}
+
+
+def weight_format(name: str) -> WeightFormat:
+    """``--quantization`` (case-insensitive: Q4_K_M, q4_k_m) -> its format."""
+    key = name.strip().lower().replace("-", "_")
+    if key not in WEIGHT_FORMATS:
+        raise PlanInputError(f"unknown --quantization {name!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
+    return WEIGHT_FORMATS[key]

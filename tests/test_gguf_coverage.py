@@ -1,0 +1,118 @@
+"""GGUF families beyond plain Llama: Llama 3.x files with ``rope_freqs`` and
+``qwen2`` files, written from tiny random checkpoints the way llama.cpp's
+converter writes them (F32 tensors), give transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pipeserve import LLM
+from pipeserve.config import EngineConfig
+from pipeserve.model.loader import ModelSource, resolve_model
+from pipeserve.model.loader.gguf import GGUF_ARCHITECTURES, read_gguf_config
+from tests.checkpoints import write_llama_gguf
+from tests.test_engine_behaviour import greedy, hf_greedy_batch, random_prompts, token_lists
+from tests.test_loaders import IDS, hf_logits, run_stages, write_gguf
+
+# After the quantized-weights work lands, a GGUF stays in its own types by
+# default; "none" is the dequantized path these tests pin to transformers.
+DEQUANTIZED = ({"quantization": "none"}
+               if "quantization" in {f.name for f in dataclasses.fields(EngineConfig)} else {})
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_checkpoints, tmp_path_factory):
+    """kind -> (HF directory, GGUF file written from it)."""
+    root = tmp_path_factory.mktemp("converted")
+    built: dict = {}
+
+    def get(kind: str):
+        if kind not in built:
+            hf = tiny_checkpoints(kind)
+            built[kind] = hf, write_llama_gguf(hf, root / f"{kind}.gguf")
+        return built[kind]
+    return get
+
+
+def engine_greedy(gguf_path, hf_dir, prompts, pp: int) -> list[list[int]]:
+    with LLM(model=str(gguf_path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="16MiB",
+             pipeline_parallel_size=pp, threads_per_stage=1, **DEQUANTIZED) as llm:
+        return token_lists(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy()))
+
+
+# -- metadata -------------------------------------------------------------------
+def test_llama3_gguf_carries_frequency_factors(converted):
+    _, path = converted("llama3_rope")
+    cfg = read_gguf_config(path)
+    assert cfg.architecture == "LlamaForCausalLM" and not cfg.tie_word_embeddings
+    assert cfg.rope_freq_factors is not None and len(cfg.rope_freq_factors) == cfg.head_dim // 2
+    # the tiny config scales every band: 1 (short), the blend, and 8 (long wavelengths)
+    assert cfg.rope_freq_factors[0] == 1.0 and cfg.rope_freq_factors[-1] == 8.0
+
+
+def test_qwen2_gguf_becomes_qwen2_config(converted):
+    hf_dir, path = converted("qwen2_bias")
+    ours, ref = read_gguf_config(path), resolve_model(str(hf_dir)).load_config()
+    assert ours.architecture == "Qwen2ForCausalLM" and ours.attention_bias
+    assert not GGUF_ARCHITECTURES["qwen2"].qk_rows_permuted and GGUF_ARCHITECTURES["llama"].qk_rows_permuted
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(ours, field) == pytest.approx(getattr(ref, field)), field
+
+
+def test_unknown_gguf_architecture_names_it_and_the_supported_ones(tmp_path):
+    path = write_gguf(tmp_path / "p.gguf", {"x": (np.ones(4, np.float32), None)}, arch="phi3")
+    with pytest.raises(ValueError, match=r"'phi3'.*llama, qwen2"):
+        read_gguf_config(path)
+
+
+def test_yarn_scaled_gguf_is_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "y.gguf"), "qwen2")
+    for add, value in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 64),
+                       (w.add_head_count, 4), (w.add_vocab_size, 32), (w.add_rope_scaling_factor, 4.0)]:
+        add(value)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_tensor("blk.0.attn_q.bias", np.zeros(64, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="'yarn' RoPE scaling"):
+        read_gguf_config(tmp_path / "y.gguf")
+
+
+# -- numerics -------------------------------------------------------------------
+def test_rope_freqs_are_applied(converted, monkeypatch):
+    hf_dir, path = converted("llama3_rope")
+    source = resolve_model(str(path))
+    reference = hf_logits(hf_dir, IDS)
+    assert (run_stages(source, [0, 4], IDS) - reference).abs().max().item() < 1e-3
+    # Without the factors the same file is a different model: the check above can fail.
+    plain = dataclasses.replace(source.load_config(), rope_freq_factors=None)
+    monkeypatch.setattr(ModelSource, "load_config", lambda self: plain)
+    assert (run_stages(source, [0, 4], IDS) - reference).abs().max().item() > 1e-2
+
+
+CASES = [("llama3_rope", 1), ("llama3_rope", 2), ("qwen2_bias", 1), ("qwen2_bias", 2), ("llama_tied_gqa", 1)]
+
+
+@pytest.mark.parametrize("kind,pp", CASES, ids=[f"{k}-pp{p}" for k, p in CASES])
+def test_gguf_greedy_tokens_match_transformers(converted, kind, pp):
+    # llama3_rope: rope_freqs and an untied head; qwen2_bias: unpermuted q/k with
+    # biases; llama_tied_gqa: the head tied to the embedding.
+    hf_dir, path = converted(kind)
+    prompts = random_prompts(3, seed=5)
+    assert engine_greedy(path, hf_dir, prompts, pp) == hf_greedy_batch(hf_dir, prompts)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared CPUs: avoid oversubscription
+    yield
+    torch.set_num_threads(before)

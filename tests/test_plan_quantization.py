@@ -1,0 +1,89 @@
+"""The planner's memory model with quantized weights: real bytes per weight, and
+how many stages of a given memory a model needs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+
+from pipeserve.plan.__main__ import main
+from pipeserve.plan.analysis import PlanRequest, evaluate
+from pipeserve.plan.hardware import load_hardware
+from pipeserve.plan.presets import PlanInputError, load_model
+from pipeserve.plan.quantization import WEIGHT_FORMATS, weight_format
+from pipeserve.plan.recommend import fewest_stages, model_weight_bytes
+from pipeserve.plan.roofline import BatchShape, LayerCosts
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q6_k", "q5_0", "q5_1", "q4_0", "q4_1"])
+def test_block_types_match_ggml_block_sizes(name):
+    weights, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]]
+    assert weight_format(name).bits == pytest.approx(8 * nbytes / weights)
+
+
+def test_bits_per_weight():
+    assert weight_format("Q4_0").bits == 4.5 and weight_format("q8_0").bits == 8.5
+    q4km = weight_format("Q4_K_M")
+    assert q4km.bits == 4.84 and q4km.head_bits == 6.5625   # mix average; head at Q6_K
+    assert weight_format("q8_0").head_bits == 8.5
+    assert weight_format("int8").bits == 8.125 and weight_format("int4").bits == 4.25
+    assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
+    with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):
+        weight_format("q4_k_x")
+
+
+@pytest.mark.parametrize("model,quant,published_gb", [
+    ("Llama-3.1-70B", "q4_k_m", 42.5),   # Meta-Llama-3.1-70B-Instruct-Q4_K_M.gguf
+    ("Llama-3.1-8B", "q4_k_m", 4.92),
+    ("Llama-3.1-8B", "q8_0", 8.54),
+    ("Llama-3.1-70B", "bf16", 141.1),
+])
+def test_whole_model_bytes_near_published_file_sizes(model, quant, published_gb):
+    _, cfg = load_model(model)
+    req = PlanRequest(pp=1, quantization=quant)
+    assert model_weight_bytes(cfg, load_hardware("L4"), req) / GB == pytest.approx(published_gb, rel=0.02)
+
+
+def test_stage_weight_bytes_per_part():
+    _, cfg = load_model("Llama-3.1-8B")
+    req = PlanRequest(pp=2, partition="16,16", quantization="q8_0")
+    first, last = evaluate(cfg, load_hardware("H100-SXM"), req).memory
+    layers = 16 * cfg.layer_params() * 8.5 / 8
+    assert first.weights == pytest.approx(layers + cfg.embedding_params() * 8.5 / 8)
+    assert last.weights == pytest.approx(layers + cfg.hidden_size * 2 + cfg.vocab_size * cfg.hidden_size * 8.5 / 8)
+
+
+def test_decode_reads_the_quantized_bytes():
+    _, cfg = load_model("Llama-3.1-8B")
+    shape = BatchShape.decode(1, 1024)
+    bf16, q4 = LayerCosts(cfg, 2), LayerCosts(cfg, 2, weight_bytes=4.5 / 8, head_weight_bytes=6.5625 / 8)
+    act = bf16.matmuls(shape).bytes - bf16.attn_params * 2 - bf16.expert_params * 2
+    assert q4.matmuls(shape).bytes == pytest.approx((bf16.attn_params + bf16.expert_params) * 4.5 / 8 + act)
+    assert q4.matmuls(shape).flops == bf16.matmuls(shape).flops
+    assert q4.attention(shape).bytes == bf16.attention(shape).bytes   # the KV cache keeps the dtype
+
+
+@pytest.mark.parametrize("quant,stages", [("q4_k_m", 3), ("q4_0", 3), ("int4", 2), ("q8_0", 4), ("bf16", 8)])
+def test_fewest_stages_of_an_l4(quant, stages):
+    _, cfg = load_model("llama-3.1-70b")
+    hw = load_hardware("L4")   # 24 GiB, 21 GB usable
+    req = PlanRequest(pp=1, quantization=quant)
+    est = fewest_stages(cfg, hw, req)
+    assert est is not None and est.fits and est.req.pp == stages
+    fewer = dataclasses.replace(req, pp=stages - 1, partition="auto")
+    assert not evaluate(cfg, hw, fewer).fits
+
+
+def test_cli_says_how_many_stages(capsys):
+    argv = ["--model", "llama-3.1-70b", "--quantization", "Q4_K_M", "--hardware", "L4", "--no-simulate"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "weights q4_k_m" in out and "Stages needed: 42.91 GB of weights -> at least PP=3 x TP=1" in out
+    assert main([*argv, "--device-memory", "48GiB"]) == 0
+    assert "at least PP=2 x TP=1" in capsys.readouterr().out
+    assert main(["--model", "llama-3.1-70b", "--quantization", "q3", "--no-simulate"]) == 2
+    assert "unknown --quantization 'q3'" in capsys.readouterr().err
