@@ -44,6 +44,8 @@ class EngineConfig:
     pp_micro_batches: int | None = None       # gpipe M (default: P)
     stage_speeds: str | None = None           # "1,0.5"
     stage_timeout: float = 60.0
+    max_stage_restarts: int = 3               # pipeline restarts after a stage failure (engine lifetime)
+    stage_rejoin_timeout: float = 300.0       # wait for a replacement remote `pipeserve worker`
     trace_file: str | None = None
     # Several hosts
     nnodes: int = 1
@@ -69,6 +71,10 @@ class EngineConfig:
                  f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
         _require(self.attention_backend in ("auto", "torch", "cpu"), "attention_backend",
                  f"must be auto, torch or cpu, got {self.attention_backend!r}")
+        _require(self.max_stage_restarts >= 0, "max_stage_restarts",
+                 f"must be >= 0 (0: a stage failure ends every request), got {self.max_stage_restarts}")
+        _require(self.stage_rejoin_timeout > 0, "stage_rejoin_timeout",
+                 f"must be > 0 seconds, got {self.stage_rejoin_timeout}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
 

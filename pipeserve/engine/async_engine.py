@@ -117,6 +117,11 @@ class AsyncEngine:
         return self._error is None and self._thread.is_alive() and bool(self.engine.healthy)
 
     @property
+    def recovering(self) -> bool:
+        """The engine is restarting failed stages; its requests wait and continue after."""
+        return self._error is None and bool(getattr(self.engine, "recovering", False))
+
+    @property
     def error(self) -> str | None:
         return self._error
 

@@ -16,6 +16,7 @@ import torch
 from pipeserve.config import EngineConfig
 from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
 from pipeserve.engine.output_processor import OutputProcessor
+from pipeserve.engine.recovery import RecoveryLog
 from pipeserve.engine.step_builder import build_step
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
@@ -46,6 +47,7 @@ class LLMEngine:
         self._inflight: dict[int, SchedulerOutput] = {}
         self._groups: dict = {}
         self._dead: str | None = None
+        self.recovery = RecoveryLog()
         # Objects made so far (model, tokenizer, tables) live as long as the
         # engine: take them out of the cyclic collector's scans, as vLLM does.
         gc.freeze()
@@ -152,9 +154,7 @@ class LLMEngine:
                 # gpipe: the step is done only when all its micro-batches are.
                 results += self.executor.wait(timeout=self.config.stage_timeout)
         except ExecutorError as exc:
-            self._dead = str(exc)
-            logger.error("pipeline failed: %s", exc)
-            return self._fail_all(self._dead)
+            return self._on_pipeline_failure(str(exc))
         updated: dict[str, RequestOutput] = {}
         for result in results:
             for out in self._process(result):
@@ -252,6 +252,37 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         return self.outputs.finish(group, reason, error)
 
+    def _on_pipeline_failure(self, message: str) -> list[RequestOutput]:
+        """A stage died or stalled: replace the stages and replay every sequence from its
+        token ids (its KV died with the stage), or, once ``--max-stage-restarts`` are
+        spent, end every request with an error."""
+        logger.error("pipeline failed: %s", message)
+        for sched in self._inflight.values():
+            self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
+        self._inflight.clear()
+        while self.recovery.restarts < self.config.max_stage_restarts:
+            if self._recover(message):
+                return []
+        self._dead = message
+        return self._fail_all(message)
+
+    def _recover(self, message: str) -> bool:
+        start = time.monotonic()
+        self.recovery.begin(message)
+        try:
+            self.executor.recover()
+        except ExecutorError as exc:
+            self.recovery.end(time.monotonic() - start, ok=False)
+            logger.error("restarting the pipeline failed (%d of %d restarts used): %s",
+                         self.recovery.restarts, self.config.max_stage_restarts, exc)
+            return False
+        replayed = self.scheduler.replay_all()
+        self.recovery.end(time.monotonic() - start, ok=True)
+        logger.warning("pipeline restarted in %.1f s (%d of %d restarts used); replaying %d sequences",
+                       self.recovery.durations[-1], self.recovery.restarts, self.config.max_stage_restarts,
+                       replayed)
+        return True
+
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The pipeline is gone: every request ends with finish_reason "error"."""
         for sched in self._inflight.values():
@@ -269,12 +300,22 @@ class LLMEngine:
     # -- health and stats --------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self.executor.healthy
+        """False while the pipeline is failed or being restarted (readable from any thread)."""
+        return self._dead is None and not self.recovery.recovering and self.executor.healthy
+
+    @property
+    def recovering(self) -> bool:
+        return self.recovery.recovering
+
+    @property
+    def stage_pids(self) -> dict[int, int]:
+        """``{stage: pid}`` of the local stage processes now serving (PP > 1; {} otherwise)."""
+        return self.executor.stage_pids
 
     def stats(self) -> dict:
         return {"scheduler": self.scheduler.stats(), "pipeline": self.executor.stats(),
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
-                "partition": self.partition, "healthy": self.healthy}
+                "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats()}
 
     def write_trace(self, path: str) -> list[str]:
         """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""
