@@ -53,6 +53,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29533
     rendezvous_timeout: float = 60.0
+    # Shared secret every pipeline connection proves (HMAC); default $PIPESERVE_CLUSTER_KEY, or a random
+    # per-run key on one host. Never sent to the stages, never shown in repr.
+    cluster_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
