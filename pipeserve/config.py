@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
