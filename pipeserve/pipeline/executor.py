@@ -130,15 +130,17 @@ class PipelineExecutor(Executor):
         for stage, (sent, stage_time, arrived) in answers.items():
             self.timelines.set_clock_offset(stage, sent, stage_time, arrived)
 
-    def _end_generation(self, kill: bool) -> None:
+    def _end_generation(self, kill: bool, remote: Kind = Kind.STOP) -> None:
         """Stop watching and talking to the current generation; with ``kill``, end its
-        local stages now and ask the remote ones to stop (best effort)."""
+        local stages now and send ``remote`` (STOP: exit; RESET: join again) to the
+        remote ones (best effort: a dead one also rejoins once its host restarts it)."""
         if self.world is None:
             return
         self.watchdog.stop()
-        remote = [s for s in range(self.num_stages) if not self.world.local(s)]
-        self.links.close(stop_stages=remote if kill else [])
+        others = [s for s in range(self.num_stages) if not self.world.local(s)]
+        self.links.close(stop_stages=others if kill else [], kind=remote)
         if kill:
+            self.links.join(timeout=0.5, senders_only=True)   # let the STOP / RESET leave first
             self.world.stop(grace=0.0)
         self.links.join(timeout=0.5)
 
@@ -152,7 +154,7 @@ class PipelineExecutor(Executor):
         with self._lock:
             self.generation += 1      # from here on, the old generation's threads are ignored
             self._inflight.clear()
-        self._end_generation(kill=True)
+        self._end_generation(kill=True, remote=Kind.RESET)   # remote stages join the next generation
         self.world = None
         while not self._done.empty():
             self._done.get_nowait()

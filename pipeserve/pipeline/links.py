@@ -57,16 +57,18 @@ class Links:
             answers[stage] = (sent, stage_time, arrived)
         return answers
 
-    def close(self, stop_stages: list[int] = ()) -> None:
-        """Send STOP to ``stop_stages`` (after what is queued for them), then end the senders."""
+    def close(self, stop_stages: list[int] = (), kind: Kind = Kind.STOP) -> None:
+        """Send ``kind`` (STOP, or RESET) to ``stop_stages`` after what is queued for them,
+        then end the senders."""
         for stage, sendq in self._sendqs.items():
             if stage in stop_stages:
-                sendq.put((Kind.STOP, None))
+                sendq.put((kind, None))
             sendq.put(None)
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: float, senders_only: bool = False) -> None:
         for thread in self.threads:
-            thread.join(timeout=timeout)  # threads left in gloo at interpreter exit may abort it
+            if not (senders_only and thread is self.receiver):
+                thread.join(timeout=timeout)
 
     # -- threads -------------------------------------------------------------
     def _send_loop(self, stage: int, sendq: queue.Queue) -> None:
