@@ -17,6 +17,7 @@ import pytest
 
 from pipeserve.entrypoints.llm import LLM
 from pipeserve.sampling_params import SamplingParams
+from pipeserve.worker.executor import Executor, ExecutorError
 from tests.test_engine_behaviour import random_prompts, token_lists
 from tests.test_scheduler import FakeEngine
 
@@ -68,6 +69,86 @@ def test_replay_refuses_while_steps_are_in_flight():
     eng.submit()
     with pytest.raises(RuntimeError, match="in flight"):
         eng.sched.replay_all()
+
+
+# -- the engine's side, in process: a fake pipeline that loses its steps --------------
+class LosingExecutor(Executor):
+    """PP = 1 dressed as a pipeline of ``max_inflight`` slots whose ``wait`` number k in
+    ``fail_at`` loses every step in flight, as a dead stage does; ``recover`` works unless
+    ``recover_fails``. Each step runs in the wrapped executor at submit, so a lost step's
+    KV writes did happen: replay must not depend on them being absent or present."""
+
+    def __init__(self, inner: Executor, fail_at: set[int], recover_fails: bool = False) -> None:
+        self.inner, self.fail_at, self.recover_fails = inner, fail_at, recover_fails
+        self.max_inflight = 3
+        self.waits = 0
+        self.recovered = 0
+        self._done: list = []
+
+    def submit(self, step) -> None:
+        self.inner.submit(step)
+        self._done += self.inner.wait()
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        done, self._done = self._done, []
+        if self.waits in self.fail_at:
+            raise ExecutorError(f"pipeline stage 1 died (lost {len(done)} steps)")
+        return done[:1] + self._hold(done[1:])
+
+    def _hold(self, rest: list) -> list:
+        self._done = rest          # hand back one result per wait: the others stay in flight
+        return []
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._done)
+
+    def recover(self) -> None:
+        if self.recover_fails:
+            raise ExecutorError("no stage came back")
+        self.recovered += 1
+
+
+def _tiny_llm(tiny_checkpoints, **kwargs) -> LLM:
+    return LLM(model=str(tiny_checkpoints("llama_tied_gqa")), dtype="float32", kv_cache_memory="16MiB",
+               threads_per_stage=1, max_num_batched_tokens=96, **kwargs)
+
+
+def test_engine_replays_lost_steps_with_identical_greedy_output(tiny_checkpoints):
+    """Steps in flight are lost twice (prompts half prefilled, decodes under way); every
+    request still ends by length with the undisturbed run's tokens, seeded sampling too."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, seed=3)]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)] * 3
+    llm = _tiny_llm(tiny_checkpoints)
+    try:
+        reference = token_lists(llm.generate(prompts, params))
+        llm.engine.executor = LosingExecutor(llm.engine.executor, fail_at={3, 40})
+        outs = llm.generate(prompts, params)
+        recovery = llm.stats()["recovery"]
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+    assert token_lists(outs) == reference
+    assert recovery["stage_restarts"] == 2 and len(recovery["recovery_seconds"]) == 2
+    assert llm.stats()["scheduler"]["num_replayed"] > 0
+
+
+@pytest.mark.parametrize("recover_fails", [False, True])
+def test_spent_restarts_end_every_request_with_a_clear_error(tiny_checkpoints, recover_fails):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=4)]
+    llm = _tiny_llm(tiny_checkpoints, max_stage_restarts=1)
+    try:
+        llm.engine.executor = LosingExecutor(llm.engine.executor, fail_at={3, 9}, recover_fails=recover_fails)
+        outs = llm.generate(prompts, GREEDY)
+    finally:
+        llm.shutdown()
+    assert all(o.finished and o.outputs[0].finish_reason == "error" for o in outs)
+    why = "no stage came back" if recover_fails else "stage 1 died"
+    assert all(why in o.error and "--max-stage-restarts 1" in o.error for o in outs), outs[0].error
+    assert not llm.engine.healthy
+    with pytest.raises(RuntimeError, match="unhealthy"):
+        llm.engine.add_request("late", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
 
 
 # -- offline: LLM.generate at PP = 3, the middle stage killed -------------------------

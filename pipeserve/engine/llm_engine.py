@@ -261,12 +261,18 @@ class LLMEngine:
             self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
         self._inflight.clear()
         while self.recovery.restarts < self.config.max_stage_restarts:
-            if self._recover(message):
+            failed = self._recover(message)
+            if failed is None:
                 return []
+            message = failed
+        if self.recovery.restarts:
+            message += (f" (the pipeline was restarted {self.recovery.restarts} time(s), "
+                        f"--max-stage-restarts {self.config.max_stage_restarts})")
         self._dead = message
         return self._fail_all(message)
 
-    def _recover(self, message: str) -> bool:
+    def _recover(self, message: str) -> str | None:
+        """One restart and replay; None when it worked, else why it did not."""
         start = time.monotonic()
         self.recovery.begin(message)
         try:
@@ -275,13 +281,13 @@ class LLMEngine:
             self.recovery.end(time.monotonic() - start, ok=False)
             logger.error("restarting the pipeline failed (%d of %d restarts used): %s",
                          self.recovery.restarts, self.config.max_stage_restarts, exc)
-            return False
+            return str(exc)
         replayed = self.scheduler.replay_all()
         self.recovery.end(time.monotonic() - start, ok=True)
         logger.warning("pipeline restarted in %.1f s (%d of %d restarts used); replaying %d sequences",
                        self.recovery.durations[-1], self.recovery.restarts, self.config.max_stage_restarts,
                        replayed)
-        return True
+        return None
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The pipeline is gone: every request ends with finish_reason "error"."""
