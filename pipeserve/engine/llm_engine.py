@@ -144,11 +144,12 @@ class LLMEngine:
         if self._dead:
             return self._fail_all(self._dead)
         gpipe = self._gpipe
-        if not (gpipe and self._inflight):
-            self._fill_pipeline()
-        if not self._inflight:
-            return []
         try:
+            if not (gpipe and self._inflight):
+                self._fill_pipeline()
+            if not self._inflight:
+                self.executor.wait(timeout=0)     # raises if a stage died while nothing ran
+                return []
             results = self.executor.wait(timeout=self.config.stage_timeout)
             while gpipe and len(results) < len(self._inflight):
                 # gpipe: the step is done only when all its micro-batches are.
@@ -312,6 +313,11 @@ class LLMEngine:
     @property
     def recovering(self) -> bool:
         return self.recovery.recovering
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A stage failed and the engine has not acted yet (it acts in ``step()``)."""
+        return self._dead is None and not self.executor.healthy
 
     @property
     def stage_pids(self) -> dict[int, int]:
