@@ -152,21 +152,35 @@ def test_spent_restarts_end_every_request_with_a_clear_error(tiny_checkpoints, r
 
 
 # -- offline: LLM.generate at PP = 3, the middle stage killed -------------------------
+def _kill_when_half_admitted(llm: LLM, pid: int, total: int) -> threading.Thread:
+    """SIGKILL ``pid`` once fewer than ``total / 2`` sequences wait: the first ones are done or
+    decoding, later ones wait. Reads only queue lengths (safe from another thread)."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while llm.engine.scheduler.num_waiting > total // 2 - 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
     path = str(tiny_checkpoints("llama_tied_gqa"))
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, seed=5)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(16, seed=5)]
+    # Two sequences per micro-batch: the 16 requests run in waves, so "half admitted" is mid-run.
     llm = LLM(model=path, dtype="float32", kv_cache_memory="16MiB", pipeline_parallel_size=3,
-              threads_per_stage=1, stage_timeout=10, max_stage_restarts=2)
+              threads_per_stage=1, stage_timeout=10, max_stage_restarts=2, max_num_seqs=2)
     try:
         start = time.monotonic()
         reference = token_lists(llm.generate(prompts, GREEDY, use_tqdm=False))
         undisturbed_s = time.monotonic() - start
         victim = llm.engine.stage_pids[1]
-        killer = threading.Timer(undisturbed_s * 0.4, os.kill, (victim, signal.SIGKILL))
-        killer.start()
+        killer = _kill_when_half_admitted(llm, victim, len(prompts))
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         killer.join()
-        recovery = llm.stats()["recovery"]
+        stats = llm.stats()
+        recovery = stats["recovery"]
         new_pids = llm.engine.stage_pids
     finally:
         llm.shutdown()
@@ -175,6 +189,7 @@ def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
     assert token_lists(outs) == reference
     assert recovery["stage_restarts"] == 1 and len(recovery["recovery_seconds"]) == 1, recovery
     assert "stage 1" in recovery["last_error"], recovery
+    assert stats["scheduler"]["num_replayed"] >= 1       # it died mid-generation
     assert victim not in new_pids.values() and len(new_pids) == 3
     with pytest.raises(ProcessLookupError):
         os.kill(victim, 0)
