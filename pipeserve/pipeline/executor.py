@@ -74,7 +74,6 @@ class PipelineExecutor(Executor):
                                  runner_factory)
         self.timelines = StageTimelines(self.num_stages, self.spec.virtual_stages, config.pp_schedule)
         self.generation = 0                         # bumped by every recover()
-        self.num_restarts = 0
         self._inflight: dict[int, float] = {}      # step id -> submit time
         self._done: queue.Queue[StepOutput] = queue.Queue()
         self._flushed: queue.Queue[int] = queue.Queue()
@@ -158,7 +157,6 @@ class PipelineExecutor(Executor):
         self.world = None
         while not self._done.empty():
             self._done.get_nowait()
-        self.num_restarts += 1
         self._failure = None
         join = self.config.rendezvous_timeout if self.config.nnodes == 1 else self.config.stage_rejoin_timeout
         try:
@@ -277,12 +275,12 @@ class PipelineExecutor(Executor):
                 return
 
     def stats(self, last_seconds: float | None = None) -> dict:
-        """The stage timelines' figures (``StageTimelines.stats``), health, restarts and stage pids."""
+        """The stage timelines' figures (``StageTimelines.stats``), health, the generation
+        (how many times the stages were replaced) and the local stages' pids."""
         if not self._inflight:
             self.flush_timeline()
         return {**self.timelines.stats(last_seconds), "healthy": self.healthy,
-                "generation": self.generation, "stage_restarts": self.num_restarts,
-                "stage_pids": self.stage_pids}
+                "generation": self.generation, "stage_pids": self.stage_pids}
 
     def write_trace(self, path: str | Path) -> tuple[Path, Path]:
         """Chrome trace JSON at ``path`` and a Gantt PNG beside it (same name, .png)."""
