@@ -147,22 +147,28 @@ def test_server_streams_survive_a_failed_stage(server, undisturbed, fault, capsy
 
 
 def test_server_replaces_a_stage_that_dies_while_idle(server):
-    """No request running: the dead stage is replaced at once (not at the next request),
-    /health comes back on its own, and the next request is served."""
+    """No request running: the dead stage is replaced at once (not at the next request) and
+    /health comes back on its own; a request sent while /health says 503 is admitted, waits
+    for the restart and is served."""
     before = _metrics(server)
     victim = int(_metric(before, "pipeserve_stage_pid", 'stage="0"'))
     restarts = _metric(before, "pipeserve_stage_restarts_total") or 0.0
     watch = HealthWatch(server.url)
     os.kill(victim, signal.SIGKILL)
     watch.start()
+    deadline = time.monotonic() + 10
+    while watch.down_at is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sent_at = time.monotonic() - watch.start_t
+    body = {"model": NAME, "prompt": "during the restart", "max_tokens": 8, "temperature": 0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"})
     watch.join(60)
     watch.stop.set()
     assert watch.down_at is not None and watch.up_at is not None, server.log.read_text()[-3000:]
+    assert sent_at < watch.up_at, (sent_at, watch.up_at)     # sent while the pipeline restarted
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length", \
+        response.text
     after = _metrics(server)
     assert _metric(after, "pipeserve_stage_restarts_total") == restarts + 1
     assert int(_metric(after, "pipeserve_stage_pid", 'stage="0"')) != victim
-    body = {"model": NAME, "prompt": "after the restart", "max_tokens": 8, "temperature": 0}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"})
-    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length", \
-        response.text

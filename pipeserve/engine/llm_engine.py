@@ -312,7 +312,9 @@ class LLMEngine:
 
     @property
     def recovering(self) -> bool:
-        return self.recovery.recovering
+        """The pipeline is being restarted, or a stage just failed and a restart is left."""
+        return self.recovery.recovering or \
+            (self.needs_recovery and self.recovery.restarts < self.config.max_stage_restarts)
 
     @property
     def needs_recovery(self) -> bool:
