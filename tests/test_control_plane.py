@@ -69,13 +69,16 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
 
 @pytest.mark.parametrize("header,error", [
     (b"\x80\x04not json", "not JSON"),
-    (b'{"kind": 1, "obj": null, "tensor": null}', "expected an object for StepEnvelope"),
+    (b'{"kind": 1, "obj": null, "tensor": null}', "expected StepEnvelope as an array"),
+    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null]], [], [], []], 0, []], "tensor": null}',
+     "SeqStep.token_ids: expected int, got str"),
     (b'{"kind": 99, "obj": null, "tensor": null}', "unknown message kind"),
     (b'{"kind": 18, "obj": "x", "tensor": null}', "not accepted from the wire"),
     (b'{"kind": 6, "obj": "1.0", "tensor": null}', "expected float"),
-    (b'{"kind": 10, "obj": {"rank": 1, "pid": 2, "evil": 3}, "tensor": null}', "unknown field"),
-    (b'{"kind": 2, "obj": [{"step_id": 1, "sampled": [], "error": null}, []], '
-     b'"tensor": {"dtype": "float32", "shape": [2]}}', "does not match its 4 bytes"),
+    (b'{"kind": 10, "obj": [1, 2, "", 0, "evil"], "tensor": null}', "array of 4 fields"),
+    (b'{"kind": 10, "obj": [true, 2, "", 0], "tensor": null}', "Hello.rank: expected int, got bool"),
+    (b'{"kind": 2, "obj": [[1, [], null], []], "tensor": {"dtype": "float32", "shape": [2]}}',
+     "does not match its 4 bytes"),
 ])
 def test_malformed_frames_are_refused(header: bytes, error: str) -> None:
     with pytest.raises(WireError, match=error):

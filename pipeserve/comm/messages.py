@@ -3,7 +3,8 @@
 A frame is a 16-byte prefix ``MAGIC | header length (u32) | tensor bytes (u64)``
 (big-endian), a UTF-8 JSON header ``{"kind": k, "obj": ..., "tensor": null |
 {"dtype": d, "shape": [...]}}`` and the tensor's raw bytes. ``obj`` is decoded
-against the type ``PAYLOADS`` declares for its kind (``worker/step_wire.py``):
+against the type ``PAYLOADS`` declares for its kind (``worker/step_wire.py``;
+a dataclass is the array of its fields):
 nothing on the wire names a type or a function, and nothing is unpickled.
 """
 
@@ -21,7 +22,7 @@ from pipeserve.comm.transport import Kind
 from pipeserve.metrics.timeline import Interval
 from pipeserve.pipeline.spec import SpecWire, StepEnvelope
 from pipeserve.worker.step import StepOutput
-from pipeserve.worker.step_wire import WireError, from_wire, to_wire
+from pipeserve.worker.step_wire import WireError, dumps, from_wire
 
 FRAME_MAGIC = b"PSF1"
 PREFIX = struct.Struct("!4sIQ")
@@ -76,8 +77,7 @@ def encode_frame(kind: Kind, obj: Any, tensor: torch.Tensor | None) -> tuple[byt
             raise ValueError(f"{tensor.dtype} tensors do not travel (only {sorted(DTYPES)})")
         flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         raw = memoryview(flat.numpy())
-    header = json.dumps({"kind": int(kind), "obj": to_wire(obj), "tensor": meta},
-                        separators=(",", ":")).encode()
+    header = dumps({"kind": int(kind), "obj": obj, "tensor": meta}).encode()
     nbytes = 0 if raw is None else raw.nbytes
     return PREFIX.pack(FRAME_MAGIC, len(header), nbytes) + header, raw
 

@@ -56,7 +56,7 @@ class SpecWire:
 
     config: EngineConfig              # without the cluster key: secrets never travel
     source_type: str                  # module:Class of a dataclass
-    source: dict
+    source: list                      # its fields, as step_wire writes a dataclass
     model_cfg: ModelConfig
     partition: list[tuple[int, int]]
     num_blocks: int

@@ -2,157 +2,224 @@
 
 Everything that crosses a process or host boundary in the pipeline runtime
 (``StepInput``, ``StepOutput``, timeline intervals, the pipeline spec) is a
-dataclass of plain fields. ``to_wire`` turns one into JSON-able values
-(dataclass -> dict of its fields, tuple -> list, Path -> str); ``from_wire``
-rebuilds it from the *declared* field types and refuses anything else: a
-missing or unknown field, a wrong type, a too deep or too long value. Nothing
-is looked up by a name that came from the wire, so decoding runs no code but
-the dataclasses' own constructors (``__post_init__`` validates configs).
+dataclass of plain fields. On the wire a dataclass is the JSON array of its
+fields in declaration order (tuples are arrays, ``Path`` a string): compact,
+and both ends run the same declarations (the handshake's magic names the
+protocol version). ``dumps`` writes JSON; ``from_wire`` rebuilds a value from
+the *declared* field types and refuses anything else: a wrong field count, a
+wrong type, a too deep or too long value. Nothing is looked up by a name that
+came from the wire, so decoding runs no code but the dataclasses' own
+constructors (``__post_init__`` validates configs).
+
+Decoders are built once per type (closures), so a step of 16 sequences
+decodes in tens of microseconds, not a generic walk over type hints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import operator
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 MAX_DEPTH = 12
 MAX_ITEMS = 1 << 22            # elements of one list (block tables, token ids)
 
+Decoder = Callable[[Any], Any]
+
 
 class WireError(ValueError):
     """A message does not match its declared format."""
 
 
+def dumps(value: Any) -> str:
+    """JSON text of ``value`` (dataclasses as arrays of their fields)."""
+    return json.dumps(value, default=_default, separators=(",", ":"))
+
+
 def to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): to_wire(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"{type(value).__name__} has no wire format (only dataclasses of plain fields travel)")
+    """``value`` as plain JSON values (what ``dumps`` writes, parsed back)."""
+    return json.loads(dumps(value))
 
 
 def from_wire(tp: Any, data: Any, where: str = "message") -> Any:
-    """``data`` (parsed JSON) as a value of type ``tp``; raises ``WireError`` naming the bad field."""
-    return _decode(tp, data, where, 0)
+    """``data`` (parsed JSON) as a value of type ``tp``; raises ``WireError`` naming where."""
+    try:
+        return _decoder(tp)(data)
+    except WireError as exc:
+        raise WireError(f"{where}: {exc}") from None
+    except RecursionError:
+        raise WireError(f"{where}: nested too deep") from None
+
+
+_GETTERS: dict[type, Callable[[Any], Any]] = {}
+
+
+def _default(value: Any) -> Any:
+    getter = _GETTERS.get(type(value))
+    if getter is None:
+        getter = _GETTERS[type(value)] = _getter(type(value))
+    return getter(value)
+
+
+def _getter(cls: type) -> Callable[[Any], Any]:
+    if issubclass(cls, Path):
+        return str
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} has no wire format (only dataclasses of plain fields travel)")
+    names = _field_names(cls)
+    if len(names) == 1:
+        return lambda value: [getattr(value, names[0])]
+    return operator.attrgetter(*names)       # a tuple: a JSON array
 
 
 @functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
 
-def _decode(tp: Any, data: Any, where: str, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise WireError(f"{where}: nested deeper than {MAX_DEPTH}")
+@functools.cache
+def _decoder(tp: Any) -> Decoder:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        raise WireError(f"{where}: untyped fields do not travel")
     if origin in (typing.Union, types.UnionType):
-        return _decode_union(args, data, where, depth)
+        return _union_decoder(args)
     if dataclasses.is_dataclass(tp):
-        return _decode_dataclass(tp, data, where, depth)
+        return _dataclass_decoder(tp)
     if origin is list or tp is list:
-        items = _as_list(data, where)
-        return [_decode(args[0], v, f"{where}[{i}]", depth + 1) for i, v in enumerate(items)] if args else \
-            [_json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(items)]
+        return _list_decoder(_decoder(args[0]) if args else _json_value)
     if origin is tuple:
-        return _decode_tuple(args, data, where, depth)
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = _list_decoder(_decoder(args[0]))
+            return lambda data: tuple(items(data))
+        return _tuple_decoder(tuple(_decoder(a) for a in args))
     if origin is dict or tp is dict:
-        if not isinstance(data, dict):
-            raise WireError(f"{where}: expected an object, got {type(data).__name__}")
-        return {str(k): _json_value(v, f"{where}.{k}", depth + 1) for k, v in data.items()}
-    return _decode_scalar(tp, data, where)
+        return _dict_decoder
+    return _scalar_decoder(tp)
 
 
-def _decode_union(args: tuple, data: Any, where: str, depth: int) -> Any:
-    if data is None:
-        if type(None) in args:
-            return None
-        raise WireError(f"{where}: must not be null")
-    errors = []
-    for arg in args:
-        if arg is type(None):
-            continue
+def _dataclass_decoder(cls: type) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    fields: list[tuple[str, Decoder]] = []
+
+    def decode(data: Any) -> Any:
+        if type(data) is not list or len(data) != len(names):
+            raise WireError(f"expected {cls.__name__} as an array of {len(names)} fields, got "
+                            f"{_describe(data)}")
+        if not fields:                      # built on first use: dataclasses may refer to each other
+            fields.extend((name, _decoder(hints[name])) for name in names)
+        values = []
+        for (name, dec), value in zip(fields, data):
+            plain = getattr(dec, "plain_types", None)   # int/str/bool fields: check inline
+            if plain is not None and type(value) in plain:
+                values.append(value)
+                continue
+            try:
+                values.append(dec(value))
+            except WireError as exc:
+                raise WireError(f"{cls.__name__}.{name}: {exc}") from None
         try:
-            return _decode(arg, data, where, depth)
-        except WireError as exc:
-            errors.append(str(exc))
-    raise WireError("; ".join(errors))
+            return cls(*values)
+        except (TypeError, ValueError) as exc:    # the class's own validation
+            raise WireError(f"invalid {cls.__name__}: {exc}") from None
+
+    return decode
 
 
-def _decode_dataclass(cls: type, data: Any, where: str, depth: int) -> Any:
-    if not isinstance(data, dict):
-        raise WireError(f"{where}: expected an object for {cls.__name__}, got {type(data).__name__}")
-    fields = _field_types(cls)
-    unknown = set(data) - set(fields)
-    if unknown:
-        raise WireError(f"{where}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
-    kwargs = {name: _decode(tp, data[name], f"{where}.{name}", depth + 1)
-              for name, tp in fields.items() if name in data}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:   # a missing field, or the class's own validation
-        raise WireError(f"{where}: invalid {cls.__name__}: {exc}") from None
+def _union_decoder(args: tuple) -> Decoder:
+    nullable = type(None) in args
+    options = [_decoder(a) for a in args if a is not type(None)]
+    plain = [getattr(d, "plain_types", None) for d in options]
+
+    def decode(data: Any) -> Any:
+        if data is None:
+            if nullable:
+                return None
+            raise WireError("must not be null")
+        errors = []
+        for dec in options:
+            try:
+                return dec(data)
+            except WireError as exc:
+                errors.append(str(exc))
+        raise WireError(" / ".join(errors))
+
+    if nullable and all(p is not None for p in plain):   # e.g. int | None
+        decode.plain_types = tuple(t for p in plain for t in p) + (type(None),)  # type: ignore[attr-defined]
+    return decode
 
 
-def _decode_tuple(args: tuple, data: Any, where: str, depth: int) -> tuple:
-    items = _as_list(data, where)
-    if len(args) == 2 and args[1] is Ellipsis:
-        return tuple(_decode(args[0], v, f"{where}[{i}]", depth + 1) for i, v in enumerate(items))
-    if len(items) != len(args):
-        raise WireError(f"{where}: expected {len(args)} items, got {len(items)}")
-    return tuple(_decode(t, v, f"{where}[{i}]", depth + 1) for i, (t, v) in enumerate(zip(args, items)))
+_SCALARS = {bool: (bool,), int: (int,), float: (float, int), str: (str,), Path: (str,), type(None): (type(None),)}
 
 
-def _as_list(data: Any, where: str) -> list:
-    if not isinstance(data, list):
-        raise WireError(f"{where}: expected a list, got {type(data).__name__}")
-    if len(data) > MAX_ITEMS:
-        raise WireError(f"{where}: {len(data)} items is more than {MAX_ITEMS}")
-    return data
+def _list_decoder(item: Decoder) -> Decoder:
+    fast = getattr(item, "scalar_types", None)
+
+    def decode(data: Any) -> list:
+        if type(data) is not list:
+            raise WireError(f"expected an array, got {_describe(data)}")
+        if len(data) > MAX_ITEMS:
+            raise WireError(f"{len(data)} items is more than {MAX_ITEMS}")
+        if fast is not None and all(type(v) in fast for v in data):
+            return data if float not in fast else [float(v) for v in data]
+        return [item(v) for v in data]
+
+    return decode
 
 
-def _decode_scalar(tp: Any, data: Any, where: str) -> Any:
-    if tp is bool:
-        ok = isinstance(data, bool)
-    elif tp is int:
-        ok = isinstance(data, int) and not isinstance(data, bool)
-    elif tp is float:
-        ok = isinstance(data, (int, float)) and not isinstance(data, bool)
-        data = float(data) if ok else data
-    elif tp is str:
-        ok = isinstance(data, str)
-    elif tp is Path:
-        ok = isinstance(data, str)
-        data = Path(data) if ok else data
-    elif tp is type(None):
-        ok = data is None
-    else:
-        raise WireError(f"{where}: type {tp!r} has no wire format")
-    if not ok:
-        raise WireError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {type(data).__name__}")
-    return data
+def _tuple_decoder(items: tuple[Decoder, ...]) -> Decoder:
+    def decode(data: Any) -> tuple:
+        if type(data) is not list or len(data) != len(items):
+            raise WireError(f"expected an array of {len(items)} items, got {_describe(data)}")
+        return tuple(dec(v) for dec, v in zip(items, data))
+
+    return decode
 
 
-def _json_value(value: Any, where: str, depth: int) -> Any:
+def _scalar_decoder(tp: Any) -> Decoder:
+    if tp not in _SCALARS:
+        raise WireError(f"type {tp!r} has no wire format")
+    allowed = _SCALARS[tp]
+    convert = float if tp is float else Path if tp is Path else None
+
+    def decode(data: Any) -> Any:
+        if type(data) not in allowed:
+            raise WireError(f"expected {getattr(tp, '__name__', tp)}, got {_describe(data)}")
+        return convert(data) if convert is not None else data
+
+    decode.scalar_types = allowed  # type: ignore[attr-defined]
+    if convert is None:
+        decode.plain_types = allowed  # type: ignore[attr-defined]
+    return decode
+
+
+def _dict_decoder(data: Any) -> dict:
+    if type(data) is not dict:
+        raise WireError(f"expected an object, got {_describe(data)}")
+    return _json_value(data)
+
+
+def _json_value(value: Any, depth: int = 0) -> Any:
     """An untyped container's content: plain JSON values only, bounded depth."""
     if depth > MAX_DEPTH:
-        raise WireError(f"{where}: nested deeper than {MAX_DEPTH}")
-    if isinstance(value, dict):
-        return {str(k): _json_value(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_value(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(_as_list(value, where))]
-    if value is None or isinstance(value, (bool, int, float, str)):
+        raise WireError(f"nested deeper than {MAX_DEPTH}")
+    if type(value) is dict:
+        return {k: _json_value(v, depth + 1) for k, v in value.items()}
+    if type(value) is list:
+        if len(value) > MAX_ITEMS:
+            raise WireError(f"{len(value)} items is more than {MAX_ITEMS}")
+        return [_json_value(v, depth + 1) for v in value]
+    if value is None or type(value) in (bool, int, float, str):
         return value
-    raise WireError(f"{where}: {type(value).__name__} is not a JSON value")
+    raise WireError(f"{type(value).__name__} is not a JSON value")
+
+
+def _describe(data: Any) -> str:
+    if type(data) is list:
+        return f"an array of {len(data)}"
+    return type(data).__name__
