@@ -58,7 +58,12 @@ def run(args: argparse.Namespace) -> int:
             if not os.environ.get(KEY_ENV):
                 raise ValueError(f"set ${KEY_ENV} to the driver's cluster key")
             key = os.environ[KEY_ENV].encode()
-            return run_stage(stage, args.master_addr, args.master_port, key, args.rendezvous_timeout, rejoin)
+            code = run_stage(stage, args.master_addr, args.master_port, key, args.rendezvous_timeout, rejoin)
+            # Every message has left (the sender joined): skip the interpreter's slow torch teardown.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         if args.nnodes is None or args.node_rank is None:
             raise ValueError("give --nnodes and --node-rank (a node's stages), or --stage S (one stage)")
         return run_node(args.nnodes, args.node_rank, args.master_addr, args.master_port, args.rendezvous_timeout,
