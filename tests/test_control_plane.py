@@ -165,7 +165,10 @@ def send_pickles(host: str, port: int, key: bytes, marker: Path) -> None:
         _drain(sock)
 
 
-def test_pickles_sent_to_the_driver_and_a_stage_are_never_loaded(tmp_path, monkeypatch) -> None:
+def test_strangers_and_pickles_at_the_driver_and_a_stage_port(tmp_path, monkeypatch) -> None:
+    """A client without the key is refused by both ports; pickles sent there (in
+    place of the handshake, or as frames of an authenticated client) are never
+    loaded, and the pipeline goes on serving."""
     from pipeserve.pipeline.executor import PipelineExecutor
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
@@ -176,6 +179,8 @@ def test_pickles_sent_to_the_driver_and_a_stage_are_never_loaded(tmp_path, monke
         transport = ex.world.transport
         ports = {"driver": ex.world.port, "stage 1": transport.peers[2].port}
         for name, port in ports.items():
+            with pytest.raises(AuthError):      # no key, no entry
+                TcpTransport(1, 3, b"not the key").connect(0, "127.0.0.1", port, Hello(1, os.getpid()))
             marker = tmp_path / f"pwned-{name.replace(' ', '')}"
             send_pickles("127.0.0.1", port, KEY, marker)
             time.sleep(0.2)
