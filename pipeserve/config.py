@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -45,6 +45,8 @@ class EngineConfig:
     pp_micro_batches: int | None = None       # gpipe M (default: P)
     stage_speeds: str | None = None           # "1,0.5"
     stage_timeout: float = 60.0
+    max_stage_restarts: int = 3               # pipeline restarts after a stage failure (engine lifetime)
+    stage_rejoin_timeout: float = 300.0       # wait for a replacement remote `pipeserve worker`
     trace_file: str | None = None
     # Several hosts
     nnodes: int = 1
@@ -54,6 +56,9 @@ class EngineConfig:
     rendezvous_timeout: float = 60.0
     # Front-door bounds
     max_n: int = 128                          # most sequences one request may ask for (OpenAI's n limit)
+    # Shared secret every pipeline connection proves (HMAC); default $PIPESERVE_CLUSTER_KEY, or a random
+    # per-run key on one host. Never sent to the stages, never shown in repr.
+    cluster_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -72,6 +77,10 @@ class EngineConfig:
                  f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
         _require(self.attention_backend in ("auto", "torch", "cpu"), "attention_backend",
                  f"must be auto, torch or cpu, got {self.attention_backend!r}")
+        _require(self.max_stage_restarts >= 0, "max_stage_restarts",
+                 f"must be >= 0 (0: a stage failure ends every request), got {self.max_stage_restarts}")
+        _require(self.stage_rejoin_timeout > 0, "stage_rejoin_timeout",
+                 f"must be > 0 seconds, got {self.stage_rejoin_timeout}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
         self._check_bounds()

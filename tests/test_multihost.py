@@ -6,7 +6,8 @@ Namespaces need root and iproute2; where they cannot be made the test skips
 and says why. Traffic stays inside the two namespaces made here.
 
 This file is also the driver program run inside namespace A:
-``python tests/test_multihost.py driver ADDR PORT``.
+``python tests/test_multihost.py driver|llm ADDR PORT``. Both sides share the
+cluster key through $PIPESERVE_CLUSTER_KEY.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+KEY = "multihost-test-key"
 HIDDEN, TOKENS, STEPS = 1024, 128, 6     # 512 KiB of float32 activations per micro-batch
 STEP_SECONDS = 0.02
 
@@ -55,6 +58,32 @@ def driver_main(addr: str, port: int) -> None:
         ex.shutdown()
     tokens = sorted((o.step_id, o.sampled[0].token_id) for o in outputs)
     print("RESULT " + json.dumps({"tokens": tokens, "stats": stats}), flush=True)
+
+
+LLM_PROMPTS = ["The capital of France is", "Pipelines split a model into"]
+
+
+def llm_driver_main(addr: str, port: int) -> None:
+    """The real SmolLM2: PP = 1 here, then PP = 2 with stage 1 on the other host; a
+    second, longer batch runs while the test replaces the other host's worker."""
+    from pipeserve import LLM, SamplingParams
+    short = SamplingParams(temperature=0.0, max_tokens=8)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    common = dict(model="smollm2-135m-instruct", dtype="float32", threads_per_stage=1, kv_cache_memory="64MiB")
+
+    def run(llm, params) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(LLM_PROMPTS, params, use_tqdm=False)]
+
+    with LLM(**common) as llm:
+        ref_short, ref_long = run(llm, short), run(llm, long)
+    with LLM(**common, pipeline_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
+             rendezvous_timeout=120.0, stage_timeout=60.0, stage_rejoin_timeout=120.0) as llm:
+        pp_short = run(llm, short)
+        print("PHASE2", flush=True)
+        pp_long = run(llm, long)
+        restarts = llm.engine.recovery.restarts
+    print("RESULT " + json.dumps({"ref": [ref_short, ref_long], "pp": [pp_short, pp_long],
+                                  "restarts": restarts}), flush=True)
 
 
 # -- namespaces ------------------------------------------------------------------------
@@ -122,16 +151,28 @@ def namespaces():
     assert ns.a not in left and ns.b not in left
 
 
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PIPESERVE_CLUSTER_KEY": KEY}
+
+
+def _start_driver(ns: TwoNamespaces, port: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", ns.a, sys.executable, str(Path(__file__)), mode,
+                             ns.addr_a, str(port)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _start_worker(ns: TwoNamespaces, port: int, stdout=subprocess.PIPE) -> subprocess.Popen:
+    """``pipeserve worker`` in namespace B: the same program the driver starts for its own stages."""
+    return subprocess.Popen(["ip", "netns", "exec", ns.b, sys.executable, "-m", "pipeserve", "worker",
+                             "--nnodes", "2", "--node-rank", "1", "--master-addr", ns.addr_a,
+                             "--master-port", str(port), "--rendezvous-timeout", "120"],
+                            cwd=ROOT, env=_env(), stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 def _run_two_hosts(ns: TwoNamespaces, port: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    driver = subprocess.Popen(["ip", "netns", "exec", ns.a, sys.executable, str(Path(__file__)), "driver",
-                               ns.addr_a, str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    worker = subprocess.Popen(["ip", "netns", "exec", ns.b, sys.executable, "-m", "pipeserve.pipeline.cli",
-                               "--nnodes", "2", "--node-rank", "1", "--master-addr", ns.addr_a,
-                               "--master-port", str(port), "--rendezvous-timeout", "60"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
+    driver = _start_driver(ns, port, "driver")
+    worker = _start_worker(ns, port)
     try:
         out, _ = driver.communicate(timeout=120)
         worker_out, _ = worker.communicate(timeout=30)
@@ -164,6 +205,46 @@ def test_two_namespaces_then_shaped_link(namespaces: TwoNamespaces) -> None:
     assert shaped["stats"]["window_s"] > plain["stats"]["window_s"]
 
 
+def test_real_model_across_two_hosts_then_a_replaced_worker(namespaces: TwoNamespaces, tmp_path) -> None:
+    """SmolLM2 with stage 1 in the other namespace: greedy tokens equal PP = 1; then the
+    other host's worker is SIGKILLed mid-batch and a new ``pipeserve worker`` started
+    there: the driver takes it in, replays, and the batch still equals PP = 1."""
+    port = 29535
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
+    driver = _start_driver(namespaces, port, "llm")
+    workers = [_start_worker(namespaces, port, stdout=logs[0])]
+    killer = threading.Timer(400, lambda: os.killpg(driver.pid, signal.SIGKILL))
+    killer.start()
+    lines: list[str] = []
+    try:
+        for line in driver.stdout:
+            lines.append(line)
+            if line.startswith("PHASE2"):
+                time.sleep(1.0)                       # mid-batch
+                os.killpg(workers[0].pid, signal.SIGKILL)
+                workers[0].wait(timeout=10)
+                workers.append(_start_worker(namespaces, port, stdout=logs[1]))
+        driver.wait(timeout=60)
+        replacement_code = workers[-1].wait(timeout=30)   # it stops with the driver
+    finally:
+        killer.cancel()
+        for proc in [driver, *workers]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        for log in logs:
+            log.close()
+    out = "".join(lines)
+    assert driver.returncode == 0, out[-4000:] + (tmp_path / "worker1.log").read_text()[-2000:]
+    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
+    print(f"real SmolLM2 over two namespaces: {result['pp']} (PP=1 {result['ref']}), restarts "
+          f"{result['restarts']}")
+    assert result["pp"][0] == result["ref"][0]
+    assert result["pp"][1] == result["ref"][1]
+    assert result["restarts"] >= 1
+    assert len(workers) == 2 and replacement_code == 0, (tmp_path / "worker1.log").read_text()[-2000:]
+
+
 def _comm_seconds(stats: dict) -> float:
     """The activation hop 0 -> 1: stage 0's send time (it blocks until the bytes leave)
     or stage 1's receive time, whichever saw more of the transfer."""
@@ -178,7 +259,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_host_that_never_joins_is_a_clear_error() -> None:
+def test_a_host_that_never_joins_is_a_clear_error(monkeypatch) -> None:
     import multiprocessing
 
     from pipeserve.config import EngineConfig
@@ -187,11 +268,12 @@ def test_a_host_that_never_joins_is_a_clear_error() -> None:
     from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
     from pipeserve.worker.executor import ExecutorError
 
+    monkeypatch.setenv("PIPESERVE_CLUSTER_KEY", KEY)
     cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
     conf = EngineConfig(pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=_free_port(),
                         rendezvous_timeout=2.0, threads_per_stage=1)
     start = time.monotonic()
-    with pytest.raises(ExecutorError, match=r"stage\(s\) \[1\] did not join within --rendezvous-timeout 2 s"):
+    with pytest.raises(ExecutorError, match=r"stage\(s\) \[1\] did not join within 2 s \(--rendezvous-timeout"):
         PipelineExecutor(conf, SyntheticSource(), cfg, [(0, 2), (2, 4)], 8, 0, runner_factory=SleepRunner)
     assert time.monotonic() - start < 2.0 + 8.0
     assert multiprocessing.active_children() == []
@@ -205,5 +287,20 @@ def test_stages_split_evenly_over_nodes() -> None:
         stages_of_node(2, 3, 0)
 
 
+def test_several_hosts_need_a_cluster_key(monkeypatch) -> None:
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.config import ModelConfig
+    from pipeserve.pipeline.executor import PipelineExecutor
+    from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+
+    monkeypatch.delenv("PIPESERVE_CLUSTER_KEY", raising=False)
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
+    conf = EngineConfig(pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=_free_port())
+    with pytest.raises(ValueError, match="needs a shared secret: set --cluster-key"):
+        PipelineExecutor(conf, SyntheticSource(), cfg, [(0, 2), (2, 4)], 8, 0, runner_factory=SleepRunner)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["driver"]:
     driver_main(sys.argv[2], int(sys.argv[3]))
+if __name__ == "__main__" and sys.argv[1:2] == ["llm"]:
+    llm_driver_main(sys.argv[2], int(sys.argv[3]))

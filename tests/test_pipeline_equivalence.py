@@ -82,9 +82,10 @@ def test_smollm2_pipeline_equals_single_stage(smollm2, pp, schedule, extra, part
 
 
 def test_killed_stage_fails_every_request_and_leaves_no_process(qwen2):
+    """--max-stage-restarts 0: a dead stage ends every request with a clear error (no recovery)."""
     path, prompts, _ = qwen2
     llm = LLM(model=path, dtype="float32", kv_cache_memory="64MiB", pipeline_parallel_size=2,
-              threads_per_stage=1, stage_timeout=10)
+              threads_per_stage=1, stage_timeout=10, max_stage_restarts=0)
     pids = [p.pid for p in llm.engine.executor.procs.values()]
     victim = llm.engine.executor.procs[1]
     killer = threading.Timer(1.0, victim.kill)

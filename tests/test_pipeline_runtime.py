@@ -17,7 +17,7 @@ from pipeserve.metrics.timeline import overlapping_compute
 from pipeserve.model.loader import resolve_model
 from pipeserve.pipeline.executor import PipelineExecutor
 from pipeserve.pipeline.partition import uniform_partition
-from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource, failing_runner
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.local_executor import LocalExecutor
 from pipeserve.worker.model_runner import ModelRunner
@@ -261,12 +261,8 @@ def test_stage_that_fails_to_load_is_reported() -> None:
     before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(ExecutorError, match=r"(?s)failed to start:.*no such weights"):
         PipelineExecutor(config(2), SyntheticSource(), cfg, uniform_partition(cfg.num_layers, 2), 8, 0,
-                         runner_factory=_failing_factory)
+                         runner_factory=failing_runner)
     assert {p.pid for p in multiprocessing.active_children()} <= before
-
-
-def _failing_factory(*args, **kwargs):
-    raise RuntimeError("no such weights")
 
 
 def test_bad_partition_is_refused_before_spawning() -> None:

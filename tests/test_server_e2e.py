@@ -323,13 +323,15 @@ def test_sigterm_finishes_cleanly(server):
 
 
 def test_dead_stage_fails_requests_and_health(model_dir, tmp_path):
-    """A stage killed mid-stream: the stream ends with an error event, /health and new requests
-    answer 503, /metrics says unhealthy, and SIGTERM still exits cleanly. Its own server."""
-    server = _start_server(model_dir, 2, tmp_path / "server.log", "--stage-timeout", "10")
+    """--max-stage-restarts 0, a stage killed mid-stream: the stream ends with an error event,
+    /health and new requests answer 503, /metrics says unhealthy, and SIGTERM still exits
+    cleanly. Its own server."""
+    server = _start_server(model_dir, 2, tmp_path / "server.log", "--stage-timeout", "10",
+                           "--max-stage-restarts", "0")
     try:
-        stages = [pid for pid in _children(server.proc.pid)
-                  if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        assert len(stages) == 2, stages
+        stages = [int(pid) for (name, labels), pid in sorted(server.metrics().items())
+                  if name == "pipeserve_stage_pid"]
+        assert len(stages) == 2 and all(pid in _children(server.proc.pid) for pid in stages), stages
         body = {"model": NAME, "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {KEY}"}) as response:

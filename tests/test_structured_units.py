@@ -29,9 +29,13 @@ def _mask(allowed: list[int], vocab: int = V) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign bit
 
 
+def _words(packed: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(packed), dtype=torch.int32)
+
+
 def _params(mask=None, temperature=0.0, seed=None) -> SeqSampling:
     return SeqSampling(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed, step_index=0,
-                       allowed_token_mask=mask)
+                       allowed_token_mask=None if mask is None else mask.numpy().tobytes())
 
 
 def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
@@ -43,7 +47,7 @@ def test_unpack_bitmask_reads_bit_t_mod_32_of_word_t_div_32():
 def test_masks_touch_only_their_rows():
     logits = torch.randn(3, V)
     before = logits.clone()
-    apply_token_masks(logits, [None, _mask([7, 40]), None])
+    apply_token_masks(logits, [None, _mask([7, 40]).numpy().tobytes(), None])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [7, 40]
 
@@ -186,9 +190,9 @@ def test_guides_walk_a_choice_and_then_allow_only_eos(tok):
     guides.start(plain)
     assert guides.mask(plain.seq_id) is None and len(guides) == 1
     for token in tok.encode("yes", add_special_tokens=False):
-        assert unpack_bitmask(guides.mask(seq.seq_id), 49152)[token]
+        assert unpack_bitmask(_words(guides.mask(seq.seq_id)), 49152)[token]
         assert guides.advance(seq, token)
-    allowed = unpack_bitmask(guides.mask(seq.seq_id), 49152).nonzero().flatten().tolist()
+    allowed = unpack_bitmask(_words(guides.mask(seq.seq_id)), 49152).nonzero().flatten().tolist()
     assert allowed and set(allowed) <= set(tok.eos_token_ids) | {tok.hf_tokenizer.eos_token_id}
     assert not guides.advance(seq, tok.encode("no", add_special_tokens=False)[0])
     guides.drop(seq.seq_id)
@@ -203,3 +207,14 @@ def test_masked_rows_report_raw_logprobs_of_the_chosen_and_top_tokens():
     (t0, lp0, top0), (t1, lp1, top1) = Sampler(seed=0).sample(logits.clone(), rows)
     assert t0 in (3, 9) and abs(lp0 - float(raw[0, t0])) < 1e-5
     assert [t for t, _ in top1] == raw[1].topk(2).indices.tolist()   # the model's top-2, not the grammar's
+
+
+def test_a_mask_survives_the_wire_format():
+    from pipeserve.worker.step_wire import dumps, from_wire
+    import json
+    sent = _params(_mask([0, 31, 99]))
+    got = from_wire(SeqSampling, json.loads(dumps(sent)))
+    assert got.allowed_token_mask == sent.allowed_token_mask
+    logits = torch.zeros(1, V)
+    apply_token_masks(logits, [got.allowed_token_mask])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 31, 99]

@@ -1,19 +1,22 @@
-"""Finding each other: the driver's key-value store, addresses, and bounded waits for peers."""
+"""Finding the driver: addresses, and a stage's bounded wait to join."""
 
 from __future__ import annotations
 
-import datetime
 import socket
 import time
-from collections.abc import Callable
 
-import torch.distributed as dist
+from pipeserve.comm.auth import AuthError
+from pipeserve.comm.messages import Hello, NodeInfo
+from pipeserve.comm.tcp import TcpTransport
+from pipeserve.comm.transport import Kind
+
+RETRY_S = 0.2
 
 
 def local_address_for(master_addr: str) -> str:
     """The address of the interface this host uses to reach ``master_addr``.
 
-    A UDP "connect" only picks a route; it sends nothing. Binding gloo to this
+    A UDP "connect" only picks a route; it sends nothing. Listening on this
     address avoids hostname lookups, which fail inside network namespaces.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -21,33 +24,42 @@ def local_address_for(master_addr: str) -> str:
         return s.getsockname()[0]
 
 
-def master_store(addr: str, port: int, world_size: int, timeout: float) -> dist.TCPStore:
-    """The store the driver hosts; ``port`` 0 picks a free one (read it back from ``.port``)."""
-    return dist.TCPStore(addr, port, world_size, True, datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False)
+def join_driver(transport: TcpTransport, addr: str, port: int, hello: Hello, timeout: float):
+    """Connect to the driver (retrying while it is not up yet), say HELLO, return its SpecWire.
 
-
-def client_store(addr: str, port: int, timeout: float) -> dist.TCPStore:
-    try:
-        return dist.TCPStore(addr, port, None, False, datetime.timedelta(seconds=timeout))
-    except (RuntimeError, TimeoutError) as exc:
-        raise ConnectionError(f"could not reach the driver's store at {addr}:{port} within {timeout:.0f} s "
-                              f"(is the driver running with --master-addr {addr} --master-port {port}?): "
-                              f"{exc}") from None
-
-
-def wait_for_keys(store: dist.Store, keys: list[str], timeout: float,
-                  check: Callable[[], None] = lambda: None, poll: float = 0.05) -> list[str]:
-    """Wait until every key exists; returns those still missing after ``timeout``.
-
-    ``check`` runs on every poll and may raise (e.g. a local stage process died),
-    so that a crash ends the wait at once instead of after the timeout.
+    Raises ``AuthError`` at once when the keys differ, ``ConnectionError`` when the
+    driver could not be reached or did not answer within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    missing = list(keys)
+    _retry(lambda: transport.connect(0, addr, port, hello), deadline, addr, port, timeout)
     while True:
-        missing = [k for k in missing if not store.check([k])]
-        if not missing or time.monotonic() >= deadline:
-            return missing
-        check()
-        time.sleep(poll)
+        left = deadline - time.monotonic()
+        try:
+            message = transport.recv(timeout=max(left, 0.01))
+        except TimeoutError:
+            raise ConnectionError(f"the driver at {addr}:{port} sent no pipeline spec within {timeout:g} s") \
+                from None
+        if message.src == 0 and message.kind == Kind.SPEC:
+            return message.obj
+        if message.src == 0 and message.kind == Kind.LOST:
+            raise ConnectionError(f"the driver at {addr}:{port} closed the connection before sending the "
+                                  f"pipeline spec (it may already have all its stages)")
+
+
+def ask_driver(transport: TcpTransport, addr: str, port: int, question: NodeInfo, timeout: float) -> NodeInfo:
+    """A worker node's question: how many stages does the pipeline have?"""
+    deadline = time.monotonic() + timeout
+    return _retry(lambda: transport.ask(addr, port, Kind.NODE, question), deadline, addr, port, timeout)
+
+
+def _retry(attempt, deadline: float, addr: str, port: int, timeout: float):
+    while True:
+        try:
+            return attempt()
+        except AuthError:
+            raise
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"could not reach the driver at {addr}:{port} within {timeout:g} s (is it "
+                                      f"running with --master-addr {addr} --master-port {port}?): {exc}") from None
+            time.sleep(RETRY_S)

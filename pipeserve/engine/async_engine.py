@@ -117,6 +117,11 @@ class AsyncEngine:
         return self._error is None and self._thread.is_alive() and bool(self.engine.healthy)
 
     @property
+    def recovering(self) -> bool:
+        """The engine is restarting failed stages; its requests wait and continue after."""
+        return self._error is None and bool(getattr(self.engine, "recovering", False))
+
+    @property
     def error(self) -> str | None:
         return self._error
 
@@ -195,7 +200,9 @@ class AsyncEngine:
         while not self._stopping.is_set():
             busy = self.engine.has_unfinished_requests() and self._error is None
             self._run_commands(block=not busy)
-            if busy and not self._stopping.is_set():
+            # A stage that dies while the server is idle is replaced now, not at the next request.
+            repair = self._error is None and bool(getattr(self.engine, "needs_recovery", False))
+            if (busy or repair) and not self._stopping.is_set():
                 self._step()
         self._drain_on_stop()
 

@@ -16,6 +16,7 @@ import torch
 from pipeserve.config import EngineConfig
 from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
 from pipeserve.engine.output_processor import OutputProcessor
+from pipeserve.engine.recovery import RecoveryLog
 from pipeserve.engine.step_builder import build_step
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
@@ -48,6 +49,7 @@ class LLMEngine:
         self._inflight: dict[int, SchedulerOutput] = {}
         self._groups: dict = {}
         self._dead: str | None = None
+        self.recovery = RecoveryLog()
         # Objects made so far (model, tokenizer, tables) live as long as the
         # engine: take them out of the cyclic collector's scans, as vLLM does.
         gc.freeze()
@@ -158,19 +160,18 @@ class LLMEngine:
         if self._dead:
             return self._fail_all(self._dead)
         gpipe = self._gpipe
-        if not (gpipe and self._inflight):
-            self._fill_pipeline()
-        if not self._inflight:
-            return []
         try:
+            if not (gpipe and self._inflight):
+                self._fill_pipeline()
+            if not self._inflight:
+                self.executor.wait(timeout=0)     # raises if a stage died while nothing ran
+                return []
             results = self.executor.wait(timeout=self.config.stage_timeout)
             while gpipe and len(results) < len(self._inflight):
                 # gpipe: the step is done only when all its micro-batches are.
                 results += self.executor.wait(timeout=self.config.stage_timeout)
         except ExecutorError as exc:
-            self._dead = str(exc)
-            logger.error("pipeline failed: %s", exc)
-            return self._fail_all(self._dead)
+            return self._on_pipeline_failure(str(exc))
         updated: dict[str, RequestOutput] = {}
         for result in results:
             for out in self._process(result):
@@ -274,6 +275,43 @@ class LLMEngine:
             self.guides.drop(seq.seq_id)
         return self.outputs.finish(group, reason, error)
 
+    def _on_pipeline_failure(self, message: str) -> list[RequestOutput]:
+        """A stage died or stalled: replace the stages and replay every sequence from its
+        token ids (its KV died with the stage), or, once ``--max-stage-restarts`` are
+        spent, end every request with an error."""
+        logger.error("pipeline failed: %s", message)
+        for sched in self._inflight.values():
+            self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
+        self._inflight.clear()
+        while self.recovery.restarts < self.config.max_stage_restarts:
+            failed = self._recover(message)
+            if failed is None:
+                return []
+            message = failed
+        if self.recovery.restarts:
+            message += (f" (the pipeline was restarted {self.recovery.restarts} time(s), "
+                        f"--max-stage-restarts {self.config.max_stage_restarts})")
+        self._dead = message
+        return self._fail_all(message)
+
+    def _recover(self, message: str) -> str | None:
+        """One restart and replay; None when it worked, else why it did not."""
+        start = time.monotonic()
+        self.recovery.begin(message)
+        try:
+            self.executor.recover()
+        except ExecutorError as exc:
+            self.recovery.end(time.monotonic() - start, ok=False)
+            logger.error("restarting the pipeline failed (%d of %d restarts used): %s",
+                         self.recovery.restarts, self.config.max_stage_restarts, exc)
+            return str(exc)
+        replayed = self.scheduler.replay_all()
+        self.recovery.end(time.monotonic() - start, ok=True)
+        logger.warning("pipeline restarted in %.1f s (%d of %d restarts used); replaying %d sequences",
+                       self.recovery.durations[-1], self.recovery.restarts, self.config.max_stage_restarts,
+                       replayed)
+        return None
+
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The pipeline is gone: every request ends with finish_reason "error"."""
         for sched in self._inflight.values():
@@ -291,12 +329,29 @@ class LLMEngine:
     # -- health and stats --------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self._dead is None and self.executor.healthy
+        """False while the pipeline is failed or being restarted (readable from any thread)."""
+        return self._dead is None and not self.recovery.recovering and self.executor.healthy
+
+    @property
+    def recovering(self) -> bool:
+        """The pipeline is being restarted, or a stage just failed and a restart is left."""
+        return self.recovery.recovering or \
+            (self.needs_recovery and self.recovery.restarts < self.config.max_stage_restarts)
+
+    @property
+    def needs_recovery(self) -> bool:
+        """A stage failed and the engine has not acted yet (it acts in ``step()``)."""
+        return self._dead is None and not self.executor.healthy
+
+    @property
+    def stage_pids(self) -> dict[int, int]:
+        """``{stage: pid}`` of the local stage processes now serving (PP > 1; {} otherwise)."""
+        return self.executor.stage_pids
 
     def stats(self) -> dict:
         return {"scheduler": self.scheduler.stats(), "pipeline": self.executor.stats(),
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
-                "partition": self.partition, "healthy": self.healthy}
+                "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats()}
 
     def write_trace(self, path: str) -> list[str]:
         """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""

@@ -33,7 +33,7 @@ def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool, mask_of) -> SeqS
     )
 
 
-def sampling_inputs(seq: Sequence, allowed_token_mask=None) -> SeqSampling:
+def sampling_inputs(seq: Sequence, allowed_token_mask: bytes | None = None) -> SeqSampling:
     p = seq.params
     penalties = p.needs_penalties
     return SeqSampling(

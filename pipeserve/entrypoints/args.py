@@ -20,7 +20,13 @@ _HELP = {
     "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",
     "attention_backend": "auto (cpu on CPU when gcc is present, else torch) | torch | cpu (C decode kernel)",
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
+    "max_stage_restarts": "times the pipeline is relaunched after a stage dies or stalls, replaying every "
+                          "request (0: each request ends with an error instead; default: 3)",
+    "stage_rejoin_timeout": "seconds to wait for a replacement `pipeserve worker` of a failed remote stage "
+                            "(default: 300)",
 }
+_HELP["cluster_key"] = ("shared secret of the pipeline's hosts (prefer $PIPESERVE_CLUSTER_KEY: a flag shows in ps); "
+                       "required with --nnodes > 1")
 _SHORT = {"pipeline_parallel_size": ["-pp"]}
 
 

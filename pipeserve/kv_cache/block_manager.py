@@ -252,6 +252,21 @@ class BlockManager:
         self._holders[seq.seq_id] = seq
         return mapping
 
+    # -- losing the KV ----------------------------------------------------------
+    def drop_all_kv(self, seqs: list[Sequence]) -> None:
+        """Every stage's cache was lost or replaced (a stage restarted): each block
+        misses at least the dead stage's layers, so no block's KV is usable. Free
+        ``seqs`` (every sequence holding device or host blocks) and forget the whole
+        prefix cache, so no lookup can hit a block whose KV is gone."""
+        for seq in seqs:
+            self.free(seq)
+        if self._holders or self.host.num_free != self.host.num_blocks:
+            raise KVCacheIntegrityError("drop_all_kv: a sequence still holds blocks; pass every holder")
+        for block in list(self._evictable):
+            self._forget(block)
+            self._free.append(block)
+        self._evictable.clear()
+
     # -- block primitives ----------------------------------------------------
     def _allocate(self) -> int:
         if self._free:

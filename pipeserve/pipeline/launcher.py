@@ -1,79 +1,149 @@
-"""Starting stage processes: the local ones for the driver's node, and the
-``pipeserve worker`` side that starts the stages of another node."""
+"""Starting stage processes: ``python -m pipeserve worker --stage S ...`` subprocesses,
+for the driver's node and for ``pipeserve worker`` on another node (one code path).
+
+A stage is its own program: it imports pipeserve, never the user's script,
+so a script without ``if __name__ == "__main__":`` works at PP > 1. The
+cluster key reaches it through its environment, never its command line. Its
+stderr passes through to ours line by line, and the last lines are kept so
+that a stage which dies while starting can say why.
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
-import pickle
 import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
-import torch.multiprocessing as mp
-
-from pipeserve.comm.rendezvous import client_store
-from pipeserve.pipeline.spec import SPEC_KEY, PipelineSpec, stages_of_node
-from pipeserve.pipeline.stage_worker import stage_main
+from pipeserve.comm.auth import KEY_ENV, cluster_key
+from pipeserve.comm.messages import NodeInfo
+from pipeserve.comm.rendezvous import ask_driver
+from pipeserve.comm.tcp import TcpTransport
+from pipeserve.pipeline.spec import stages_of_node
 
 logger = logging.getLogger(__name__)
 
+TAIL_LINES = 20
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds pipeserve/
 
-def spawn_stages(stages: list[int], master_addr: str, master_port: int, timeout: float) -> list:
-    """One spawned process per stage (spawn: no forked torch or thread state)."""
-    ctx = mp.get_context("spawn")
-    procs = []
+
+class StageProcess:
+    """One stage subprocess: ``pid``, ``is_alive()``, ``exitcode`` (-N: killed by signal N)."""
+
+    def __init__(self, stage: int, popen: subprocess.Popen) -> None:
+        self.stage, self.popen, self.pid = stage, popen, popen.pid
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._pump = threading.Thread(target=self._pump_stderr, name=f"stage{stage}-stderr", daemon=True)
+        self._pump.start()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+        self._signal(signal.SIGCONT)   # a stopped process only acts on SIGTERM once continued
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def stderr_tail(self) -> str:
+        """The last lines the stage wrote to stderr (waits briefly for the pipe to drain)."""
+        if not self.is_alive():
+            self._pump.join(timeout=1.0)
+        return "".join(self._tail)
+
+    def _signal(self, sig: int) -> None:
+        if self.is_alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _pump_stderr(self) -> None:
+        for line in self.popen.stderr:
+            self._tail.append(line)
+            try:
+                sys.stderr.write(line)
+            except (ValueError, OSError):   # our stderr is closed: keep draining theirs
+                pass
+
+
+def stage_command(stage: int, master_addr: str, master_port: int, timeout: float,
+                  rejoin_timeout: float | None) -> list[str]:
+    cmd = [sys.executable, "-m", "pipeserve", "worker", "--stage", str(stage), "--master-addr", master_addr,
+           "--master-port", str(master_port), "--rendezvous-timeout", str(timeout)]
+    if rejoin_timeout is not None:
+        cmd += ["--stage-rejoin-timeout", str(rejoin_timeout)]
+    return cmd
+
+
+def start_stages(stages: list[int], master_addr: str, master_port: int, key: bytes, timeout: float,
+                 rejoin_timeout: float | None = None) -> dict[int, StageProcess]:
+    """One subprocess per stage. ``rejoin_timeout`` None: a stage exits when it loses the
+    driver (the driver's own node); else it tries to rejoin for that long (other nodes)."""
+    # Our package first, then our import path (a runner factory may live beside the script).
+    paths = [PACKAGE_ROOT] + [p for p in sys.path if p and os.path.isdir(p)]
+    env = {**os.environ, KEY_ENV: key.decode(), "PIPESERVE_PARENT_PID": str(os.getpid()),
+           "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    procs = {}
     for stage in stages:
-        proc = ctx.Process(target=stage_main, args=(stage + 1, master_addr, master_port, timeout),
-                           name=f"pipeserve-stage-{stage}", daemon=True)
-        proc.start()
-        procs.append(proc)
+        popen = subprocess.Popen(stage_command(stage, master_addr, master_port, timeout, rejoin_timeout),
+                                 env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 errors="replace")
+        procs[stage] = StageProcess(stage, popen)
     return procs
 
 
-def stop_processes(procs: list, grace: float = 5.0) -> None:
-    """Join, then SIGTERM, then SIGKILL: no process is left behind."""
+def stop_processes(procs: list[StageProcess], grace: float = 5.0) -> None:
+    """Wait ``grace`` seconds, then SIGTERM, then SIGKILL: no process is left behind."""
     for proc in procs:
         proc.join(timeout=grace)
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-            _continue(proc.pid)  # a stopped process only acts on SIGTERM once continued
             proc.join(timeout=2.0)
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=2.0)
 
 
-def _continue(pid: int | None) -> None:
-    try:
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-
-
-def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout: float) -> int:
+def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, timeout: float,
+             rejoin_timeout: float) -> int:
     """Run this node's stages of the pipeline whose driver listens at master_addr:master_port.
 
-    Reads the pipeline spec from the driver's store, spawns the stages that
-    belong to ``node_rank`` and waits for them. Returns 0 when all stages
-    exited cleanly, else the first non-zero exit code.
+    Asks the driver how many stages there are, starts the ones that belong to
+    ``node_rank`` and waits for them. Returns 0 when all stages exited cleanly,
+    else the first non-zero exit code.
     """
-    if node_rank < 1:
-        raise ValueError("node 0 runs the driver; start worker nodes with --node-rank 1 .. nnodes-1")
-    store = client_store(master_addr, master_port, timeout)
-    spec: PipelineSpec = pickle.loads(store.get(SPEC_KEY))
-    if spec.config.nnodes != nnodes:
-        raise ValueError(f"this worker says --nnodes {nnodes}, the driver runs with --nnodes "
-                         f"{spec.config.nnodes}")
-    stages = stages_of_node(spec.num_stages, nnodes, node_rank)
-    logger.info("node %d runs stages %s of %d", node_rank, stages, spec.num_stages)
-    procs = spawn_stages(stages, master_addr, master_port, timeout)
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop_processes(procs, grace=0.0))
+    if not 0 < node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in [1, --nnodes {nnodes}): node 0 runs the driver")
+    key = cluster_key(None, nnodes)
+    info = ask_driver(TcpTransport(-1, 0, key), master_addr, master_port, NodeInfo(nnodes, node_rank), timeout)
+    if info.nnodes != nnodes:
+        raise ValueError(f"this worker says --nnodes {nnodes}, the driver runs with --nnodes {info.nnodes}")
+    stages = stages_of_node(info.num_stages, nnodes, node_rank)
+    logger.info("node %d runs stages %s of %d", node_rank, stages, info.num_stages)
+    procs = start_stages(stages, master_addr, master_port, key, timeout, rejoin_timeout)
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop_processes(list(procs.values()), grace=0.0))
     try:
-        for proc in procs:
+        for proc in procs.values():
             proc.join()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        stop_processes(procs, grace=0.0)
-    codes = [proc.exitcode or 0 for proc in procs]
+        stop_processes(list(procs.values()), grace=0.0)
+    codes = [proc.exitcode or 0 for proc in procs.values()]
     return next((c for c in codes if c != 0), 0)

@@ -1,9 +1,9 @@
 """What every stage needs to know, and where stages live.
 
-The driver publishes one ``PipelineSpec`` (pickled) in its store; every stage,
-local or on another host, reads it there. So a worker node needs only the
-master's address to join: ``pipeserve worker --nnodes 2 --node-rank 1
---master-addr A --master-port Q``.
+The driver sends one ``PipelineSpec`` (as a ``SpecWire``: declared fields, no
+pickle) to every stage that joins, local or on another host. So a worker node
+needs only the master's address (and the cluster key) to join: ``pipeserve
+worker --nnodes 2 --node-rank 1 --master-addr A --master-port Q``.
 
 Ranks: 0 is the driver, stage s is rank s + 1. Stages are split evenly over
 nodes in order (node 0, which runs the driver, gets the first ones).
@@ -11,6 +11,8 @@ nodes in order (node 0, which runs the driver, gets the first ones).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,21 +21,6 @@ from pipeserve.config import EngineConfig
 from pipeserve.metrics.timeline import Interval
 from pipeserve.model.config import ModelConfig
 from pipeserve.worker.step import StepInput
-
-SPEC_KEY = "pipeserve/spec"
-
-
-def joined_key(rank: int) -> str:
-    return f"pipeserve/joined/{rank}"
-
-
-def ready_key(rank: int) -> str:
-    return f"pipeserve/ready/{rank}"
-
-
-def failed_key(rank: int) -> str:
-    return f"pipeserve/failed/{rank}"
-
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -44,7 +31,8 @@ class PipelineSpec:
     num_blocks: int
     num_host_blocks: int
     # Called in the stage process as ModelRunner is: factory(source, cfg, start_layer=..., ...).
-    # None: pipeserve.worker.model_runner.ModelRunner. Must be picklable (a module-level name).
+    # None: pipeserve.worker.model_runner.ModelRunner. Must be a module-level name of an
+    # importable module (not __main__): stages import it by name.
     runner_factory: Callable | None = None
 
     @property
@@ -58,6 +46,57 @@ class PipelineSpec:
     def chunks_of(self, stage: int) -> list[int]:
         """Worker ``stage`` holds chunks stage, stage + P, stage + 2P, ..."""
         return list(range(stage, len(self.partition), self.num_stages))
+
+
+@dataclass
+class SpecWire:
+    """A ``PipelineSpec`` as it travels: plain fields, and the source's class and the
+    runner factory as ``module:name`` references that the stage imports. Only the
+    authenticated driver sends it (docs/ARCHITECTURE.md, trust model)."""
+
+    config: EngineConfig              # without the cluster key: secrets never travel
+    source_type: str                  # module:Class of a dataclass
+    source: list                      # its fields, as step_wire writes a dataclass
+    model_cfg: ModelConfig
+    partition: list[tuple[int, int]]
+    num_blocks: int
+    num_host_blocks: int
+    runner_factory: str | None = None
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> "SpecWire":
+        from pipeserve.worker.step_wire import to_wire
+        if not dataclasses.is_dataclass(spec.source):
+            raise TypeError(f"the model source must be a dataclass to reach the stages; got "
+                            f"{type(spec.source).__name__}")
+        factory = None if spec.runner_factory is None else _reference(spec.runner_factory)
+        return cls(spec.config.replace(cluster_key=None), _reference(type(spec.source)), to_wire(spec.source),
+                   spec.model_cfg, list(spec.partition), spec.num_blocks, spec.num_host_blocks, factory)
+
+    def to_spec(self) -> PipelineSpec:
+        from pipeserve.worker.step_wire import from_wire
+        source_cls = _resolve(self.source_type)
+        if not dataclasses.is_dataclass(source_cls):
+            raise TypeError(f"model source type {self.source_type} is not a dataclass")
+        factory = None if self.runner_factory is None else _resolve(self.runner_factory)
+        return PipelineSpec(self.config, from_wire(source_cls, self.source, "spec.source"), self.model_cfg,
+                            [tuple(p) for p in self.partition], self.num_blocks, self.num_host_blocks, factory)
+
+
+def _reference(obj: Any) -> str:
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if not module or module == "__main__" or "<" in name:
+        raise ValueError(f"{obj!r} must be a module-level name of an importable module (not __main__ or a "
+                         f"local function): stage processes import it by name")
+    return f"{module}:{name}"
+
+
+def _resolve(reference: str) -> Any:
+    module, _, name = reference.partition(":")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass

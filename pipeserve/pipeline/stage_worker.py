@@ -9,12 +9,8 @@ message it sends; the last stage's results carry them to the driver.
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import pickle
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -23,17 +19,14 @@ from typing import Any
 
 import torch
 
-from pipeserve.comm.rendezvous import client_store, local_address_for
-from pipeserve.comm.transport import Kind, Message, TorchTransport, Transport
+from pipeserve.comm.transport import Kind, Message, Transport
 from pipeserve.metrics.timeline import Interval
-from pipeserve.pipeline.spec import (SPEC_KEY, PipelineSpec, StepEnvelope, failed_key, joined_key,
-                                     node_of_stage, ready_key, stages_of_node)
+from pipeserve.pipeline.spec import PipelineSpec, StepEnvelope
 from pipeserve.worker.step import StepOutput
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SEND_FAILED_EXIT = 3
+STOPPED, LOST_DRIVER, RESET = "stopped", "lost the driver", "reset by the driver"
 
 
 class IntervalLog:
@@ -56,7 +49,8 @@ class IntervalLog:
 
 
 class Sender(threading.Thread):
-    """Sends queued messages in order; a failed send means the pipeline is broken: exit."""
+    """Sends queued messages in order. A failed send to a stage is reported to the
+    driver (LINK_DOWN), which decides; a failed send to the driver shows up as LOST."""
 
     def __init__(self, transport: Transport, log: IntervalLog) -> None:
         super().__init__(name="stage-sender", daemon=True)
@@ -76,9 +70,11 @@ class Sender(threading.Thread):
             start = time.time()
             try:
                 self.transport.send(dst, kind, obj, tensor)
-            except Exception as exc:  # the peer is gone: nothing useful is left to do
+            except ConnectionError as exc:
                 logger.error("stage %d: send to rank %d failed: %s", self.log.stage, dst, exc)
-                os._exit(SEND_FAILED_EXIT)
+                if dst != 0:
+                    self.put(0, Kind.LINK_DOWN, (dst, str(exc)))
+                continue
             if kind in (Kind.STEP, Kind.RESULT):
                 self.log.add("send", start, time.time(), step_id, chunk)
 
@@ -96,15 +92,22 @@ class StageWorker:
         self.sender = Sender(transport, self.log)
         self.loopback: deque[Message] = deque()   # chunk handoffs to ourselves (P = 1, V > 1)
 
-    def run(self) -> None:
+    def run(self) -> str:
+        """Serve until the driver says STOP or RESET, or its connection is lost; returns which."""
         self.sender.start()
         while True:
             message = self._next_message()
             if message.kind == Kind.STOP:
+                outcome = STOPPED
+                break
+            if message.src == 0 and message.kind in (Kind.LOST, Kind.RESET):
+                outcome = LOST_DRIVER if message.kind == Kind.LOST else RESET
                 break
             self._handle(message)
-        self.sender.put(0, Kind.BYE, self.log.drain())
+        if outcome == STOPPED:
+            self.sender.put(0, Kind.BYE, self.log.drain())
         self.sender.close()
+        return outcome
 
     def _next_message(self) -> Message:
         if self.loopback:
@@ -124,8 +127,24 @@ class StageWorker:
             self.sender.put(0, Kind.PONG, message.arrived)
         elif message.kind == Kind.FLUSH:
             self.sender.put(0, Kind.TIMELINE, self.log.drain())
+        elif message.kind == Kind.PEERS:
+            self._link(message.obj)
+        elif message.kind == Kind.LOST:
+            logger.warning("stage %d: the connection to rank %d closed (%s)", self.stage, message.src, message.obj)
+        elif message.kind == Kind.HELLO:
+            pass    # a neighbour stage connected
         else:
             logger.warning("stage %d ignores an unexpected %s message", self.stage, message.kind.name)
+
+    def _link(self, peers) -> None:
+        """Connect to the stages we exchange activations with (the lower rank dials)."""
+        self.transport.set_peers(peers)
+        p = self.spec.num_stages
+        for stage in {(self.stage + 1) % p, (self.stage - 1) % p} - {self.stage}:
+            try:
+                self.transport.link(stage + 1)
+            except ConnectionError as exc:
+                self.sender.put(0, Kind.LINK_DOWN, (stage + 1, str(exc)))
 
     def _run_step(self, env: StepEnvelope, hidden: torch.Tensor | None) -> None:
         step_id, chunk = env.step.step_id, env.chunk
@@ -148,58 +167,3 @@ class StageWorker:
             self.loopback.append(Message(self.rank, Kind.STEP, nxt, out, time.time()))
         else:
             self.sender.put(dst, Kind.STEP, nxt, out, step_id, chunk)
-
-
-# -- process entry -----------------------------------------------------------
-def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
-    """cuda: stage i on GPU i of its node (numbered within the node); else the CPU."""
-    if spec.config.device != "cuda":
-        return torch.device(spec.config.device)
-    node = node_of_stage(spec.num_stages, spec.config.nnodes, stage)
-    return torch.device("cuda", stages_of_node(spec.num_stages, spec.config.nnodes, node).index(stage))
-
-
-def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[int, Any]:
-    factory = spec.runner_factory
-    if factory is None:
-        from pipeserve.worker.model_runner import ModelRunner
-        factory = ModelRunner
-    last = len(spec.partition) - 1
-    dtype = DTYPES[spec.config.torch_dtype_name]
-    runners = {}
-    for chunk in spec.chunks_of(stage):
-        start, end = spec.partition[chunk]
-        runners[chunk] = factory(spec.source, spec.model_cfg, start_layer=start, end_layer=end,
-                                 is_first=chunk == 0, is_last=chunk == last, dtype=dtype, device=device,
-                                 num_blocks=spec.num_blocks, num_host_blocks=spec.num_host_blocks,
-                                 block_size=spec.config.block_size,
-                                 attention_backend=spec.config.attention_backend)
-    return runners
-
-
-def stage_main(rank: int, master_addr: str, master_port: int, timeout: float) -> None:
-    """Entry point of a stage process (spawned locally or by a worker node)."""
-    logging.basicConfig(level=logging.INFO, format=f"[stage {rank - 1}] %(levelname)s %(message)s")
-    store = client_store(master_addr, master_port, timeout)
-    store.set(joined_key(rank), str(os.getpid()))
-    try:
-        spec: PipelineSpec = pickle.loads(store.get(SPEC_KEY))
-        stage = rank - 1
-        torch.set_num_threads(spec.config.stage_threads)
-        device = stage_device(spec, stage)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        runners = build_runners(spec, stage, device)
-    except Exception:
-        store.set(failed_key(rank), traceback.format_exc())
-        raise
-    store.set(ready_key(rank), "1")
-    gc.freeze()  # the weights and caches live as long as the stage: keep them out of GC scans
-    transport = TorchTransport(store, rank, spec.num_stages + 1, local_address_for(master_addr), device)
-    StageWorker(spec, stage, runners, transport).run()
-    # Every message has left (the sender joined). Skip interpreter teardown:
-    # destroying gloo's threads there can abort the process after a clean run.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -51,3 +51,8 @@ class SleepRunner:
                 sampled.append(SampledToken(seq.seq_id, token, 0.0))
             row += len(seq.token_ids)
         return StepOutput(step.step_id, sampled)
+
+
+def failing_runner(*args, **kwargs):
+    """A runner factory that cannot load (for the start-up failure tests)."""
+    raise RuntimeError("no such weights")

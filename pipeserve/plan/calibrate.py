@@ -24,7 +24,7 @@ for ``q`` sequences of query lengths / context lengths ``c``:
 
 So the planner's layer time, overhead + matmul term + attention term, reproduces
 the measured layer at these shapes. The engine's work outside the layers is
-timed on its own code too: each stage's per-micro-batch step (unpickle, attention
+timed on its own code too: each stage's per-micro-batch step (decode, attention
 metadata) and the driver's (schedule, build, process tokens, detokenize), the
 latter with an executor that answers at once so only the driver is timed. Memory bandwidth comes from a large copy, and
 the link from loopback gloo point-to-point between two processes (latency from
@@ -195,13 +195,14 @@ def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int 
     the step as the pipeline transport does) over an executor that answers at once,
     so all the time measured is the driver's. Two runs, small and large
     micro-batches, separate the fixed and per-sequence parts."""
-    import pickle
+    import json
 
     from pipeserve.config import EngineConfig
     from pipeserve.engine.llm_engine import LLMEngine
     from pipeserve.sampling_params import SamplingParams
     from pipeserve.worker.executor import Executor
-    from pipeserve.worker.step import SampledToken, StepOutput
+    from pipeserve.worker.step import SampledToken, StepInput, StepOutput
+    from pipeserve.worker.step_wire import dumps, from_wire
 
     class InstantExecutor(Executor):
         def __init__(self, inflight: int) -> None:
@@ -210,12 +211,12 @@ def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int 
             self.steps = self.seq_steps = 0
 
         def submit(self, step) -> None:
-            pickle.loads(pickle.dumps(step))   # the transport's serialization, both ends
+            from_wire(StepInput, json.loads(dumps(step)))   # the transport's serialization, both ends
             self.steps += 1
             self.seq_steps += len(step.seqs)
             out = StepOutput(step.step_id, [SampledToken(s.seq_id, 1000 + s.seq_id % 7, 0.0)
                                             for s in step.seqs if s.sampling is not None])
-            self.done.append(pickle.loads(pickle.dumps(out)))
+            self.done.append(from_wire(StepOutput, json.loads(dumps(out))))
 
         def wait(self, timeout: float | None = None) -> list:
             done, self.done = self.done, []
@@ -248,13 +249,14 @@ def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int 
 
 def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[float, float]:
     """(s per micro-batch, s per sequence) of a stage's work outside its layers:
-    unpickle the step, build the attention metadata and positions (the runner's
-    ``_prepare``), for decode batches of 1 and 64 sequences."""
-    import pickle
+    decode the step from the wire, build the attention metadata and positions (the
+    runner's ``_prepare``), for decode batches of 1 and 64 sequences."""
+    import json
     from types import SimpleNamespace
 
     from pipeserve.worker.model_runner import ModelRunner
     from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+    from pipeserve.worker.step_wire import dumps, from_wire
 
     bs = timer.block_size
     runner = SimpleNamespace(model=SimpleNamespace(backend=timer.stage.backend), block_size=bs,
@@ -264,8 +266,8 @@ def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[
     for seqs in (1, 64):
         step = StepInput(0, [SeqStep(i, [100 + i], context, list(range(i * blocks, (i + 1) * blocks)),
                                      SeqSampling(0.0, 1.0, 0, 0.0, None, 5)) for i in range(seqs)])
-        wire = pickle.dumps(step)
-        seconds = _best(lambda: ModelRunner._prepare(runner, pickle.loads(wire)), 20)
+        wire = dumps(step)
+        seconds = _best(lambda: ModelRunner._prepare(runner, from_wire(StepInput, json.loads(wire))), 20)
         points.append((1, seqs, seconds))
     return _fit_two(points)
 

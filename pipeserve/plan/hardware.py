@@ -50,7 +50,7 @@ class Hardware:
     # - the driver, per micro-batch: schedule it, build its step, take its sampled
     #   tokens back (detokenize, stop checks): driver_step_overhead + driver_seq_overhead
     #   per sequence in it; one serial resource, ahead of the micro-batch's first stage;
-    # - each stage, per micro-batch: unpickle the step and build its attention
+    # - each stage, per micro-batch: decode the step (JSON) and build its attention
     #   metadata (slots, block tables): stage_step_overhead + stage_seq_overhead per sequence.
     driver_step_overhead: float = 0.0
     driver_seq_overhead: float = 0.0

@@ -65,7 +65,7 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}
         self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
         self._prefilled: set[str] = set()            # requests whose first sequence finished its prompt
-        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0)
+        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -148,6 +148,7 @@ class Scheduler:
             "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
             "num_preemptions_recompute": c["preemptions_recompute"],
             "num_preemptions_swap": c["preemptions_swap"],
+            "num_replayed": c["replayed"],
             **self.block_manager.stats(),
             **self.policy.stats(),
         }
@@ -315,6 +316,25 @@ class Scheduler:
             seq = self._take_inflight(item)
             if seq.is_finished:
                 self._release(seq)
+
+    def replay_all(self) -> int:
+        """All KV is lost (a stage was replaced): every running and swapped sequence
+        goes back to waiting and recomputes from its token ids, as a preemption by
+        recompute does; its generated tokens are kept. Call with nothing in flight
+        (``on_step_failed`` each lost micro-batch first). Returns the number replayed."""
+        if self._inflight:
+            raise RuntimeError(f"{len(self._inflight)} sequences are still in flight: fail their steps first")
+        replayed = self.running + self.swapped
+        self.block_manager.drop_all_kv(replayed)
+        for seq in replayed:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting = replayed + self.waiting
+        self.running, self.swapped = [], []
+        # Fresh siblings wait for their first sequence's prompt again, to share its new blocks.
+        self._prefilled.clear()
+        self._counters["replayed"] += len(replayed)
+        return len(replayed)
 
     def _take_inflight(self, item: ScheduledSeq) -> Sequence:
         if self._inflight.get(item.seq.seq_id) is not item:

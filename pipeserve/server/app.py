@@ -61,7 +61,7 @@ def _open_routes(state: ServerState) -> APIRouter:
 
     @router.get("/health")
     async def health() -> Response:
-        state.check_healthy()
+        state.check_healthy(admitting=False)
         return JSONResponse({"status": "ok"})
 
     @router.get("/version")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from pipeserve.outputs import RequestOutput
 
@@ -21,6 +21,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+_RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 300.0)
 
@@ -145,6 +146,28 @@ class _EngineCollector:
         yield self._counter("pipeserve_num_preemptions", "Sequences preempted",
                             sched.get("num_preemptions", 0))
         yield from self._stages(self.snapshot.get("pipeline") or {})
+        yield from self._stage_pids(self.snapshot.get("pipeline") or {})
+        yield from self._recovery(self.snapshot.get("recovery") or {})
+
+    def _stage_pids(self, pipeline: dict) -> Iterator[Metric]:
+        pids = pipeline.get("stage_pids") or {}
+        family = GaugeMetricFamily("pipeserve_stage_pid", "Process id of each stage process on the "
+                                   "server's host (changes when a stage is restarted)",
+                                   labels=["model_name", "stage"])
+        for stage, pid in sorted(pids.items()):
+            family.add_metric([self.model, str(stage)], float(pid))
+        yield family
+
+    def _recovery(self, recovery: dict) -> Iterator[Metric]:
+        yield self._counter("pipeserve_stage_restarts", "Pipeline restarts after a stage died or stalled",
+                            recovery.get("stage_restarts", 0))
+        seconds = [float(x) for x in recovery.get("recovery_seconds", [])]
+        family = HistogramMetricFamily("pipeserve_stage_recovery_seconds", "Time from a stage failure being "
+                                       "detected to the restarted pipeline serving again",
+                                       labels=["model_name"])
+        buckets = [(str(le), sum(1 for x in seconds if x <= le)) for le in _RECOVERY_BUCKETS]
+        family.add_metric([self.model], buckets + [("+Inf", len(seconds))], sum(seconds))
+        yield family
 
     def _prefix_cache(self, sched: dict) -> Iterator[Metric]:
         queries = sched.get("prefix_cache_query_tokens", 0)

@@ -48,8 +48,16 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
 
-    def check_healthy(self) -> None:
+    def check_healthy(self, admitting: bool = True) -> None:
+        """503 unless the engine serves. While the pipeline restarts after a stage
+        failure, ``/health`` (``admitting=False``) answers 503 but new requests are
+        admitted: they wait, as the running ones do, and are served after."""
+        if admitting and self.engine.recovering:
+            return
         if not self.engine.healthy:
+            if self.engine.recovering:
+                raise APIError(503, "the pipeline is restarting after a stage failure; requests are kept "
+                                    "and continue when it is back")
             raise APIError(503, f"the engine is unhealthy: {self.engine.error or 'a stage died'}")
 
     def decode_token(self, token_id: int) -> str:

@@ -59,8 +59,10 @@ class Guides:
         self._fill(seq.seq_id)
         return True
 
-    def mask(self, seq_id: int) -> torch.Tensor | None:
-        return self._masks.get(seq_id)
+    def mask(self, seq_id: int) -> bytes | None:
+        """The packed mask as the step carries it (``SeqSampling.allowed_token_mask``)."""
+        mask = self._masks.get(seq_id)
+        return None if mask is None else mask.numpy().tobytes()
 
     def drop(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)

@@ -38,6 +38,16 @@ class Executor(ABC):
     def healthy(self) -> bool:
         return True
 
+    @property
+    def stage_pids(self) -> dict[int, int]:
+        """``{stage: pid}`` of the stage processes this host runs ({} in-process)."""
+        return {}
+
+    def recover(self) -> None:
+        """Replace failed stages so that ``submit`` works again; every step in flight is
+        lost and every KV cache starts empty. Raises ``ExecutorError`` if it cannot."""
+        raise ExecutorError(f"{type(self).__name__} cannot replace a failed stage")
+
     def stats(self) -> dict:
         """Per-stage timeline figures (busy fraction, bubble ratio, ...)."""
         return {}

@@ -1,6 +1,6 @@
 """What the driver sends to the stages for one forward step, and what comes back.
 
-Plain, picklable Python: it crosses process (and host) boundaries in the
+Plain dataclasses with a declared wire format (``step_wire.py``): they cross process (and host) boundaries in the
 pipeline runtime. The driver decides everything here; stages only execute.
 """
 
@@ -28,9 +28,9 @@ class SeqSampling:
     # Token ids masked out (set to -inf) this step: EOS/stop ids while < min_tokens.
     banned_token_ids: list[int] = field(default_factory=list)
     num_logprobs: int | None = None  # top-N logprobs to return (None = none)
-    # Grammar mask (structured outputs): packed int32 bitmask [ceil(vocab/32)] torch tensor,
+    # Grammar mask (structured outputs): ceil(vocab/32) packed little-endian int32 words,
     # bit t % 32 of word t // 32 set when token t may be sampled. None = unconstrained.
-    allowed_token_mask: object | None = None
+    allowed_token_mask: bytes | None = None
 
 
 @dataclass

@@ -1,0 +1,126 @@
+"""What each message kind carries, and frames: how a message looks on a socket.
+
+A frame is a 16-byte prefix ``MAGIC | header length (u32) | tensor bytes (u64)``
+(big-endian), a UTF-8 JSON header ``{"kind": k, "obj": ..., "tensor": null |
+{"dtype": d, "shape": [...]}}`` and the tensor's raw bytes. ``obj`` is decoded
+against the type ``PAYLOADS`` declares for its kind (``worker/step_wire.py``;
+a dataclass is the array of its fields):
+nothing on the wire names a type or a function, and nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeserve.comm.transport import Kind
+from pipeserve.metrics.timeline import Interval
+from pipeserve.pipeline.spec import SpecWire, StepEnvelope
+from pipeserve.worker.step import StepOutput
+from pipeserve.worker.step_wire import WireError, dumps, from_wire
+
+FRAME_MAGIC = b"PSF1"
+PREFIX = struct.Struct("!4sIQ")
+MAX_HEADER_BYTES = 64 << 20
+MAX_TENSOR_BYTES = 64 << 30
+MAX_DIMS = 8
+DTYPES = {str(d).removeprefix("torch."): d for d in
+          (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+
+
+@dataclass
+class Hello:
+    rank: int
+    pid: int
+    host: str = ""      # where this rank accepts connections from other stages ("" for none)
+    port: int = 0
+
+
+@dataclass
+class Peer:
+    rank: int
+    host: str
+    port: int
+
+
+@dataclass
+class NodeInfo:
+    nnodes: int
+    node_rank: int
+    num_stages: int = 0   # 0 in the question; the driver's answer fills it in
+
+
+PAYLOADS: dict[Kind, Any] = {
+    Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.STOP: type(None),
+    Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: float, Kind.FLUSH: type(None),
+    Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello, Kind.SPEC: SpecWire,
+    Kind.READY: type(None), Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
+    Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None),
+}
+
+
+def encode_frame(kind: Kind, obj: Any, tensor: torch.Tensor | None) -> tuple[bytes, memoryview | None]:
+    """(prefix + header, tensor bytes): two buffers for one ``sendall`` each, no copy of the tensor."""
+    if kind not in PAYLOADS:
+        raise ValueError(f"{kind.name} messages are not sent")
+    meta, raw = None, None
+    if tensor is not None:
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(f"tensors of up to {MAX_DIMS} dims travel; got shape {tuple(tensor.shape)}")
+        meta = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        if meta["dtype"] not in DTYPES:
+            raise ValueError(f"{tensor.dtype} tensors do not travel (only {sorted(DTYPES)})")
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        raw = memoryview(flat.numpy())
+    header = dumps({"kind": int(kind), "obj": obj, "tensor": meta}).encode()
+    nbytes = 0 if raw is None else raw.nbytes
+    return PREFIX.pack(FRAME_MAGIC, len(header), nbytes) + header, raw
+
+
+def parse_prefix(prefix: bytes) -> tuple[int, int]:
+    magic, header_len, tensor_len = PREFIX.unpack(prefix)
+    if magic != FRAME_MAGIC:
+        raise WireError("not a pipeserve frame")
+    if header_len > MAX_HEADER_BYTES or tensor_len > MAX_TENSOR_BYTES:
+        raise WireError(f"frame too large: header {header_len} B, tensor {tensor_len} B")
+    return header_len, tensor_len
+
+
+def decode_header(header: bytes, tensor_len: int) -> tuple[Kind, Any, torch.dtype | None, list[int]]:
+    """(kind, payload, tensor dtype, tensor shape), validated against the declared types."""
+    try:
+        data = json.loads(header.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise WireError(f"frame header is not JSON: {exc}") from None
+    if not isinstance(data, dict) or set(data) != {"kind", "obj", "tensor"}:
+        raise WireError("frame header must be an object with kind, obj and tensor")
+    try:
+        kind = Kind(data["kind"])
+    except ValueError:
+        raise WireError(f"unknown message kind {data['kind']!r}") from None
+    if kind not in PAYLOADS:
+        raise WireError(f"{kind.name} messages are not accepted from the wire")
+    obj = from_wire(PAYLOADS[kind], data["obj"], kind.name)
+    dtype, shape = _tensor_meta(data["tensor"], tensor_len)
+    return kind, obj, dtype, shape
+
+
+def _tensor_meta(meta: Any, tensor_len: int) -> tuple[torch.dtype | None, list[int]]:
+    if meta is None:
+        if tensor_len:
+            raise WireError("tensor bytes without a tensor description")
+        return None, []
+    if not isinstance(meta, dict) or set(meta) != {"dtype", "shape"} or meta["dtype"] not in DTYPES:
+        raise WireError(f"bad tensor description {meta!r}")
+    shape = from_wire(list[int], meta["shape"], "tensor.shape")
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise WireError(f"bad tensor shape {shape}")
+    dtype = DTYPES[meta["dtype"]]
+    if math.prod(shape) * dtype.itemsize != tensor_len:
+        raise WireError(f"tensor {meta['dtype']}{shape} does not match its {tensor_len} bytes")
+    return dtype, shape

@@ -1,0 +1,116 @@
+"""The driver's side of joining: listen, start the local stages, meet every stage, link them.
+
+Protocol (every frame after the HMAC handshake, ``comm/auth.py``):
+
+    stage  -> driver  HELLO {rank, pid, host, port}   (where it listens for its neighbours)
+    driver -> stage   SPEC                            (model, partition, config; no secrets)
+    stage  -> driver  READY | FAILED (traceback)
+    driver -> stages  PEERS [{rank, host, port}]      (once all are ready; again after a replacement)
+
+A ``pipeserve worker`` node first asks NODE (how many stages?) on a short
+connection, then starts its stages, which join as above.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pipeserve.comm.auth import cluster_key
+from pipeserve.comm.messages import Hello, NodeInfo, Peer
+from pipeserve.comm.tcp import TcpTransport
+from pipeserve.comm.transport import Kind
+from pipeserve.config import EngineConfig
+from pipeserve.pipeline.launcher import StageProcess, start_stages, stop_processes
+from pipeserve.pipeline.spec import PipelineSpec, SpecWire, stages_of_node
+from pipeserve.worker.executor import ExecutorError
+
+POLL_S = 0.05
+
+
+def open_stages(config: EngineConfig, spec: PipelineSpec,
+                join_timeout: float) -> tuple[TcpTransport, dict[int, StageProcess], int]:
+    """Listen, start node 0's stages, wait until all P stages joined and loaded, send PEERS.
+
+    Returns (the driver's transport, stage -> local process, the port it listens on).
+    Remote stages get ``join_timeout`` seconds to join; loading gets --rendezvous-timeout.
+    """
+    num_stages, single = config.pipeline_parallel_size, config.nnodes == 1
+    key = cluster_key(config.cluster_key, config.nnodes)
+    addr = "127.0.0.1" if single else config.master_addr
+    transport = TcpTransport(0, num_stages + 1, key, node_info=NodeInfo(config.nnodes, 0, num_stages))
+    procs: dict[int, StageProcess] = {}
+    try:
+        port = transport.listen(addr, 0 if single else config.master_port)
+        procs = start_stages(stages_of_node(num_stages, config.nnodes, 0), addr, port, key,
+                             config.rendezvous_timeout)
+        hint = (f"on each other node run `PIPESERVE_CLUSTER_KEY=... pipeserve worker --nnodes {config.nnodes} "
+                f"--node-rank R --master-addr {config.master_addr} --master-port {port}`")
+        hellos = join_stages(transport, SpecWire.of(spec), list(range(1, num_stages + 1)), join_timeout,
+                             config.rendezvous_timeout, lambda: check_local_stages(procs), hint)
+        send_peers(transport, hellos)
+    except BaseException:
+        stop_processes(list(procs.values()), grace=0.0)
+        transport.close()
+        raise
+    return transport, procs, port
+
+
+def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_timeout: float,
+                load_timeout: float, check: Callable[[], None], hint: str = "") -> dict[int, Hello]:
+    """Answer each rank's HELLO with the spec; wait for all READY. ``check`` runs every
+    poll and may raise (a local stage process died), ending the wait at once."""
+    hellos: dict[int, Hello] = {}
+    ready: set[int] = set()
+    deadline = time.monotonic() + join_timeout
+    while len(ready) < len(ranks):
+        check()
+        if time.monotonic() > deadline:
+            _timed_out(ranks, hellos, ready, join_timeout, load_timeout, hint)
+        try:
+            message = transport.recv(timeout=POLL_S)
+        except TimeoutError:
+            continue
+        rank = message.src
+        if rank not in ranks:
+            continue
+        if message.kind == Kind.HELLO:
+            hellos[rank] = message.obj
+            ready.discard(rank)
+            transport.send(rank, Kind.SPEC, spec)
+        elif message.kind == Kind.READY and rank in hellos:
+            ready.add(rank)
+            if len(hellos) == len(ranks):   # everyone is in: loading gets its own timeout
+                deadline = max(deadline, time.monotonic() + load_timeout)
+        elif message.kind == Kind.FAILED:
+            raise ExecutorError(f"pipeline stage {rank - 1} failed to start:\n{message.obj}")
+        elif message.kind == Kind.LOST:
+            hellos.pop(rank, None)
+            ready.discard(rank)
+        if len(hellos) == len(ranks) and message.kind == Kind.HELLO:
+            deadline = max(deadline, time.monotonic() + load_timeout)
+    return hellos
+
+
+def send_peers(transport: TcpTransport, hellos: dict[int, Hello]) -> None:
+    peers = [Peer(rank, h.host, h.port) for rank, h in sorted(hellos.items())]
+    for rank in hellos:
+        transport.send(rank, Kind.PEERS, peers)
+
+
+def check_local_stages(procs: dict[int, StageProcess]) -> None:
+    for stage, proc in procs.items():
+        if not proc.is_alive():
+            tail = proc.stderr_tail().strip()
+            raise ExecutorError(f"pipeline stage {stage} (pid {proc.pid}) exited with code {proc.exitcode} while "
+                                f"starting" + (f"; the last lines of its stderr:\n{tail}" if tail else ""))
+
+
+def _timed_out(ranks: list[int], hellos: dict, ready: set, join_timeout: float, load_timeout: float,
+               hint: str) -> None:
+    missing = [r - 1 for r in ranks if r not in hellos]
+    if missing:
+        raise ExecutorError(f"pipeline stage(s) {missing} did not join within {join_timeout:g} s "
+                            f"(--rendezvous-timeout, or --stage-rejoin-timeout after a failure); {hint}")
+    loading = [r - 1 for r in ranks if r not in ready]
+    raise ExecutorError(f"pipeline stage(s) {loading} did not finish loading within {load_timeout:g} s")

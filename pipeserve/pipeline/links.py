@@ -1,0 +1,105 @@
+"""The driver's links to one generation of stages: a sender thread per stage and one receiver.
+
+One sender per stage: a stage that stops reading blocks only its own queue, so
+the others still answer the pings that name the silent one. The receiver hands
+every message to ``on_message`` except PONGs, which it keeps for ``ping``.
+A broken link (a stage that died resets its sockets) is reported once through
+``on_broken``; what it means is the owner's business.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pipeserve.comm.transport import Kind, Message, Transport
+
+POLL_S = 0.05
+
+
+class Links:
+    def __init__(self, transport: Transport, num_stages: int, on_message: Callable[[Message], None],
+                 on_broken: Callable[[str], None]) -> None:
+        self.transport = transport
+        self.num_stages = num_stages
+        self._on_message = on_message
+        self._on_broken = on_broken
+        self._pongs: queue.Queue[tuple[int, float, float]] = queue.Queue()   # (stage, stage time, arrived)
+        self._byes: set[int] = set()
+        self._sendqs: dict[int, queue.Queue] = {stage: queue.Queue() for stage in range(num_stages)}
+        senders = [threading.Thread(target=self._send_loop, args=(stage, q), name=f"pp-send-{stage}",
+                                    daemon=True) for stage, q in self._sendqs.items()]
+        self.receiver = threading.Thread(target=self._recv_loop, name="pp-driver-recv", daemon=True)
+        self.threads = senders + [self.receiver]
+        for t in self.threads:
+            t.start()
+
+    def send(self, stage: int, kind: Kind, obj: Any = None) -> None:
+        self._sendqs[stage].put((kind, obj))
+
+    def ping(self, stages: list[int], timeout: float) -> dict[int, tuple[float, float, float]]:
+        """Ping ``stages``; ``{stage: (sent, stage_time, arrived)}`` for those that answer within ``timeout``."""
+        while not self._pongs.empty():
+            self._pongs.get_nowait()                 # answers to an earlier round
+        sent = time.time()
+        for stage in stages:
+            self.send(stage, Kind.PING)
+        answers: dict[int, tuple[float, float, float]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(stages) and time.monotonic() < deadline:
+            try:
+                stage, stage_time, arrived = self._pongs.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            answers[stage] = (sent, stage_time, arrived)
+        return answers
+
+    def close(self, stop_stages: list[int] = (), kind: Kind = Kind.STOP) -> None:
+        """Send ``kind`` (STOP, or RESET) to ``stop_stages`` after what is queued for them,
+        then end the senders."""
+        for stage, sendq in self._sendqs.items():
+            if stage in stop_stages:
+                sendq.put((kind, None))
+            sendq.put(None)
+
+    def join(self, timeout: float, senders_only: bool = False) -> None:
+        for thread in self.threads:
+            if not (senders_only and thread is self.receiver):
+                thread.join(timeout=timeout)
+
+    # -- threads -------------------------------------------------------------
+    def _send_loop(self, stage: int, sendq: queue.Queue) -> None:
+        while True:
+            item = sendq.get()
+            if item is None:
+                return
+            kind, obj = item
+            try:
+                self.transport.send(stage + 1, kind, obj)
+            except Exception as exc:
+                self._on_broken(f"sending to pipeline stage {stage} failed: {exc}")
+                return
+
+    def _recv_loop(self) -> None:
+        while len(self._byes) < self.num_stages:
+            try:
+                message = self.transport.recv()
+            except Exception as exc:
+                self._on_broken(f"lost the connection to the pipeline stages: {exc}")
+                return
+            if message.kind == Kind.PONG:
+                self._pongs.put((message.src - 1, message.obj, message.arrived))
+                continue
+            if message.kind == Kind.BYE:
+                self._byes.add(message.src - 1)
+            if message.kind == Kind.LOST and message.src - 1 not in self._byes:
+                self._on_broken(f"lost the connection to pipeline stage {message.src - 1}: {message.obj}")
+                return
+            if message.kind == Kind.LINK_DOWN:
+                self._on_broken(f"pipeline stage {message.src - 1} cannot reach stage {message.obj[0] - 1}: "
+                                f"{message.obj[1]}")
+                return
+            self._on_message(message)

@@ -1,0 +1,138 @@
+"""A stage process's life: join the driver, load the layers, serve, and (on another
+node) rejoin after losing the driver.
+
+    join: connect + handshake, HELLO -> SPEC, load the runners, READY
+    serve: ``StageWorker.run`` until STOP (exit 0), RESET or the driver's connection closes
+    then: a stage of the driver's own node exits (the driver restarts it if it wants);
+          a stage of another node drops its layers and joins again, retrying for up to
+          ``--stage-rejoin-timeout`` seconds, so a restarted or recovering driver finds it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from pipeserve.comm.auth import AuthError
+from pipeserve.comm.messages import Hello
+from pipeserve.comm.rendezvous import join_driver, local_address_for
+from pipeserve.comm.tcp import TcpTransport
+from pipeserve.comm.transport import Kind
+from pipeserve.pipeline.spec import PipelineSpec, node_of_stage, stages_of_node
+from pipeserve.pipeline.stage_worker import STOPPED, StageWorker
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 4, 5
+MAX_RANKS = 1 << 16     # before the spec arrives, any rank may say HELLO (checked against P after)
+
+
+def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
+    """cuda: stage i on GPU i of its node (numbered within the node); else the CPU."""
+    if spec.config.device != "cuda":
+        return torch.device(spec.config.device)
+    node = node_of_stage(spec.num_stages, spec.config.nnodes, stage)
+    return torch.device("cuda", stages_of_node(spec.num_stages, spec.config.nnodes, node).index(stage))
+
+
+def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[int, Any]:
+    factory = spec.runner_factory
+    if factory is None:
+        from pipeserve.worker.model_runner import ModelRunner
+        factory = ModelRunner
+    last = len(spec.partition) - 1
+    dtype = DTYPES[spec.config.torch_dtype_name]
+    runners = {}
+    for chunk in spec.chunks_of(stage):
+        start, end = spec.partition[chunk]
+        runners[chunk] = factory(spec.source, spec.model_cfg, start_layer=start, end_layer=end,
+                                 is_first=chunk == 0, is_last=chunk == last, dtype=dtype, device=device,
+                                 num_blocks=spec.num_blocks, num_host_blocks=spec.num_host_blocks,
+                                 block_size=spec.config.block_size,
+                                 attention_backend=spec.config.attention_backend)
+    return runners
+
+
+def run_stage(stage: int, master_addr: str, master_port: int, key: bytes, join_timeout: float,
+              rejoin_timeout: float | None) -> int:
+    """Serve as stage ``stage`` until the driver says STOP; returns the exit code.
+
+    ``rejoin_timeout`` None: exit when the driver's connection is lost."""
+    _exit_with_parent()
+    rank, timeout = stage + 1, join_timeout
+    while True:
+        transport = TcpTransport(rank, MAX_RANKS, key)
+        try:
+            spec, runners = _join(transport, stage, master_addr, master_port, timeout)
+        except AuthError as exc:
+            logger.error("stage %d: %s", stage, exc)
+            return EXIT_BAD_KEY
+        except ConnectionError as exc:
+            logger.error("stage %d: %s", stage, exc)
+            return EXIT_NO_DRIVER
+        except Exception:
+            _report_failure(transport, traceback.format_exc())
+            return EXIT_LOAD_FAILED
+        gc.freeze()   # the weights and caches live as long as the stage: keep them out of GC scans
+        outcome = StageWorker(spec, stage, runners, transport).run()
+        transport.close()
+        if outcome == STOPPED:
+            return 0
+        if rejoin_timeout is None:
+            logger.error("stage %d: %s; exiting (the driver starts this node's stages)", stage, outcome)
+            return EXIT_LOST_DRIVER
+        logger.warning("stage %d: %s; joining again for up to %g s (--stage-rejoin-timeout)", stage, outcome,
+                       rejoin_timeout)
+        del runners, spec
+        gc.unfreeze()
+        gc.collect()
+        timeout = rejoin_timeout
+
+
+def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: float):
+    host = local_address_for(addr)
+    listen_port = transport.listen(host, 0)
+    spec = join_driver(transport, addr, port, Hello(stage + 1, os.getpid(), host, listen_port),
+                       timeout).to_spec()
+    transport.world_size = spec.num_stages + 1
+    torch.set_num_threads(spec.config.stage_threads)
+    device = stage_device(spec, stage)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    transport.device = device
+    runners = build_runners(spec, stage, device)
+    transport.send(0, Kind.READY)
+    return spec, runners
+
+
+def _report_failure(transport: TcpTransport, trace: str) -> None:
+    logger.error("%s", trace)
+    try:
+        transport.send(0, Kind.FAILED, trace)
+    except ConnectionError:
+        pass
+    transport.close()
+
+
+def _exit_with_parent() -> None:
+    """A stage started by a driver or worker node ends when that process is gone
+    (even if it was SIGKILLed and could not stop us)."""
+    parent = os.environ.get("PIPESERVE_PARENT_PID")
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(0.5)
+        logger.error("the parent process %s is gone; exiting", parent)
+        os._exit(EXIT_LOST_DRIVER)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,262 @@
+"""The control plane: typed frames (no pickle), the HMAC handshake, stage processes
+as their own programs, and a remote stage that rejoins a driver."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeserve.comm.auth import KEY_ENV, AuthError, client_handshake, cluster_key
+from pipeserve.comm.messages import PREFIX, Hello, decode_header, encode_frame, parse_prefix
+from pipeserve.comm.tcp import TcpTransport
+from pipeserve.comm.transport import Kind
+from pipeserve.config import EngineConfig
+from pipeserve.metrics.timeline import Interval
+from pipeserve.model.config import ModelConfig
+from pipeserve.pipeline.joining import join_stages
+from pipeserve.pipeline.spec import PipelineSpec, SpecWire, StepEnvelope
+from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+from pipeserve.worker.step import SampledToken, SeqSampling, SeqStep, StepInput, StepOutput
+from pipeserve.worker.step_wire import WireError
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = b"test-cluster-key"
+
+
+def _roundtrip(kind: Kind, obj, tensor=None):
+    head, raw = encode_frame(kind, obj, tensor)
+    header_len, tensor_len = parse_prefix(head[:PREFIX.size])
+    kind2, obj2, dtype, shape = decode_header(head[PREFIX.size:PREFIX.size + header_len], tensor_len)
+    out = None
+    if dtype is not None:
+        out = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.uint8).view(dtype).reshape(shape)
+    return kind2, obj2, out
+
+
+def _step() -> StepInput:
+    sampling = SeqSampling(0.7, 0.9, 40, 0.0, 123, 3, prompt_token_ids=[1, 2], banned_token_ids=[7])
+    return StepInput(5, [SeqStep(1, [3, 4, 5], 0, [0, 1], sampling), SeqStep(2, [9], 17, [2])],
+                     swap_out=[(1, 0)], copies=[(3, 4)])
+
+
+def test_step_messages_round_trip_through_the_declared_format() -> None:
+    hidden = torch.randn(4, 8, dtype=torch.bfloat16)
+    env = StepEnvelope(_step(), 1, [Interval(0, "compute", 1.5, 2.5, 5, 1)])
+    kind, obj, tensor = _roundtrip(Kind.STEP, env, hidden)
+    assert kind == Kind.STEP and obj == env and torch.equal(tensor, hidden)
+    result = (StepOutput(5, [SampledToken(1, 42, -math.inf, [(42, -0.5)])], None), [])
+    assert _roundtrip(Kind.RESULT, result)[1] == result
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64, eos_token_ids=(2, 3),
+                      rope_scaling={"type": "linear", "factor": 2.0})
+    spec = PipelineSpec(EngineConfig(pipeline_parallel_size=2, cluster_key="secret"), SyntheticSource(0.1),
+                        cfg, [(0, 2), (2, 4)], 8, 0, SleepRunner)
+    wire = _roundtrip(Kind.SPEC, SpecWire.of(spec))[1]
+    assert wire.config.cluster_key is None                       # the secret never travels
+    back = wire.to_spec()
+    assert back.model_cfg == cfg and back.source == spec.source and back.runner_factory is SleepRunner
+    assert back.config == spec.config.replace(cluster_key=None)
+
+
+@pytest.mark.parametrize("header,error", [
+    (b"\x80\x04not json", "not JSON"),
+    (b'{"kind": 1, "obj": null, "tensor": null}', "expected StepEnvelope as an array"),
+    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null]], [], [], []], 0, []], "tensor": null}',
+     "SeqStep.token_ids: expected int, got str"),
+    (b'{"kind": 99, "obj": null, "tensor": null}', "unknown message kind"),
+    (b'{"kind": 18, "obj": "x", "tensor": null}', "not accepted from the wire"),
+    (b'{"kind": 6, "obj": "1.0", "tensor": null}', "expected float"),
+    (b'{"kind": 10, "obj": [1, 2, "", 0, "evil"], "tensor": null}', "array of 4 fields"),
+    (b'{"kind": 10, "obj": [true, 2, "", 0], "tensor": null}', "Hello.rank: expected int, got bool"),
+    (b'{"kind": 2, "obj": [[1, [], null], []], "tensor": {"dtype": "float32", "shape": [2]}}',
+     "does not match its 4 bytes"),
+])
+def test_malformed_frames_are_refused(header: bytes, error: str) -> None:
+    with pytest.raises(WireError, match=error):
+        decode_header(header, 4 if b"shape" in header else 0)
+
+
+def test_a_key_is_required_across_hosts(monkeypatch) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(ValueError, match="needs a shared secret"):
+        cluster_key(None, nnodes=2)
+    assert cluster_key(None, 1) != cluster_key(None, 1)      # random per run on one host
+    monkeypatch.setenv(KEY_ENV, "from-env")
+    assert cluster_key(None, 2) == b"from-env" and cluster_key("flag", 2) == b"flag"
+
+
+# -- a listening transport and its strangers --------------------------------------
+@pytest.fixture
+def listener():
+    server = TcpTransport(0, 3, KEY)
+    port = server.listen("127.0.0.1", 0)
+    yield server, port
+    server.close()
+
+
+def test_a_client_without_the_key_is_refused_before_any_frame(listener) -> None:
+    server, port = listener
+    intruder = TcpTransport(1, 3, b"wrong key")
+    with pytest.raises(AuthError):
+        intruder.connect(0, "127.0.0.1", port, Hello(1, os.getpid()))
+    # A raw client that skips the handshake and sends a frame is closed unread.
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        head, _ = encode_frame(Kind.HELLO, Hello(1, os.getpid()), None)
+        sock.sendall(head.ljust(64, b"\0"))
+        sock.settimeout(5)
+        assert _drain(sock).startswith(b"PIPESRV1")           # only the challenge came back
+    with pytest.raises(TimeoutError):
+        server.recv(timeout=0.3)
+    friend = TcpTransport(1, 3, KEY)
+    friend.connect(0, "127.0.0.1", port, Hello(1, os.getpid()))
+    message = server.recv(timeout=5)
+    assert (message.kind, message.src) == (Kind.HELLO, 1)
+    friend.send(0, Kind.PONG, 1.25)
+    assert server.recv(timeout=5).obj == 1.25
+    friend.close()
+    lost = server.recv(timeout=5)
+    assert (lost.kind, lost.src) == (Kind.LOST, 1)
+
+
+def _drain(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return data
+
+
+class _Payload:
+    """Unpickling this creates ``path``: proof that a pickle was (not) loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def send_pickles(host: str, port: int, key: bytes, marker: Path) -> None:
+    """Every way a pickle could reach a port: instead of the handshake, and as an
+    (authenticated) frame's header and tensor bytes."""
+    bomb = pickle.dumps(_Payload(marker))
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.recv(40)
+        sock.sendall(bomb.ljust(64, b"\0") + bomb)
+        _drain(sock)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        client_handshake(sock, key)
+        sock.sendall(PREFIX.pack(b"PSF1", len(bomb), 0) + bomb)
+        _drain(sock)
+    with socket.create_connection((host, port), timeout=5) as sock:
+        client_handshake(sock, key)
+        sock.sendall(bomb)
+        _drain(sock)
+
+
+def test_strangers_and_pickles_at_the_driver_and_a_stage_port(tmp_path, monkeypatch) -> None:
+    """A client without the key is refused by both ports; pickles sent there (in
+    place of the handshake, or as frames of an authenticated client) are never
+    loaded, and the pipeline goes on serving."""
+    from pipeserve.pipeline.executor import PipelineExecutor
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
+    conf = EngineConfig(pipeline_parallel_size=2, dtype="float32", threads_per_stage=1, rendezvous_timeout=60.0,
+                        stage_timeout=20.0)
+    ex = PipelineExecutor(conf, SyntheticSource(0.0), cfg, [(0, 2), (2, 4)], 8, 0, runner_factory=SleepRunner)
+    try:
+        transport = ex.world.transport
+        ports = {"driver": ex.world.port, "stage 1": transport.peers[2].port}
+        for name, port in ports.items():
+            with pytest.raises(AuthError):      # no key, no entry
+                TcpTransport(1, 3, b"not the key").connect(0, "127.0.0.1", port, Hello(1, os.getpid()))
+            marker = tmp_path / f"pwned-{name.replace(' ', '')}"
+            send_pickles("127.0.0.1", port, KEY, marker)
+            time.sleep(0.2)
+            assert not marker.exists(), f"a pickle sent to the {name}'s port was loaded"
+        greedy = SeqSampling(0.0, 1.0, 0, 0.0, None, 0)
+        ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy)]))   # the pipeline is unharmed
+        outs = ex.wait_all(timeout=20)
+        assert [o.sampled[0].token_id for o in outs] == [3 + 4]
+    finally:
+        ex.shutdown()
+
+
+# -- stage processes ------------------------------------------------------------------
+README_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def test_readme_example_without_main_guard_runs_at_pp2(tmp_path) -> None:
+    """The README's first Python example, saved as a script as a new user would (no
+    ``if __name__ == "__main__":``): the stages must not re-import it."""
+    code = README_BLOCK.search((ROOT / "README.md").read_text()).group(1)
+    assert "pipeline_parallel_size=2" in code and "__main__" not in code
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(KEY_ENV, None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    print(f"README example at PP=2: {time.monotonic() - start:.1f} s; stdout {proc.stdout!r}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Paris" in proc.stdout
+    assert "Traceback" not in proc.stderr
+
+
+def _stage_spec() -> SpecWire:
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
+    conf = EngineConfig(pipeline_parallel_size=1, dtype="float32", threads_per_stage=1)
+    return SpecWire.of(PipelineSpec(conf, SyntheticSource(0.0), cfg, [(0, 4)], 8, 0, SleepRunner))
+
+
+def _start_stage(port: int, rejoin: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), KEY_ENV: KEY.decode()}
+    env.pop("PIPESERVE_PARENT_PID", None)
+    return subprocess.Popen([sys.executable, "-m", "pipeserve", "worker", "--stage", "0", "--master-addr",
+                             "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout", "30",
+                             "--stage-rejoin-timeout", str(rejoin)], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def _driver(port: int) -> TcpTransport:
+    driver = TcpTransport(0, 2, KEY)
+    driver.listen("127.0.0.1", port)
+    return driver
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_remote_stage_rejoins_a_restarted_driver_then_gives_up() -> None:
+    port, spec = _free_port(), _stage_spec()
+    stage = _start_stage(port, rejoin=3.0)
+    try:
+        for generation in range(2):          # the second driver is a new process's listener on the same port
+            driver = _driver(port)
+            join_stages(driver, spec, [1], 30.0, 30.0, lambda: None)
+            driver.send(1, Kind.PING)
+            assert driver.recv(timeout=10).kind == Kind.PONG
+            driver.close()                   # the driver is gone: the stage goes back to joining
+        start = time.monotonic()
+        _, err = stage.communicate(timeout=30)
+        waited = time.monotonic() - start
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+    assert stage.returncode == 4, err
+    assert 3.0 <= waited < 3.0 + 10.0
+    assert "joining again for up to 3 s" in err and "could not reach the driver" in err
