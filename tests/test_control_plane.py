@@ -54,7 +54,7 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
     env = StepEnvelope(_step(), 1, [Interval(0, "compute", 1.5, 2.5, 5, 1)])
     kind, obj, tensor = _roundtrip(Kind.STEP, env, hidden)
     assert kind == Kind.STEP and obj == env and torch.equal(tensor, hidden)
-    result = (StepOutput(5, [SampledToken(1, 42, -math.inf, [(42, -0.5)])], None), [])
+    result = (StepOutput(5, [SampledToken(1, 42, -math.inf, [(42, -0.5)])]), [])
     assert _roundtrip(Kind.RESULT, result)[1] == result
     cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64, eos_token_ids=(2, 3),
                       rope_scaling={"type": "linear", "factor": 2.0})

@@ -73,4 +73,3 @@ class SampledToken:
 class StepOutput:
     step_id: int
     sampled: list[SampledToken]
-    error: str | None = None
