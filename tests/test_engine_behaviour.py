@@ -216,3 +216,20 @@ def test_cli_generate_prints_completion(llama_dir):
     assert res.stdout.strip()
     bad = subprocess.run(cmd + ["--dtype", "int3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "dtype" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_kv_integrity_is_checked_whenever_the_engine_goes_idle(llama_dir, monkeypatch):
+    from pipeserve.kv_cache.block_manager import BlockManager, KVCacheIntegrityError
+    checks = []
+    real = BlockManager.check_integrity
+    monkeypatch.setattr(BlockManager, "check_integrity", lambda self: (checks.append(1), real(self)))
+    with LLM(model=str(llama_dir), dtype="float32", block_size=4, kv_cache_memory="16MiB") as llm:
+        llm.generate(random_prompts(3), greedy(4))
+        assert len(checks) == 1                     # once, when the last request finished
+        llm.generate(random_prompts(2, seed=1), greedy(4))
+        assert len(checks) == 2
+        # A leaked block (held by nobody, not free) is caught at the next idle point.
+        manager = llm.engine.scheduler.block_manager
+        manager._free.popleft()
+        with pytest.raises(KVCacheIntegrityError):
+            llm.generate(random_prompts(1, seed=2), greedy(2))

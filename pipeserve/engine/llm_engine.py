@@ -176,6 +176,10 @@ class LLMEngine:
         for result in results:
             for out in self._process(result):
                 updated[out.request_id] = out
+        if not self._groups and not self._inflight:
+            # Just went idle: every block must be free or cached. O(blocks), once per idle spell;
+            # a KVCacheIntegrityError here is a bookkeeping bug, caught before it serves wrong KV.
+            self.scheduler.block_manager.check_integrity()
         return list(updated.values())
 
     @property
