@@ -131,6 +131,7 @@ class PipelineExecutor(Executor):
         if missing:
             raise ExecutorError(f"pipeline stages did not finish loading within {cfg.rendezvous_timeout:g} s: "
                                 f"{missing}")
+        self.stage_weight_bytes = [int(self.store.get(ready_key(r))) for r in ranks]
 
     def _check_startup(self) -> None:
         for rank in range(1, self.num_stages + 1):
@@ -350,6 +351,9 @@ class PipelineExecutor(Executor):
                 "bubble_ratio": _mean([s.bubble_ratio for s in stages]),
                 "stages": [s.as_dict() for s in stages], "clock_offsets_s": list(self.clock_offsets),
                 "healthy": self.healthy}
+
+    def weight_bytes(self) -> list[int]:
+        return list(self.stage_weight_bytes)
 
     def write_trace(self, path: str | Path) -> tuple[Path, Path]:
         """Chrome trace JSON at ``path`` and a Gantt PNG beside it (same name, .png)."""

@@ -173,7 +173,9 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[
                                  is_first=chunk == 0, is_last=chunk == last, dtype=dtype, device=device,
                                  num_blocks=spec.num_blocks, num_host_blocks=spec.num_host_blocks,
                                  block_size=spec.config.block_size,
-                                 attention_backend=spec.config.attention_backend)
+                                 attention_backend=spec.config.attention_backend,
+                                 quantization=spec.config.quantization,
+                                 quantization_group_size=spec.config.quantization_group_size)
     return runners
 
 
@@ -193,7 +195,8 @@ def stage_main(rank: int, master_addr: str, master_port: int, timeout: float) ->
     except Exception:
         store.set(failed_key(rank), traceback.format_exc())
         raise
-    store.set(ready_key(rank), "1")
+    # The ready value is the stage's resident weight bytes (LLM.stats()["weight_bytes"]).
+    store.set(ready_key(rank), str(sum(getattr(r, "weight_bytes", 0) for r in runners.values())))
     gc.freeze()  # the weights and caches live as long as the stage: keep them out of GC scans
     transport = TorchTransport(store, rank, spec.num_stages + 1, local_address_for(master_addr), device)
     StageWorker(spec, stage, runners, transport).run()

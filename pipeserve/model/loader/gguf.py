@@ -6,6 +6,7 @@ bytes of the tensors it asks for.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -14,9 +15,14 @@ import numpy as np
 import torch
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
+from pipeserve.model.quant.packed import PackedWeight
+
+log = logging.getLogger(__name__)
 
 T = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 # Hugging Face name -> GGUF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -116,12 +122,17 @@ class GGUFWeightReader:
     def names(self) -> set[str]:
         return set(self._tensors)
 
-    def read(self, hf_name: str) -> torch.Tensor:
+    def _tensor(self, hf_name: str):
         name = gguf_name(hf_name)
         tensor = self._tensors.get(name)
         if tensor is None:
             raise KeyError(f"tensor {name!r} (for {hf_name!r}) is not in {self.path}")
         self.names_read.append(name)
+        return tensor
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        tensor = self._tensor(hf_name)
+        name = tensor.name
         array = dequantize_tensor(tensor)
         if ".attn_q." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
@@ -130,6 +141,24 @@ class GGUFWeightReader:
         if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array))
+
+    def read_packed(self, hf_name: str) -> PackedWeight | None:
+        """The tensor in its own block type (``pipeserve.model.quant``), or None
+        when that type is not kept quantized (then ``read`` dequantizes it)."""
+        tensor = self._tensor(hf_name)
+        if tensor.tensor_type not in KEPT_TYPES:
+            if tensor.tensor_type not in (T.F32, T.F16, T.BF16):
+                log.info("GGUF tensor %s has type %s, which is not kept quantized: dequantizing it",
+                         tensor.name, tensor.tensor_type.name)
+            self.names_read.pop()
+            return None
+        packed = repack(tensor.tensor_type, tensor.data)
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            heads = self.cfg.num_heads if ".attn_q." in tensor.name else self.cfg.num_kv_heads
+            # Rows are independent: undo the rotary permutation on whole rows of codes.
+            order = unpermute_rotary_rows(np.arange(packed.out_features), heads)
+            packed = packed.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        return packed
 
     def close(self) -> None:
         self._tensors.clear()
