@@ -5,12 +5,12 @@ For each SmolLM2-135M matrix shape: bf16 F.linear vs the C decode kernel
 with Q4_1 (q4) and Q8_0 (q8) weights. Median of repeated calls; side by side
 in one run, so the ratios are what to read on a shared machine.
 
-    PYTHONPATH=$PWD python benchmarks/quant_kernels.py
+    PYTHONPATH=$PWD python benchmarks/quant_kernels.py [threads, default 1]
 """
 
 from __future__ import annotations
 
-import statistics
+import sys
 import time
 
 import torch
@@ -29,10 +29,11 @@ def timed(fn, repeats: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return min(times) * 1e6   # the least disturbed call: this machine is shared
 
 
 def main() -> None:
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     k = cpu_kernels()
     print(f"threads={torch.get_num_threads()} isa={k.isa}")
     print(f"{'shape':8} {'rows':>4} {'bf16 us':>9} {'q4 gemv':>9} {'q4 tiled':>9} {'q8 gemv':>9} {'q8 tiled':>9}")
