@@ -120,7 +120,8 @@ def test_kernel_matches_dequantize_then_matmul(gguf_file, rows, dtype):
 @needs_kernel
 @pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
 def test_int8_int4_quantize_within_half_a_step_and_kernel_matches(bits, group):
-    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(bits + group))
+    # 41 rows, an odd count: the two-row decode loop has a tail.
+    w = torch.randn(41, 256, generator=torch.Generator().manual_seed(bits + group))
     packed = quantize_weight(w, bits, group)
     step = packed.scale.float().repeat_interleave(group, dim=1)
     assert ((dequantize(packed) - w).abs() <= 0.5 * step + 1e-3 * w.abs()).all()
