@@ -150,7 +150,7 @@ class GGUFWeightReader:
             if tensor.tensor_type not in (T.F32, T.F16, T.BF16):
                 log.info("GGUF tensor %s has type %s, which is not kept quantized: dequantizing it",
                          tensor.name, tensor.tensor_type.name)
-            self.names_read.pop()
+            self.names_read.pop()   # the caller reads it again with ``read``
             return None
         packed = repack(tensor.tensor_type, tensor.data)
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
