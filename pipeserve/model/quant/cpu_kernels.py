@@ -4,8 +4,9 @@ Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``). Prefill (more
 rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
-is paid once per tile for all rows. The crossover and tile size were measured
-(benchmarks/README.md, "Quantized weights"). Accumulation is float32 on both
+is paid once per tile for all rows. The crossover was measured
+(benchmarks/README.md, "Quantized weights"); the tile size (about L2's half)
+is not tuned. Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order
 (and, on the tile path, by the bfloat16 rounding of the dequantized weight
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
