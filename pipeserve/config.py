@@ -29,6 +29,8 @@ class EngineConfig:
     swap_space: str | int = "1GiB"            # host pool for preemption by swap
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"           # auto | torch | cpu (C decode kernel)
+    quantization: str = "auto"                # auto | none | int8 | int4 (weights in memory)
+    quantization_group_size: int = 32         # int8/int4: weights per scale (a multiple of 32)
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -81,6 +83,10 @@ class EngineConfig:
                  f"must be >= 0 (0: a stage failure ends every request), got {self.max_stage_restarts}")
         _require(self.stage_rejoin_timeout > 0, "stage_rejoin_timeout",
                  f"must be > 0 seconds, got {self.stage_rejoin_timeout}")
+        _require(self.quantization in ("auto", "none", "int8", "int4"), "quantization",
+                 f"must be auto, none, int8 or int4, got {self.quantization!r}")
+        _require(self.quantization_group_size >= 32 and self.quantization_group_size % 32 == 0,
+                 "quantization_group_size", f"must be a positive multiple of 32, got {self.quantization_group_size}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
         self._check_bounds()

@@ -77,7 +77,7 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
     (b'{"kind": 6, "obj": "1.0", "tensor": null}', "expected float"),
     (b'{"kind": 10, "obj": [1, 2, "", 0, "evil"], "tensor": null}', "array of 4 fields"),
     (b'{"kind": 10, "obj": [true, 2, "", 0], "tensor": null}', "Hello.rank: expected int, got bool"),
-    (b'{"kind": 2, "obj": [[1, [], null], []], "tensor": {"dtype": "float32", "shape": [2]}}',
+    (b'{"kind": 2, "obj": [[1, []], []], "tensor": {"dtype": "float32", "shape": [2]}}',
      "does not match its 4 bytes"),
 ])
 def test_malformed_frames_are_refused(header: bytes, error: str) -> None:

@@ -23,7 +23,8 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm32():
-    llm = LLM(dtype="float32", kv_cache_memory="128MiB", threads_per_stage=2)
+    # quantization="none": the GGUF dequantized to float32, the token-identity reference.
+    llm = LLM(dtype="float32", kv_cache_memory="128MiB", threads_per_stage=2, quantization="none")
     yield llm
     llm.shutdown()
 

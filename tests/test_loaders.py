@@ -155,10 +155,10 @@ def test_every_supported_gguf_type_loads(qtype, tmp_path):
 
 
 def test_unsupported_gguf_type_names_type_and_tensor(tmp_path):
-    data = gguf.quants.quantize(np.ones((2, 256), np.float32), T.Q5_0)
-    path = write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (data, T.Q5_0)})
+    data = gguf.quants.quantize(np.ones((2, 256), np.float32), T.TQ2_0)
+    path = write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (data, T.TQ2_0)})
     cfg = ModelConfig("LlamaForCausalLM", 64, 256, 256, 1, 4, 4, 64, 128)
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*TQ2_0"):
         GGUFWeightReader(path, cfg).read("model.layers.0.mlp.up_proj.weight")
 
 

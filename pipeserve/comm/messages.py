@@ -59,7 +59,7 @@ PAYLOADS: dict[Kind, Any] = {
     Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.STOP: type(None),
     Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: float, Kind.FLUSH: type(None),
     Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello, Kind.SPEC: SpecWire,
-    Kind.READY: type(None), Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
+    Kind.READY: int, Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
     Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None),
 }
 

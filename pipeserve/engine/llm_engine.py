@@ -103,7 +103,9 @@ class LLMEngine:
                                  dtype=self.dtype, device=torch.device(self._device(0)),
                                  num_blocks=self.num_blocks, num_host_blocks=self.num_host_blocks,
                                  block_size=self.config.block_size,
-                                 attention_backend=self.config.attention_backend)
+                                 attention_backend=self.config.attention_backend,
+                                 quantization=self.config.quantization,
+                                 quantization_group_size=self.config.quantization_group_size)
             return LocalExecutor(runner)
         from pipeserve.pipeline.executor import PipelineExecutor
         return PipelineExecutor(self.config, self.source, self.model_config, self.partition,
@@ -355,7 +357,8 @@ class LLMEngine:
     def stats(self) -> dict:
         return {"scheduler": self.scheduler.stats(), "pipeline": self.executor.stats(),
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
-                "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats()}
+                "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats(),
+                "weight_bytes": self.executor.weight_bytes()}
 
     def write_trace(self, path: str) -> list[str]:
         """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""

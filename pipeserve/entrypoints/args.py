@@ -19,6 +19,8 @@ _HELP = {
     "preemption_mode": "recompute | swap",
     "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",
     "attention_backend": "auto (cpu on CPU when gcc is present, else torch) | torch | cpu (C decode kernel)",
+    "quantization": "auto (GGUF kept in its own types, safetensors in --dtype) | none (dequantize to "
+                    "--dtype) | int8 | int4 (weight-only, group-wise, at load)",
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
     "max_stage_restarts": "times the pipeline is relaunched after a stage dies or stalls, replaying every "
                           "request (0: each request ends with an error instead; default: 3)",

@@ -282,6 +282,11 @@ class PipelineExecutor(Executor):
         return {**self.timelines.stats(last_seconds), "healthy": self.healthy,
                 "generation": self.generation, "stage_pids": self.stage_pids}
 
+    def weight_bytes(self) -> list[int]:
+        """Each stage's resident weight bytes, as it reported when it had loaded."""
+        return [self.world.weight_bytes.get(rank, 0) if self.world is not None else 0
+                for rank in range(1, self.num_stages + 1)]
+
     def write_trace(self, path: str | Path) -> tuple[Path, Path]:
         """Chrome trace JSON at ``path`` and a Gantt PNG beside it (same name, .png)."""
         return self.timelines.write_trace(path)

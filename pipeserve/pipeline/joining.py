@@ -29,10 +29,11 @@ POLL_S = 0.05
 
 
 def open_stages(config: EngineConfig, spec: PipelineSpec,
-                join_timeout: float) -> tuple[TcpTransport, dict[int, StageProcess], int]:
+                join_timeout: float) -> tuple[TcpTransport, dict[int, StageProcess], int, dict[int, int]]:
     """Listen, start node 0's stages, wait until all P stages joined and loaded, send PEERS.
 
-    Returns (the driver's transport, stage -> local process, the port it listens on).
+    Returns (the driver's transport, stage -> local process, the port it listens on,
+    rank -> the stage's resident weight bytes).
     Remote stages get ``join_timeout`` seconds to join; loading gets --rendezvous-timeout.
     """
     num_stages, single = config.pipeline_parallel_size, config.nnodes == 1
@@ -40,6 +41,7 @@ def open_stages(config: EngineConfig, spec: PipelineSpec,
     addr = "127.0.0.1" if single else config.master_addr
     transport = TcpTransport(0, num_stages + 1, key, node_info=NodeInfo(config.nnodes, 0, num_stages))
     procs: dict[int, StageProcess] = {}
+    weight_bytes: dict[int, int] = {}
     try:
         port = transport.listen(addr, 0 if single else config.master_port)
         procs = start_stages(stages_of_node(num_stages, config.nnodes, 0), addr, port, key,
@@ -47,19 +49,21 @@ def open_stages(config: EngineConfig, spec: PipelineSpec,
         hint = (f"on each other node run `PIPESERVE_CLUSTER_KEY=... pipeserve worker --nnodes {config.nnodes} "
                 f"--node-rank R --master-addr {config.master_addr} --master-port {port}`")
         hellos = join_stages(transport, SpecWire.of(spec), list(range(1, num_stages + 1)), join_timeout,
-                             config.rendezvous_timeout, lambda: check_local_stages(procs), hint)
+                             config.rendezvous_timeout, lambda: check_local_stages(procs), hint, weight_bytes)
         send_peers(transport, hellos)
     except BaseException:
         stop_processes(list(procs.values()), grace=0.0)
         transport.close()
         raise
-    return transport, procs, port
+    return transport, procs, port, weight_bytes
 
 
 def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_timeout: float,
-                load_timeout: float, check: Callable[[], None], hint: str = "") -> dict[int, Hello]:
+                load_timeout: float, check: Callable[[], None], hint: str = "",
+                weight_bytes: dict[int, int] | None = None) -> dict[int, Hello]:
     """Answer each rank's HELLO with the spec; wait for all READY. ``check`` runs every
-    poll and may raise (a local stage process died), ending the wait at once."""
+    poll and may raise (a local stage process died), ending the wait at once.
+    ``weight_bytes`` (if given) gets each rank's resident weight bytes from its READY."""
     hellos: dict[int, Hello] = {}
     ready: set[int] = set()
     deadline = time.monotonic() + join_timeout
@@ -80,6 +84,8 @@ def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_
             transport.send(rank, Kind.SPEC, spec)
         elif message.kind == Kind.READY and rank in hellos:
             ready.add(rank)
+            if weight_bytes is not None:
+                weight_bytes[rank] = message.obj
             if len(hellos) == len(ranks):   # everyone is in: loading gets its own timeout
                 deadline = max(deadline, time.monotonic() + load_timeout)
         elif message.kind == Kind.FAILED:

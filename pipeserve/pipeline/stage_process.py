@@ -57,7 +57,9 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[
                                  is_first=chunk == 0, is_last=chunk == last, dtype=dtype, device=device,
                                  num_blocks=spec.num_blocks, num_host_blocks=spec.num_host_blocks,
                                  block_size=spec.config.block_size,
-                                 attention_backend=spec.config.attention_backend)
+                                 attention_backend=spec.config.attention_backend,
+                                 quantization=spec.config.quantization,
+                                 quantization_group_size=spec.config.quantization_group_size)
     return runners
 
 
@@ -109,7 +111,8 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
         torch.cuda.set_device(device)
     transport.device = device
     runners = build_runners(spec, stage, device)
-    transport.send(0, Kind.READY)
+    # READY carries the stage's resident weight bytes (LLM.stats()["weight_bytes"]).
+    transport.send(0, Kind.READY, sum(getattr(r, "weight_bytes", 0) for r in runners.values()))
     return spec, runners
 
 

@@ -27,8 +27,9 @@ class SleepRunner:
     def __init__(self, source: SyntheticSource, cfg: ModelConfig, *, start_layer: int, end_layer: int,
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
-                 attention_backend: str = "auto") -> None:
-        del attention_backend  # no attention: the compute is a sleep
+                 attention_backend: str = "auto", quantization: str = "auto",
+                 quantization_group_size: int = 32) -> None:
+        del attention_backend, quantization, quantization_group_size  # no model: the compute is a sleep
         self.source, self.cfg = source, cfg
         self.layers = end_layer - start_layer
         self.is_first, self.is_last = is_first, is_last

@@ -23,16 +23,18 @@ logger = logging.getLogger(__name__)
 
 
 class StageWorld:
-    def __init__(self, port: int, procs: dict[int, Any], transport: TcpTransport) -> None:
+    def __init__(self, port: int, procs: dict[int, Any], transport: TcpTransport,
+                 weight_bytes: dict[int, int] | None = None) -> None:
         self.port = port
+        self.weight_bytes = weight_bytes or {}   # rank -> resident weight bytes (from READY)
         self.procs = procs              # stage -> local process (.pid, .is_alive(), .exitcode)
         self.transport = transport
 
     @classmethod
     def open(cls, config: EngineConfig, spec: PipelineSpec, join_timeout: float) -> "StageWorld":
         """Launch and connect every stage; remote ones get ``join_timeout`` seconds to join."""
-        transport, procs, port = open_stages(config, spec, join_timeout)
-        return cls(port, procs, transport)
+        transport, procs, port, weight_bytes = open_stages(config, spec, join_timeout)
+        return cls(port, procs, transport, weight_bytes)
 
     @property
     def pids(self) -> dict[int, int]:

@@ -52,5 +52,9 @@ class Executor(ABC):
         """Per-stage timeline figures (busy fraction, bubble ratio, ...)."""
         return {}
 
+    def weight_bytes(self) -> list[int]:
+        """Resident weight bytes of each stage (stage order)."""
+        return []
+
     def shutdown(self) -> None:
         """Stop every stage; leaves no process behind. Idempotent."""

@@ -32,6 +32,9 @@ class LocalExecutor(Executor):
         self._done.clear()
         return done
 
+    def weight_bytes(self) -> list[int]:
+        return [self.runner.weight_bytes]
+
     @property
     def num_inflight(self) -> int:
         return len(self._done)

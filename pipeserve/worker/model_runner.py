@@ -8,6 +8,7 @@ their KV lives and which blocks to move first.
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 
 import torch
@@ -16,15 +17,19 @@ from pipeserve.model.attention import AttentionMetadata, KVCache
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader import ModelSource, load_model
+from pipeserve.model.quant.load import describe, weight_bytes
 from pipeserve.sampling.sampler import Sampler
 from pipeserve.worker.step import SampledToken, StepInput, StepOutput
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(self, source: ModelSource, cfg: ModelConfig, *, start_layer: int, end_layer: int,
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
-                 sampler_seed: int | None = None, attention_backend: str = "auto") -> None:
+                 sampler_seed: int | None = None, attention_backend: str = "auto",
+                 quantization: str = "auto", quantization_group_size: int = 32) -> None:
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
@@ -32,7 +37,11 @@ class ModelRunner:
         self.is_first, self.is_last = is_first, is_last
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
-                                            dtype, self.device, attention_backend)
+                                            dtype, self.device, attention_backend, quantization,
+                                            quantization_group_size)
+        self.weight_bytes = weight_bytes(self.model)
+        log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
+                 self.weight_bytes / 2**20, describe(self.model))
         self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")

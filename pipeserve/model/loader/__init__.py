@@ -13,10 +13,20 @@ __all__ = ["ModelSource", "WeightReader", "load_model", "resolve_model"]
 
 def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_layer: int,
                is_first: bool, is_last: bool, dtype: torch.dtype,
-               device: torch.device | str, attention_backend: str = "auto") -> LlamaModel:
-    """Build the stage owning layers [start_layer, end_layer) and read only its tensors."""
+               device: torch.device | str, attention_backend: str = "auto",
+               quantization: str = "auto", quantization_group_size: int = 32) -> LlamaModel:
+    """Build the stage owning layers [start_layer, end_layer) and read only its tensors.
+
+    ``quantization`` (see ``pipeserve.model.quant.load.weight_format``): "none"
+    fills every weight in ``dtype``; "auto" keeps a GGUF's block-quantized
+    tensors as they are; "int8"/"int4" quantize linear and embedding weights
+    group-wise at load."""
     from pipeserve.model.cpu_attention import select_backend
-    model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, device,
+    from pipeserve.model.quant.load import materialize_rest, replace_quantized, weight_format
+    fmt = weight_format(source.kind, quantization)
+    device = torch.device(device)
+    build_on = device if fmt == "dense" else torch.device("meta")
+    model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, build_on,
                        backend=select_backend(attention_backend, device))
     params = dict(model.named_parameters())
     sources = model.checkpoint_names()
@@ -24,9 +34,17 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
         raise RuntimeError(f"model/checkpoint name map out of sync: {sorted(set(params) ^ set(sources))}")
     reader = source.open_weights(cfg)
     try:
-        with torch.no_grad():
-            for ours, names in sources.items():
-                _fill(params[ours], ours, [_read(reader, source, n) for n in names])
+        if fmt == "dense":
+            with torch.no_grad():
+                for ours, names in sources.items():
+                    _fill(params[ours], ours, [_read(reader, source, n) for n in names])
+            return model
+        # Only the rotary buffer is built from the config rather than read: take a real one.
+        model.rotary = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device).rotary
+        model.device = device
+        replace_quantized(model, reader, sources, fmt, quantization_group_size, dtype, device)
+        materialize_rest(model, sources, dtype, device,
+                         lambda param, ours, names: _fill(param, ours, [_read(reader, source, n) for n in names]))
     finally:
         reader.close()
     return model

@@ -6,6 +6,7 @@ bytes of the tensors it asks for.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +16,15 @@ import numpy as np
 import torch
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
+from pipeserve.model.quant.packed import PackedWeight
+
+log = logging.getLogger(__name__)
 
 T = gguf.GGMLQuantizationType
 K = gguf.Keys
-SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 # Hugging Face name -> GGUF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {
@@ -209,12 +215,18 @@ class GGUFWeightReader:
     def names(self) -> set[str]:
         return set(self._tensors)
 
-    def read(self, hf_name: str) -> torch.Tensor:
+    def _tensor(self, hf_name: str):
+        """(the GGUF tensor holding ``hf_name``, its expert index in a stacked tensor or None)."""
         name, expert = gguf_location(hf_name)
         tensor = self._tensors.get(name)
         if tensor is None:
             raise KeyError(f"tensor {name!r} (for {hf_name!r}) is not in {self.path}")
         self.names_read.append(name)
+        return tensor, expert
+
+    def read(self, hf_name: str) -> torch.Tensor:
+        tensor, expert = self._tensor(hf_name)
+        name = tensor.name
         array = dequantize_tensor(tensor) if expert is None else self._stack(name, tensor)[expert]
         if self._permuted and ".attn_q." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
@@ -230,6 +242,24 @@ class GGUFWeightReader:
                 self._stacks.pop(next(iter(self._stacks)))
             self._stacks[name] = dequantize_tensor(tensor)
         return self._stacks[name]
+
+    def read_packed(self, hf_name: str) -> PackedWeight | None:
+        """The tensor in its own block type (``pipeserve.model.quant``), or None
+        when that type is not kept quantized (then ``read`` dequantizes it)."""
+        tensor, expert = self._tensor(hf_name)
+        if expert is not None or tensor.tensor_type not in KEPT_TYPES:   # experts: one dense stack
+            if expert is None and tensor.tensor_type not in (T.F32, T.F16, T.BF16):
+                log.info("GGUF tensor %s has type %s, which is not kept quantized: dequantizing it",
+                         tensor.name, tensor.tensor_type.name)
+            self.names_read.pop()   # the caller reads it again with ``read``
+            return None
+        packed = repack(tensor.tensor_type, tensor.data)
+        if self._permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = self.cfg.num_heads if ".attn_q." in tensor.name else self.cfg.num_kv_heads
+            # Rows are independent: undo the rotary permutation on whole rows of codes.
+            order = unpermute_rotary_rows(np.arange(packed.out_features), heads)
+            packed = packed.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        return packed
 
     def close(self) -> None:
         self._tensors.clear()

@@ -1,0 +1,102 @@
+"""ctypes bindings of pipeserve/kernels/quant_matmul.c and the choice between its two shapes.
+
+Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
+once and dequantized in registers (``pipeserve_quant_gemv``). Prefill (more
+rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
+float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
+is paid once per tile for all rows. The crossover was measured
+(benchmarks/README.md, "Quantized weights"); the tile size (about L2's half)
+is not tuned. Accumulation is float32 on both
+paths; results differ from ``dequantize(w) @ x`` only by summation order
+(and, on the tile path, by the bfloat16 rounding of the dequantized weight
+when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from pipeserve.model.quant.packed import PackedWeight
+
+log = logging.getLogger(__name__)
+
+GEMV_MAX_ROWS = 8
+TILE_BYTES = 1 << 20   # dequantized tile size (bytes) on the prefill path
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class QuantKernels:
+    def __init__(self) -> None:
+        from pipeserve.kernels.build import load_kernel
+        lib = load_kernel("quant_matmul")
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        self._gemv = lib.pipeserve_quant_gemv
+        self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32]
+        self._gemv.restype = i32
+        self._dequant = lib.pipeserve_quant_dequant
+        self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32]
+        self._dequant.restype = None
+        lib.pipeserve_quant_isa.restype = ctypes.c_char_p
+        self.isa = lib.pipeserve_quant_isa().decode()
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in _DTYPES
+
+    def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype."""
+        x = x.contiguous()
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            return self.gemv(w, x)
+        return self.tiled(w, x)
+
+    def gemv(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        rc = self._gemv(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+                        w.in_features, w.group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
+                        torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("quantized matmul: cannot allocate its activation scratch")
+        return out
+
+    def dequant_rows(self, w: PackedWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [r0, r1) of the weight, dequantized: [r1 - r0, K]."""
+        out = torch.empty(r1 - r0, w.in_features, dtype=dtype)
+        self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
+                      r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+        return out
+
+    def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        rows = max(16, TILE_BYTES // (w.in_features * x.element_size()))
+        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        for r0 in range(0, w.out_features, rows):
+            r1 = min(r0 + rows, w.out_features)
+            out[:, r0:r1] = x @ self.dequant_rows(w, r0, r1, x.dtype).t()   # [M, rows]
+        return out
+
+
+def _kind(w: PackedWeight) -> int:
+    return 4 if w.kind == "q4" else 8
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> QuantKernels | None:
+    """The C kernels, or None (then quantized layers dequantize with PyTorch ops);
+    logs once which path runs."""
+    from pipeserve.kernels.build import KernelBuildError
+    try:
+        kernels = QuantKernels()
+    except KernelBuildError as exc:
+        log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
+        return None
+    log.info("quantized weights: C kernel, %s path", kernels.isa)
+    return kernels

@@ -1,0 +1,121 @@
+"""GGUF block-quantized tensors -> ``PackedWeight`` without expanding them to floats.
+
+Q4_0/Q4_1 keep their bytes (the q4 layout is their block order), Q8_0 keeps
+its int8 codes; the scales move into their own float16 array. Q5_0/Q5_1 and
+the K-quants are re-laid out once at load:
+
+- Q5_0, Q5_1, Q5_K -> q8 (the 5-bit code in a byte: 8 bits per weight where
+  the file has 5.5-6; the price of one fast kernel instead of three);
+- Q4_K -> q4 with one scale and minimum per 32 weights (d·sc and -dmin·m);
+- Q6_K -> q8 with one scale per 16 weights (d·sc).
+The K-quants' two-level scales (a float16 times a 6/8-bit integer) are
+multiplied out and rounded to float16: a relative change of at most 2^-11 of
+a scale, far below the quantization step itself.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from pipeserve.model.quant.packed import PackedWeight, pack_nibbles
+
+T = gguf.GGMLQuantizationType
+KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def repack(ttype: T, raw: np.ndarray) -> PackedWeight:
+    """raw: uint8 [rows, row_bytes] as the file stores it -> the kept layout."""
+    if ttype not in _REPACK:
+        raise ValueError(f"GGUF type {ttype.name} is not kept quantized (kept: "
+                         f"{', '.join(t.name for t in KEPT_TYPES)})")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ttype]
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, type_size)   # [rows, blocks, bytes]
+    return _REPACK[ttype](blocks, rows)
+
+
+def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 at byte ``offset`` of every block: [rows, blocks]."""
+    return np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0]
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _q4_0(blocks: np.ndarray, rows: int) -> PackedWeight:
+    d = _f16(blocks, 0)
+    return PackedWeight("q4", 32, _t(blocks[..., 2:18].reshape(rows, -1)), _t(d), _t(-8 * d), "Q4_0")
+
+
+def _q4_1(blocks: np.ndarray, rows: int) -> PackedWeight:
+    return PackedWeight("q4", 32, _t(blocks[..., 4:20].reshape(rows, -1)), _t(_f16(blocks, 0)),
+                        _t(_f16(blocks, 2)), "Q4_1")
+
+
+def _q8_0(blocks: np.ndarray, rows: int) -> PackedWeight:
+    qs = blocks[..., 2:34].reshape(rows, -1).view(np.int8)
+    return PackedWeight("q8", 32, _t(qs), _t(_f16(blocks, 0)), None, "Q8_0")
+
+
+def _five_bit_codes(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 16 nibble bytes + 32 high bits per block -> codes 0..31 [rows, blocks, 32]."""
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)                            # [rows, blocks, 32]
+    bits = np.ascontiguousarray(qh).view(np.uint32)                              # [rows, blocks, 1]
+    high = (bits >> np.arange(32, dtype=np.uint32)) & 1
+    return low | (high.astype(np.uint8) << 4)
+
+
+def _q5_0(blocks: np.ndarray, rows: int) -> PackedWeight:
+    q = _five_bit_codes(blocks[..., 6:22], blocks[..., 2:6]).astype(np.int8) - 16
+    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(_f16(blocks, 0)), None, "Q5_0")
+
+
+def _q5_1(blocks: np.ndarray, rows: int) -> PackedWeight:
+    q = _five_bit_codes(blocks[..., 8:24], blocks[..., 4:8]).astype(np.int8)
+    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(_f16(blocks, 0)), _t(_f16(blocks, 2)), "Q5_1")
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: per 32-weight sub-block (d·sc, -dmin·m) in float16, [rows, blocks * 8] each."""
+    rows, n = blocks.shape[:2]
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
+    d, dmin = _f16(blocks, 0).astype(np.float32), _f16(blocks, 2).astype(np.float32)
+    scale = d.reshape(-1, 1) * sc.astype(np.float32)
+    minv = -dmin.reshape(-1, 1) * m.astype(np.float32)
+    return scale.astype(np.float16).reshape(rows, -1), minv.astype(np.float16).reshape(rows, -1)
+
+
+def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)                # 4 chunks of 32 bytes
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15     # [rows, blocks, 4, 2, 32]
+    scale, minv = _k_scales(blocks)
+    return PackedWeight("q4", 32, pack_nibbles(_t(q.reshape(rows, -1))), _t(scale), _t(minv), "Q4_K")
+
+
+def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
+    qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
+    low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1              # [rows, blocks, 8, 32]
+    q = (low | (high << 4)).astype(np.int8)
+    scale, minv = _k_scales(blocks)
+    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(scale), _t(minv), "Q5_K")
+
+
+def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
+    high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3)     # [rows, blocks, 2, 4, 32]
+    q = (low | (high << 4)).astype(np.int8) - 32
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)   # [rows, blocks, 16]
+    d = _f16(blocks, 208).astype(np.float32)[..., None]
+    scale = (d * sc).astype(np.float16).reshape(rows, -1)
+    return PackedWeight("q8", 16, _t(q.reshape(rows, -1)), _t(scale), None, "Q6_K")
+
+
+_REPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
+           T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}

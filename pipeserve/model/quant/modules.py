@@ -1,0 +1,82 @@
+"""Linear and embedding layers whose weights stay quantized in memory.
+
+A fused projection (q/k/v, gate/up) is one ``PackedWeight`` when its parts
+share a layout, otherwise several whose outputs are concatenated (K-quant
+mixes often store attn_v as Q6_K beside Q4_K q/k). The codes and scales are
+buffers, so ``.to(device)`` and the resident-bytes count see them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeserve.model.quant.cpu_kernels import cpu_kernels
+from pipeserve.model.quant.packed import PackedWeight, dequantize
+
+
+class _Packed(nn.Module):
+    """Holds PackedWeights as buffers (``qs{i}``, ``scale{i}``, ``minv{i}``)."""
+
+    def _register(self, parts: list[PackedWeight]) -> None:
+        self._meta = [(p.kind, p.group, p.source, p.minv is not None) for p in parts]
+        for i, p in enumerate(parts):
+            self.register_buffer(f"qs{i}", p.qs)
+            self.register_buffer(f"scale{i}", p.scale)
+            self.register_buffer(f"minv{i}", p.minv)
+        self._parts: list[PackedWeight] | None = None
+
+    @property
+    def parts(self) -> list[PackedWeight]:
+        if self._parts is None:   # built once per placement: forward runs per layer per step
+            self._parts = [PackedWeight(kind, group, getattr(self, f"qs{i}"), getattr(self, f"scale{i}"),
+                                        getattr(self, f"minv{i}") if has_min else None, source)
+                           for i, (kind, group, source, has_min) in enumerate(self._meta)]
+        return self._parts
+
+    def _apply(self, fn, recurse: bool = True):
+        self._parts = None   # .to(...) replaces the buffers
+        return super()._apply(fn, recurse)
+
+    @property
+    def sources(self) -> list[str]:
+        return [source for _, _, source, _ in self._meta]
+
+
+class QuantLinear(_Packed):
+    def __init__(self, parts: list[PackedWeight], bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self._register(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, in] -> [n, out] in x's dtype."""
+        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        if kernels is not None and kernels.applies(x):
+            outs = [kernels.matmul(p, x) for p in self.parts]
+        else:
+            outs = [F.linear(x, dequantize(p, x.dtype)) for p in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.sources)}"
+
+
+class QuantEmbedding(_Packed):
+    """Looks up rows and dequantizes only those."""
+
+    def __init__(self, weight: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._register([weight])
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] -> [n, hidden] in the model's dtype."""
+        return dequantize(self.parts[0].rows(ids), self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"types={self.sources[0]}"

@@ -1,0 +1,159 @@
+"""Quantized weights: every kept GGUF type read back from a file the gguf package wrote,
+and each kernel path against dequantize-then-matmul.
+
+Documented tolerances (pipeserve/model/quant/cpu_kernels.py): with float32
+activations the kernels differ from ``x @ dequantize(w).T`` only by float32
+summation order; with bfloat16 activations by the bfloat16 rounding of the
+output (and, on the tiled path, of the dequantized weight).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import pipeserve.model.quant.modules as quant_modules
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.loader.gguf import GGUFWeightReader
+from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
+from pipeserve.model.quant.packed import concat_rows, dequantize, quantize_weight
+from tests.kernels import skip_without_kernel
+
+T = gguf.GGMLQuantizationType
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)   # gguf.quants can quantize these
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)                 # it cannot: random valid blocks instead
+ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
+ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
+needs_kernel = skip_without_kernel("quant_matmul")
+CFG = ModelConfig("LlamaForCausalLM", 64, COLS, 256, 1, 4, 4, COLS // 4, 128)
+
+
+def _blocks(ttype: T, rng: np.random.Generator) -> np.ndarray:
+    """A [ROWS, row_bytes] uint8 tensor of ``ttype``."""
+    if ttype in LEGACY:
+        return gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), ttype)
+    block, size = gguf.GGML_QUANT_SIZES[ttype]
+    raw = rng.integers(0, 256, (ROWS, COLS // block, size), dtype=np.uint8)
+    # The float16 fields (d, and dmin for Q4_K/Q5_K) must be finite and modest.
+    offsets = (208,) if ttype == T.Q6_K else (0, 2)
+    for off in offsets:
+        d = (0.01 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)     # [rows, blocks]
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """One file, every kept type as an ffn_up, and a Q4_1 attn_q for the rotary rows."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("q") / "types.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    data = {t: _blocks(t, rng) for t in LEGACY + K_QUANTS}
+    for i, (ttype, raw) in enumerate(data.items()):
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", raw, raw_dtype=ttype)
+    writer.add_tensor("blk.0.attn_q.weight", data[T.Q4_1], raw_dtype=T.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, list(data)
+
+
+def _read(path, index: int):
+    reader = GGUFWeightReader(path, CFG)
+    name = f"model.layers.{index}.mlp.up_proj.weight"
+    return reader.read_packed(name), reader.read(name)
+
+
+def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
+    path, types = gguf_file
+    for i, ttype in enumerate(types):
+        packed, reference = _read(path, i)
+        assert packed is not None and packed.source == ttype.name
+        got = dequantize(packed)
+        if ttype in LEGACY:   # same float16 scales: exact
+            assert torch.equal(got, reference), ttype.name
+        else:                 # d·sc rounded to float16: at most 2^-11 of a scale per code step
+            tol = 2.0 ** -11 * reference.abs().max().item() + 1e-6
+            assert (got - reference).abs().max().item() <= tol, ttype.name
+
+
+def test_kept_bytes_stay_close_to_the_file(gguf_file):
+    path, types = gguf_file
+    for i, ttype in enumerate(types):
+        packed, _ = _read(path, i)
+        block, size = gguf.GGML_QUANT_SIZES[ttype]
+        file_bytes = ROWS * COLS // block * size
+        limit = 1.12 if ttype in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K) else 1.65   # 5/6-bit codes take a byte
+        assert packed.nbytes <= limit * file_bytes, (ttype.name, packed.nbytes, file_bytes)
+
+
+def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
+    path, _ = gguf_file
+    reader = GGUFWeightReader(path, CFG)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(dequantize(reader.read_packed(name)), reader.read(name))
+
+
+def _check_matmul(w, x: torch.Tensor, kernels) -> None:
+    ref = x.float() @ dequantize(w).t()                               # [M, N] float32
+    got = kernels.matmul(w, x).float()
+    scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()  # magnitude of the sums
+    tol = 1e-5 * scale if x.dtype == torch.float32 else 1e-2 * scale
+    assert (got - ref).abs().max().item() <= tol, (w.source, x.shape, x.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dequantize_then_matmul(gguf_file, rows, dtype):
+    path, types = gguf_file
+    kernels = cpu_kernels()
+    x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    for i in range(len(types)):
+        _check_matmul(_read(path, i)[0], x, kernels)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
+def test_int8_int4_quantize_within_half_a_step_and_kernel_matches(bits, group):
+    # 41 rows, an odd count: the two-row decode loop has a tail.
+    w = torch.randn(41, 256, generator=torch.Generator().manual_seed(bits + group))
+    packed = quantize_weight(w, bits, group)
+    step = packed.scale.float().repeat_interleave(group, dim=1)
+    assert ((dequantize(packed) - w).abs() <= 0.5 * step + 1e-3 * w.abs()).all()
+    for rows in ROW_COUNTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_matmul(packed, torch.randn(rows, 256).to(dtype), cpu_kernels())
+
+
+def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monkeypatch):
+    """A fused projection whose parts differ in layout (Q4_K beside Q6_K) keeps
+    them apart; with no C kernel (or on CUDA) the layers dequantize with torch."""
+    path, types = gguf_file
+    parts = [_read(path, types.index(t))[0] for t in (T.Q4_K, T.Q6_K, T.Q4_1)]
+    bias = torch.nn.Parameter(torch.randn(3 * ROWS), requires_grad=False)
+    layer = QuantLinear(parts, bias)
+    assert len(layer.parts) == 3
+    x = torch.randn(5, COLS)
+    w = torch.cat([dequantize(p) for p in parts])
+    ref = x @ w.t() + bias
+    tol = 1e-5 * (x.abs() @ w.abs().t()).max().item()
+    monkeypatch.setattr(quant_modules, "cpu_kernels", lambda: None)
+    assert (layer(x) - ref).abs().max().item() < tol
+    monkeypatch.undo()
+    if cpu_kernels() is not None:
+        assert (layer(x) - ref).abs().max().item() < tol
+
+
+def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
+    path, types = gguf_file
+    a, b = _read(path, types.index(T.Q4_0))[0], _read(path, types.index(T.Q4_1))[0]
+    fused = concat_rows([a, b])
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
+    emb = QuantEmbedding(fused, torch.bfloat16)
+    ids = torch.tensor([0, 5, ROWS + 3, 2 * ROWS - 1])
+    assert torch.equal(emb(ids), dequantize(fused, torch.bfloat16)[ids])

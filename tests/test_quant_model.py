@@ -1,0 +1,89 @@
+"""Whole models with quantized weights: the built-in SmolLM2 GGUF kept as shipped
+against its dequantized float32 self, and int8/int4 of a tiny safetensors model."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeserve.model.loader import resolve_model
+from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
+from pipeserve.tokenizer import load_tokenizer
+from pipeserve.worker.model_runner import ModelRunner
+from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+from tests.checkpoints import build_checkpoint
+
+BLOCK = 16
+POSITIONS = 600
+# Real English prose available offline on every CPython install: its license
+# text (history of the software, then the PSF license).
+TEXT_FILE = Path(os.__file__).parent / "LICENSE.txt"
+
+
+def _runner(source, quantization: str, cfg=None, blocks: int = 48) -> ModelRunner:
+    cfg = cfg or source.load_config()   # reading a GGUF's metadata takes seconds: pass it when known
+    return ModelRunner(source, cfg, start_layer=0, end_layer=cfg.num_layers, is_first=True, is_last=True,
+                       dtype=torch.float32, device=torch.device("cpu"), num_blocks=blocks, num_host_blocks=0,
+                       block_size=BLOCK, quantization=quantization)
+
+
+@torch.inference_mode()
+def _all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] from one prefill."""
+    table = list(range(-(-len(ids) // BLOCK)))
+    sampling = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
+    hidden = runner._forward(StepInput(1, [SeqStep(0, ids, 0, table, sampling)]), None)
+    return runner.model.compute_logits(hidden)
+
+
+def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    source = resolve_model("smollm2-135m-instruct")
+    if not TEXT_FILE.is_file():
+        pytest.skip(f"the reference text {TEXT_FILE} is not installed with this Python")
+    tokenizer = load_tokenizer(source)
+    ids = tokenizer.encode(TEXT_FILE.read_text())[:POSITIONS]
+    assert len(ids) == POSITIONS
+    return source, source.load_config(), ids
+
+
+def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
+    source, cfg, ids = smollm2
+    kept = _runner(source, "auto", cfg)
+    assert any(isinstance(m, QuantLinear) for m in kept.model.modules())
+    assert isinstance(kept.model.embed_tokens, QuantEmbedding)
+    # Resident weights ≈ the file: ≤ 1.25 x its size (the tied head shares the embedding).
+    assert kept.weight_bytes <= 1.25 * source.path.stat().st_size, kept.weight_bytes
+    kept_logits = _all_logits(kept, ids)
+    del kept
+    dense = _runner(source, "none", cfg)
+    assert kept_logits.shape == (POSITIONS, dense.cfg.vocab_size)
+    dense_logits = _all_logits(dense, ids)
+    agree = (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean().item()
+    ppl_kept, ppl_dense = _perplexity(kept_logits, ids), _perplexity(dense_logits, ids)
+    print(f"top-1 agreement {agree:.4f} over {POSITIONS} positions; perplexity kept {ppl_kept:.3f} "
+          f"dense {ppl_dense:.3f}")
+    assert agree >= 0.98, agree
+    assert abs(ppl_kept / ppl_dense - 1) <= 0.02, (ppl_kept, ppl_dense)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_int8_int4_of_a_safetensors_model(mode, tmp_path):
+    source = resolve_model(str(build_checkpoint("qwen2_bias", tmp_path)))
+    dense, quant = _runner(source, "none", blocks=8), _runner(source, mode, blocks=8)
+    assert quant.weight_bytes < (0.45 if mode == "int8" else 0.3) * dense.weight_bytes
+    ids = list(range(3, 40))
+    ref, got = _all_logits(dense, ids), _all_logits(quant, ids)
+    # Round-to-nearest weight error, relative to the logits' spread.
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < (0.02 if mode == "int8" else 0.2), rel
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= (0.95 if mode == "int8" else 0.6)
