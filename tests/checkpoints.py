@@ -10,6 +10,7 @@ far from uniform: a wrong weight or a wrong mask then shows as a large error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,14 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, array.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
+
+
+def lazy_builds(root: Path, build) -> Callable[[str], Path]:
+    """kind -> ``build(kind, root / kind)``, built on first use and kept."""
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = build(kind, root / kind)
+        return built[kind]
+    return get

@@ -32,15 +32,18 @@ def hf_smollm2(smollm2_gguf):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Numerics modules run torch on one thread: the CPUs are shared, and torch's default
+    pool oversubscribes them (~8x slower than one thread under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """kind -> directory of a tiny random checkpoint (built lazily, once)."""
-    from tests.checkpoints import build_checkpoint
-    root = tmp_path_factory.mktemp("tiny")
-    built: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in built:
-            built[kind] = build_checkpoint(kind, root / kind)
-        return built[kind]
-    return get
+    from tests.checkpoints import build_checkpoint, lazy_builds
+    return lazy_builds(tmp_path_factory.mktemp("tiny"), build_checkpoint)

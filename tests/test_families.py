@@ -19,7 +19,7 @@ import torch
 
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import load_model, resolve_model
-from tests.checkpoints import _randomize, save_tiny_tokenizer
+from tests.checkpoints import _randomize, lazy_builds, save_tiny_tokenizer
 
 VOCAB, WINDOW, NEW = 512, 8, 10
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -74,14 +74,7 @@ def build_family(kind: str, directory: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    built: dict[str, Path] = {}
-
-    def get(kind: str) -> Path:
-        if kind not in built:
-            built[kind] = build_family(kind, root / kind)
-        return built[kind]
-    return get
+    return lazy_builds(tmp_path_factory.mktemp("families"), build_family)
 
 
 def prompts_for(kind: str) -> list[list[int]]:

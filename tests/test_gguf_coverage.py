@@ -110,9 +110,4 @@ def test_gguf_greedy_tokens_match_transformers(converted, kind, pp):
     assert engine_greedy(path, hf_dir, prompts, pp) == hf_greedy_batch(hf_dir, prompts)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared CPUs: avoid oversubscription
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")

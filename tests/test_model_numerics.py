@@ -18,14 +18,7 @@ BLOCK = 4
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The CPUs are shared: torch's default thread pool oversubscribes them and
-    # runs ~8x slower than one thread under load.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy() -> SeqSampling:

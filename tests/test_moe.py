@@ -54,12 +54,7 @@ def build_moe_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # shared CPUs: one thread is much faster than an oversubscribed pool
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ from tests.kernels import kernel_missing
 WINDOW, NEW = 12, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The CPUs are shared: torch's default thread pool oversubscribes them.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _config(kind: str):
