@@ -105,7 +105,7 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     state: dict[str, torch.Tensor] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
-    arch = {"llama": "llama", "qwen2": "qwen2"}[cfg.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, cfg)
     if arch == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
@@ -127,6 +127,10 @@ def _write_metadata(w, cfg) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:   # Qwen3: head_dim is its own key
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.model_type == "llama":  # LlamaModel adds it; Qwen2Model does not
@@ -138,7 +142,8 @@ def _write_metadata(w, cfg) -> None:
 _RENAME = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-           "post_attention_layernorm": "ffn_norm"}
+           "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+           "self_attn.k_norm": "attn_k_norm"}
 
 
 def _gguf_tensor(hf_name: str, array: np.ndarray, cfg) -> tuple[str, np.ndarray]:

@@ -111,3 +111,32 @@ def test_gguf_greedy_tokens_match_transformers(converted, kind, pp):
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def qwen3_converted(tmp_path_factory):
+    """A tiny Qwen3 (per-head q/k norms, head_dim 24 != hidden / heads, untied head) and its GGUF."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from tests.checkpoints import _randomize, save_tiny_tokenizer
+    root = tmp_path_factory.mktemp("qwen3")
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False)
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, 0)
+    model.save_pretrained(root / "hf")
+    save_tiny_tokenizer(root / "hf")
+    return root / "hf", write_llama_gguf(root / "hf", root / "qwen3.gguf")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_qwen3_gguf_greedy_tokens_match_transformers(qwen3_converted, pp):
+    hf_dir, path = qwen3_converted
+    cfg = read_gguf_config(path)
+    assert (cfg.architecture, cfg.qk_norm, cfg.head_dim) == ("Qwen3ForCausalLM", True, 24)
+    prompts = random_prompts(3, seed=7)
+    assert engine_greedy(path, hf_dir, prompts, pp) == hf_greedy_batch(hf_dir, prompts)

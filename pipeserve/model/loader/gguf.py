@@ -36,6 +36,7 @@ _LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",     # Qwen3's per-head norms
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # Mixtral: the router, and each expert's w1 (gate) / w3 (up) / w2 (down) as one slice of
@@ -60,6 +61,7 @@ class GGUFArchitecture:
     qk_rows_permuted: bool        # q/k rows reordered to llama.cpp's interleaved rotary layout
     attention_bias: bool | None   # q/k/v biases: always (True), or as the file has them (None)
     moe_architecture: str | None = None   # what the file loads as when it has experts
+    switches: tuple[tuple[str, object], ...] = ()   # ModelConfig family switches (families.py)
 
 
 # general.architecture -> family. Adding a Llama-shaped family is one line here.
@@ -69,6 +71,9 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
                               moe_architecture="MixtralForCausalLM"),
     # Qwen2Model keeps TextModel's default modify_tensors: rows stay as Hugging Face has them.
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", qk_rows_permuted=False, attention_bias=True),
+    # Qwen3Model extends Qwen2Model (no permutation); per-head q/k RMSNorm, no biases.
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", qk_rows_permuted=False, attention_bias=None,
+                              switches=(("qk_norm", True),)),
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling as per-dimension divisors of the frequencies
 
@@ -127,6 +132,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         num_experts=experts,
         num_experts_per_tok=int(meta.get(K.LLM.EXPERT_USED_COUNT, 0) or 0) if experts else 0,
+        **dict(family.switches),
     )
 
 
