@@ -6,8 +6,9 @@ activations the kernels differ from ``x @ dequantize(w).T`` only by float32
 summation order; with bfloat16 activations by the bfloat16 rounding of the
 output (and, on the tiled path, of the dequantized weight). The decode
 kernel's int8-activation path (bfloat16 activations, AVX512-VNNI builds)
-moves each activation by at most half its block's quantization step
-(max|x| / 127 per block of 32): see ``_int8_activation_bound``.
+writes each activation as d * (256 * q1 + q2) with two int8 codes and moves it
+by at most d = max|x| / (127 * 256) over its block of 32: see
+``_int8_activation_bound``.
 """
 
 from __future__ import annotations
@@ -163,12 +164,12 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
 
 
 def _int8_activation_bound(w, x: torch.Tensor) -> torch.Tensor:
-    """[M, N]: sum over blocks of 32 of (step / 2) * sum |w| in the block, step = max|x| / 127,
-    plus float32 summation slack."""
+    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, d = max|x| / (127 * 256)
+    (half a step of q2, or a whole one where q2 saturates at 127), plus float32 slack."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
-    half_step = (blocks.amax(-1) / 127 / 2).repeat_interleave(32, dim=1)       # [M, K]
-    return half_step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
+    step = (blocks.amax(-1) / (127 * 256)).repeat_interleave(32, dim=1)        # [M, K]
+    return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
 
 
 def _int8_cases(gguf_file):
