@@ -4,7 +4,11 @@ and each kernel path against dequantize-then-matmul.
 Documented tolerances (pipeserve/model/quant/cpu_kernels.py): with float32
 activations the kernels differ from ``x @ dequantize(w).T`` only by float32
 summation order; with bfloat16 activations by the bfloat16 rounding of the
-output (and, on the tiled path, of the dequantized weight).
+output (and, on the tiled path, of the dequantized weight). The decode
+kernel's int8-activation path (bfloat16 activations, AVX512-VNNI builds)
+writes each activation as d * (256 * q1 + q2) with two int8 codes and moves it
+by at most d = max|x| / (127 * 256) over its block of 32: see
+``_int8_activation_bound``.
 """
 
 from __future__ import annotations
@@ -157,3 +161,50 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     emb = QuantEmbedding(fused, torch.bfloat16)
     ids = torch.tensor([0, 5, ROWS + 3, 2 * ROWS - 1])
     assert torch.equal(emb(ids), dequantize(fused, torch.bfloat16)[ids])
+
+
+def _int8_activation_bound(w, x: torch.Tensor) -> torch.Tensor:
+    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, d = max|x| / (127 * 256)
+    (half a step of q2, or a whole one where q2 saturates at 127), plus float32 slack."""
+    wd = dequantize(w).abs()                                                   # [N, K]
+    blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
+    step = (blocks.amax(-1) / (127 * 256)).repeat_interleave(32, dim=1)        # [M, K]
+    return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
+
+
+def _int8_cases(gguf_file):
+    path, types = gguf_file
+    cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
+    w = torch.randn(41, 256, generator=torch.Generator().manual_seed(7))
+    return cases + [quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
+def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows):
+    kernels = cpu_kernels()
+    for w in _int8_cases(gguf_file):
+        x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+        x[0, :32] *= 20                                   # one loud block: its step is 20x coarser
+        ref = x @ dequantize(w).t()
+        got = kernels.gemv(w, x, int8_act=True)           # float32 in and out: no bfloat16 rounding
+        err = (got - ref).abs()
+        assert (err <= _int8_activation_bound(w, x)).all(), (w.source, rows, err.max().item())
+        uses_int8 = kernels.int8_activations(w, x.bfloat16())
+        if not uses_int8:                                 # no VNNI, or a group of 16 (Q6_K): float path
+            assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
+        assert uses_int8 == (kernels.isa == "avx512-vnni" and w.group % 32 == 0), w.source
+
+
+@needs_kernel
+def test_int8_activations_only_for_bfloat16(gguf_file):
+    """float32 activations (the --quantization none / fidelity reference dtype) keep float dot products."""
+    kernels = cpu_kernels()
+    w = _int8_cases(gguf_file)[-1]
+    x = torch.randn(1, w.in_features)
+    assert not kernels.int8_activations(w, x)
+    assert torch.equal(kernels.matmul(w, x), kernels.gemv(w, x, int8_act=False))
+    if kernels.isa != "avx512-vnni":
+        pytest.skip("this CPU/compiler has no AVX512-VNNI: bfloat16 activations stay float too")
+    assert kernels.int8_activations(w, x.bfloat16())
+    assert torch.equal(kernels.matmul(w, x.bfloat16()), kernels.gemv(w, x.bfloat16(), int8_act=True))

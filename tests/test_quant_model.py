@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeserve.model.loader import resolve_model
+from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.model_runner import ModelRunner
@@ -24,10 +25,10 @@ POSITIONS = 600
 TEXT_FILE = Path(os.__file__).parent / "LICENSE.txt"
 
 
-def _runner(source, quantization: str, cfg=None, blocks: int = 48) -> ModelRunner:
+def _runner(source, quantization: str, cfg=None, blocks: int = 48, dtype=torch.float32) -> ModelRunner:
     cfg = cfg or source.load_config()   # reading a GGUF's metadata takes seconds: pass it when known
     return ModelRunner(source, cfg, start_layer=0, end_layer=cfg.num_layers, is_first=True, is_last=True,
-                       dtype=torch.float32, device=torch.device("cpu"), num_blocks=blocks, num_host_blocks=0,
+                       dtype=dtype, device=torch.device("cpu"), num_blocks=blocks, num_host_blocks=0,
                        block_size=BLOCK, quantization=quantization)
 
 
@@ -72,6 +73,28 @@ def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
     ppl_kept, ppl_dense = _perplexity(kept_logits, ids), _perplexity(dense_logits, ids)
     print(f"top-1 agreement {agree:.4f} over {POSITIONS} positions; perplexity kept {ppl_kept:.3f} "
           f"dense {ppl_dense:.3f}")
+    assert agree >= 0.98, agree
+    assert abs(ppl_kept / ppl_dense - 1) <= 0.02, (ppl_kept, ppl_dense)
+
+
+def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, monkeypatch):
+    """The decode kernel's int8-activation path (bfloat16 activations, VNNI) over every
+    position: each matmul runs as decode does, in chunks of at most GEMV_MAX_ROWS rows."""
+    kernels = cpu_kernels()
+    if kernels is None or kernels.isa != "avx512-vnni":
+        pytest.skip("int8 activations need the C kernel built with AVX512-VNNI")
+    source, cfg, ids = smollm2
+    dense_logits = _all_logits(_runner(source, "none", cfg), ids)
+
+    def decode_shaped(w, x):   # [M, K] -> [M, N], through gemv only
+        assert kernels.int8_activations(w, x[:GEMV_MAX_ROWS]), (w.source, x.dtype)
+        return torch.cat([kernels.gemv(w, x[i:i + GEMV_MAX_ROWS]) for i in range(0, len(x), GEMV_MAX_ROWS)])
+
+    monkeypatch.setattr(kernels, "matmul", decode_shaped)
+    kept_logits = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
+    agree = (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean().item()
+    ppl_kept, ppl_dense = _perplexity(kept_logits, ids), _perplexity(dense_logits, ids)
+    print(f"int8 activations: top-1 agreement {agree:.4f}; perplexity kept {ppl_kept:.3f} dense {ppl_dense:.3f}")
     assert agree >= 0.98, agree
     assert abs(ppl_kept / ppl_dense - 1) <= 0.02, (ppl_kept, ppl_dense)
 

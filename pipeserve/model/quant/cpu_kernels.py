@@ -10,6 +10,14 @@ is not tuned. Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order
 (and, on the tile path, by the bfloat16 rounding of the dequantized weight
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
+
+Decode with bfloat16 activations on an AVX512-VNNI CPU ("avx512-vnni" in the
+log line) quantizes each activation row to int8 blocks of 32 (scale
+max|x| / 127) and takes integer dot products, as llama.cpp does for every
+activation: each activation moves by at most half its block's step, so
+``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
+float32 activations never take that path (``--quantization none`` and the
+float32 fidelity reference keep their numerics).
 """
 
 from __future__ import annotations
@@ -35,11 +43,14 @@ class QuantKernels:
         lib = load_kernel("quant_matmul")
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._gemv = lib.pipeserve_quant_gemv
-        self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32]
+        self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32]
         self._gemv.restype = i32
         self._dequant = lib.pipeserve_quant_dequant
         self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32]
         self._dequant.restype = None
+        self._i8_applies = lib.pipeserve_quant_i8_applies
+        self._i8_applies.argtypes = [i64, i64, i64]
+        self._i8_applies.restype = i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
 
@@ -54,12 +65,19 @@ class QuantKernels:
             return self.gemv(w, x)
         return self.tiled(w, x)
 
-    def gemv(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k)."""
+        return x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+
+    def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
+        """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
+        True/False forces the choice (tests, benchmarks)."""
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
+        act_i8 = bf16 if int8_act is None else int(int8_act)
         rc = self._gemv(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
                         w.in_features, w.group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
-                        torch.get_num_threads())
+                        act_i8, torch.get_num_threads())
         if rc != 0:
             raise MemoryError("quantized matmul: cannot allocate its activation scratch")
         return out
