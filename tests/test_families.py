@@ -35,7 +35,8 @@ def _configs() -> dict:
         # head_dim 24 is neither hidden / heads (16) nor a power of two; layers 2 and 3 slide.
         "qwen3": lambda: Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=False, use_sliding_window=True,
                                      sliding_window=WINDOW, max_window_layers=2),
-        "phi3": lambda: Phi3Config(**_BASE, tie_word_embeddings=False),
+        # Phi-3-mini slides on every layer (2047 tokens); transformers applies it.
+        "phi3": lambda: Phi3Config(**_BASE, tie_word_embeddings=False, sliding_window=WINDOW),
         "phi3_longrope": lambda: Phi3Config(**{**_BASE, "max_position_embeddings": 96},
                                             original_max_position_embeddings=24, rope_parameters=longrope,
                                             tie_word_embeddings=False),
@@ -280,6 +281,14 @@ REFUSALS = [
                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0,
                                                           "rope_theta": 1e4}}}, "sliding_attention.rope_type"),
     ("qwen3", {"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM"),
+    ("gemma2", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     "layer_types has 3 entries"),
+    ("phi3_longrope", {"original_max_position_embeddings": None, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "original_max_position_embeddings"),
+    ("phi3_longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 24, "short_factor": [1.0] * 8,
+                                           "long_factor": [2.0] * 6}}, "long_factor has 6 entries"),
 ]
 
 

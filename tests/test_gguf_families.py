@@ -268,3 +268,18 @@ def test_q8_0_gguf_stays_quantized_and_computes_what_it_stores(converted, kind):
         weight_bytes = sum(llm.stats()["weight_bytes"])     # per stage
     assert weight_bytes < 0.5 * 4 * cfg.total_params()      # Q8_0: ~1.06 bytes a weight, not float32's 4
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_longrope_gguf_without_short_factors_is_refused(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "p.gguf"), "phi3")
+    for add, value in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 64),
+                       (w.add_head_count, 4), (w.add_vocab_size, 32), (w.add_rope_scaling_orig_ctx_len, 24),
+                       (w.add_rope_scaling_attn_factors, 1.1)]:
+        add(value)
+    w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="rope_factors_short"):
+        read_gguf_config(tmp_path / "p.gguf")
