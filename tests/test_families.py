@@ -200,6 +200,16 @@ def test_longrope_scheduler_never_reads_keys_of_the_other_rotation():
         assert stats["num_rope_recomputes"] > 0 and stats["prefix_cache_hit_blocks"] > 0
 
 
+def test_longrope_switch_length_is_the_original_length_unless_the_factors_agree():
+    from pipeserve.model.config import ModelConfig
+    raw = {**_BASE, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 96,
+           "original_max_position_embeddings": 24}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8}
+    assert ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": [2.0] * 8}}).rope_switch_len == 24
+    # one rotation at every length: nothing to recompute
+    assert ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": [1.0] * 8}}).rope_switch_len is None
+
+
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_bfloat16_top1_agrees_with_float32(family_dirs, kind):
     """Teacher-forced: the same tokens through both dtypes (the C kernels in

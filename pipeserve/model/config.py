@@ -107,8 +107,8 @@ class ModelConfig:
         factors, so keys written before it grew past must be recomputed (see
         pipeserve/model/longrope.py); None for every other RoPE."""
         scaling = self.rope_scaling or {}
-        if scaling.get("rope_type") != "longrope":
-            return None
+        if scaling.get("rope_type") != "longrope" or scaling["short_factor"] == scaling["long_factor"]:
+            return None     # nothing switches (equal factors: one rotation at every length)
         return int(scaling["original_max_position_embeddings"])
 
     @property

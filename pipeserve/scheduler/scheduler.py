@@ -9,6 +9,8 @@ flight, in this order (as in vLLM and Sarathi-Serve):
      that preempted: the step would swap out and in at once);
   3. waiting sequences in policy order, stopping at the first that does not
      fit so the order is kept.
+For longrope models (Phi-3) a sequence that outgrew the short rotation of its
+keys first goes back to waiting, to be recomputed (``rope_switch_len``).
 ``on_step_done`` then advances what the micro-batch computed. In-flight
 sequences are never preempted; one aborted in flight keeps its blocks until
 its step is done, since the stages may still be writing them.
