@@ -205,9 +205,10 @@ def test_longrope_switch_length_is_the_original_length_unless_the_factors_agree(
     raw = {**_BASE, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 96,
            "original_max_position_embeddings": 24}
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8}
-    assert ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": [2.0] * 8}}).rope_switch_len == 24
-    # one rotation at every length: nothing to recompute
-    assert ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": [1.0] * 8}}).rope_switch_len is None
+    def switch(long_factor: list[float]) -> int | None:
+        return ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": long_factor}}).rope_switch_len
+    assert switch([2.0] * 8) == 24
+    assert switch([1.0] * 8) is None     # one rotation at every length: nothing to recompute
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
