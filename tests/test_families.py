@@ -35,7 +35,8 @@ def _configs() -> dict:
         # head_dim 24 is neither hidden / heads (16) nor a power of two; layers 2 and 3 slide.
         "qwen3": lambda: Qwen3Config(**_BASE, head_dim=24, tie_word_embeddings=False, use_sliding_window=True,
                                      sliding_window=WINDOW, max_window_layers=2),
-        "phi3": lambda: Phi3Config(**_BASE, tie_word_embeddings=False),
+        # Phi-3-mini slides on every layer (2047 tokens); transformers applies it.
+        "phi3": lambda: Phi3Config(**_BASE, tie_word_embeddings=False, sliding_window=WINDOW),
         "phi3_longrope": lambda: Phi3Config(**{**_BASE, "max_position_embeddings": 96},
                                             original_max_position_embeddings=24, rope_parameters=longrope,
                                             tie_word_embeddings=False),
@@ -78,13 +79,13 @@ def family_dirs(tmp_path_factory):
 
 
 def prompts_for(kind: str) -> list[list[int]]:
-    # Past the window (8) but for the first; for longrope (original length 24)
-    # two stay short to the end and two start long. A sequence that crosses 24
-    # while decoding is not compared: transformers' Phi-3 generate() then drops
-    # its cache and recomputes every key with the long factors, which pipeserve
-    # does not (it matches transformers' forward with a cache).
+    # Past the window (8) but for the first. For longrope (original length 24):
+    # one stays short to the end, one crosses 24 while decoding (transformers'
+    # generate() then recomputes every key with the long factors, and so does
+    # pipeserve's scheduler) and two start long.
     rng = random.Random(kind)
-    return [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 14, 30, 37)]
+    lengths = (5, 18, 30, 37) if kind == "phi3_longrope" else (5, 14, 30, 37)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
 
 def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -112,10 +113,8 @@ def test_greedy_matches_transformers_pp1_and_pp2_both_backends(family_dirs, kind
     path = family_dirs(kind)
     prompts = prompts_for(kind)
     expected = hf_greedy(path, prompts)
-    # Longrope picks its factors per step from the context length: a prompt
-    # longer than the original length must be prefilled in one chunk to match
-    # transformers (a first chunk within it would rotate with the short factors).
-    extra = {"enable_chunked_prefill": False} if kind == "phi3_longrope" else {}
+    # Longrope: small steps, so long prompts and the recompute at the crossing run in chunks.
+    extra = {"max_num_batched_tokens": 8} if kind == "phi3_longrope" else {}
     # PP = 1 on one backend, PP = 2 on the other (fewer engine starts keep the test fast);
     # the auto partition measures this family's layers (pipeserve/pipeline/costs.py).
     assert ours_greedy(path, prompts, attention_backend="torch", **extra) == expected
@@ -123,11 +122,12 @@ def test_greedy_matches_transformers_pp1_and_pp2_both_backends(family_dirs, kind
                        **extra) == expected
 
 
-def test_longrope_crossing_the_original_length_matches_transformers_forward(family_dirs):
-    """A sequence decoding past original_max_position_embeddings (24) switches to the
-    long factors for its new tokens, keeping its cached keys: logits equal
-    transformers' forward with its cache at every step (generate() differs: it
-    recomputes the cache at the crossing; see pipeserve/model/longrope.py)."""
+def test_longrope_picks_its_factors_by_the_length_it_runs(family_dirs):
+    """The rotary alone (no recompute): a sequence decoding past
+    original_max_position_embeddings (24) rotates its new tokens with the long
+    factors and keeps its cached keys, as transformers' forward with a cache
+    does; logits equal it at every step. (generate() also recomputes the
+    cache at the crossing; the scheduler does that, tested below.)"""
     from transformers import AutoModelForCausalLM
 
     from tests.test_model_numerics import Driver, make_runner
@@ -142,6 +142,73 @@ def test_longrope_crossing_the_original_length_matches_transformers_forward(fami
             cache, ids = res.past_key_values, torch.tensor([[token]])
             torch.testing.assert_close(ours, res.logits[0, -1], rtol=0, atol=1e-4)
             ours = driver.logits([driver.seq_step(0, [token])])[0]
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_rotations_apart(family_dirs):
+    """One engine, prefix caching on: a prompt that crosses 24 while decoding
+    (its first 16 tokens cached with the short rotation, then recomputed with the
+    long one), then a long prompt and a short prompt that share those 16
+    tokens (the short one crosses 24 too): each must hit only the blocks of its
+    own rotation, and every continuation equals transformers' generate()."""
+    path = family_dirs("phi3_longrope")
+    rng = random.Random("prefix")
+    first = [rng.randrange(3, 300) for _ in range(20)]
+    prompts = [first, first[:16] + [rng.randrange(3, 300) for _ in range(14)], first[:16] + [7]]
+    expected = hf_greedy(path, prompts)
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    with LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1,
+             max_num_batched_tokens=8) as llm:
+        got = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+        stats = llm.stats()["scheduler"]
+    assert got == expected
+    assert stats["num_rope_recomputes"] == 2          # the first and the last prompt cross 24, once each
+    assert stats["prefix_cache_hit_blocks"] >= 2      # the later prompts reuse blocks of their rotation
+
+
+def test_longrope_scheduler_never_reads_keys_of_the_other_rotation():
+    """The scheduler alone (tests/test_scheduler.py's fake engine), KV tagged with
+    the rotation it was written with: random requests around the switch length,
+    with prefix caching, n > 1 forks, swaps and several micro-batches in flight;
+    no step reads a key of the other rotation, and every crossing recomputes."""
+    from pipeserve.scheduler.scheduler import Scheduler
+    from tests.test_scheduler import FakeEngine
+
+    switch = 10
+
+    class RopeTaggedEngine(FakeEngine):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.sched = Scheduler(self.config, len(self.dev), len(self.host), rope_switch_len=switch)
+
+        def _signatures(self, seq):
+            rotation = seq.num_tokens > switch     # what the step computes (SeqStep.seq_len)
+            return [hash((rotation, s)) for s in super()._signatures(seq)]
+
+    for seed, mode in ((1, "swap"), (2, "recompute")):
+        eng = RopeTaggedEngine(num_blocks=12, num_host_blocks=6, max_inflight=2, seed=seed, preemption_mode=mode,
+                               max_num_batched_tokens=6, max_num_seqs=4)
+        rng = random.Random(seed)
+        shared = [rng.randrange(4) for _ in range(8)]
+        for _ in range(40):
+            prompt = shared[:rng.randrange(9)] + [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
+            eng.add(prompt, rng.randint(1, 8), n=rng.choice([1, 1, 2]))
+            for _ in range(rng.randrange(4)):
+                eng.pump()
+        eng.drain()
+        eng.assert_clean()
+        stats = eng.sched.stats()
+        assert stats["num_rope_recomputes"] > 0 and stats["prefix_cache_hit_blocks"] > 0
+
+
+def test_longrope_switch_length_is_the_original_length_unless_the_factors_agree():
+    from pipeserve.model.config import ModelConfig
+    raw = {**_BASE, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 96,
+           "original_max_position_embeddings": 24}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8}
+    def switch(long_factor: list[float]) -> int | None:
+        return ModelConfig.from_hf_dict({**raw, "rope_parameters": {**rope, "long_factor": long_factor}}).rope_switch_len
+    assert switch([2.0] * 8) == 24
+    assert switch([1.0] * 8) is None     # one rotation at every length: nothing to recompute
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -225,6 +292,14 @@ REFUSALS = [
                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0,
                                                           "rope_theta": 1e4}}}, "sliding_attention.rope_type"),
     ("qwen3", {"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3NextForCausalLM"),
+    ("gemma2", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     "layer_types has 3 entries"),
+    ("phi3_longrope", {"original_max_position_embeddings": None, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "original_max_position_embeddings"),
+    ("phi3_longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "original_max_position_embeddings": 24, "short_factor": [1.0] * 8,
+                                           "long_factor": [2.0] * 6}}, "long_factor has 6 entries"),
 ]
 
 

@@ -66,8 +66,8 @@ def test_qwen2_gguf_becomes_qwen2_config(converted):
 
 
 def test_unknown_gguf_architecture_names_it_and_the_supported_ones(tmp_path):
-    path = write_gguf(tmp_path / "p.gguf", {"x": (np.ones(4, np.float32), None)}, arch="phi3")
-    with pytest.raises(ValueError, match=r"'phi3'.*llama, qwen2"):
+    path = write_gguf(tmp_path / "p.gguf", {"x": (np.ones(4, np.float32), None)}, arch="falcon")
+    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2, qwen3, phi3, gemma2, gemma3"):
         read_gguf_config(path)
 
 

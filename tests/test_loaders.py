@@ -46,7 +46,7 @@ def hf_logits(path, ids: list[int]) -> torch.Tensor:
 
 
 def run_stages(source: ModelSource, bounds: list[int], ids: list[int],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, quantization: str = "auto") -> torch.Tensor:
     """Push one prompt through the stages [bounds[i], bounds[i+1]); logits of every position."""
     from pipeserve.model.attention import TorchPagedAttention
     cfg = source.load_config()
@@ -55,7 +55,7 @@ def run_stages(source: ModelSource, bounds: list[int], ids: list[int],
     positions = torch.arange(len(ids))
     x: torch.Tensor = torch.tensor(ids)
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        model = load_model(source, cfg, a, b, i == 0, b == cfg.num_layers, dtype, CPU)
+        model = load_model(source, cfg, a, b, i == 0, b == cfg.num_layers, dtype, CPU, quantization=quantization)
         caches = [(torch.zeros(8, 4, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),) * 2
                   for _ in range(b - a)]
         caches = [(k, k.clone()) for k, _ in caches]

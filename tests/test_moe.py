@@ -180,7 +180,7 @@ def _write_config(tmp_path: Path, kind: str, **changes) -> Path:
 
 
 @pytest.mark.parametrize("switch,value", [("scoring_func", "sigmoid"), ("routed_scaling_factor", 2.5),
-                                          ("n_group", 4)])
+                                          ("n_group", 4), ("num_experts_per_tok", 9)])
 def test_unimplemented_moe_switch_is_refused_by_name(tmp_path, switch, value):
     from pipeserve.model.loader.hf import read_hf_config
     path = _write_config(tmp_path, "qwen2_moe", **{switch: value})

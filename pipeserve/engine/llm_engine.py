@@ -42,7 +42,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
-        self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks)
+        self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks,
+                                   rope_switch_len=self.model_config.rope_switch_len)
         self.executor = self._make_executor()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)

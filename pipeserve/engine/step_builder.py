@@ -30,6 +30,7 @@ def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool, mask_of) -> SeqS
         start_pos=start,
         block_table=list(seq.block_table),
         sampling=sampling_inputs(seq, mask) if sample else None,
+        seq_len=seq.num_tokens,
     )
 
 

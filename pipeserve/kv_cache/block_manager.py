@@ -17,9 +17,10 @@ never share a block whose KV is still being written.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from pipeserve.kv_cache.host_pool import HostBlockPool
-from pipeserve.kv_cache.prefix_hash import block_tokens, extend_chain
+from pipeserve.kv_cache.prefix_hash import block_tokens, chain_root, extend_chain
 from pipeserve.sequence import Sequence
 
 
@@ -33,7 +34,8 @@ def _cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 kv_variant: Callable[[Sequence], int] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}: give the KV cache more memory")
         if block_size < 1:
@@ -41,6 +43,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Which KV a sequence computes for its tokens now (0 unless the model's KV
+        # depends on more than the tokens: longrope); variants never share blocks.
+        self._kv_variant = kv_variant or (lambda seq: 0)
         self.host = HostBlockPool(num_host_blocks)
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
@@ -122,8 +127,9 @@ class BlockManager:
             return [], []
         chain: list[int] = []
         blocks: list[int] = []
+        root = chain_root(self._kv_variant(seq))
         for index in range((seq.num_tokens - 1) // self.block_size):
-            extend_chain(chain, seq.token_ids, index + 1, self.block_size)
+            extend_chain(chain, seq.token_ids, index + 1, self.block_size, root)
             block = self._hash_to_block.get(chain[-1])
             if block is None or self._tokens[block] != block_tokens(seq.token_ids, index, self.block_size):
                 chain.pop()
@@ -173,7 +179,7 @@ class BlockManager:
             self._register(seq.block_table[index], chain[index], seq, index)
         start = len(chain)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        extend_chain(chain, seq.token_ids, num_full, self.block_size)
+        extend_chain(chain, seq.token_ids, num_full, self.block_size, chain_root(self._kv_variant(seq)))
         for index in range(start, num_full):
             self._register(seq.block_table[index], chain[index], seq, index)
 

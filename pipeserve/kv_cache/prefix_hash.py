@@ -19,6 +19,13 @@ def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def chain_root(variant: int) -> int:
+    """The parent key of a first block. Sequences whose KV differs for the same
+    tokens (longrope's short and long rotations) chain from different roots, so
+    their blocks never share a key; variant 0 is ``NO_PARENT``."""
+    return NO_PARENT if variant == 0 else hash((NO_PARENT, "variant", variant))
+
+
 def block_tokens(token_ids: SequenceLike[int], index: int, block_size: int) -> tuple[int, ...]:
     """The token ids of block ``index`` of a token stream."""
     start = index * block_size
@@ -26,8 +33,9 @@ def block_tokens(token_ids: SequenceLike[int], index: int, block_size: int) -> t
 
 
 def extend_chain(hashes: list[int], token_ids: SequenceLike[int], num_full_blocks: int,
-                 block_size: int) -> None:
-    """Append the keys of blocks ``len(hashes) .. num_full_blocks - 1`` to ``hashes``."""
+                 block_size: int, root: int = NO_PARENT) -> None:
+    """Append the keys of blocks ``len(hashes) .. num_full_blocks - 1`` to ``hashes``
+    (``root``: the first block's parent, ``chain_root``)."""
     for index in range(len(hashes), num_full_blocks):
-        parent = hashes[-1] if hashes else NO_PARENT
+        parent = hashes[-1] if hashes else root
         hashes.append(block_hash(parent, block_tokens(token_ids, index, block_size)))

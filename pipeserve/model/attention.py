@@ -35,6 +35,9 @@ class AttentionMetadata:
     context_lens: list[int]           # per sequence, new tokens included
     block_tables: list[list[int]]     # per sequence
     block_size: int
+    # Per sequence, the tokens it holds (``SeqStep.seq_len``), set by the runner after
+    # building; empty: the context lengths. Only longrope reads it.
+    seq_lens: list[int] = field(default_factory=list, init=False)
 
     @property
     def num_tokens(self) -> int:

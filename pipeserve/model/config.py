@@ -102,6 +102,16 @@ class ModelConfig:
         )
 
     @property
+    def rope_switch_len(self) -> int | None:
+        """Longrope: a sequence holding more tokens than this rotates with the long
+        factors, so keys written before it grew past must be recomputed (see
+        pipeserve/model/longrope.py); None for every other RoPE."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope" or scaling["short_factor"] == scaling["long_factor"]:
+            return None     # nothing switches (equal factors: one rotation at every length)
+        return int(scaling["original_max_position_embeddings"])
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

@@ -150,3 +150,9 @@ def _refuse_rope(cfg: dict, where: object) -> None:
     partial = scaling.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) if scaling else 1.0
     if float(partial if partial is not None else 1.0) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (RoPE over the whole head)")
+    if kind == "longrope":
+        half = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+        for name in ("short_factor", "long_factor"):
+            if len(scaling.get(name) or ()) != half:
+                raise ValueError(f"{where}: longrope {name} has {len(scaling.get(name) or ())} entries; "
+                                 f"the head needs one per frequency ({half})")

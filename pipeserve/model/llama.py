@@ -152,7 +152,7 @@ class LlamaModel(nn.Module):
 
     def _ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> dict[str, Rope]:
         if isinstance(self.rotary, LongRotaryEmbedding):
-            ropes = {"global": self.rotary(positions, meta.query_lens, meta.context_lens)}
+            ropes = {"global": self.rotary(positions, meta.query_lens, meta.seq_lens or meta.context_lens)}
         else:
             ropes = {"global": self.rotary(positions)}
         if self.local_rotary is not None:

@@ -1,18 +1,23 @@
 """LongRoPE (Phi-3's ``rope_scaling`` type "longrope"), as transformers computes it.
 
-Two sets of per-frequency divisors: ``short_factor`` while a sequence is at
-most ``original_max_position_embeddings`` tokens long, ``long_factor`` once
-it is longer; cos and sin are multiplied by ``attention_factor`` either way.
-Transformers switches on the longest position of its batch; here each
-sequence switches on its own context length, which is the same for one
-sequence (a prompt: its length; a decode: the length so far). Keys already
-cached keep the rotation they were written with, as transformers' forward
-does. Two cases therefore differ from transformers' Phi-3 ``generate()``:
-a sequence that grows past the original length while decoding (generate()
-then drops its cache and recomputes every key with the long factors), and a
-prompt longer than it prefilled in chunks (the chunks within the original
-length rotate with the short factors). Matching both needs the scheduler to
-recompute the sequence at the crossing.
+Two sets of per-frequency divisors: ``short_factor`` while a sequence holds at
+most ``original_max_position_embeddings`` tokens, ``long_factor`` once it holds
+more; cos and sin are multiplied by ``attention_factor`` either way.
+Transformers picks the set by the length it runs (the largest position + 1),
+and Phi-3's ``generate()`` drops its cache once a sequence grows past the
+original length, so every key is then recomputed with the long factors: at
+every step its logits are those of one fresh forward over the whole sequence.
+
+pipeserve gives the same logits (float32 greedy tokens equal ``generate()``'s):
+  - each sequence picks its set by the tokens it holds when scheduled
+    (``SeqStep.seq_len``), not by the chunk's end, so every chunk of a long
+    prompt rotates as the whole prompt does;
+  - a sequence whose keys were written with the short factors and that grows
+    past the original length is recomputed by the scheduler before its next
+    step (``Scheduler``: ``rope_switch_len``), as transformers recomputes it;
+  - prefix-cache keys of sequences longer than the original length are salted
+    (``BlockManager``: ``kv_variant``), so blocks rotated with one set are never
+    shared with a sequence that needs the other.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ class LongRotaryEmbedding(nn.Module):
         self.attention_factor = float(scaling["attention_factor"])
 
     def forward(self, positions: torch.Tensor, query_lens: list[int],
-                context_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] (the flat batch, sequence by sequence with ``query_lens``
-        tokens each) -> (cos, sin), each float32 [n, 1, head_dim]."""
-        long_seq = torch.tensor([c > self.original_len for c in context_lens], dtype=torch.int64)
+        tokens each; ``seq_lens``: the tokens each sequence holds) -> (cos, sin),
+        each float32 [n, 1, head_dim]."""
+        long_seq = torch.tensor([n > self.original_len for n in seq_lens], dtype=torch.int64)
         which = long_seq.repeat_interleave(torch.tensor(query_lens)).to(positions.device)   # [n]
         freqs = positions.float().unsqueeze(1) * self.inv_freq[which]          # [n, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)                   # [n, 1, head_dim]

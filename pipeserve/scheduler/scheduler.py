@@ -9,6 +9,8 @@ flight, in this order (as in vLLM and Sarathi-Serve):
      that preempted: the step would swap out and in at once);
   3. waiting sequences in policy order, stopping at the first that does not
      fit so the order is kept.
+For longrope models (Phi-3) a sequence that outgrew the short rotation of its
+keys first goes back to waiting, to be recomputed (``rope_switch_len``).
 ``on_step_done`` then advances what the micro-batch computed. In-flight
 sequences are never preempted; one aborted in flight keeps its blocks until
 its step is done, since the stages may still be writing them.
@@ -54,10 +56,15 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int,
+                 rope_switch_len: int | None = None) -> None:
+        """``rope_switch_len``: the model's ``ModelConfig.rope_switch_len`` (longrope)."""
         self.config = config
+        self._rope_switch = rope_switch_len
         self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching,
+                                          self._rope_variant if rope_switch_len is not None else None)
+        self._short_rope: set[int] = set()           # seq ids whose KV has longrope's short rotation
         self.policy = make_policy(config.scheduling_policy)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -65,7 +72,8 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}
         self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
         self._prefilled: set[str] = set()            # requests whose first sequence finished its prompt
-        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0)
+        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0,
+                              rope_recomputes=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -105,6 +113,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        self._short_rope.discard(seq.seq_id)
         group = self._groups.get(seq.request_id)
         if group is not None and group.is_finished and \
                 not any(s.seq_id in self._inflight for s in group.seqs):
@@ -149,6 +158,7 @@ class Scheduler:
             "num_preemptions_recompute": c["preemptions_recompute"],
             "num_preemptions_swap": c["preemptions_swap"],
             "num_replayed": c["replayed"],
+            "num_rope_recomputes": c["rope_recomputes"],
             **self.block_manager.stats(),
             **self.policy.stats(),
         }
@@ -165,6 +175,8 @@ class Scheduler:
         if prefill_budget is not None:
             budget.prefill = max(0, prefill_budget)
         out = SchedulerOutput()
+        if self._rope_switch is not None:
+            self._recompute_past_rope_switch()
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
@@ -173,6 +185,27 @@ class Scheduler:
         for item in out.scheduled:
             self._inflight[item.seq.seq_id] = item
         return out
+
+    def _rope_variant(self, seq: Sequence) -> int:
+        """Longrope: 1 once ``seq`` holds more tokens than the switch length (its
+        keys rotate with the long factors), else 0 (the short ones)."""
+        return int(seq.num_tokens > self._rope_switch)
+
+    def _recompute_past_rope_switch(self) -> None:
+        """Longrope: a sequence whose keys have the short rotation and that now holds
+        more than the switch length (its last sampled token crossed it) goes back to
+        waiting and recomputes every key with the long factors, as transformers'
+        Phi-3 ``generate()`` recomputes its cache there (pipeserve/model/longrope.py)."""
+        crossed = [s for s in self.running + self.swapped
+                   if s.seq_id in self._short_rope and s.seq_id not in self._inflight and self._rope_variant(s)]
+        for seq in crossed:
+            self._remove_from_queue(seq)
+            self.block_manager.free(seq)
+            self._short_rope.discard(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.insert(0, seq)
+            self._counters["rope_recomputes"] += 1
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
         ready = [s for s in self.running if s.seq_id not in self._inflight and s.num_uncomputed_tokens > 0]
@@ -278,7 +311,8 @@ class Scheduler:
         """The first sequence of the request, if ``seq`` can fork from it now."""
         first = self._groups[seq.request_id].seqs[0]
         if (self._is_fresh_sibling(seq) and first.status == SequenceStatus.RUNNING
-                and first.num_computed_tokens >= first.num_prompt_tokens):
+                and first.num_computed_tokens >= first.num_prompt_tokens
+                and (self._rope_switch is None or self._rope_variant(first) == self._rope_variant(seq))):
             return first
         return None
 
@@ -288,6 +322,11 @@ class Scheduler:
         return self.config.enable_chunked_prefill or seq.num_tokens > self.config.max_num_batched_tokens
 
     def _add(self, seq: Sequence, num_new: int, budget: _Budget, out: SchedulerOutput) -> None:
+        if self._rope_switch is not None:   # the rotation its keys get (crossing: see above)
+            if self._rope_variant(seq):
+                self._short_rope.discard(seq.seq_id)
+            else:
+                self._short_rope.add(seq.seq_id)
         budget.take(num_new, prefill=seq.is_prefill)
         out.scheduled.append(ScheduledSeq(seq, num_new))
 

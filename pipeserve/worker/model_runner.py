@@ -104,6 +104,7 @@ class ModelRunner:
         context_lens = [s.start_pos + q for s, q in zip(step.seqs, query_lens)]
         meta = self.model.backend.build_metadata(query_lens, context_lens, [s.block_table for s in step.seqs],
                                                  self.block_size, self.device)
+        meta.seq_lens = [s.seq_len or ctx for s, ctx in zip(step.seqs, context_lens)]
         pos = [p for s, q in zip(step.seqs, query_lens) for p in range(s.start_pos, s.start_pos + q)]
         return meta, torch.tensor(pos, dtype=torch.int64, device=self.device)
 

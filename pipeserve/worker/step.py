@@ -44,6 +44,10 @@ class SeqStep:
     start_pos: int
     block_table: list[int]
     sampling: SeqSampling | None = None   # None: no token this step (a non-final prefill chunk)
+    # Tokens the sequence holds (prompt + generated) when scheduled; None: its context
+    # length. Longrope picks its factors by it (transformers picks them by the length
+    # it runs), so every chunk of a long prompt rotates as the whole prompt does.
+    seq_len: int | None = None
 
 
 @dataclass

@@ -39,8 +39,9 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
                 for ours, names in sources.items():
                     _fill(params[ours], ours, [_read(reader, source, n) for n in names])
             return model
-        # Only the rotary buffer is built from the config rather than read: take a real one.
-        model.rotary = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device).rotary
+        # Only the rotary buffers (Gemma 3: two) are built from the config rather than read: take real ones.
+        real = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device)
+        model.rotary, model.local_rotary = real.rotary, real.local_rotary
         model.device = device
         replace_quantized(model, reader, sources, fmt, quantization_group_size, dtype, device)
         materialize_rest(model, sources, dtype, device,

@@ -1,13 +1,20 @@
 """GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized at load.
 
 Tensors are read through the reader's memory map, so a stage touches only the
-bytes of the tensors it asks for.
+bytes of the tensors it asks for. ``GGUF_ARCHITECTURES`` says, per
+``general.architecture``, how llama.cpp's converter (convert_hf_to_gguf.py)
+wrote that family; what the converter leaves out of the metadata is filled in
+as llama.cpp's loader does (src/models/<arch>.cpp), so a file behaves here as
+it does there, except where llama.cpp knowingly departs from transformers
+(Phi-3's sliding window, which it disables; longrope, which it switches per
+context size rather than per sequence length): there we follow transformers.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +23,7 @@ import numpy as np
 import torch
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.families import family_fields
 from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
 from pipeserve.model.quant.packed import PackedWeight
 
@@ -37,7 +45,11 @@ _LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",     # Qwen3's per-head norms
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",           # Phi-3's fused projections
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",   # Gemma
 }
+# Gemma's post_attention_layernorm normalises the attention output (Llama's is the pre-MLP norm).
+_GEMMA_LAYER_NAMES = (("post_attention_layernorm", "post_attention_norm"),)
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 # Mixtral: the router, and each expert's w1 (gate) / w3 (up) / w2 (down) as one slice of
 # a tensor stacking all experts ([E, rows, cols]).
@@ -61,7 +73,53 @@ class GGUFArchitecture:
     qk_rows_permuted: bool        # q/k rows reordered to llama.cpp's interleaved rotary layout
     attention_bias: bool | None   # q/k/v biases: always (True), or as the file has them (None)
     moe_architecture: str | None = None   # what the file loads as when it has experts
-    switches: tuple[tuple[str, object], ...] = ()   # ModelConfig family switches (families.py)
+    layer_names: tuple[tuple[str, str], ...] = ()   # HF module -> GGUF name where it differs from _LAYER_NAMES
+    norm_shift: float = 0.0       # the converter stored every "*norm.weight" plus this (Gemma: 1 + w)
+    # The Hugging Face config keys this family's switches (families.py) read, from the metadata.
+    hf_keys: Callable[["_ArchMetadata", int, int], dict] | None = None
+
+
+def _gemma_keys(meta: "_ArchMetadata", num_layers: int, head_dim: int) -> dict:
+    """Gemma 2 / 3 switches as llama.cpp's loader reads them (src/models/gemma2.cpp, gemma3.cpp)."""
+    gemma2 = meta.arch == "gemma2"
+    heads, hidden = int(meta.require(K.Attention.HEAD_COUNT)), int(meta.require(K.LLM.EMBEDDING_LENGTH))
+    # query_pre_attn_scalar is not in the file: llama.cpp scales by 1/sqrt(hidden / heads) for the
+    # 27B models (46 layers: Gemma 2; 62: Gemma 3, as their configs say) and 1/sqrt(head_dim) otherwise.
+    big = num_layers == (46 if gemma2 else 62)
+    window = meta.get(K.Attention.SLIDING_WINDOW, 4096 if gemma2 else None)
+    keys = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if big else head_dim,
+        # llama.cpp's defaults where the converter wrote no value (Gemma 3 has no attention cap)
+        "attn_logit_softcapping": meta.get(K.LLM.ATTN_LOGIT_SOFTCAPPING, 50.0) if gemma2 else None,
+        "final_logit_softcapping": meta.get(K.LLM.FINAL_LOGIT_SOFTCAPPING, 30.0 if gemma2 else None) or None,
+        "sliding_window": int(window) if window else None,
+        "layer_types": _sliding_layers(meta, num_layers, 2 if gemma2 else 6) if window else None,
+    }
+    if not gemma2:
+        keys["rope_local_base_freq"] = float(meta.get(K.Rope.FREQ_BASE_SWA, 10000.0))
+    return keys
+
+
+def _sliding_layers(meta: "_ArchMetadata", num_layers: int, default_pattern: int) -> list[str]:
+    """llama.cpp's sliding_window_pattern: a per-layer list of booleans, or n (every n-th
+    layer global, the others sliding; 0: all sliding), or the family's default n."""
+    pattern = meta.get(K.Attention.SLIDING_WINDOW_PATTERN, default_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"{meta.arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                             f"for {num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _phi3_keys(meta: "_ArchMetadata", num_layers: int, head_dim: int) -> dict:
+    # llama.cpp disables Phi-3's sliding window (and warns); transformers applies it on every layer.
+    window = int(meta.get(K.Attention.SLIDING_WINDOW, 0) or 0)
+    return {"sliding_window": window or None, "layer_types": None}
 
 
 # general.architecture -> family. Adding a Llama-shaped family is one line here.
@@ -72,10 +130,18 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # Qwen2Model keeps TextModel's default modify_tensors: rows stay as Hugging Face has them.
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", qk_rows_permuted=False, attention_bias=True),
     # Qwen3Model extends Qwen2Model (no permutation); per-head q/k RMSNorm, no biases.
-    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", qk_rows_permuted=False, attention_bias=None,
-                              switches=(("qk_norm", True),)),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", qk_rows_permuted=False, attention_bias=None),
+    # Phi3MiniModel: qkv_proj and gate_up_proj stay fused (attn_qkv, ffn_up); longrope's
+    # factors are the tensors rope_factors_long / rope_factors_short.
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", qk_rows_permuted=False, attention_bias=None, hf_keys=_phi3_keys),
+    # Gemma2Model / Gemma3Model: every norm weight stored as 1 + w; the head tied to the embedding.
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", qk_rows_permuted=False, attention_bias=None,
+                               layer_names=_GEMMA_LAYER_NAMES, norm_shift=1.0, hf_keys=_gemma_keys),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", qk_rows_permuted=False, attention_bias=None,
+                               layer_names=_GEMMA_LAYER_NAMES, norm_shift=1.0, hf_keys=_gemma_keys),
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling as per-dimension divisors of the frequencies
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")   # Phi-3's longrope
 
 
 def gguf_architecture(arch: str, path: Path | str = "the file") -> GGUFArchitecture:
@@ -86,10 +152,18 @@ def gguf_architecture(arch: str, path: Path | str = "the file") -> GGUFArchitect
     return family
 
 
+def family_of(cfg: ModelConfig) -> GGUFArchitecture:
+    """The GGUF family a config read from a GGUF file belongs to."""
+    for family in GGUF_ARCHITECTURES.values():
+        if cfg.architecture in (family.hf_architecture, family.moe_architecture):
+            return family
+    raise ValueError(f"{cfg.architecture} has no GGUF form in pipeserve (GGUF families: "
+                     f"{', '.join(GGUF_ARCHITECTURES)})")
+
+
 def qk_rows_permuted(cfg: ModelConfig) -> bool:
     """Whether a GGUF of this model stores q/k rows in llama.cpp's rotary order."""
-    return any(f.qk_rows_permuted for f in GGUF_ARCHITECTURES.values()
-               if cfg.architecture in (f.hf_architecture, f.moe_architecture))
+    return family_of(cfg).qk_rows_permuted
 
 
 def read_gguf_config(path: Path) -> ModelConfig:
@@ -110,21 +184,25 @@ def read_gguf_config(path: Path) -> ModelConfig:
         raise ValueError(f"{path} is a {arch!r} GGUF without the q/k/v biases that family has "
                          "(blk.0.attn_q.bias is missing); the file looks truncated or mislabelled")
     experts = int(meta.get(K.LLM.EXPERT_COUNT, 0) or 0)   # Mixtral: llama.cpp's "llama" with experts
+    architecture = family.moe_architecture if experts and family.moe_architecture else family.hf_architecture
+    num_layers = int(meta.require(K.LLM.BLOCK_COUNT))
+    hf_keys = {"architectures": [architecture],
+               **(family.hf_keys(meta, num_layers, head_dim) if family.hf_keys else {})}
     eos = _field(reader, K.Tokenizer.EOS_ID)
     bos = _field(reader, K.Tokenizer.BOS_ID)
     return ModelConfig(
-        architecture=family.moe_architecture if experts and family.moe_architecture else family.hf_architecture,
+        architecture=architecture,
         vocab_size=_vocab_size(meta, tensors),
         hidden_size=hidden,
         intermediate_size=int(meta.require(K.LLM.FEED_FORWARD_LENGTH)),
-        num_layers=int(meta.require(K.LLM.BLOCK_COUNT)),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(meta.get(K.Attention.HEAD_COUNT_KV, heads)),
         head_dim=head_dim,
         max_position_embeddings=int(meta.get(K.LLM.CONTEXT_LENGTH, 2048)),
         rms_norm_eps=float(meta.get(K.Attention.LAYERNORM_RMS_EPS, 1e-5)),
         rope_theta=float(meta.get(K.Rope.FREQ_BASE, 10000.0)),
-        rope_scaling=_rope_scaling(meta, path),
+        rope_scaling=_rope_scaling(meta, path, tensors),
         rope_freq_factors=_rope_freq_factors(tensors.get(ROPE_FREQS), head_dim, path),
         attention_bias=bias,
         tie_word_embeddings="output.weight" not in tensors,
@@ -132,7 +210,9 @@ def read_gguf_config(path: Path) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         num_experts=experts,
         num_experts_per_tok=int(meta.get(K.LLM.EXPERT_USED_COUNT, 0) or 0) if experts else 0,
-        **dict(family.switches),
+        sliding_window=hf_keys.get("sliding_window"),
+        layer_types=tuple(hf_keys["layer_types"]) if hf_keys.get("layer_types") else None,
+        **family_fields(hf_keys),
     )
 
 
@@ -153,14 +233,30 @@ class _ArchMetadata:
         return value
 
 
-def _rope_scaling(meta: _ArchMetadata, path: Path) -> dict | None:
+def _rope_scaling(meta: _ArchMetadata, path: Path, tensors: dict) -> dict | None:
+    if ROPE_FACTORS[1] in tensors:
+        return _longrope(meta, path, tensors)
     kind = str(meta.get(K.Rope.SCALING_TYPE, "none"))
     if kind == "none":
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta.require(K.Rope.SCALING_FACTOR))}
     raise ValueError(f"{path} uses {kind!r} RoPE scaling, which pipeserve does not implement "
-                     "(supported in GGUF files: none, linear, and llama3 via rope_freqs)")
+                     "(supported in GGUF files: none, linear, llama3 via rope_freqs, and Phi-3's longrope "
+                     "via rope_factors_long / rope_factors_short)")
+
+
+def _longrope(meta: _ArchMetadata, path: Path, tensors: dict) -> dict:
+    """Phi-3's longrope as Phi3MiniModel writes it: the two factor lists as tensors, the
+    original context length and the cos/sin multiplier (attn_factor) as metadata."""
+    short, long = (tensors.get(name) for name in ROPE_FACTORS)
+    if short is None:
+        raise ValueError(f"{path} has {ROPE_FACTORS[1]} but not {ROPE_FACTORS[0]}; longrope needs both")
+    factors = [gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1).tolist()
+               for t in (short, long)]
+    return {"rope_type": "longrope", "short_factor": factors[0], "long_factor": factors[1],
+            "original_max_position_embeddings": int(meta.require(K.Rope.SCALING_ORIG_CTX_LEN)),
+            "attention_factor": float(meta.require(K.Rope.SCALING_ATTN_FACTOR))}
 
 
 def _rope_freq_factors(tensor, head_dim: int, path: Path) -> tuple[float, ...] | None:
@@ -188,13 +284,14 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def gguf_location(hf_name: str) -> tuple[str, int | None]:
+def gguf_location(hf_name: str, family: GGUFArchitecture | None = None) -> tuple[str, int | None]:
     """(GGUF tensor name, expert index into its stacked first dimension or None)."""
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name], None
     m = _LAYER_RE.fullmatch(hf_name)
-    if m is not None and m.group(2) in _LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}", None
+    names = {**_LAYER_NAMES, **dict(family.layer_names)} if family is not None else _LAYER_NAMES
+    if m is not None and m.group(2) in names:
+        return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}", None
     if m is not None and m.group(2) == _MOE_ROUTER:
         return f"blk.{m.group(1)}.ffn_gate_inp.{m.group(3)}", None
     expert = _EXPERT_RE.fullmatch(m.group(2)) if m is not None else None
@@ -204,8 +301,9 @@ def gguf_location(hf_name: str) -> tuple[str, int | None]:
 
 
 class GGUFWeightReader:
-    """Reads tensors by their Hugging Face names, dequantized to float32 and
-    with llama.cpp's rotary row permutation of q/k undone (where the family has one)."""
+    """Reads tensors by their Hugging Face names, dequantized to float32, with what
+    llama.cpp's converter changed undone: the rotary row permutation of q/k
+    (llama), the 1 added to norm weights (Gemma)."""
 
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
         self.path = path
@@ -216,14 +314,15 @@ class GGUFWeightReader:
         # Stacked expert tensors, dequantized once for all their experts' reads
         # (a layer's gate and up stacks are read alternately: keep the last two).
         self._stacks: dict[str, np.ndarray] = {}
-        self._permuted = qk_rows_permuted(cfg)  # llama yes, qwen2 no
+        self._family = family_of(cfg)
+        self._permuted = self._family.qk_rows_permuted  # llama yes, qwen2 no
 
     def names(self) -> set[str]:
         return set(self._tensors)
 
     def _tensor(self, hf_name: str):
         """(the GGUF tensor holding ``hf_name``, its expert index in a stacked tensor or None)."""
-        name, expert = gguf_location(hf_name)
+        name, expert = gguf_location(hf_name, self._family)
         tensor = self._tensors.get(name)
         if tensor is None:
             raise KeyError(f"tensor {name!r} (for {hf_name!r}) is not in {self.path}")
@@ -238,6 +337,10 @@ class GGUFWeightReader:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
         elif self._permuted and ".attn_k." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_kv_heads)
+        if self._family.norm_shift and hf_name.endswith("norm.weight"):
+            # The file holds x = 1 + w; x - 1 is exact for x >= 0.5, so the norm's 1 + (x - 1)
+            # is transformers' 1 + w bit for bit in float32.
+            array = array - np.float32(self._family.norm_shift)
         if not array.flags.writeable:  # F32 tensors come straight from the read-only memory map
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array))
