@@ -503,6 +503,12 @@ static int64_t split_span(const int64_t *context_lens, int64_t batch, int64_t wi
     return (span + block_size - 1) / block_size * block_size;
 }
 
+/* split_span for tests: keys per range a decode step of these contexts is cut into (0: none). */
+int64_t pipeserve_decode_split_span(const int64_t *context_lens, int64_t batch, int64_t window, int64_t block_size,
+                                    int num_threads) {
+    return split_span(context_lens, batch, window, block_size, num_threads);
+}
+
 /* out_h = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r over the ranges r of one head. */
 static void merge_parts(const float *part, int64_t ranges, int64_t range_stride, int64_t head_dim, float *out) {
     float m = -INFINITY, l = 0.0f;
