@@ -187,12 +187,19 @@ static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
  * (into L2), one tile ahead of need, spread over the loop. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const key_range *r, int64_t t, int64_t rows,
                                                                  int64_t head_bytes) {
-    const int64_t stop = t + PF_AHEAD + rows < r->end ? t + PF_AHEAD + rows : r->end;
-    for (int64_t u = t + PF_AHEAD; u < stop; u++) {
-        const int64_t off = key_offset(r, u);
+    const int64_t u = t + PF_AHEAD, stop = u + rows < r->end ? u + rows : r->end;
+    if (u >= stop) return;
+    /* One division per tile (a 64-bit divide costs as much as scoring a key). */
+    int64_t block = u / r->block_size, row = u % r->block_size;
+    for (int64_t n = stop - u; n > 0; n--) {
+        const int64_t off = (r->table[block] * r->block_size + row) * r->row_stride + r->head_offset;
         for (int64_t b = 0; b < head_bytes; b += 64) {
             _mm_prefetch(r->k + off + b, _MM_HINT_T1);
             _mm_prefetch(r->v + off + b, _MM_HINT_T1);
+        }
+        if (++row == r->block_size) {
+            row = 0;
+            block++;
         }
     }
 }
