@@ -96,6 +96,37 @@ static inline int64_t tile_rows(const key_range *r, int64_t t) {
     return rows < to_block_end ? rows : to_block_end;
 }
 
+/* Key t of a range walked in order: row `row` of the sequence's block `block`,
+ * advanced without a division per step (a 64-bit divide costs about as much
+ * as scoring a key). */
+typedef struct {
+    int64_t t, block, row;
+} key_cursor;
+
+static inline key_cursor cursor_at(const key_range *r, int64_t t) {
+    return (key_cursor){t, t / r->block_size, t % r->block_size};
+}
+
+static inline int64_t cursor_offset(const key_range *r, const key_cursor *c) {
+    return (r->table[c->block] * r->block_size + c->row) * r->row_stride + r->head_offset;
+}
+
+/* Keys of the tile at c: up to TILE, never past the range or the block. */
+static inline int64_t cursor_rows(const key_range *r, const key_cursor *c) {
+    const int64_t to_block_end = r->block_size - c->row;
+    const int64_t rows = r->end - c->t < TILE ? r->end - c->t : TILE;
+    return rows < to_block_end ? rows : to_block_end;
+}
+
+static inline void cursor_advance(const key_range *r, key_cursor *c, int64_t n) {
+    c->t += n;
+    c->row += n;
+    while (c->row >= r->block_size) {
+        c->row -= r->block_size;
+        c->block++;
+    }
+}
+
 /* What an item leaves per query head, PART_HEAD + head_dim floats: the running
  * max m, the sum l of exp(s - m), then the unnormalised output. */
 #define PART_HEAD 2
@@ -183,24 +214,17 @@ static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
     return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
-/* Ask for the K and V rows of keys t + PF_AHEAD .. t + PF_AHEAD + rows - 1
- * (into L2), one tile ahead of need, spread over the loop. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const key_range *r, int64_t t, int64_t rows,
+/* Ask for the K and V rows (into L2) of the next `rows` keys from pf, which runs
+ * PF_AHEAD keys ahead of the tile being computed, and move pf past them. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const key_range *r, key_cursor *pf, int64_t rows,
                                                                  int64_t head_bytes) {
-    const int64_t u = t + PF_AHEAD, stop = u + rows < r->end ? u + rows : r->end;
-    if (u >= stop) return;
-    /* One division per tile (a 64-bit divide costs as much as scoring a key). */
-    int64_t block = u / r->block_size, row = u % r->block_size;
-    for (int64_t n = stop - u; n > 0; n--) {
-        const int64_t off = (r->table[block] * r->block_size + row) * r->row_stride + r->head_offset;
+    for (; rows > 0 && pf->t < r->end; rows--) {
+        const int64_t off = cursor_offset(r, pf);
         for (int64_t b = 0; b < head_bytes; b += 64) {
             _mm_prefetch(r->k + off + b, _MM_HINT_T1);
             _mm_prefetch(r->v + off + b, _MM_HINT_T1);
         }
-        if (++row == r->block_size) {
-            row = 0;
-            block++;
-        }
+        cursor_advance(r, pf, 1);
     }
 }
 
@@ -296,9 +320,10 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     start_parts(part, group, head_dim);
     prefetch_first(r, head_bytes);
     float p[group][TILE];
-    for (int64_t t = r->begin; t < r->end;) {
-        const int64_t rows = tile_rows(r, t), off = key_offset(r, t);
-        prefetch_ahead(r, t, rows, head_bytes);
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    while (at.t < r->end) {
+        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+        prefetch_ahead(r, &pf, rows, head_bytes);
         for (int64_t g = 0; g < group; g++)
             _mm512_storeu_ps(p[g], tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
                                               dtype, elem, nvec, r->softcap, part + g * pstride, head_dim));
@@ -314,7 +339,7 @@ static inline __attribute__((always_inline)) void attend_range_fma(
             }
             for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
         }
-        t += rows;
+        cursor_advance(r, &at, rows);
     }
 }
 
@@ -426,9 +451,10 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     /* Values: each row pair is interleaved once for up to gmax heads (as many as keep
      * their accumulators in registers). */
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
-    for (int64_t t = r->begin; t < r->end;) {
-        const int64_t rows = tile_rows(r, t), off = key_offset(r, t);
-        prefetch_ahead(r, t, rows, head_bytes);
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    while (at.t < r->end) {
+        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+        prefetch_ahead(r, &pf, rows, head_bytes);
         for (int64_t g = 0; g < group; g++) {
             const __m512 pg = tile_probs((const char *)(qs + g * npair), r->k + off, rows, row_stride, DOT_BF16,
                                          DT_BFLOAT16, 2, npair, r->softcap, part + g * pstride, head_dim);
@@ -445,7 +471,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                 default: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 1, npair); break;
             }
         }
-        t += rows;
+        cursor_advance(r, &at, rows);
     }
     for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
