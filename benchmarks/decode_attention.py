@@ -9,9 +9,10 @@ random order as a busy block pool hands them out) that one sweep over them
 reads at least ``--working-set-mb`` MiB, and each timing walks that sweep.
 
 Bandwidth = KV bytes a call must read (K and V rows of every attended token)
-/ time per call; "of read bw" divides it by a plain memory read measured in
-the same run (``torch.sum`` over a float32 tensor of the same working set,
-same threads). The machine is shared: the best of ``--rounds`` is reported.
+/ time per call; "of read" divides it by a plain memory read measured in
+the same run, right before the case (``torch.sum`` over a float32 tensor of
+the same working set, same threads). The machine is shared: the best of
+``--rounds`` is reported for both.
 
     PYTHONPATH=$PWD python benchmarks/decode_attention.py --backends cpu,torch
 """
@@ -111,24 +112,24 @@ def main() -> None:
     backends = {name: select_backend(name, "cpu") for name in args.backends.split(",")}
     if args.compare_kernel:
         backends["other"] = with_decode_from(args.compare_kernel)
-    read = memory_read_gbs(args.working_set_mb, args.rounds)
-    print(f"plain memory read (torch.sum, float32, {args.working_set_mb} MiB, {args.threads} threads): "
-          f"{read:.1f} GB/s")
-    print(f"{'dtype':9} {'batch x ctx':>12} {'KV/call':>9} {'backend':>8} {'us/call':>9} {'GB/s':>6} "
-          f"{'of read bw':>10} {'ns/key/kvh':>10}")
+    print(f"read = plain memory read (torch.sum, float32, {args.working_set_mb} MiB, {args.threads} threads), "
+          f"measured before each case; block size {args.block_size}")
+    print(f"{'dtype':9} {'batch x ctx':>12} {'KV/call':>9} {'read GB/s':>9} {'backend':>8} {'us/call':>9} "
+          f"{'GB/s':>6} {'of read':>8} {'ns/key/kvh':>10}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for spec in args.cases.split(","):
             batch, ctx = (int(x) for x in spec.split("x"))
             case = Case(batch, ctx, dtype, args.heads, args.kv_heads, args.head_dim, args.block_size,
                         args.working_set_mb, seed=batch * 100003 + ctx)
+            read = memory_read_gbs(args.working_set_mb, args.rounds)   # next to each case: the load drifts
             for name, backend in backends.items():
                 case.seconds_per_call(backend, 1)   # warm-up (kernel build, allocator)
                 t = case.seconds_per_call(backend, args.rounds)
                 gbs = case.kv_bytes / t / 1e9
                 per_key = t / (batch * ctx * args.kv_heads) * 1e9
-                print(f"{dtype_name:9} {f'{batch} x {ctx}':>12} {case.kv_bytes / 2 ** 20:7.2f}Mi {name:>8} "
-                      f"{t * 1e6:9.1f} {gbs:6.2f} {gbs / read:9.0%} {per_key:10.1f}", flush=True)
+                print(f"{dtype_name:9} {f'{batch} x {ctx}':>12} {case.kv_bytes / 2 ** 20:7.2f}Mi {read:9.1f} "
+                      f"{name:>8} {t * 1e6:9.1f} {gbs:6.2f} {gbs / read:8.0%} {per_key:10.1f}", flush=True)
             del case
 
 

@@ -316,7 +316,8 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
     const int64_t head_bytes = head_dim * elem, row_stride = r->row_stride;
     __m512 qs[group * nvec];
-    for (int64_t i = 0; i < group * nvec; i++) qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
+    for (int64_t i = 0; i < group * nvec; i++)
+        qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
     start_parts(part, group, head_dim);
     prefetch_first(r, head_bytes);
     float p[group][TILE];
