@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 
@@ -220,3 +221,43 @@ def test_window_and_softcap_change_the_reference():
                        torch.float32, window, softcap)[1]
     plain, windowed, capped = reference(None, None), reference(8, None), reference(8, 5.0)
     assert (plain - windowed).abs().max() > 0.3 and (windowed - capped).abs().max() > 0.3
+
+
+# -- split-K: one long decode cut into key ranges over threads, merged ------------------------------
+
+def _split_span(context_lens: list[int], window: int | None, block_size: int, threads: int) -> int:
+    lib = build.load_kernel("paged_attention")
+    fn = lib.pipeserve_decode_split_span
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    fn.restype = ctypes.c_int64
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    return fn(lens.data_ptr(), len(context_lens), window or 0, block_size, threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (333, None), (None, 5.0)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 5), (6, 2, 24, 16)])
+def test_a_long_decode_split_over_threads_matches_one_thread_and_the_reference(dtype, window, softcap, heads,
+                                                                                kv_heads, head_dim, block_size):
+    context_lens = [1500, 3, 40]   # one long request next to short ones: it is cut, they are not
+    threads = 4
+    span = _split_span(context_lens, window, block_size, threads)
+    assert 0 < span < 1500 and span % block_size == 0 and span >= 128   # the long one is split
+    assert _split_span(context_lens, window, block_size, 1) == 0           # one thread: never
+    outs = {}
+    for n in (1, threads):
+        rng = random.Random(hash((head_dim, window, softcap)) & 0xFFFF)   # the same data for both
+        torch.manual_seed(rng.randrange(1 << 30))
+        old = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            outs[n] = _attend(CpuPagedAttention(), rng, [1] * len(context_lens), context_lens, heads, kv_heads,
+                              head_dim, block_size, dtype, window, softcap)
+        finally:
+            torch.set_num_threads(old)
+    (one, expected), (split, expected_again) = outs[1], outs[threads]
+    assert torch.equal(expected, expected_again)
+    assert (split.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+    # Only the order of the float32 sums differs (bf16 outputs: at most a rounding step apart).
+    assert (split.float() - one.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2 ** -7)

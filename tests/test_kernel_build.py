@@ -3,12 +3,20 @@ a failed build is not retried by every runner or process, and an unwritable cach
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import stat
 
 import pytest
+import torch
 
 from pipeserve.kernels import build
+from pipeserve.model.attention import TorchPagedAttention
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.cpu_attention import CpuPagedAttention, select_backend
+from pipeserve.model.cpu_ops import cpu_elementwise
+from pipeserve.model.llama import LlamaModel
 from tests.kernels import skip_without_kernel
 
 
@@ -57,3 +65,67 @@ def test_a_cache_path_that_is_a_file_still_builds(fresh):
     (fresh / "cache").write_text("not a directory")   # mkdir of cache/kernels fails
     assert build.load_kernel("elementwise") is not None
 
+
+
+# -- one kernel file failing leaves the others on (issue 12) -------------------------------------------
+
+def _compiler_failing_on(fresh, monkeypatch, source: str) -> None:
+    """CC = the real compiler, except for ``source``, whose build fails."""
+    real = shutil.which("gcc") or shutil.which("cc")
+    monkeypatch.setenv("CC", _fake_compiler(
+        fresh / "cc", f'case "$*" in *{source}*) echo "error: poisoned for the test" >&2; exit 1;; esac\n'
+                      f'exec {real} "$@"'))
+    cpu_elementwise.cache_clear()
+
+
+@pytest.fixture
+def clear_elementwise():
+    cpu_elementwise.cache_clear()
+    yield
+    cpu_elementwise.cache_clear()
+
+
+def _tiny_bf16_model(backend) -> LlamaModel:
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 2, 2, 1, 8, 64)
+    return LlamaModel(cfg, 0, 2, True, True, torch.bfloat16, "cpu", backend=backend)
+
+
+def _fused_ops(model: LlamaModel) -> set:
+    return {type(m).__name__ if m.ops is None else "fused" for m in model.modules() if hasattr(type(m), "ops")}
+
+
+def _kernel_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@skip_without_kernel("elementwise")
+def test_the_torch_attention_backend_keeps_the_fused_kernels(clear_elementwise):
+    assert _fused_ops(_tiny_bf16_model(select_backend("torch", "cpu"))) == {"fused"}
+    float_model = LlamaModel(ModelConfig("LlamaForCausalLM", 100, 16, 32, 2, 2, 1, 8, 64), 0, 2, True, True,
+                             torch.float32, "cpu")
+    assert "fused" not in _fused_ops(float_model)   # float32 stays on PyTorch (the reference)
+
+
+@skip_without_kernel("paged_attention")
+def test_a_failed_elementwise_build_leaves_the_attention_kernel_on(fresh, monkeypatch, caplog, clear_elementwise):
+    _compiler_failing_on(fresh, monkeypatch, "elementwise.c")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):   # a second stage in the same process does not warn again
+            backend = select_backend("auto", "cpu")
+            model = _tiny_bf16_model(backend)
+    assert isinstance(backend, CpuPagedAttention)
+    assert "fused" not in _fused_ops(model)
+    warnings = _kernel_warnings(caplog)
+    assert len(warnings) == 1 and "elementwise.c" in warnings[0] and "poisoned" in warnings[0]
+
+
+@skip_without_kernel("elementwise")
+def test_a_failed_attention_build_leaves_the_fused_kernels_on(fresh, monkeypatch, caplog, clear_elementwise):
+    _compiler_failing_on(fresh, monkeypatch, "paged_attention.c")
+    with caplog.at_level(logging.WARNING):
+        backend = select_backend("auto", "cpu")
+        model = _tiny_bf16_model(backend)
+    assert type(backend) is TorchPagedAttention
+    assert _fused_ops(model) == {"fused"}
+    warnings = _kernel_warnings(caplog)
+    assert len(warnings) == 1 and "paged_attention.c" in warnings[0] and "poisoned" in warnings[0]

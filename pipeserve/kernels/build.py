@@ -38,7 +38,7 @@ def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not cc:
         raise KernelBuildError("no C compiler found (install gcc, or set CC); "
-                               "use --attention-backend torch to run without the C kernel")
+                               "pipeserve runs its PyTorch paths without the C kernels")
     return cc
 
 

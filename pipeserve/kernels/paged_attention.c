@@ -1,20 +1,34 @@
-/* Paged decode attention for CPUs: one query token per sequence, keys and
- * values read in place from the paged cache (no gathered copy).
+/* Paged attention kernels for CPUs: keys and values read in place from the
+ * paged cache (no gathered copy). Built by pipeserve/kernels/build.py with -O3
+ * -march=native -fopenmp; called through ctypes, which releases the GIL.
  *
  * Cache layout (as pipeserve.model.attention): K and V are each
  * [num_blocks, block_size, kv_heads, head_dim]; token p of sequence b lives in
  * block block_tables[b][p / block_size], row p % block_size.
  *
- * Work item = (sequence, kv head): the G = heads / kv_heads query heads that
- * share a kv head read each key and value row once. Scores are kept for the
- * whole context (two-pass softmax), accumulation is in float32 whatever the
- * cache dtype. Built by pipeserve/kernels/build.py with -O3 -march=native
- * -fopenmp; called through ctypes, which releases the GIL.
- *
  * Per call (one layer): a sliding window W > 0 limits the query at position p
  * to keys p - W < j <= p (transformers' convention; W = 0: no window), so a
  * decode reads only the blocks its window touches; a soft cap c > 0 maps each
  * scaled score s to c tanh(s / c) before the softmax (Gemma 2; c = 0: none).
+ *
+ * Decode (one query token per sequence) is a stream over memory: each key and
+ * value row is used once per step, so the kernel is built to keep the memory
+ * busy rather than to save arithmetic.
+ * - Work item = (sequence, kv head, range of keys). The G = heads / kv_heads
+ *   query heads that share the kv head are scored against up to 16 keys at
+ *   once, folded into a running max and sum (online softmax, as flash
+ *   decoding), and the same rows' values are accumulated right away: one pass
+ *   over K and V, accumulation in float32 whatever the cache dtype.
+ * - Blocks sit anywhere in memory, so the hardware prefetcher (which follows
+ *   a stream within a page) loses every block boundary; the loop asks for the
+ *   rows PF_AHEAD keys ahead (K and V, into L2) while it works on the current
+ *   ones. Measured on the 2-core development VM: reading 6 KiB blocks in random
+ *   order went from ~4 to ~9 GB/s on one core with this (benchmarks/README.md).
+ * - Split-K: when one sequence holds a large share of the step's keys (a single
+ *   long request), its keys are cut into ranges of whole blocks so every thread
+ *   has work; each range leaves per query head its max m, sum l of exp(s - m)
+ *   and unnormalised output, and a last pass merges the ranges of a sequence
+ *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +39,20 @@
 
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2 };
 
+/* Keys per tile: one tree reduction (hsum16) scores 16 keys of a head. */
+#define TILE 16
+/* Keys ahead whose rows are prefetched (2 blocks of 16). On the development VM
+ * 16, 32 and 64 measured alike; no prefetch or whole blocks at once were ~2x
+ * slower on blocks in random order. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 32
+#endif
+/* Split-K: aim for this many key ranges per thread over the step, so that
+ * dynamic scheduling evens out; a range is at least SPLIT_MIN_KEYS keys (the
+ * merge and the per-range setup cost about as much as a few keys). */
+#define SPLIT_PER_THREAD 8
+#define SPLIT_MIN_KEYS 128
+
 /* Row of `n` cache elements -> float32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float *restrict dst) {
     if (dtype == DT_FLOAT32) {
@@ -32,11 +60,7 @@ static inline void load_row(const void *src, int dtype, int64_t n, float *restri
     } else if (dtype == DT_BFLOAT16) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            union { uint32_t u; float f; } v;
-            v.u = (uint32_t)s[i] << 16;
-            dst[i] = v.f;
-        }
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
     } else {
         const _Float16 *s = (const _Float16 *)src;
 #pragma omp simd
@@ -44,85 +68,134 @@ static inline void load_row(const void *src, int dtype, int64_t n, float *restri
     }
 }
 
-/* s <- c tanh(s / c): Gemma 2's attention logit soft cap. */
-static void softcap_inplace(float *s, int64_t n, float cap) {
-    const float inv = 1.0f / cap;
-#pragma omp simd
-    for (int64_t t = 0; t < n; t++) s[t] = cap * tanh_f32(s[t] * inv);
-}
-
 /* The first key a decode at position ctx - 1 sees. */
 static inline int64_t window_start(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
-/* s <- exp(s - max s); returns 1 / sum (the caller scales the output once). */
-static float softmax_inplace(float *s, int64_t n) {
-    float m = s[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) {
-        s[t] = exp_f32(s[t] - m);
-        sum += s[t];
-    }
-    return 1.0f / sum;
+/* One work item: keys begin .. end - 1 of one sequence, one kv head. */
+typedef struct {
+    const char *k, *v;          /* the layer's caches */
+    const int64_t *table;       /* the sequence's block table */
+    int64_t begin, end;
+    int64_t head_offset;        /* bytes from a row's start to this kv head */
+    int64_t row_stride;         /* bytes between tokens of a block */
+    int64_t block_size, group;
+    float scale, softcap;
+} key_range;
+
+/* Byte offset of key t's row (this kv head) in either cache. */
+static inline int64_t key_offset(const key_range *r, int64_t t) {
+    return (r->table[t / r->block_size] * r->block_size + t % r->block_size) * r->row_stride + r->head_offset;
 }
 
-/* Keys first .. ctx - 1 of one (sequence, kv head), any head_dim. */
-static void attend_one(const float *restrict q, const char *k_cache, const char *v_cache, int dtype,
-                       int64_t elem, const int64_t *table, int64_t first, int64_t ctx, int64_t kv_head,
-                       int64_t group, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                       float scale, float softcap, float *restrict work, float *restrict out) {
-    /* work: scores [group][n], then query [group][head_dim], row [head_dim], acc [group][head_dim] */
-    const int64_t n = ctx - first;
-    float *scores = work;
-    float *qs = scores + group * n;
-    float *row = qs + group * head_dim;
-    float *acc = row + head_dim;
-    const int64_t row_stride = kv_heads * head_dim * elem;      /* bytes between tokens of a block */
-    const int64_t block_stride = block_size * row_stride;
-    const int64_t head_offset = kv_head * head_dim * elem;
+/* Keys of the tile that starts at t: up to TILE, never past the range or the block. */
+static inline int64_t tile_rows(const key_range *r, int64_t t) {
+    const int64_t to_block_end = r->block_size - t % r->block_size;
+    int64_t rows = r->end - t < TILE ? r->end - t : TILE;
+    return rows < to_block_end ? rows : to_block_end;
+}
 
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < head_dim; d++) qs[g * head_dim + d] = q[g * head_dim + d] * scale;
+/* Key t of a range walked in order: row `row` of the sequence's block `block`,
+ * advanced without a division per step (a 64-bit divide costs about as much
+ * as scoring a key). */
+typedef struct {
+    int64_t t, block, row;
+} key_cursor;
 
-    for (int64_t t = first; t < ctx; t++) {
-        load_row(k_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset,
-                 dtype, head_dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qs + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * row[d];
-            scores[g * n + t - first] = dot;
-        }
+static inline key_cursor cursor_at(const key_range *r, int64_t t) {
+    return (key_cursor){t, t / r->block_size, t % r->block_size};
+}
+
+static inline int64_t cursor_offset(const key_range *r, const key_cursor *c) {
+    return (r->table[c->block] * r->block_size + c->row) * r->row_stride + r->head_offset;
+}
+
+/* Keys of the tile at c: up to TILE, never past the range or the block. */
+static inline int64_t cursor_rows(const key_range *r, const key_cursor *c) {
+    const int64_t to_block_end = r->block_size - c->row;
+    const int64_t rows = r->end - c->t < TILE ? r->end - c->t : TILE;
+    return rows < to_block_end ? rows : to_block_end;
+}
+
+static inline void cursor_advance(const key_range *r, key_cursor *c, int64_t n) {
+    c->t += n;
+    c->row += n;
+    while (c->row >= r->block_size) {
+        c->row -= r->block_size;
+        c->block++;
     }
+}
 
-    float inv_sum[group];
+/* What an item leaves per query head, PART_HEAD + head_dim floats: the running
+ * max m, the sum l of exp(s - m), then the unnormalised output. */
+#define PART_HEAD 2
+
+static void start_parts(float *part, int64_t group, int64_t head_dim) {
     for (int64_t g = 0; g < group; g++) {
-        if (softcap > 0.0f) softcap_inplace(scores + g * n, n, softcap);
-        inv_sum[g] = softmax_inplace(scores + g * n, n);
+        float *pg = part + g * (PART_HEAD + head_dim);
+        pg[0] = -INFINITY;
+        pg[1] = 0.0f;
+        memset(pg + PART_HEAD, 0, (size_t)head_dim * sizeof(float));
     }
+}
 
-    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    for (int64_t t = first; t < ctx; t++) {
-        load_row(v_cache + table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset,
-                 dtype, head_dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * n + t - first];
-            float *a = acc + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
-        }
+/* Fold scores s[0 .. rows) of one head into its part: s <- exp(s - m_new), and
+ * the head's output so far scaled by exp(m - m_new) (skipped when the max holds). */
+static void fold_scores(float *s, int64_t rows, float softcap, float *part, int64_t head_dim) {
+    if (softcap > 0.0f)
+        for (int64_t i = 0; i < rows; i++) s[i] = softcap * tanh_f32(s[i] / softcap);
+    float mx = part[0];
+    for (int64_t i = 0; i < rows; i++) mx = s[i] > mx ? s[i] : mx;
+    const float alpha = exp_f32(part[0] - mx);   /* exactly 1 when the max holds */
+    float sum = 0.0f;
+    for (int64_t i = 0; i < rows; i++) {
+        s[i] = exp_f32(s[i] - mx);
+        sum += s[i];
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+    part[0] = mx;
+    part[1] = part[1] * alpha + sum;
+    if (alpha != 1.0f)
+        for (int64_t d = 0; d < head_dim; d++) part[PART_HEAD + d] *= alpha;
+}
+
+/* Any head_dim, any CPU. */
+static void attend_range_scalar(const float *restrict q, const key_range *r, int dtype, int64_t head_dim,
+                                float *restrict part) {
+    const int64_t group = r->group, pstride = PART_HEAD + head_dim;
+    float qs[group * head_dim], row[head_dim], s[group][TILE];
+    for (int64_t i = 0; i < group * head_dim; i++) qs[i] = q[i] * r->scale;
+    start_parts(part, group, head_dim);
+    for (int64_t t = r->begin; t < r->end;) {
+        const int64_t rows = tile_rows(r, t);
+        for (int64_t i = 0; i < rows; i++) {
+            load_row(r->k + key_offset(r, t + i), dtype, head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; d++) dot += qs[g * head_dim + d] * row[d];
+                s[g][i] = dot;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) fold_scores(s[g], rows, r->softcap, part + g * pstride, head_dim);
+        for (int64_t i = 0; i < rows; i++) {
+            load_row(r->v + key_offset(r, t + i), dtype, head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                float *acc = part + g * pstride + PART_HEAD;
+                const float p = s[g][i];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p * row[d];
+            }
+        }
+        t += rows;
+    }
 }
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* Fully unrolled loops over heads and vectors keep the accumulators in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
 
 /* 16 cache elements -> 16 floats. `dtype` is a constant in each caller. */
 static inline __attribute__((always_inline)) __m512 load16(const char *src, int dtype) {
@@ -133,29 +206,36 @@ static inline __attribute__((always_inline)) __m512 load16(const char *src, int 
     return _mm512_loadu_ps((const float *)src);
 }
 
-/* Ask for the next block while the current one is used. */
-/* Blocks ahead that the bf16 decode path prefetches. On the 2-core development VM
- * distances 1-4, the T0/T1/T2 hints and no prefetch at all measured within noise
- * (about 100-120 ns per key on scattered blocks, 60-80 on consecutive ones): its
- * hardware prefetcher does the work. Kept for CPUs whose prefetcher stops at a
- * block boundary. */
-#ifndef PF_DIST
-#define PF_DIST 2
-#endif
-static inline void prefetch_lines(const char *start, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+/* The max of 16 lanes, in every lane. */
+static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
-/* The block that holds tokens start .. start + rows - 1 (start a multiple of
- * block_size), for walking a sequence's blocks in order; asks for the block
- * PF_DIST ahead meanwhile. */
-static inline __attribute__((always_inline)) const char *walk_block(
-        const char *cache, const int64_t *table, int64_t start, int64_t ctx, int64_t block_size,
-        int64_t block_stride, int64_t *rows) {
-    *rows = ctx - start < block_size ? ctx - start : block_size;
-    if (start + PF_DIST * block_size < ctx)
-        prefetch_lines(cache + table[start / block_size + PF_DIST] * block_stride, block_stride);
-    return cache + table[start / block_size] * block_stride;
+/* Ask for the K and V rows (into L2) of the next `rows` keys from pf, which runs
+ * PF_AHEAD keys ahead of the tile being computed, and move pf past them. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const key_range *r, key_cursor *pf, int64_t rows,
+                                                                 int64_t head_bytes) {
+    for (; rows > 0 && pf->t < r->end; rows--) {
+        const int64_t off = cursor_offset(r, pf);
+        for (int64_t b = 0; b < head_bytes; b += 64) {
+            _mm_prefetch(r->k + off + b, _MM_HINT_T1);
+            _mm_prefetch(r->v + off + b, _MM_HINT_T1);
+        }
+        cursor_advance(r, pf, 1);
+    }
+}
+
+/* The first PF_AHEAD keys' rows, at the start of an item. */
+static void prefetch_first(const key_range *r, int64_t head_bytes) {
+    const int64_t stop = r->begin + PF_AHEAD < r->end ? r->begin + PF_AHEAD : r->end;
+    for (int64_t u = r->begin; u < stop; u++)
+        for (int64_t b = 0; b < head_bytes; b += 64) {
+            _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T0);
+            _mm_prefetch(r->v + key_offset(r, u) + b, _MM_HINT_T1);
+        }
 }
 
 /* Sixteen vectors -> one vector of their sixteen horizontal sums (lane j = sum of d[j]):
@@ -197,144 +277,108 @@ static inline __attribute__((always_inline)) __m512 row_dot(const char *qh, cons
     return dot;
 }
 
-/* Scores of one sequence: scores[h][t - first] = q_h . k_t for every head and
- * key t in first .. ctx - 1, the blocks walked once each (all kv heads of a row
- * together, so every cache line is read once and in order), sixteen keys per
- * tree reduction. qs holds each head's query, q_head_bytes apart, in the form
- * row_dot takes. */
-static inline __attribute__((always_inline)) void score_pass(
-        const char *qs, int64_t q_head_bytes, const int kind, const int dtype, const int64_t elem,
-        const int64_t nvec, const char *k_cache, const int64_t *table, int64_t first, int64_t ctx, int64_t heads,
-        int64_t group, int64_t head_bytes, int64_t row_stride, int64_t block_size, float *restrict scores) {
-    const int64_t block_stride = block_size * row_stride, n = ctx - first;
-    const int64_t first_block = first / block_size;
-    for (int64_t b = first_block; b < first_block + PF_DIST && b * block_size < ctx; b++)
-        prefetch_lines(k_cache + table[b] * block_stride, block_stride);
-    for (int64_t start = first_block * block_size; start < ctx; start += block_size) {
-        int64_t rows;
-        const char *block = walk_block(k_cache, table, start, ctx, block_size, block_stride, &rows);
-        const int64_t skip = start < first ? first - start : 0;   /* rows before the window */
-        for (int64_t h = 0; h < heads; h++) {
-            const char *qh = qs + h * q_head_bytes;
-            const char *head = block + (h / group) * head_bytes + skip * row_stride;
-            float *sh = scores + h * n + (start + skip - first);
-            int64_t i = 0;
-            for (; i + 16 <= rows - skip; i += 16) {
-                __m512 dots[16];
-                for (int j = 0; j < 16; j++) dots[j] = row_dot(qh, head + (i + j) * row_stride, kind, dtype, elem, nvec);
-                _mm512_storeu_ps(sh + i, hsum16(dots));
-            }
-            for (; i < rows - skip; i++)
-                sh[i] = _mm512_reduce_add_ps(row_dot(qh, head + i * row_stride, kind, dtype, elem, nvec));
-        }
+/* Scores of one head against the tile's `rows` keys (lanes past rows: -inf),
+ * soft-capped, folded into the head's part (running max and sum, output
+ * rescaled when the max grows). Returns the probabilities exp(s - m), 0 past rows. */
+static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, const char *keys, int64_t rows,
+                                                               int64_t row_stride, const int kind, const int dtype,
+                                                               const int64_t elem, const int64_t nvec,
+                                                               float softcap, float *part, int64_t acc_len) {
+    __m512 dots[TILE];
+    UNROLL
+    for (int j = 0; j < TILE; j++)
+        dots[j] = j < rows ? row_dot(qh, keys + j * row_stride, kind, dtype, elem, nvec) : _mm512_setzero_ps();
+    __m512 s = hsum16(dots);
+    if (softcap > 0.0f)
+        s = _mm512_mul_ps(_mm512_set1_ps(softcap), tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / softcap))));
+    const __mmask16 valid = (__mmask16)((1u << rows) - 1u);
+    s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
+    const __m512 m_new = _mm512_max_ps(max16(s), _mm512_set1_ps(part[0]));
+    const float m = _mm512_cvtss_f32(m_new);
+    if (m > part[0]) {   /* rescale what was summed so far */
+        const float alpha = exp_f32(part[0] - m);
+        const __m512 va = _mm512_set1_ps(alpha);
+        part[1] *= alpha;
+        for (int64_t d = 0; d < acc_len; d += 16)
+            _mm512_storeu_ps(part + PART_HEAD + d, _mm512_mul_ps(_mm512_loadu_ps(part + PART_HEAD + d), va));
+        part[0] = m;
     }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, m_new)));
+    part[1] += _mm512_reduce_add_ps(p);
+    return p;
 }
 
-/* Soft cap (c > 0) and softmax of each head's n scores; inv_sum[h] = 1 / sum. */
-static void normalise_scores(float *scores, int64_t heads, int64_t n, float softcap, float *inv_sum) {
-    for (int64_t h = 0; h < heads; h++) {
-        if (softcap > 0.0f) softcap_inplace(scores + h * n, n, softcap);
-        inv_sum[h] = softmax_inplace(scores + h * n, n);
-    }
-}
-
-/* One sequence, every head, for head_dim = 16 * nvec (nvec <= 16). Blocks are
- * walked once each for K and for V, all kv heads of a row together, so every
- * cache line is read from memory once and in order. Each caller passes a
- * constant nvec, so the per-head accumulators live in registers. */
-static inline __attribute__((always_inline)) void attend_seq_avx512(
-        const float *restrict q, const char *k_cache, const char *v_cache, const int dtype,
-        const int64_t elem, const int64_t nvec, const int64_t *table, int64_t first, int64_t ctx, int64_t heads,
-        int64_t kv_heads, int64_t block_size, float scale, float softcap, float *restrict work,
-        float *restrict out) {
-    const int64_t group = heads / kv_heads, n = ctx - first;
-    float *scores = work;                         /* [heads][n] */
-    float *acc = scores + heads * n;              /* [heads][16 * nvec] */
-    __m512 qs[heads * nvec];
-    const int64_t head_bytes = 16 * nvec * elem;
-    const int64_t row_stride = kv_heads * head_bytes;   /* bytes between tokens of a block */
-    const int64_t block_stride = block_size * row_stride;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < heads * nvec; i++) qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), vscale);
-
-    score_pass((const char *)qs, nvec * (int64_t)sizeof(__m512), DOT_FMA, dtype, elem, nvec, k_cache, table, first,
-               ctx, heads, group, head_bytes, row_stride, block_size, scores);
-
-    float inv_sum[heads];
-    normalise_scores(scores, heads, n, softcap, inv_sum);
-
-    /* Values: out_h = sum_t p_h[t] v[t], one head at a time over a block (the
-     * block stays in L1 for the next head). */
-    memset(acc, 0, (size_t)(heads * nvec * 16) * sizeof(float));
-    for (int64_t start = first - first % block_size; start < ctx; start += block_size) {
-        int64_t rows;
-        const char *block = walk_block(v_cache, table, start, ctx, block_size, block_stride, &rows);
-        const int64_t skip = start < first ? first - start : 0;
-        rows -= skip;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *ph = scores + h * n + (start + skip - first);
-            const char *head = block + (h / group) * head_bytes + skip * row_stride;
+/* head_dim = 16 * nvec (nvec <= 16), any cache dtype: rows widened to float32,
+ * FMAs. Each caller passes constant dtype and nvec. */
+static inline __attribute__((always_inline)) void attend_range_fma(
+        const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nvec,
+        float *restrict part) {
+    const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
+    const int64_t head_bytes = head_dim * elem, row_stride = r->row_stride;
+    __m512 qs[group * nvec];
+    for (int64_t i = 0; i < group * nvec; i++)
+        qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
+    start_parts(part, group, head_dim);
+    prefetch_first(r, head_bytes);
+    float p[group][TILE];
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    while (at.t < r->end) {
+        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+        prefetch_ahead(r, &pf, rows, head_bytes);
+        for (int64_t g = 0; g < group; g++)
+            _mm512_storeu_ps(p[g], tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
+                                              dtype, elem, nvec, r->softcap, part + g * pstride, head_dim));
+        const char *values = r->v + off;
+        for (int64_t g = 0; g < group; g++) {
+            float *acc = part + g * pstride + PART_HEAD;
             __m512 a[nvec];
-            for (int64_t v = 0; v < nvec; v++) a[v] = _mm512_loadu_ps(acc + (h * nvec + v) * 16);
+            for (int64_t v = 0; v < nvec; v++) a[v] = _mm512_loadu_ps(acc + 16 * v);
             for (int64_t i = 0; i < rows; i++) {
-                const char *src = head + i * row_stride;
-                const __m512 p = _mm512_set1_ps(ph[i]);
+                const __m512 pi = _mm512_set1_ps(p[g][i]);
                 for (int64_t v = 0; v < nvec; v++)
-                    a[v] = _mm512_fmadd_ps(p, load16(src + 16 * v * elem, dtype), a[v]);
+                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * elem, dtype), a[v]);
             }
-            for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + (h * nvec + v) * 16, a[v]);
+            for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
         }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        for (int64_t v = 0; v < nvec; v++)
-            _mm512_storeu_ps(out + (h * nvec + v) * 16,
-                             _mm512_mul_ps(_mm512_loadu_ps(acc + (h * nvec + v) * 16), inv));
+        cursor_advance(r, &at, rows);
     }
 }
 
-/* One function per (cache dtype, head_dim): 64 and 128 get constant loop
- * bounds, other multiples of 16 share a generic one. */
-#define ATTEND_AVX512(NAME, DTYPE, ELEM, NVEC)                                                         \
-    static void NAME(const float *q, const char *k, const char *v, const int64_t *table, int64_t first, \
-                     int64_t ctx, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, \
-                     float scale, float softcap, float *work, float *out) {                            \
-        attend_seq_avx512(q, k, v, DTYPE, ELEM, (NVEC) ? (NVEC) : head_dim / 16, table, first, ctx,    \
-                          heads, kv_heads, block_size, scale, softcap, work, out);                     \
-    }
-ATTEND_AVX512(attend_avx512_f32_64, DT_FLOAT32, 4, 4)
-ATTEND_AVX512(attend_avx512_bf16_64, DT_BFLOAT16, 2, 4)
-ATTEND_AVX512(attend_avx512_f16_64, DT_FLOAT16, 2, 4)
-ATTEND_AVX512(attend_avx512_f32_128, DT_FLOAT32, 4, 8)
-ATTEND_AVX512(attend_avx512_bf16_128, DT_BFLOAT16, 2, 8)
-ATTEND_AVX512(attend_avx512_f16_128, DT_FLOAT16, 2, 8)
-ATTEND_AVX512(attend_avx512_f32_any, DT_FLOAT32, 4, 0)
-ATTEND_AVX512(attend_avx512_bf16_any, DT_BFLOAT16, 2, 0)
-ATTEND_AVX512(attend_avx512_f16_any, DT_FLOAT16, 2, 0)
+typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 
-typedef void (*attend_fn)(const float *, const char *, const char *, const int64_t *, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float, float *, float *);
+#define RANGE_FMA(NAME, DTYPE, ELEM, NVEC)                                                              \
+    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+        (void)dtype;                                                                                   \
+        attend_range_fma(q, r, DTYPE, ELEM, (NVEC) ? (NVEC) : head_dim / 16, part);                    \
+    }
+RANGE_FMA(range_f32_64, DT_FLOAT32, 4, 4)
+RANGE_FMA(range_bf16_64, DT_BFLOAT16, 2, 4)
+RANGE_FMA(range_f16_64, DT_FLOAT16, 2, 4)
+RANGE_FMA(range_f32_128, DT_FLOAT32, 4, 8)
+RANGE_FMA(range_bf16_128, DT_BFLOAT16, 2, 8)
+RANGE_FMA(range_f16_128, DT_FLOAT16, 2, 8)
+RANGE_FMA(range_f32_any, DT_FLOAT32, 4, 0)
+RANGE_FMA(range_bf16_any, DT_BFLOAT16, 2, 0)
+RANGE_FMA(range_f16_any, DT_FLOAT16, 2, 0)
 
 #if defined(__AVX512BF16__)
 /* bfloat16 caches on CPUs with AVX512_BF16: products of bf16 pairs summed in
  * float32 by one instruction (vdpbf16ps), so rows are never widened.
  * Scores: q (rounded to bf16) . k, 32 dims per instruction. Values: two
  * tokens per instruction, their rows interleaved, against the pair of their
- * probabilities (rounded to bf16, as the PyTorch path does before its PV
- * matmul). head_dim = 32 * npair. */
-
-/* One block's values for GN query heads sharing a kv head (head_dim = 32 * npair):
- * acc_g += p_g[t] v[t] over the block's rows, two rows per vdpbf16ps (their
- * rows interleaved, against the pair of their bf16 probabilities). A missing
- * second row is zero, so whatever probability pairs with it adds nothing. */
+ * probabilities (rounded to bf16, as the PyTorch path rounds its
+ * probabilities before the PV matmul). head_dim = 32 * npair. */
 #define PV_MAX_G 4
 #define PV_MAX_PAIRS 8
-/* Fully unrolled loops over heads and vectors keep the accumulators in registers. */
-#define UNROLL _Pragma("GCC unroll 16")
-static inline __attribute__((always_inline)) void pv_block_bf16(
+
+/* One tile's values for GN query heads sharing a kv head:
+ * acc_g += p_g[t] v[t] over the tile's rows, two rows per vdpbf16ps. A missing
+ * second row is zero, so whatever probability pairs with it adds nothing.
+ * acc_g keeps its dims in vdpbf16ps' order (see unscramble). */
+static inline __attribute__((always_inline)) void pv_tile_bf16(
         const char *head, int64_t rows, int64_t row_stride, const uint16_t *p, int64_t pstride,
         float *acc, int64_t acc_stride, const int GN, const int64_t npair) {
-    if (npair > PV_MAX_PAIRS) __builtin_unreachable();   /* head_dim <= 256 (pick_avx512) */
+    if (npair > PV_MAX_PAIRS) __builtin_unreachable();   /* head_dim <= 256 (pick_range) */
     __m512 lo[PV_MAX_G][PV_MAX_PAIRS], hi[PV_MAX_G][PV_MAX_PAIRS];
     UNROLL
     for (int g = 0; g < GN; g++) {
@@ -377,126 +421,141 @@ static inline __attribute__((always_inline)) void pv_block_bf16(
     }
 }
 
-static inline __attribute__((always_inline)) void attend_seq_bf16dp(
-        const float *restrict q, const char *k_cache, const char *v_cache, const int64_t npair,
-        const int64_t *table, int64_t first, int64_t ctx, int64_t heads, int64_t kv_heads, int64_t block_size,
-        float scale, float softcap, float *restrict work, float *restrict out) {
-    const int64_t group = heads / kv_heads, n = ctx - first;
-    const int64_t head_dim = 32 * npair;
-    float *scores = work;                         /* [heads][n] */
-    float *acc = scores + heads * n;              /* [heads][2][head_dim]: lo and hi halves */
-    __m512bh qs[heads * npair];
-    const int64_t head_bytes = head_dim * 2;
-    const int64_t row_stride = kv_heads * head_bytes;
-    const int64_t block_stride = block_size * row_stride;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t w = 0; w < npair; w++) {
-            const float *src = q + h * head_dim + 32 * w;
-            qs[h * npair + w] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(src + 16), _mm512_set1_ps(scale)),
-                                                    _mm512_mul_ps(_mm512_loadu_ps(src), _mm512_set1_ps(scale)));
-        }
-
-    score_pass((const char *)qs, npair * (int64_t)sizeof(__m512bh), DOT_BF16, DT_BFLOAT16, 2, npair, k_cache, table,
-               first, ctx, heads, group, head_bytes, row_stride, block_size, scores);
-
-    const int64_t first_block = first / block_size;
-    for (int64_t b = first_block; b < first_block + PF_DIST && b * block_size < ctx; b++)
-        prefetch_lines(v_cache + table[b] * block_stride, block_stride);   /* the first values, during the softmax */
-    float inv_sum[heads];
-    normalise_scores(scores, heads, n, softcap, inv_sum);
-
-    /* Probabilities -> bf16 once (the PyTorch path rounds them before its PV matmul too). */
-    uint16_t *probs = (uint16_t *)(acc + heads * 2 * head_dim);   /* [heads][n + 2] */
-    const int64_t pstride = n + 2;
-    for (int64_t h = 0; h < heads; h++) {
-        const float *sh = scores + h * n;
-        uint16_t *ph = probs + h * pstride;
-        int64_t t = 0;
-        for (; t + 32 <= n; t += 32)
-            _mm512_storeu_si512(ph + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sh + t + 16),
-                                                                     _mm512_loadu_ps(sh + t)));
-        for (; t < n; t++) ph[t] = f32_to_bf16(sh[t]);
-        ph[n] = ph[n + 1] = 0;   /* the pair partner of a last odd row */
+/* pv_tile_bf16's order -> dim order: lane 4L + k of lo[w] (acc + 32w) holds dim
+ * 32w + 8L + k, of hi[w] (acc + 32w + 16) dim 32w + 8L + 4 + k (k < 4). */
+static void unscramble(float *acc, int64_t npair) {
+    for (int64_t w = 0; w < npair; w++) {
+        float tmp[32];
+        for (int64_t lane = 0; lane < 4; lane++)
+            for (int64_t k = 0; k < 4; k++) {
+                tmp[8 * lane + k] = acc[32 * w + 4 * lane + k];
+                tmp[8 * lane + 4 + k] = acc[32 * w + 16 + 4 * lane + k];
+            }
+        memcpy(acc + 32 * w, tmp, sizeof tmp);
     }
+}
 
-    /* Values: each kv head's rows are loaded and interleaved once per block for
-     * up to gmax of the query heads that share it (as many as keep their
-     * accumulators in registers). */
-    memset(acc, 0, (size_t)(heads * 2 * head_dim) * sizeof(float));
+static inline __attribute__((always_inline)) void attend_range_bf16dp(
+        const float *restrict q, const key_range *r, const int64_t npair, float *restrict part) {
+    const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
+    const int64_t head_bytes = head_dim * 2, row_stride = r->row_stride;
+    __m512bh qs[group * npair];
+    const __m512 vscale = _mm512_set1_ps(r->scale);
+    for (int64_t i = 0; i < group * npair; i++)
+        qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
+                                    _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
+    start_parts(part, group, head_dim);
+    prefetch_first(r, head_bytes);
+    /* Probabilities as bf16, TILE + 2 per head: the pair partner of a last odd row is 0. */
+    uint16_t p[group][TILE + 2];
+    memset(p, 0, sizeof p);
+    /* Values: each row pair is interleaved once for up to gmax heads (as many as keep
+     * their accumulators in registers). */
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
-    for (int64_t start = first_block * block_size; start < ctx; start += block_size) {
-        int64_t rows;
-        const char *block = walk_block(v_cache, table, start, ctx, block_size, block_stride, &rows);
-        const int64_t skip = start < first ? first - start : 0;
-        rows -= skip;
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            const char *head = block + kvh * head_bytes + skip * row_stride;
-            for (int64_t g0 = 0; g0 < group; g0 += gmax) {
-                const int64_t h0 = kvh * group + g0;
-                const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
-                const uint16_t *p = probs + h0 * pstride + (start + skip - first);
-                float *a = acc + h0 * 2 * head_dim;
-                switch (gn) {
-                    case 4: pv_block_bf16(head, rows, row_stride, p, pstride, a, 2 * head_dim, 4, npair); break;
-                    case 3: pv_block_bf16(head, rows, row_stride, p, pstride, a, 2 * head_dim, 3, npair); break;
-                    case 2: pv_block_bf16(head, rows, row_stride, p, pstride, a, 2 * head_dim, 2, npair); break;
-                    default: pv_block_bf16(head, rows, row_stride, p, pstride, a, 2 * head_dim, 1, npair); break;
-                }
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    while (at.t < r->end) {
+        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+        prefetch_ahead(r, &pf, rows, head_bytes);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 pg = tile_probs((const char *)(qs + g * npair), r->k + off, rows, row_stride, DOT_BF16,
+                                         DT_BFLOAT16, 2, npair, r->softcap, part + g * pstride, head_dim);
+            _mm256_storeu_si256((__m256i *)p[g], (__m256i)_mm512_cvtneps_pbh(pg));
+        }
+        const char *values = r->v + off;
+        for (int64_t g0 = 0; g0 < group; g0 += gmax) {
+            const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
+            float *a = part + g0 * pstride + PART_HEAD;
+            switch (gn) {
+                case 4: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 4, npair); break;
+                case 3: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 3, npair); break;
+                case 2: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 2, npair); break;
+                default: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 1, npair); break;
             }
         }
+        cursor_advance(r, &at, rows);
     }
-    /* Lane 4L + k of lo[w] holds dim 32w + 8L + k, of hi[w] dim 32w + 8L + 4 + k (k < 4). */
-    for (int64_t h = 0; h < heads; h++) {
-        const float *ah = acc + h * 2 * head_dim;
-        float *oh = out + h * head_dim;
-        for (int64_t w = 0; w < npair; w++)
-            for (int64_t lane = 0; lane < 4; lane++)
-                for (int64_t k = 0; k < 4; k++) {
-                    oh[32 * w + 8 * lane + k] = ah[32 * w + 4 * lane + k] * inv_sum[h];
-                    oh[32 * w + 8 * lane + 4 + k] = ah[32 * w + 16 + 4 * lane + k] * inv_sum[h];
-                }
-    }
+    for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
 
-#define ATTEND_BF16DP(NAME, NPAIR)                                                                     \
-    static void NAME(const float *q, const char *k, const char *v, const int64_t *table, int64_t first, \
-                     int64_t ctx, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, \
-                     float scale, float softcap, float *work, float *out) {                            \
-        attend_seq_bf16dp(q, k, v, (NPAIR) ? (NPAIR) : head_dim / 32, table, first, ctx, heads,        \
-                          kv_heads, block_size, scale, softcap, work, out);                            \
+#define RANGE_BF16DP(NAME, NPAIR)                                                                       \
+    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+        (void)dtype;                                                                                   \
+        attend_range_bf16dp(q, r, (NPAIR) ? (NPAIR) : head_dim / 32, part);                            \
     }
-ATTEND_BF16DP(attend_bf16dp_64, 2)
-ATTEND_BF16DP(attend_bf16dp_128, 4)
-ATTEND_BF16DP(attend_bf16dp_any, 0)
+RANGE_BF16DP(range_bf16dp_64, 2)
+RANGE_BF16DP(range_bf16dp_128, 4)
+RANGE_BF16DP(range_bf16dp_any, 0)
+#endif
 #endif
 
-static attend_fn pick_avx512(int dtype, int64_t head_dim) {
+static void range_scalar(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
+    attend_range_scalar(q, r, dtype, head_dim, part);
+}
+
+#if !defined(__AVX512F__)
+typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
+#endif
+
+/* The fastest item function for this cache dtype and head size on this CPU. */
+static range_fn pick_range(int dtype, int64_t head_dim) {
 #if defined(__AVX512BF16__)
     if (dtype == DT_BFLOAT16 && head_dim % 32 == 0 && head_dim <= 256)
-        return head_dim == 64 ? attend_bf16dp_64 : head_dim == 128 ? attend_bf16dp_128 : attend_bf16dp_any;
+        return head_dim == 64 ? range_bf16dp_64 : head_dim == 128 ? range_bf16dp_128 : range_bf16dp_any;
 #endif
-    static const attend_fn table[3][3] = {
-        {attend_avx512_f32_64, attend_avx512_f32_128, attend_avx512_f32_any},
-        {attend_avx512_bf16_64, attend_avx512_bf16_128, attend_avx512_bf16_any},
-        {attend_avx512_f16_64, attend_avx512_f16_128, attend_avx512_f16_any},
+#if defined(__AVX512F__)
+    static const range_fn table[3][3] = {
+        {range_f32_64, range_f32_128, range_f32_any},
+        {range_bf16_64, range_bf16_128, range_bf16_any},
+        {range_f16_64, range_f16_128, range_f16_any},
     };
-    if (head_dim % 16 != 0 || head_dim > 256) return 0;
-    return table[dtype][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
-}
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
+    if (head_dim % 16 == 0 && head_dim <= 256) return table[dtype][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
 #endif
+    return range_scalar;
+}
 
 /* One thread's work buffer (64-byte aligned, freed with free); when it cannot be
  * had, *failed is set and the caller's entry point returns -1. */
-static void *thread_scratch(size_t bytes, int *failed) {
+static __attribute__((unused)) void *thread_scratch(size_t bytes, int *failed) {
     void *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!p) {
 #pragma omp atomic write
         *failed = 1;
     }
     return p;
+}
+
+/* Keys per range when splitting: 0 (no split) for one thread, else about
+ * 1 / (threads * SPLIT_PER_THREAD) of the step's keys, whole blocks, at least
+ * SPLIT_MIN_KEYS. */
+static int64_t split_span(const int64_t *context_lens, int64_t batch, int64_t window, int64_t block_size,
+                          int num_threads) {
+    if (num_threads <= 1) return 0;
+    int64_t keys = 0;
+    for (int64_t b = 0; b < batch; b++) keys += context_lens[b] - window_start(context_lens[b], window);
+    int64_t span = keys / ((int64_t)num_threads * SPLIT_PER_THREAD);
+    span = span > SPLIT_MIN_KEYS ? span : SPLIT_MIN_KEYS;
+    return (span + block_size - 1) / block_size * block_size;
+}
+
+/* split_span for tests: keys per range a decode step of these contexts is cut into (0: none). */
+int64_t pipeserve_decode_split_span(const int64_t *context_lens, int64_t batch, int64_t window, int64_t block_size,
+                                    int num_threads) {
+    return split_span(context_lens, batch, window, block_size, num_threads);
+}
+
+/* out_h = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r over the ranges r of one head. */
+static void merge_parts(const float *part, int64_t ranges, int64_t range_stride, int64_t head_dim, float *out) {
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t c = 0; c < ranges; c++) m = part[c * range_stride] > m ? part[c * range_stride] : m;
+    for (int64_t d = 0; d < head_dim; d++) out[d] = 0.0f;
+    for (int64_t c = 0; c < ranges; c++) {
+        const float *pc = part + c * range_stride;
+        const float w = exp_f32(pc[0] - m);
+        l += w * pc[1];
+        for (int64_t d = 0; d < head_dim; d++) out[d] += w * pc[PART_HEAD + d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
 }
 
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
@@ -508,49 +567,56 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int64_t window, float softcap, float *out,
                            int num_threads) {
-    const int64_t group = heads / kv_heads;
-    const int64_t elem = dtype == DT_FLOAT32 ? 4 : 2;
-    int64_t max_ctx = 1;   /* the most keys one decode attends */
+    const int64_t group = heads / kv_heads, elem = dtype == DT_FLOAT32 ? 4 : 2;
+    const int64_t pstride = PART_HEAD + head_dim;
+    const range_fn fn = pick_range(dtype, head_dim);
+    /* Ranges: sequence b's keys from its window's block on, cut every `span` keys;
+     * range c is (sequence range_seq[c], keys range_begin[c] ..). Item = (range, kv head). */
+    const int64_t span = split_span(context_lens, batch, window, block_size, num_threads);
+    int64_t ranges = 0;
+    int64_t *first_range = (int64_t *)malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (!first_range) return -1;
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t n = context_lens[b] - window_start(context_lens[b], window);
-        max_ctx = n > max_ctx ? n : max_ctx;
+        const int64_t first = window_start(context_lens[b], window), base = first - first % block_size;
+        first_range[b] = ranges;
+        ranges += span ? (context_lens[b] - base + span - 1) / span : 1;
     }
-#if HAVE_AVX512
-    const attend_fn seq_fn = pick_avx512(dtype, head_dim);
-#else
-    const void *seq_fn = 0;
-#endif
-    /* Work items: whole sequences (vector path) or (sequence, kv head) pairs. */
-    const int64_t per_item = seq_fn ? kv_heads : 1;
-    const int64_t items = seq_fn ? batch : batch * kv_heads;
-    /* scores, accumulators and a row (per kv head), plus the bf16 probabilities of the bf16 path */
-    const int64_t work_floats = per_item * (group * max_ctx + 2 * group * head_dim + head_dim)
-                                + heads * (max_ctx / 2 + 2);
-    int failed = 0;
+    first_range[batch] = ranges;
+    int64_t *range_seq = (int64_t *)malloc((size_t)ranges * sizeof(int64_t));
+    float *parts = (float *)malloc((size_t)(ranges * kv_heads * group * pstride) * sizeof(float));
+    if (!range_seq || !parts) {
+        free(first_range);
+        free(range_seq);
+        free(parts);
+        return -1;
+    }
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t c = first_range[b]; c < first_range[b + 1]; c++) range_seq[c] = b;
+    const int64_t items = ranges * kv_heads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        float *work = (float *)thread_scratch((size_t)work_floats * sizeof(float), &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
-            if (!work) continue;
-#if HAVE_AVX512
-            if (seq_fn) {
-                seq_fn(q + item * heads * head_dim, (const char *)k_cache, (const char *)v_cache,
-                       block_tables + item * max_blocks, window_start(context_lens[item], window),
-                       context_lens[item], heads, kv_heads, head_dim, block_size, scale, softcap, work,
-                       out + item * heads * head_dim);
-                continue;
-            }
-#endif
-            const int64_t b = item / kv_heads, h = item % kv_heads;
-            const int64_t offset = (b * heads + h * group) * head_dim;
-            attend_one(q + offset, (const char *)k_cache, (const char *)v_cache, dtype, elem,
-                       block_tables + b * max_blocks, window_start(context_lens[b], window), context_lens[b],
-                       h, group, kv_heads, head_dim, block_size, scale, softcap, work, out + offset);
+            const int64_t c = item / kv_heads, kvh = item % kv_heads, b = range_seq[c];
+            const int64_t ctx = context_lens[b], first = window_start(ctx, window);
+            const int64_t base = first - first % block_size + (c - first_range[b]) * span;
+            key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
+                           base > first ? base : first, span && base + span < ctx ? base + span : ctx,
+                           kvh * head_dim * elem, kv_heads * head_dim * elem, block_size, group, scale, softcap};
+            fn(q + (b * heads + kvh * group) * head_dim, &r, dtype, head_dim, parts + item * group * pstride);
         }
-        free(work);
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
+            const int64_t b = bh / heads, h = bh % heads;
+            const int64_t slot = (first_range[b] * kv_heads + h / group) * group + h % group;
+            merge_parts(parts + slot * pstride, first_range[b + 1] - first_range[b], kv_heads * group * pstride,
+                        head_dim, out + bh * head_dim);
+        }
     }
-    return failed ? -1 : 0;
+    free(first_range);
+    free(range_seq);
+    free(parts);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------
@@ -577,14 +643,6 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * NV, the arrays become registers instead of stack VLAs. */
 #define PF_MAX_R 4
 #define PF_MAX_NV 16
-
-/* The max of 16 lanes, in every lane. */
-static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
 
 /* Keys and values base .. ctx - 1 of one kv head -> the scratch (base a multiple of 16;
  * staged key u is the key at position base + u).

@@ -8,11 +8,11 @@ vdpbf16ps, about 3x PyTorch's CPU SDPA on SmolLM2's shapes (head_dim 64, where
 SDPA reaches ~35 GFLOP/s); other dtypes and CPUs prefill through SDPA.
 Both kernels take the layer's sliding window (a decode reads only the blocks
 its window touches) and logit soft cap.
-Both live in pipeserve/kernels/paged_attention.c. The backend also carries
-the fused bfloat16 elementwise kernels (``pipeserve.model.cpu_ops``) that the
-model uses for RMSNorm, RoPE and SiLU. ``select_backend`` picks
-this backend for ``--attention-backend auto`` on CPU when a C compiler is
-present, and says why when it falls back.
+Both live in pipeserve/kernels/paged_attention.c. (The fused RMSNorm, RoPE
+and SiLU kernels are the model's, ``pipeserve.model.cpu_ops``, whatever the
+attention backend.) ``select_backend`` picks this backend for
+``--attention-backend auto`` on CPU when the kernel builds, and says why when
+it falls back.
 """
 
 from __future__ import annotations
@@ -47,9 +47,6 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
         self._prefill_supported.restype = ctypes.c_int
-        from pipeserve.model.cpu_ops import CpuElementwise
-        # RMSNorm, RoPE and SiLU-times-up for bfloat16 activations (the model picks them up).
-        self.elementwise = CpuElementwise()
 
     def prefill_kernel_applies(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Does the C prefill kernel handle this cache dtype and head size on this CPU?"""

@@ -6,13 +6,21 @@ take ~10% of a decoder layer. The C versions make one pass per row and round
 to bfloat16 at the same points as the PyTorch code in ``pipeserve.model.layers``.
 Only bfloat16 CPU tensors take this path: float32 (the token-identity
 reference) and every other dtype or device stay on PyTorch.
+
+The kernels belong to the model (``LlamaModel`` asks ``cpu_elementwise``), not
+to the attention backend: ``--attention-backend torch`` keeps them, and a
+failed build of another kernel file does not switch them off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CpuElementwise:
@@ -67,3 +75,15 @@ class CpuElementwise:
         out = torch.empty(n, heads, head_dim, dtype=x.dtype)
         self._rope(x.data_ptr(), x.stride(0), out.data_ptr(), n, heads, head_dim, cos.data_ptr(), sin.data_ptr())
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_elementwise() -> CpuElementwise | None:
+    """The fused kernels, or None (the layers then run their PyTorch ops); a
+    failed build is logged once per process."""
+    from pipeserve.kernels.build import KernelBuildError
+    try:
+        return CpuElementwise()
+    except KernelBuildError as exc:
+        log.warning("fused RMSNorm/RoPE/SiLU kernels unavailable, using PyTorch ops: %s", exc)
+        return None

@@ -15,6 +15,8 @@ checkpoint name map at the end of this file is where their tensor names differ.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCac
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from pipeserve.model.longrope import LongRotaryEmbedding
+
+if TYPE_CHECKING:
+    from pipeserve.model.cpu_ops import CpuElementwise
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [n, 1, head_dim]
 
@@ -124,7 +129,7 @@ class LlamaModel(nn.Module):
         # With tied embeddings the last stage keeps its own copy of the
         # embedding matrix as the head: stages do not share memory.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device) if is_last else None
-        ops = getattr(self.backend, "elementwise", None)
+        ops = _elementwise_ops(dtype, device)
         if ops is not None:  # each module checks it applies (dtype, and no Gemma norm / GeGLU)
             for module in self.modules():
                 if hasattr(type(module), "ops"):
@@ -180,6 +185,16 @@ class LlamaModel(nn.Module):
             head = "model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight"
             names["lm_head.weight"] = [head]
         return names
+
+
+def _elementwise_ops(dtype: torch.dtype, device: torch.device) -> CpuElementwise | None:
+    """The fused bfloat16 RMSNorm/RoPE/SiLU kernels for a CPU stage (a quantized
+    stage is built on the meta device first), or None; independent of the
+    attention backend."""
+    if dtype != torch.bfloat16 or device.type not in ("cpu", "meta"):
+        return None
+    from pipeserve.model.cpu_ops import cpu_elementwise
+    return cpu_elementwise()
 
 
 def _rotary(cfg: ModelConfig, device: torch.device) -> nn.Module:
