@@ -14,20 +14,25 @@ __all__ = ["ModelSource", "WeightReader", "load_model", "resolve_model"]
 def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_layer: int,
                is_first: bool, is_last: bool, dtype: torch.dtype,
                device: torch.device | str, attention_backend: str = "auto",
-               quantization: str = "auto", quantization_group_size: int = 32) -> LlamaModel:
+               quantization: str = "auto", quantization_group_size: int = 32, tp=None) -> LlamaModel:
     """Build the stage owning layers [start_layer, end_layer) and read only its tensors.
 
     ``quantization`` (see ``pipeserve.model.quant.load.weight_format``): "none"
     fills every weight in ``dtype``; "auto" keeps a GGUF's block-quantized
     tensors as they are; "int8"/"int4" quantize linear and embedding weights
-    group-wise at load."""
+    group-wise at load.
+
+    ``tp`` (a ``TensorParallelGroup``): build and fill only this tensor-parallel
+    rank's slices (dense weights only)."""
     from pipeserve.model.cpu_attention import select_backend
     from pipeserve.model.quant.load import materialize_rest, replace_quantized, weight_format
     fmt = weight_format(source.kind, quantization)
     device = torch.device(device)
+    if tp is not None and fmt != "dense":
+        raise ValueError(tensor_parallel_quantization_message(quantization))
     build_on = device if fmt == "dense" else torch.device("meta")
     model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, build_on,
-                       backend=select_backend(attention_backend, device))
+                       backend=select_backend(attention_backend, device), tp=tp)
     params = dict(model.named_parameters())
     sources = model.checkpoint_names()
     if set(sources) != set(params):  # a parameter left out would keep torch.empty garbage
@@ -37,7 +42,10 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
         if fmt == "dense":
             with torch.no_grad():
                 for ours, names in sources.items():
-                    _fill(params[ours], ours, [_read(reader, source, n) for n in names])
+                    parts = [_read(reader, source, n) for n in names]
+                    if tp is not None:
+                        parts = _shard_of(cfg, tp.shard, ours, parts)
+                    _fill(params[ours], ours, parts)
             return model
         # Only the rotary buffer is built from the config rather than read: take a real one.
         model.rotary = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device).rotary
@@ -48,6 +56,22 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
     finally:
         reader.close()
     return model
+
+
+def tensor_parallel_quantization_message(quantization: str) -> str:
+    return (f"--tensor-parallel-size > 1 runs dense weights only, but --quantization {quantization} keeps "
+            "them quantized (a GGUF's blocks with 'auto', or int8/int4): pass --quantization none to "
+            "dequantize at load (to --dtype), or use --tensor-parallel-size 1")
+
+
+def _shard_of(cfg: ModelConfig, shard, name: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's slice of parameter ``name`` (the checkpoint parts concatenated first)."""
+    from pipeserve.model.tensor_parallel import parameter_slices, take_slices
+    cut = parameter_slices(cfg, shard, name)
+    if cut is None:
+        return parts
+    full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return [take_slices(full, *cut)]
 
 
 def _read(reader: WeightReader, source: ModelSource, name: str) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""Tensor parallelism inside one pipeline stage: which slice of each layer a rank holds,
+and the collectives that put the slices back together.
+
+Megatron's split, as vLLM does it: q/k/v and gate/up are column-parallel (a
+rank computes its heads' / its intermediate slice's outputs), o_proj and
+down_proj are row-parallel (a rank multiplies its slice of the input and one
+all-reduce sums the partial outputs). The embedding and the LM head are split
+by vocabulary rows: a rank looks up only its ids (others are zero) and an
+all-reduce completes the row; the head's slices of logits are gathered on TP
+rank 0, the only rank that samples.
+
+Heads. A rank's q heads must share its KV heads with the same grouping as the
+model (q head h reads kv head h // group), so the split follows KV heads:
+
+* ``kv >= T``: the KV heads are split as evenly as possible over the ranks
+  (contiguous), each taking the q heads of its KV heads. The split may be
+  uneven (SmolLM2: 3 KV heads of 3 q heads each at T = 2 -> ranks hold 6 and
+  3 q heads): an all-reduce does not need equal shares, only a rank's own
+  heads' columns of o_proj.
+* ``kv < T``: each rank holds one KV head (replicated over the ranks that
+  share it; vLLM does the same) and a contiguous, as-even-as-possible part of
+  that head's q heads. Refused when a KV head would get more ranks than it has
+  q heads (a rank with no head).
+
+Every other dimension (intermediate size, vocabulary) is split as evenly as
+possible; no size needs to divide by T. The vocabulary is padded to
+``T * ceil(V / T)`` rows so the gathered logits are equal slices (the padding
+rows are zero and cut off after the gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+Ranges = tuple[tuple[int, int], ...]   # [start, stop) row (or column) ranges of a full tensor
+
+
+def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part ``index`` when ``total`` items are split over ``parts``
+    contiguous parts whose sizes differ by at most one (the first ones larger)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """What TP rank ``rank`` of ``size`` holds of one model (all [start, stop) ranges)."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]        # rows of the padded vocabulary (stop may pass the real vocabulary)
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.vocab[1] - self.vocab[0]
+
+
+def check_tensor_parallel(cfg, size: int) -> None:
+    """Refuse what tensor parallelism of ``size`` cannot split, with the reason (the driver
+    calls this before it starts any process)."""
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if cfg.num_experts:
+        raise ValueError(f"--tensor-parallel-size {size}: mixture-of-experts models ({cfg.architecture}) are "
+                         "not split across ranks yet; use --tensor-parallel-size 1 (pipeline parallelism "
+                         "splits them by layers)")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"{cfg.num_heads} attention heads do not group evenly over {cfg.num_kv_heads} KV heads")
+    group = cfg.num_heads // cfg.num_kv_heads
+    if cfg.num_kv_heads < size:
+        ranks_per_kv = -(-size // cfg.num_kv_heads)
+        if group < ranks_per_kv:
+            raise ValueError(
+                f"--tensor-parallel-size {size} is too large for this model: its {cfg.num_kv_heads} KV head(s) "
+                f"have {group} query head(s) each, so some rank would hold no attention head; use at most "
+                f"{cfg.num_heads} ranks")
+    if cfg.intermediate_size < size or cfg.vocab_size < size:
+        raise ValueError(f"--tensor-parallel-size {size} exceeds the model's intermediate size or vocabulary")
+
+
+def plan_shard(cfg, rank: int, size: int) -> TensorShard:
+    """The slice of ``cfg``'s model that TP rank ``rank`` of ``size`` holds."""
+    check_tensor_parallel(cfg, size)
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
+    group = cfg.num_heads // cfg.num_kv_heads
+    if cfg.num_kv_heads >= size:
+        kv = split_evenly(cfg.num_kv_heads, size, rank)
+        q = (kv[0] * group, kv[1] * group)
+    else:
+        head = rank * cfg.num_kv_heads // size                      # the KV head this rank replicates
+        sharing = [r for r in range(size) if r * cfg.num_kv_heads // size == head]
+        lo, hi = split_evenly(group, len(sharing), sharing.index(rank))
+        kv, q = (head, head + 1), (head * group + lo, head * group + hi)
+    rows = -(-cfg.vocab_size // size)
+    return TensorShard(rank, size, q, kv, split_evenly(cfg.intermediate_size, size, rank),
+                       (rank * rows, (rank + 1) * rows))
+
+
+def local_config(cfg, shard: TensorShard):
+    """``cfg`` with this rank's head counts and intermediate size: the layers built from
+    it have exactly the rank's slices (head_dim, hidden size and vocabulary unchanged)."""
+    return dataclasses.replace(cfg, num_heads=shard.num_q_heads, num_kv_heads=shard.num_kv_heads,
+                               intermediate_size=shard.intermediate[1] - shard.intermediate[0])
+
+
+def parameter_slices(cfg, shard: TensorShard, name: str) -> tuple[int, Ranges] | None:
+    """How our parameter ``name`` is cut from the full (concatenated) checkpoint tensor:
+    (dim, ranges to keep, concatenated), or None when every rank holds all of it."""
+    d = cfg.head_dim
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
+    i0, i1 = shard.intermediate
+    inter = cfg.intermediate_size
+    if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
+        return 0, ((q0 * d, q1 * d), (q_size + k0 * d, q_size + k1 * d),
+                   (q_size + kv_size + k0 * d, q_size + kv_size + k1 * d))
+    if name.endswith("self_attn.o_proj.weight"):
+        return 1, ((q0 * d, q1 * d),)
+    if name.endswith("mlp.gate_up_proj.weight"):
+        return 0, ((i0, i1), (inter + i0, inter + i1))
+    if name.endswith("mlp.down_proj.weight"):
+        return 1, ((i0, i1),)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return 0, (shard.vocab,)
+    return None
+
+
+def take_slices(tensor: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:
+    """The ranges of ``tensor`` along ``dim``, concatenated; rows past the end (vocabulary
+    padding) are zeros."""
+    parts = []
+    for start, stop in ranges:
+        have = max(0, min(stop, tensor.shape[dim]) - start)
+        if have:
+            parts.append(tensor.narrow(dim, start, have))
+        if stop - start > have:
+            shape = list(tensor.shape)
+            shape[dim] = stop - start - have
+            parts.append(tensor.new_zeros(shape))
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+class TensorParallelGroup:
+    """One stage's TP ranks: the collectives the sharded layers call.
+
+    Backed by a torch.distributed process group (gloo on CPU); ``reduce_seconds``
+    accumulates the time spent in all-reduces (for the benchmark's share)."""
+
+    def __init__(self, shard: TensorShard, group=None) -> None:
+        self.shard = shard
+        self.rank, self.size = shard.rank, shard.size
+        self.group = group
+        self.reduce_seconds = 0.0
+        self.reduce_calls = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        import torch.distributed as dist
+        start = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        self.reduce_seconds += time.perf_counter() - start
+        self.reduce_calls += 1
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every rank's ``x`` (equal shapes) along the last dim on rank 0; None elsewhere."""
+        import torch.distributed as dist
+        x = x.contiguous()
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.gather(x, parts, dst=self._global(0), group=self.group)
+            return torch.cat(parts, dim=-1)
+        dist.gather(x, None, dst=self._global(0), group=self.group)
+        return None
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        dist.broadcast(x, src=self._global(0), group=self.group)
+        return x
+
+    def _global(self, rank: int) -> int:
+        if self.group is None:
+            return rank
+        import torch.distributed as dist
+        return dist.get_global_rank(self.group, rank)
