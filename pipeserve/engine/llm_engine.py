@@ -39,6 +39,9 @@ class LLMEngine:
         self.model_config = self.source.load_config()
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
         self.dtype = DTYPES[config.torch_dtype_name]
+        if config.tensor_parallel_size > 1:   # refuse before any process starts
+            from pipeserve.model.tensor_parallel import check_tensor_parallel_config
+            check_tensor_parallel_config(config, self.model_config, self.source.kind)
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
@@ -94,7 +97,7 @@ class LLMEngine:
         return layers
 
     def _make_executor(self) -> Executor:
-        if self.config.pipeline_parallel_size == 1:
+        if self.config.pipeline_parallel_size == 1 and self.config.tensor_parallel_size == 1:
             from pipeserve.worker.local_executor import LocalExecutor
             from pipeserve.worker.model_runner import ModelRunner
             torch.set_num_threads(self.config.stage_threads)

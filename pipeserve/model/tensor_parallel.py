@@ -95,6 +95,18 @@ def check_tensor_parallel(cfg, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size {size} exceeds the model's intermediate size or vocabulary")
 
 
+def check_tensor_parallel_config(config, cfg, source_kind: str) -> None:
+    """The engine's check of ``--tensor-parallel-size`` against the model and the other flags."""
+    check_tensor_parallel(cfg, config.tensor_parallel_size)
+    from pipeserve.model.loader import tensor_parallel_quantization_message
+    from pipeserve.model.quant.load import weight_format
+    if weight_format(source_kind, config.quantization) != "dense":
+        raise ValueError(tensor_parallel_quantization_message(config.quantization))
+    if config.device != "cpu":
+        raise ValueError(f"--tensor-parallel-size > 1 runs on the CPU (gloo collectives) only; got --device "
+                         f"{config.device}")
+
+
 def plan_shard(cfg, rank: int, size: int) -> TensorShard:
     """The slice of ``cfg``'s model that TP rank ``rank`` of ``size`` holds."""
     check_tensor_parallel(cfg, size)
