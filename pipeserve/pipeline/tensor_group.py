@@ -137,6 +137,17 @@ class TensorGroupLeader:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    def dead_followers(self, wait_s: float = 0.0) -> str:
+        """'tensor-parallel rank R (pid P) exited with code C' for each follower gone, waiting
+        up to ``wait_s`` for a dying one's exit to show; '' when all live."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.poll()}"
+                    for rank, proc in self.followers.items() if proc.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                return "; ".join(dead)
+            time.sleep(0.05)
+
     def _watch(self) -> None:
         while not self._closing:
             for rank, proc in self.followers.items():
@@ -158,8 +169,15 @@ class LeaderRunner:
         self.weight_bytes = getattr(runner, "weight_bytes", 0)
 
     def execute(self, step, hidden_states: torch.Tensor | None = None):
-        self.leader.send_step(self.chunk, step, hidden_states)
-        return self.runner.execute(step, hidden_states)
+        try:
+            self.leader.send_step(self.chunk, step, hidden_states)
+            return self.runner.execute(step, hidden_states)
+        except RuntimeError as exc:   # a collective failed: name the rank that is gone, if one is
+            dead = self.leader.dead_followers(wait_s=1.0)
+            if dead:
+                raise RuntimeError(f"stage {self.leader.stage}: {dead}; the step cannot complete "
+                                   f"({str(exc).splitlines()[0][:200]})") from None
+            raise
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
@@ -191,7 +209,11 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     dist.barrier()
     group = _group_for(spec, tp_rank)
     while True:
-        header = group.broadcast(torch.empty(_HEADER, dtype=torch.int64)).tolist()
+        try:
+            header = group.broadcast(torch.empty(_HEADER, dtype=torch.int64)).tolist()
+        except RuntimeError:
+            logger.error("stage %d tp rank %d: lost the stage's TP rank 0; exiting", stage, tp_rank)
+            return 1
         kind, chunk, nbytes, rows, cols, dtype = header
         if kind == _STOP:
             return 0
