@@ -45,19 +45,16 @@ def stage_device(spec: PipelineSpec, stage: int, tp_rank: int = 0) -> torch.devi
     return torch.device("cuda", local * spec.config.tensor_parallel_size + tp_rank)
 
 
-def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_rank: int = 0) -> dict[int, Any]:
-    """The stage's runners (one per chunk); with --tensor-parallel-size T > 1, TP rank
-    ``tp_rank``'s shards (the process group must exist: ``pipeline/tensor_group.py``)."""
+def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group=None) -> dict[int, Any]:
+    """The stage's runners (one per chunk); with --tensor-parallel-size T > 1, the shards of
+    ``tp_group``'s rank (a ``TensorParallelGroup``: ``pipeline/tensor_group.py``)."""
     factory = spec.runner_factory
     if factory is None:
         from pipeserve.worker.model_runner import ModelRunner
         factory = ModelRunner
     last = len(spec.partition) - 1
     dtype = DTYPES[spec.config.torch_dtype_name]
-    extra = {}
-    if spec.config.tensor_parallel_size > 1:
-        from pipeserve.pipeline.tensor_group import _group_for
-        extra["tp"] = _group_for(spec, tp_rank)
+    extra = {} if tp_group is None else {"tp": tp_group}
     runners = {}
     for chunk in spec.chunks_of(stage):
         start, end = spec.partition[chunk]
@@ -125,7 +122,7 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     if spec.config.tensor_parallel_size > 1:   # start this stage's other TP ranks (tensor_group.py)
         from pipeserve.pipeline.tensor_group import TensorGroupLeader
         leader = TensorGroupLeader(spec, stage, key, timeout)
-    runners = build_runners(spec, stage, device)
+    runners = build_runners(spec, stage, device, None if leader is None else leader.group)
     if leader is not None:
         leader.ready()
         runners = leader.wrap(runners)

@@ -100,6 +100,7 @@ class TensorGroupLeader:
         _init_group(store, 0, self.size, timeout_s)
         self.store = store
         self.group = _group_for(spec, 0)
+        self.steps, self.step_seconds, self.broadcast_seconds = 0, 0.0, 0.0
 
     @property
     def pids(self) -> dict[int, int]:
@@ -115,6 +116,7 @@ class TensorGroupLeader:
 
     def send_step(self, chunk: int, step, hidden: torch.Tensor | None) -> None:
         from pipeserve.worker.step_wire import dumps
+        start = time.perf_counter()
         payload = dumps(step).encode()
         rows, cols, dtype = -1, 0, 0
         if hidden is not None:
@@ -123,9 +125,18 @@ class TensorGroupLeader:
         self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         if hidden is not None:
             self.group.broadcast(hidden.contiguous())
+        self.broadcast_seconds += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        """Where TP rank 0's step time went: every step (broadcast + its layers), the all-reduces
+        inside (their time includes waiting for the slowest rank), the step broadcasts."""
+        return {"stage": self.stage, "tp": self.size, "steps": self.steps,
+                "step_s": round(self.step_seconds, 4), "all_reduce_s": round(self.group.reduce_seconds, 4),
+                "all_reduces": self.group.reduce_calls, "broadcast_s": round(self.broadcast_seconds, 4)}
 
     def stop(self) -> None:
         """Tell the followers to exit and wait for them (they also exit when we do)."""
+        logger.info("tp-stats %s", json.dumps(self.stats()))
         self._closing = True
         try:
             self.group.broadcast(torch.tensor([_STOP, 0, 0, -1, 0, 0], dtype=torch.int64))
@@ -169,9 +180,13 @@ class LeaderRunner:
         self.weight_bytes = getattr(runner, "weight_bytes", 0)
 
     def execute(self, step, hidden_states: torch.Tensor | None = None):
+        start = time.perf_counter()
         try:
             self.leader.send_step(self.chunk, step, hidden_states)
-            return self.runner.execute(step, hidden_states)
+            out = self.runner.execute(step, hidden_states)
+            self.leader.steps += 1
+            self.leader.step_seconds += time.perf_counter() - start
+            return out
         except RuntimeError as exc:   # a collective failed: name the rank that is gone, if one is
             dead = self.leader.dead_followers(wait_s=1.0)
             if dead:
@@ -201,13 +216,13 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     size = spec.config.tensor_parallel_size
     torch.set_num_threads(spec.config.stage_threads)
     _init_group(store, tp_rank, size, timeout_s)
+    group = _group_for(spec, tp_rank)
     try:
-        runners = build_runners(spec, stage, stage_device(spec, stage, tp_rank), tp_rank=tp_rank)
+        runners = build_runners(spec, stage, stage_device(spec, stage, tp_rank), group)
     except Exception:
         logger.error("stage %d tp rank %d failed to load:\n%s", stage, tp_rank, traceback.format_exc())
         return 1
     dist.barrier()
-    group = _group_for(spec, tp_rank)
     while True:
         try:
             header = group.broadcast(torch.empty(_HEADER, dtype=torch.int64)).tolist()
