@@ -68,6 +68,33 @@ def test_refusals_name_the_problem():
     check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, quantization="none"), SMOL, "gguf")
 
 
+@pytest.mark.parametrize("kind,tp", [("qwen2_bias", 2), ("llama_tied_gqa", 3)])
+def test_shard_reads_equal_cutting_the_full_tensor(tiny_checkpoints, kind, tp):
+    """A rank reads only its rows/columns from safetensors (the fused q/k/v and gate/up parts,
+    the vocabulary padding included): the same values as cutting the full tensor."""
+    import torch
+
+    from pipeserve.model.llama import LlamaModel
+    from pipeserve.model.loader import _read_shard, resolve_model
+    from pipeserve.model.tensor_parallel import TensorParallelGroup, take_slices
+    source = resolve_model(str(tiny_checkpoints(kind)))
+    cfg = source.load_config()
+    reader = source.open_weights(cfg)
+    for rank in range(tp):
+        shard = plan_shard(cfg, rank, tp)
+        model = LlamaModel(cfg, 0, cfg.num_layers, True, True, torch.float32, "meta",
+                           tp=TensorParallelGroup(shard))
+        params = dict(model.named_parameters())
+        for ours, names in model.checkpoint_names().items():
+            (got,) = _read_shard(reader, source, cfg, shard, ours, names)
+            full = torch.cat([reader.read(n) for n in names], dim=0)
+            cut = parameter_slices(cfg, shard, ours)
+            want = full if cut is None else take_slices(full, *cut)
+            assert got.shape == want.shape == params[ours].shape, ours
+            assert torch.equal(got, want), ours
+    reader.close()
+
+
 def test_llm_refuses_kept_quantization_before_starting_processes(smollm2_gguf):
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1 runs dense weights only"):
         LLM(model=str(smollm2_gguf), tensor_parallel_size=2)

@@ -42,9 +42,10 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
         if fmt == "dense":
             with torch.no_grad():
                 for ours, names in sources.items():
-                    parts = [_read(reader, source, n) for n in names]
                     if tp is not None:
-                        parts = _shard_of(cfg, tp.shard, ours, parts)
+                        parts = _read_shard(reader, source, cfg, tp.shard, ours, names)
+                    else:
+                        parts = [_read(reader, source, n) for n in names]
                     _fill(params[ours], ours, parts)
             return model
         # Only the rotary buffer is built from the config rather than read: take a real one.
@@ -64,14 +65,41 @@ def tensor_parallel_quantization_message(quantization: str) -> str:
             "dequantize at load (to --dtype), or use --tensor-parallel-size 1")
 
 
-def _shard_of(cfg: ModelConfig, shard, name: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's slice of parameter ``name`` (the checkpoint parts concatenated first)."""
+def _read_shard(reader: WeightReader, source: ModelSource, cfg: ModelConfig, shard, name: str,
+                names: list[str]) -> list[torch.Tensor]:
+    """A tensor-parallel rank's slice of parameter ``name``, whose checkpoint tensors
+    ``names`` concatenate along dim 0. A reader with ``read_slice`` (safetensors) reads only
+    the slice's rows / columns; otherwise (GGUF, dequantized whole) the full tensor is read
+    and cut."""
     from pipeserve.model.tensor_parallel import parameter_slices, take_slices
     cut = parameter_slices(cfg, shard, name)
     if cut is None:
-        return parts
-    full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return [take_slices(full, *cut)]
+        return [_read(reader, source, n) for n in names]
+    dim, ranges = cut
+    if not hasattr(reader, "read_slice"):
+        parts = [_read(reader, source, n) for n in names]
+        return [take_slices(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), dim, ranges)]
+    try:
+        shapes = [reader.shape(n) for n in names]
+    except KeyError as exc:
+        raise ValueError(f"checkpoint {source.path} is missing a tensor the model needs: {exc}") from None
+    pieces: list[torch.Tensor] = []
+    if dim == 1:   # columns of every part, the parts stacked by rows
+        for n in names:
+            pieces.append(torch.cat([reader.read_slice(n, 1, a, b) for a, b in ranges], dim=1))
+        return [torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]]
+    total = sum(s[0] for s in shapes)
+    for start, stop in ranges:   # rows of the concatenation: intersect with each part
+        offset = 0
+        for n, s in zip(names, shapes):
+            a, b = max(start, offset), min(stop, offset + s[0])
+            if a < b:
+                pieces.append(reader.read_slice(n, 0, a - offset, b - offset))
+            offset += s[0]
+        if stop > total:   # vocabulary padding past the last row
+            pieces.append(torch.zeros((stop - max(start, total),) + tuple(shapes[0][1:]),
+                                      dtype=pieces[-1].dtype if pieces else torch.float32))
+    return [torch.cat(pieces, dim=0)]
 
 
 def _read(reader: WeightReader, source: ModelSource, name: str) -> torch.Tensor:
