@@ -1,4 +1,5 @@
-"""One request alone: per-token decode latency at TP = 2 vs PP = 2 vs PP = 1, and the all-reduce share.
+"""One request alone: per-token decode latency at TP = 2 (shared-memory or gloo all-reduce) vs
+PP = 2 vs PP = 1, and the all-reduce share.
 
     PYTHONPATH=<tree> python benchmarks/tp_latency.py [--prompt 128] [--tokens 256] [--rounds 2]
 
@@ -25,7 +26,8 @@ import sys
 CONFIGS = {
     "PP=1 (2 threads)": dict(threads_per_stage=2),
     "PP=2 (1 thread each)": dict(pipeline_parallel_size=2, threads_per_stage=1),
-    "TP=2 (1 thread each)": dict(tensor_parallel_size=2, threads_per_stage=1),
+    "TP=2 shm (1 thread each)": dict(tensor_parallel_size=2, threads_per_stage=1, tp_all_reduce="shm"),
+    "TP=2 gloo (1 thread each)": dict(tensor_parallel_size=2, threads_per_stage=1, tp_all_reduce="gloo"),
 }
 
 
@@ -50,13 +52,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--child", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated configuration names (substrings)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.prompt, args.tokens, args.dtype)
         return
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    names = [n for n in CONFIGS if not args.only or any(o in n for o in args.only.split(","))]
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(args.rounds):
-        for name in CONFIGS:
+        for name in names:
             proc = subprocess.run([sys.executable, __file__, "--child", name, "--prompt", str(args.prompt),
                                    "--tokens", str(args.tokens), "--dtype", args.dtype],
                                   capture_output=True, text=True, env=os.environ)
@@ -75,7 +79,7 @@ def main() -> None:
     print("\n| configuration | per-token latency (ms, median of rounds) | TTFT (s) | all-reduce share of TP "
           "rank 0's step time | step broadcast share |")
     print("|---|---|---|---|---|")
-    base = statistics.median(r["tpot_ms"] for r in results["PP=1 (2 threads)"])
+    base = statistics.median(r["tpot_ms"] for r in next(iter(results.values())))
     for name, rows in results.items():
         tpot = statistics.median(r["tpot_ms"] for r in rows)
         ttft = statistics.median(r["ttft_s"] for r in rows)
@@ -83,7 +87,7 @@ def main() -> None:
                  else "-")
         bshare = (f"{statistics.median(r['broadcast_share'] for r in rows):.0%}" if "broadcast_share" in rows[0]
                   else "-")
-        print(f"| {name} | {tpot:.1f} ({tpot / base:.2f}x PP=1) | {ttft:.2f} | {share} | {bshare} |")
+        print(f"| {name} | {tpot:.1f} ({tpot / base:.2f}x first row) | {ttft:.2f} | {share} | {bshare} |")
     same = len({json.dumps(r["tokens"]) for rows in results.values() for r in rows}) == 1
     print(f"\nfirst 8 tokens identical across configurations: {same}")
 

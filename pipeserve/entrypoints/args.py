@@ -15,6 +15,7 @@ _HELP = {
     "pipeline_parallel_size": "number of pipeline stages (processes)",
     "tensor_parallel_size": "ranks (processes) per pipeline stage, each holding a slice of every layer: "
                             "heads, MLP width, vocabulary (default: 1)",
+    "tp_all_reduce": "shm (through shared memory between a stage's ranks, one host; default) | gloo",
     "pp_partition": "uniform | auto | comma-separated layer counts (e.g. 19,11)",
     "pp_schedule": "async | gpipe | interleaved",
     "scheduling_policy": "fcfs | priority | fair",

@@ -66,9 +66,24 @@ def _init_group(store, rank: int, size: int, timeout_s: float):
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _group_for(spec, rank: int):
-    from pipeserve.model.tensor_parallel import TensorParallelGroup, plan_shard
-    return TensorParallelGroup(plan_shard(spec.model_cfg, rank, spec.config.tensor_parallel_size))
+def _group_for(spec, rank: int, shm_path: str | None = None, create: bool = False):
+    """This rank's ``TensorParallelGroup``; with ``shm_path`` its all-reduces go through
+    shared memory (``--tp-all-reduce shm``), sized for the largest step's activations."""
+    from pipeserve.model.tensor_parallel import SharedMemoryAllReduce, TensorParallelGroup, plan_shard
+    size = spec.config.tensor_parallel_size
+    group = TensorParallelGroup(plan_shard(spec.model_cfg, rank, size))
+    if shm_path is not None:
+        from pipeserve.pipeline.stage_process import DTYPES
+        elems = min(spec.config.max_num_batched_tokens * spec.model_cfg.hidden_size, 1 << 24)
+        group.shm = SharedMemoryAllReduce(shm_path, rank, size, elems, DTYPES[spec.config.torch_dtype_name],
+                                          create, spec.config.stage_timeout)
+    return group
+
+
+def _shm_path(stage: int) -> str:
+    import tempfile
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(directory, f"pipeserve-tp-{os.getpid()}-{stage}")
 
 
 class TensorGroupLeader:
@@ -85,6 +100,9 @@ class TensorGroupLeader:
         store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         text = dumps(SpecWire.of(spec)).encode()
+        self.shm_path = _shm_path(stage) if spec.config.tp_all_reduce == "shm" else None
+        store.set("shm", self.shm_path or "")
+        self.group = _group_for(spec, 0, self.shm_path, create=True)
         store.set("spec", text)
         store.set("spec_mac", _spec_mac(key, text))
         paths = [PACKAGE_ROOT] + [p for p in sys.path if p and os.path.isdir(p)]
@@ -99,7 +117,6 @@ class TensorGroupLeader:
         threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
         _init_group(store, 0, self.size, timeout_s)
         self.store = store
-        self.group = _group_for(spec, 0)
         self.steps, self.step_seconds, self.broadcast_seconds = 0, 0.0, 0.0
 
     @property
@@ -110,6 +127,8 @@ class TensorGroupLeader:
         """Every rank has loaded its shards (a follower that failed has exited: see _watch)."""
         import torch.distributed as dist
         dist.barrier()
+        if self.shm_path:   # every rank has mapped it: the name can go (no file outlives the stage)
+            os.unlink(self.shm_path)
 
     def wrap(self, runners: dict[int, Any]) -> dict[int, Any]:
         return {chunk: LeaderRunner(runner, chunk, self) for chunk, runner in runners.items()}
@@ -216,7 +235,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     size = spec.config.tensor_parallel_size
     torch.set_num_threads(spec.config.stage_threads)
     _init_group(store, tp_rank, size, timeout_s)
-    group = _group_for(spec, tp_rank)
+    group = _group_for(spec, tp_rank, store.get("shm").decode() or None)
     try:
         runners = build_runners(spec, stage, stage_device(spec, stage, tp_rank), group)
     except Exception:
