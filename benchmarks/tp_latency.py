@@ -25,6 +25,7 @@ import sys
 
 CONFIGS = {
     "PP=1 (2 threads)": dict(threads_per_stage=2),
+    "PP=1 (1 thread)": dict(threads_per_stage=1),
     "PP=2 (1 thread each)": dict(pipeline_parallel_size=2, threads_per_stage=1),
     "TP=2 shm (1 thread each)": dict(tensor_parallel_size=2, threads_per_stage=1, tp_all_reduce="shm"),
     "TP=2 gloo (1 thread each)": dict(tensor_parallel_size=2, threads_per_stage=1, tp_all_reduce="gloo"),

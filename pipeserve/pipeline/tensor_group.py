@@ -116,6 +116,8 @@ class TensorGroupLeader:
             for rank in range(1, self.size)}
         threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
         _init_group(store, 0, self.size, timeout_s)
+        if self.shm_path:   # every follower mapped it before joining the group: the name can go
+            os.unlink(self.shm_path)
         self.store = store
         self.steps, self.step_seconds, self.broadcast_seconds = 0, 0.0, 0.0
 
@@ -127,8 +129,6 @@ class TensorGroupLeader:
         """Every rank has loaded its shards (a follower that failed has exited: see _watch)."""
         import torch.distributed as dist
         dist.barrier()
-        if self.shm_path:   # every rank has mapped it: the name can go (no file outlives the stage)
-            os.unlink(self.shm_path)
 
     def wrap(self, runners: dict[int, Any]) -> dict[int, Any]:
         return {chunk: LeaderRunner(runner, chunk, self) for chunk, runner in runners.items()}
@@ -234,8 +234,8 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     spec = from_wire(SpecWire, json.loads(text), "spec").to_spec()
     size = spec.config.tensor_parallel_size
     torch.set_num_threads(spec.config.stage_threads)
+    group = _group_for(spec, tp_rank, store.get("shm").decode() or None)   # map it before joining
     _init_group(store, tp_rank, size, timeout_s)
-    group = _group_for(spec, tp_rank, store.get("shm").decode() or None)
     try:
         runners = build_runners(spec, stage, stage_device(spec, stage, tp_rank), group)
     except Exception:
