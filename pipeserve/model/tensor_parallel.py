@@ -220,6 +220,45 @@ class TensorParallelGroup:
         return dist.get_global_rank(self.group, rank)
 
 
+SPINS = 50   # busy checks of a flag before sleeping on it (futex)
+
+
+class _Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on a 32-bit word of a shared mapping (Linux), so a waiting
+    rank sleeps until the rank it waits for publishes, as a blocking socket read would;
+    elsewhere, short sleeps between checks."""
+
+    _NUMBERS = {"x86_64": 202, "aarch64": 98}
+
+    def __init__(self) -> None:
+        import ctypes
+        import platform
+        self.nr = self._NUMBERS.get(platform.machine())
+        self.libc = ctypes.CDLL(None, use_errno=True) if self.nr is not None else None
+        self.timeout = None
+        if self.libc is not None:
+            class Timespec(ctypes.Structure):
+                _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+            self.timeout = ctypes.byref(Timespec(0, 200_000_000))   # re-check the deadline 5x a second
+
+    def wait(self, addr: int, seen: int) -> None:
+        """Sleep while the word at ``addr`` still holds ``seen`` (returns at once otherwise)."""
+        if self.libc is None:
+            import time
+            time.sleep(20e-6)
+            return
+        import ctypes
+        word = seen & 0xFFFFFFFF   # the kernel compares the 32-bit word
+        self.libc.syscall(ctypes.c_long(self.nr), ctypes.c_void_p(addr), ctypes.c_long(0),   # FUTEX_WAIT
+                          ctypes.c_long(word), self.timeout, None, ctypes.c_long(0))
+
+    def wake(self, addr: int) -> None:
+        if self.libc is not None:
+            import ctypes
+            self.libc.syscall(ctypes.c_long(self.nr), ctypes.c_void_p(addr), ctypes.c_long(1),   # FUTEX_WAKE
+                              ctypes.c_long(0x7FFFFFFF), None, None, ctypes.c_long(0))
+
+
 class SharedMemoryAllReduce:
     """All-reduce between the ranks of one host through a shared file mapping (``/dev/shm``).
 
@@ -229,7 +268,8 @@ class SharedMemoryAllReduce:
     rank order, so every rank computes the bitwise same result. Two banks make one
     wait per call enough: a rank can only reach call g + 1 (and overwrite bank
     (g + 1) % 2) once every rank has published g, i.e. finished reading g - 1.
-    The wait spins briefly, then yields the CPU; it gives up after ``timeout_s``
+    The wait spins briefly, then sleeps on the flag's futex (woken by the publishing
+    rank, as a blocking socket read is); it gives up after ``timeout_s``
     (a dead rank also ends its stage through the leader's watch). A tensor larger
     than a slot, or of another dtype than the slots', goes through gloo instead.
     """
@@ -250,6 +290,10 @@ class SharedMemoryAllReduce:
         self.flags = np.frombuffer(raw[:flag_bytes].numpy(), dtype=np.int64)   # flag of rank r at [8 r]
         self.slots = raw[flag_bytes:].view(dtype).view(2, size, slot_elems)
         self.calls = 0
+        self.futex = _Futex()
+
+    def _addr(self, rank: int) -> int:
+        return self._raw.data_ptr() + 64 * rank   # the flag's low 32 bits (little-endian)
 
     def applies(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.numel() <= self.slot_elems and x.device.type == "cpu"
@@ -262,16 +306,19 @@ class SharedMemoryAllReduce:
         flat = x.view(-1)
         bank[self.rank, :n].copy_(flat)
         self.flags[8 * self.rank] = gen
-        spins, deadline = 0, None
-        while min(self.flags[8 * r] for r in range(self.size)) < gen:
-            spins += 1
-            if spins > 200:
-                time.sleep(0)                               # let the other ranks run (few cores)
-                if spins % 4096 == 0:
-                    deadline = deadline or time.monotonic() + self.timeout_s
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"shared-memory all-reduce: a tensor-parallel rank did not "
-                                           f"arrive within {self.timeout_s:g} s")
+        self.futex.wake(self._addr(self.rank))
+        deadline = None
+        for r in range(self.size):
+            spins = 0
+            while (seen := int(self.flags[8 * r])) < gen:
+                spins += 1
+                if spins <= SPINS:
+                    continue
+                self.futex.wait(self._addr(r), seen)   # a spinning rank takes the CPU a late one needs
+                deadline = deadline or time.monotonic() + self.timeout_s
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shared-memory all-reduce: tensor-parallel rank {r} did not arrive "
+                                       f"within {self.timeout_s:g} s")
         torch.add(bank[0, :n], bank[1, :n], out=flat)
         for r in range(2, self.size):
             flat.add_(bank[r, :n])
