@@ -22,8 +22,9 @@ model (q head h reads kv head h // group), so the split follows KV heads:
   that head's q heads. Refused when a KV head would get more ranks than it has
   q heads (a rank with no head).
 
-Every other dimension (intermediate size, vocabulary) is split as evenly as
-possible; no size needs to divide by T. The vocabulary is padded to
+The intermediate size is split so each rank holds about the same layer weights
+(a rank with more heads gets fewer MLP rows: the slowest rank paces every
+all-reduce), the vocabulary as evenly as possible; no size needs to divide by T. The vocabulary is padded to
 ``T * ceil(V / T)`` rows so the gathered logits are equal slices (the padding
 rows are zero and cut off after the gather).
 """
@@ -112,18 +113,42 @@ def plan_shard(cfg, rank: int, size: int) -> TensorShard:
     check_tensor_parallel(cfg, size)
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
+    heads = [_heads_of(cfg, r, size) for r in range(size)]
+    q, kv = heads[rank]
+    rows = -(-cfg.vocab_size // size)
+    return TensorShard(rank, size, q, kv, _intermediate_split(cfg, heads)[rank],
+                       (rank * rows, (rank + 1) * rows))
+
+
+def _heads_of(cfg, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(q heads, kv heads) of ``rank``: whole KV groups, or one replicated KV head (module doc)."""
     group = cfg.num_heads // cfg.num_kv_heads
     if cfg.num_kv_heads >= size:
         kv = split_evenly(cfg.num_kv_heads, size, rank)
-        q = (kv[0] * group, kv[1] * group)
-    else:
-        head = rank * cfg.num_kv_heads // size                      # the KV head this rank replicates
-        sharing = [r for r in range(size) if r * cfg.num_kv_heads // size == head]
-        lo, hi = split_evenly(group, len(sharing), sharing.index(rank))
-        kv, q = (head, head + 1), (head * group + lo, head * group + hi)
-    rows = -(-cfg.vocab_size // size)
-    return TensorShard(rank, size, q, kv, split_evenly(cfg.intermediate_size, size, rank),
-                       (rank * rows, (rank + 1) * rows))
+        return (kv[0] * group, kv[1] * group), kv
+    head = rank * cfg.num_kv_heads // size                      # the KV head this rank replicates
+    sharing = [r for r in range(size) if r * cfg.num_kv_heads // size == head]
+    lo, hi = split_evenly(group, len(sharing), sharing.index(rank))
+    return (head * group + lo, head * group + hi), (head, head + 1)
+
+
+def _intermediate_split(cfg, heads: list) -> list[tuple[int, int]]:
+    """The MLP's intermediate rows per rank, balancing each rank's layer weights: a rank with
+    more attention heads (an uneven head split, e.g. SmolLM2's 6 + 3) gets fewer MLP rows,
+    since the slowest rank sets every all-reduce's pace. Weights per rank: attention
+    h·D·(2 q + 2 kv) + MLP 3·h·rows. Boundaries are multiples of 32 where the size allows."""
+    size, inter, d = len(heads), cfg.intermediate_size, cfg.head_dim
+    attn = [2 * d * ((q1 - q0) + (k1 - k0)) for (q0, q1), (k0, k1) in heads]   # per unit of hidden
+    target = (sum(attn) + 3 * inter) / size
+    align = 32 if inter % 32 == 0 and inter >= 32 * 8 * size else 1   # coarse only where it is small
+    bounds, start = [], 0
+    for r in range(size - 1):
+        want = max(1, round(max(0.0, target - attn[r]) / 3 / align) * align)
+        stop = min(start + want, inter - (size - 1 - r))   # leave at least one row per later rank
+        bounds.append((start, max(stop, start + 1)))
+        start = bounds[-1][1]
+    bounds.append((start, inter))
+    return bounds
 
 
 def local_config(cfg, shard: TensorShard):
