@@ -99,9 +99,9 @@ def test_shard_reads_equal_cutting_the_full_tensor(tiny_checkpoints, kind, tp):
     reader.close()
 
 
-def test_llm_refuses_kept_quantization_before_starting_processes(smollm2_gguf):
+def test_llm_refuses_kept_quantization_before_starting_processes(tiny_checkpoints):
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1 runs dense weights only"):
-        LLM(model=str(smollm2_gguf), tensor_parallel_size=2)
+        LLM(model=str(tiny_checkpoints("qwen2_bias")), tensor_parallel_size=2, quantization="int8")
 
 
 def test_shared_memory_all_reduce_sums_in_rank_order(tmp_path):
