@@ -133,6 +133,20 @@ def test_shared_memory_all_reduce_sums_in_rank_order(tmp_path):
     assert not ranks[0].applies(torch.zeros(65)) and not ranks[0].applies(torch.zeros(8, dtype=torch.bfloat16))
 
 
+def test_follower_refuses_a_spec_not_signed_with_the_cluster_key():
+    """The spec names modules a follower imports: one signed with another key is refused
+    before anything is decoded or loaded."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipeserve.pipeline.tensor_group import _spec_mac, run_follower
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store.set("spec", b"[]")
+    store.set("spec_mac", _spec_mac(b"the driver's key", b"[]"))
+    assert run_follower(0, 1, store.port, b"another key", 10.0) == 2
+
+
 # -- equal to transformers -------------------------------------------------------------
 def run(model: str, prompts, params=GREEDY, **kwargs) -> list[list[int]]:
     with LLM(model=model, dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1, **kwargs) as llm:
