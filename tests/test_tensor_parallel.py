@@ -207,6 +207,8 @@ def test_killed_tp_rank_is_recovered_like_a_killed_stage(tiny_checkpoints):
               tensor_parallel_size=2, threads_per_stage=1, stage_timeout=20, max_stage_restarts=2,
               max_num_seqs=2)
     try:
+        # --kv-cache-memory is per rank: 2 layers x 1 of the 2 KV heads x 16 dims x 4 bytes x K and V
+        assert llm.stats()["num_kv_blocks"] == 16 * 2**20 // (16 * 2 * 2 * 1 * 16 * 4)
         reference = token_lists(llm.generate(prompts, params, use_tqdm=False))
         leader = llm.engine.stage_pids[1]
         (victim,) = _children(leader)
