@@ -236,3 +236,30 @@ def test_killed_tp_rank_is_recovered_like_a_killed_stage(tiny_checkpoints):
     for pid in (victim, leader):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie whose new parent has not reaped it yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state or "\nState:\tX" in state
+
+
+def test_a_stopped_follower_dies_with_its_leader(tiny_checkpoints):
+    """A SIGSTOPped follower cannot run its parent watch; the kernel kills it when its leader
+    dies (PR_SET_PDEATHSIG), so a pipeline restart leaves no rank behind."""
+    llm = LLM(model=str(tiny_checkpoints("llama_tied_gqa")), dtype="float32", kv_cache_memory="16MiB",
+              tensor_parallel_size=2, threads_per_stage=1, max_stage_restarts=0)
+    try:
+        leader = llm.engine.stage_pids[0]
+        (follower,) = _children(leader)
+        os.kill(follower, signal.SIGSTOP)
+        os.kill(leader, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not _gone(follower) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(follower)
+    finally:
+        llm.shutdown()

@@ -217,6 +217,19 @@ class LeaderRunner:
         return getattr(self.runner, name)
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs us when the leader dies, even if we are stopped (SIGSTOP)
+    and our parent-watch thread cannot run; elsewhere the watch thread alone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_s: float) -> int:
     """A follower's life (``pipeserve worker --stage S --tp-rank R``); returns the exit code."""
     import torch.distributed as dist
@@ -226,6 +239,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     from pipeserve.worker.step import StepInput
     from pipeserve.worker.step_wire import from_wire
     _exit_with_parent()
+    _die_with_parent()
     store = dist.TCPStore("127.0.0.1", store_port, None, False, timeout=timedelta(seconds=timeout_s))
     text = store.get("spec")
     if not hmac.compare_digest(store.get("spec_mac").decode(), _spec_mac(key, text)):
