@@ -39,7 +39,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"        # recompute | swap
     # Pipeline
     pipeline_parallel_size: int = 1
-    threads_per_stage: int | None = None      # default: cores // P
+    tensor_parallel_size: int = 1             # ranks per stage (pipeserve/model/tensor_parallel.py)
+    tp_all_reduce: str = "shm"                # shm (shared memory, one host) | gloo
+    threads_per_stage: int | None = None      # per rank; default: cores // (P * T)
     pp_partition: str = "uniform"             # uniform | auto | "a,b,c"
     pp_schedule: str = "async"                # async | gpipe | interleaved
     pp_max_inflight: int | None = None        # default: P
@@ -75,6 +77,10 @@ class EngineConfig:
                  f"must be recompute or swap, got {self.preemption_mode!r}")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                  f"must be >= 1, got {self.pipeline_parallel_size}")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+                 f"must be >= 1 (ranks per pipeline stage), got {self.tensor_parallel_size}")
+        _require(self.tp_all_reduce in ("shm", "gloo"), "tp_all_reduce",
+                 f"must be shm or gloo, got {self.tp_all_reduce!r}")
         _require(self.pp_schedule in ("async", "gpipe", "interleaved"), "pp_schedule",
                  f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
         _require(self.attention_backend in ("auto", "torch", "cpu"), "attention_backend",
@@ -127,7 +133,7 @@ class EngineConfig:
     def stage_threads(self) -> int:
         if self.threads_per_stage:
             return self.threads_per_stage
-        return max(1, (os.cpu_count() or 1) // self.pipeline_parallel_size)
+        return max(1, (os.cpu_count() or 1) // (self.pipeline_parallel_size * self.tensor_parallel_size))
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -39,10 +39,16 @@ def _configs() -> dict:
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
         "llama_sharded": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+        # One KV head shared by every query head (tensor parallelism replicates it).
+        "llama_1kv": lambda: LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=False),
+        "qwen2_1kv": lambda: Qwen2Config(**{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True,
+                                         use_sliding_window=False),
     }
 
 
 CHECKPOINT_KINDS = ("llama_tied_gqa", "mistral", "qwen2_bias", "llama3_rope", "llama_sharded")
+# Built on demand (tensor-parallel tests), not part of every numerics module's sweep.
+EXTRA_KINDS = ("llama_1kv", "qwen2_1kv")
 
 
 def build_checkpoint(kind: str, directory: Path, seed: int = 0) -> Path:

@@ -39,6 +39,9 @@ class LLMEngine:
         self.model_config = self.source.load_config()
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
         self.dtype = DTYPES[config.torch_dtype_name]
+        if config.tensor_parallel_size > 1:   # refuse before any process starts
+            from pipeserve.model.tensor_parallel import check_tensor_parallel_config
+            check_tensor_parallel_config(config, self.model_config, self.source.kind)
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
@@ -78,13 +81,25 @@ class LLMEngine:
         """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·head_dim·bytes per token."""
         dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
         most_layers = max(self._layers_per_worker())
-        block_bytes = self.config.block_size * self.model_config.kv_bytes_per_token(dtype_bytes, most_layers)
+        block_bytes = self.config.block_size * self._kv_config().kv_bytes_per_token(dtype_bytes, most_layers)
         num_blocks = self.config.num_gpu_blocks_override or self.config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} holds no KV block "
                              f"(one block takes {block_bytes} bytes per stage)")
         host = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
         return int(num_blocks), int(host)
+
+    def _kv_config(self):
+        """The model as the busiest KV holder sees it: with tensor parallelism a rank holds
+        only its KV heads, so --kv-cache-memory is a per-rank budget."""
+        t = self.config.tensor_parallel_size
+        if t == 1:
+            return self.model_config
+        from dataclasses import replace
+
+        from pipeserve.model.tensor_parallel import plan_shard
+        heads = max(plan_shard(self.model_config, r, t).num_kv_heads for r in range(t))
+        return replace(self.model_config, num_kv_heads=heads)
 
     def _layers_per_worker(self) -> list[int]:
         """Chunk c of the partition runs on worker c mod P (V chunks each when interleaved)."""
@@ -95,7 +110,7 @@ class LLMEngine:
         return layers
 
     def _make_executor(self) -> Executor:
-        if self.config.pipeline_parallel_size == 1:
+        if self.config.pipeline_parallel_size == 1 and self.config.tensor_parallel_size == 1:
             from pipeserve.worker.local_executor import LocalExecutor
             from pipeserve.worker.model_runner import ModelRunner
             torch.set_num_threads(self.config.stage_threads)

@@ -13,6 +13,9 @@ _HELP = {
     "kv_cache_memory": "KV cache budget per stage, e.g. 512MiB, 2GiB",
     "swap_space": "host memory pool for preemption by swap, e.g. 1GiB",
     "pipeline_parallel_size": "number of pipeline stages (processes)",
+    "tensor_parallel_size": "ranks (processes) per pipeline stage, each holding a slice of every layer: "
+                            "heads, MLP width, vocabulary (default: 1)",
+    "tp_all_reduce": "shm (through shared memory between a stage's ranks, one host; default) | gloo",
     "pp_partition": "uniform | auto | comma-separated layer counts (e.g. 19,11)",
     "pp_schedule": "async | gpipe | interleaved",
     "scheduling_policy": "fcfs | priority | fair",
@@ -29,7 +32,7 @@ _HELP = {
 }
 _HELP["cluster_key"] = ("shared secret of the pipeline's hosts (prefer $PIPESERVE_CLUSTER_KEY: a flag shows in ps); "
                        "required with --nnodes > 1")
-_SHORT = {"pipeline_parallel_size": ["-pp"]}
+_SHORT = {"pipeline_parallel_size": ["-pp"], "tensor_parallel_size": ["-tp"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:

@@ -24,6 +24,7 @@ from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCac
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 from pipeserve.model.longrope import LongRotaryEmbedding
+from pipeserve.model.tensor_parallel import TensorParallelGroup, local_config
 
 if TYPE_CHECKING:
     from pipeserve.model.cpu_ops import CpuElementwise
@@ -82,6 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         # Gemma 3's sliding layers use their own RoPE base.
         self.rope_kind = "local" if cfg.rope_local_theta and cfg.layer_sliding_window(layer) else "global"
 
+    # Tensor parallelism (pipeserve/model/tensor_parallel.py): o_proj and down_proj hold
+    # this rank's input slice, so their outputs are partial sums until all-reduced.
+    tp = None
+
     def forward(self, rope: Rope, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's MLP output, not yet added to the residual stream
@@ -90,10 +95,14 @@ class LlamaDecoderLayer(nn.Module):
         with the norm after it."""
         x, residual = self.input_layernorm.add_norm(h, residual)
         attn = self.self_attn(rope, x, meta, kv_cache)
+        if self.tp is not None:
+            attn = self.tp.all_reduce(attn)
         if self.attn_output_norm is not None:
             attn = self.attn_output_norm(attn)
         x, residual = self.post_attention_layernorm.add_norm(attn, residual)
         out = self.mlp(x)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         if self.mlp_output_norm is not None:
             out = self.mlp_output_norm(out)
         return out, residual
@@ -109,12 +118,19 @@ def _mlp(cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device)
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, start_layer: int, end_layer: int, is_first: bool, is_last: bool,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, tp: TensorParallelGroup | None = None) -> None:
+        """``tp``: this rank's group when the stage is split over tensor-parallel ranks; the
+        layers are then built with the rank's heads and intermediate slice (``self.cfg`` is
+        that local config, ``self.full_cfg`` the model's), embedding and head with its
+        vocabulary rows."""
         super().__init__()
         if not 0 <= start_layer <= end_layer <= cfg.num_layers:
             raise ValueError(f"layer range [{start_layer}, {end_layer}) is not inside the model's "
                              f"{cfg.num_layers} layers")
         device = torch.device(device)
+        self.full_cfg, self.tp = cfg, tp
+        if tp is not None:
+            cfg = local_config(cfg, tp.shard)
         self.cfg, self.start_layer, self.end_layer = cfg, start_layer, end_layer
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, device
@@ -122,13 +138,17 @@ class LlamaModel(nn.Module):
         self.rotary = _rotary(cfg, device)
         self.local_rotary = (RotaryEmbedding(cfg.head_dim, cfg.rope_local_theta, None, device)
                              if cfg.rope_local_theta else None)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device) if is_first else None
+        vocab_rows = cfg.vocab_size if tp is None else tp.shard.vocab_rows
+        self.embed_tokens = Embedding(vocab_rows, cfg.hidden_size, dtype, device) if is_first else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer, self.backend, dtype, device)
                                     for layer in range(start_layer, end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset) if is_last else None
         # With tied embeddings the last stage keeps its own copy of the
         # embedding matrix as the head: stages do not share memory.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device) if is_last else None
+        self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, dtype, device) if is_last else None
+        if tp is not None:
+            for layer in self.layers:
+                layer.tp = tp
         ops = _elementwise_ops(dtype, device)
         if ops is not None:  # each module checks it applies (dtype, and no Gemma norm / GeGLU)
             for module in self.modules():
@@ -144,7 +164,7 @@ class LlamaModel(nn.Module):
         """input: token ids [n] (first stage) or hidden [n, hidden]; returns hidden
         [n, hidden] before the final norm (``compute_logits`` applies it)."""
         if self.is_first:
-            h = self.embed_tokens(input_ids_or_hidden)  # [n, hidden]
+            h = self._embed(input_ids_or_hidden)  # [n, hidden]
             if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the activation dtype, as Gemma does
                 h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         else:
@@ -155,6 +175,15 @@ class LlamaModel(nn.Module):
             h, residual = layer(ropes[layer.rope_kind], h, residual, attn_metadata, kv)
         return h if residual is None else h + residual
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(ids)
+        # Vocabulary-parallel: look up the ids in our rows, zero the others, sum over ranks.
+        start, stop = self.tp.shard.vocab
+        mine = (ids >= start) & (ids < stop)
+        h = self.embed_tokens(torch.where(mine, ids - start, 0))
+        return self.tp.all_reduce(h * mine.unsqueeze(1).to(h.dtype))
+
     def _ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> dict[str, Rope]:
         if isinstance(self.rotary, LongRotaryEmbedding):
             ropes = {"global": self.rotary(positions, meta.query_lens, meta.seq_lens or meta.context_lens)}
@@ -164,11 +193,17 @@ class LlamaModel(nn.Module):
             ropes["local"] = self.local_rotary(positions)
         return ropes
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> float32 logits [n, vocab] (final norm + head)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [n, hidden] -> float32 logits [n, vocab] (final norm + head). Under
+        tensor parallelism the full logits exist on TP rank 0 only (None elsewhere)."""
         if not self.is_last:
             raise RuntimeError("compute_logits needs the last stage (final norm and LM head)")
         logits = self.lm_head(self.norm(hidden)).float()
+        if self.tp is not None:
+            logits = self.tp.gather_to_first(logits)   # [n, T * vocab rows] on rank 0
+            if logits is None:
+                return None
+            logits = logits[:, :self.full_cfg.vocab_size]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

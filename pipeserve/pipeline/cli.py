@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank, 1 .. nnodes-1")
     parser.add_argument("--stage", type=int, default=None,
                         help="run exactly this one stage (what a node worker and the driver start)")
+    parser.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)       # a stage's
+    parser.add_argument("--tp-store-port", type=int, default=None, help=argparse.SUPPRESS)  # TP follower
     parser.add_argument("--master-addr", required=True, help="the driver node's address")
     parser.add_argument("--master-port", type=int, default=29533, help="the driver's port")
     parser.add_argument("--rendezvous-timeout", type=float, default=60.0,
@@ -58,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
             if not os.environ.get(KEY_ENV):
                 raise ValueError(f"set ${KEY_ENV} to the driver's cluster key")
             key = os.environ[KEY_ENV].encode()
-            code = run_stage(stage, args.master_addr, args.master_port, key, args.rendezvous_timeout, rejoin)
+            if getattr(args, "tp_rank", None) is not None:   # started by the stage's TP rank 0
+                from pipeserve.pipeline.tensor_group import run_follower
+                code = run_follower(stage, args.tp_rank, args.tp_store_port, key, args.rendezvous_timeout)
+            else:
+                code = run_stage(stage, args.master_addr, args.master_port, key, args.rendezvous_timeout, rejoin)
             # Every message has left (the sender joined): skip the interpreter's slow torch teardown.
             logging.shutdown()
             sys.stdout.flush()
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     prefix = f"[stage {args.stage}] " if args.stage is not None else ""
+    if args.stage is not None and args.tp_rank is not None:
+        prefix = f"[stage {args.stage} tp {args.tp_rank}] "
     logging.basicConfig(level=logging.INFO, format=f"{prefix}%(levelname)s %(name)s: %(message)s")
     return run(args)
 

@@ -35,21 +35,26 @@ EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 4, 5
 MAX_RANKS = 1 << 16     # before the spec arrives, any rank may say HELLO (checked against P after)
 
 
-def stage_device(spec: PipelineSpec, stage: int) -> torch.device:
-    """cuda: stage i on GPU i of its node (numbered within the node); else the CPU."""
+def stage_device(spec: PipelineSpec, stage: int, tp_rank: int = 0) -> torch.device:
+    """cuda: stage i's TP rank r on GPU i * T + r of its node (stages numbered within the
+    node); else the CPU."""
     if spec.config.device != "cuda":
         return torch.device(spec.config.device)
     node = node_of_stage(spec.num_stages, spec.config.nnodes, stage)
-    return torch.device("cuda", stages_of_node(spec.num_stages, spec.config.nnodes, node).index(stage))
+    local = stages_of_node(spec.num_stages, spec.config.nnodes, node).index(stage)
+    return torch.device("cuda", local * spec.config.tensor_parallel_size + tp_rank)
 
 
-def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[int, Any]:
+def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group=None) -> dict[int, Any]:
+    """The stage's runners (one per chunk); with --tensor-parallel-size T > 1, the shards of
+    ``tp_group``'s rank (a ``TensorParallelGroup``: ``pipeline/tensor_group.py``)."""
     factory = spec.runner_factory
     if factory is None:
         from pipeserve.worker.model_runner import ModelRunner
         factory = ModelRunner
     last = len(spec.partition) - 1
     dtype = DTYPES[spec.config.torch_dtype_name]
+    extra = {} if tp_group is None else {"tp": tp_group}
     runners = {}
     for chunk in spec.chunks_of(stage):
         start, end = spec.partition[chunk]
@@ -59,7 +64,7 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device) -> dict[
                                  block_size=spec.config.block_size,
                                  attention_backend=spec.config.attention_backend,
                                  quantization=spec.config.quantization,
-                                 quantization_group_size=spec.config.quantization_group_size)
+                                 quantization_group_size=spec.config.quantization_group_size, **extra)
     return runners
 
 
@@ -72,8 +77,9 @@ def run_stage(stage: int, master_addr: str, master_port: int, key: bytes, join_t
     rank, timeout = stage + 1, join_timeout
     while True:
         transport = TcpTransport(rank, MAX_RANKS, key)
+        leader = None
         try:
-            spec, runners = _join(transport, stage, master_addr, master_port, timeout)
+            spec, runners, leader = _join(transport, stage, master_addr, master_port, timeout, key)
         except AuthError as exc:
             logger.error("stage %d: %s", stage, exc)
             return EXIT_BAD_KEY
@@ -86,6 +92,8 @@ def run_stage(stage: int, master_addr: str, master_port: int, key: bytes, join_t
         gc.freeze()   # the weights and caches live as long as the stage: keep them out of GC scans
         outcome = StageWorker(spec, stage, runners, transport).run()
         transport.close()
+        if leader is not None:
+            leader.stop()
         if outcome == STOPPED:
             return 0
         if rejoin_timeout is None:
@@ -93,13 +101,13 @@ def run_stage(stage: int, master_addr: str, master_port: int, key: bytes, join_t
             return EXIT_LOST_DRIVER
         logger.warning("stage %d: %s; joining again for up to %g s (--stage-rejoin-timeout)", stage, outcome,
                        rejoin_timeout)
-        del runners, spec
+        del runners, spec, leader
         gc.unfreeze()
         gc.collect()
         timeout = rejoin_timeout
 
 
-def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: float):
+def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: float, key: bytes):
     host = local_address_for(addr)
     listen_port = transport.listen(host, 0)
     spec = join_driver(transport, addr, port, Hello(stage + 1, os.getpid(), host, listen_port),
@@ -110,10 +118,17 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     if device.type == "cuda":
         torch.cuda.set_device(device)
     transport.device = device
-    runners = build_runners(spec, stage, device)
-    # READY carries the stage's resident weight bytes (LLM.stats()["weight_bytes"]).
+    leader = None
+    if spec.config.tensor_parallel_size > 1:   # start this stage's other TP ranks (tensor_group.py)
+        from pipeserve.pipeline.tensor_group import TensorGroupLeader
+        leader = TensorGroupLeader(spec, stage, key, timeout)
+    runners = build_runners(spec, stage, device, None if leader is None else leader.group)
+    if leader is not None:
+        leader.ready()
+        runners = leader.wrap(runners)
+    # READY carries the stage's resident weight bytes (LLM.stats()["weight_bytes"]; TP rank 0's).
     transport.send(0, Kind.READY, sum(getattr(r, "weight_bytes", 0) for r in runners.values()))
-    return spec, runners
+    return spec, runners, leader
 
 
 def _report_failure(transport: TcpTransport, trace: str) -> None:

@@ -72,4 +72,7 @@ def dead_stage_message(procs: dict[int, Any], grace_s: float = 0.0) -> str | Non
 def signal_note(code: int | None) -> str:
     if code is not None and code < 0:
         return f" (killed by {signal.Signals(-code).name})"
+    from pipeserve.pipeline.tensor_group import EXIT_TP_RANK_DIED
+    if code == EXIT_TP_RANK_DIED:
+        return " (one of its tensor-parallel ranks died; its log above says which)"
     return ""

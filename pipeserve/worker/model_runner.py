@@ -29,7 +29,10 @@ class ModelRunner:
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
                  sampler_seed: int | None = None, attention_backend: str = "auto",
-                 quantization: str = "auto", quantization_group_size: int = 32) -> None:
+                 quantization: str = "auto", quantization_group_size: int = 32, tp=None) -> None:
+        """``tp``: this stage's tensor-parallel group (``pipeserve.model.tensor_parallel``);
+        the runner then holds its rank's slices and KV heads, and only TP rank 0 of the
+        last stage samples (the others return an empty ``StepOutput``)."""
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
@@ -38,7 +41,7 @@ class ModelRunner:
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
                                             dtype, self.device, attention_backend, quantization,
-                                            quantization_group_size)
+                                            quantization_group_size, tp=tp)
         self.weight_bytes = weight_bytes(self.model)
         log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
                  self.weight_bytes / 2**20, describe(self.model))
@@ -49,7 +52,8 @@ class ModelRunner:
         self.sampler = Sampler(sampler_seed) if is_last else None
 
     def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
-        shape = (blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # The model's config: under tensor parallelism, this rank's KV heads only.
+        shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, self.cfg.head_dim)
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
@@ -71,6 +75,8 @@ class ModelRunner:
         if not sampled_seqs:
             return StepOutput(step.step_id, [])
         logits = self.model.compute_logits(hidden[self._sample_rows(step)])  # [S, vocab] float32
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return StepOutput(step.step_id, [])
         results = self.sampler.sample(logits, [s.sampling for s in sampled_seqs])
         return StepOutput(step.step_id, [
             SampledToken(seq.seq_id, token, logprob, top)

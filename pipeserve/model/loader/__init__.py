@@ -14,20 +14,25 @@ __all__ = ["ModelSource", "WeightReader", "load_model", "resolve_model"]
 def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_layer: int,
                is_first: bool, is_last: bool, dtype: torch.dtype,
                device: torch.device | str, attention_backend: str = "auto",
-               quantization: str = "auto", quantization_group_size: int = 32) -> LlamaModel:
+               quantization: str = "auto", quantization_group_size: int = 32, tp=None) -> LlamaModel:
     """Build the stage owning layers [start_layer, end_layer) and read only its tensors.
 
     ``quantization`` (see ``pipeserve.model.quant.load.weight_format``): "none"
     fills every weight in ``dtype``; "auto" keeps a GGUF's block-quantized
     tensors as they are; "int8"/"int4" quantize linear and embedding weights
-    group-wise at load."""
+    group-wise at load.
+
+    ``tp`` (a ``TensorParallelGroup``): build and fill only this tensor-parallel
+    rank's slices (dense weights only)."""
     from pipeserve.model.cpu_attention import select_backend
     from pipeserve.model.quant.load import materialize_rest, replace_quantized, weight_format
     fmt = weight_format(source.kind, quantization)
     device = torch.device(device)
+    if tp is not None and fmt != "dense":
+        raise ValueError(tensor_parallel_quantization_message(quantization))
     build_on = device if fmt == "dense" else torch.device("meta")
     model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, build_on,
-                       backend=select_backend(attention_backend, device))
+                       backend=select_backend(attention_backend, device), tp=tp)
     params = dict(model.named_parameters())
     sources = model.checkpoint_names()
     if set(sources) != set(params):  # a parameter left out would keep torch.empty garbage
@@ -37,7 +42,11 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
         if fmt == "dense":
             with torch.no_grad():
                 for ours, names in sources.items():
-                    _fill(params[ours], ours, [_read(reader, source, n) for n in names])
+                    if tp is not None:
+                        parts = _read_shard(reader, source, cfg, tp.shard, ours, names)
+                    else:
+                        parts = [_read(reader, source, n) for n in names]
+                    _fill(params[ours], ours, parts)
             return model
         # Only the rotary buffers (Gemma 3: two) are built from the config rather than read: take real ones.
         real = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device)
@@ -49,6 +58,49 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
     finally:
         reader.close()
     return model
+
+
+def tensor_parallel_quantization_message(quantization: str) -> str:
+    return (f"--tensor-parallel-size > 1 runs dense weights only, but --quantization {quantization} keeps "
+            "them quantized (a GGUF's blocks with 'auto', or int8/int4): pass --quantization none to "
+            "dequantize at load (to --dtype), or use --tensor-parallel-size 1")
+
+
+def _read_shard(reader: WeightReader, source: ModelSource, cfg: ModelConfig, shard, name: str,
+                names: list[str]) -> list[torch.Tensor]:
+    """A tensor-parallel rank's slice of parameter ``name``, whose checkpoint tensors
+    ``names`` concatenate along dim 0. A reader with ``read_slice`` (safetensors) reads only
+    the slice's rows / columns; otherwise (GGUF, dequantized whole) the full tensor is read
+    and cut."""
+    from pipeserve.model.tensor_parallel import parameter_slices, take_slices
+    cut = parameter_slices(cfg, shard, name)
+    if cut is None:
+        return [_read(reader, source, n) for n in names]
+    dim, ranges = cut
+    if not hasattr(reader, "read_slice"):
+        parts = [_read(reader, source, n) for n in names]
+        return [take_slices(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), dim, ranges)]
+    try:
+        shapes = [reader.shape(n) for n in names]
+    except KeyError as exc:
+        raise ValueError(f"checkpoint {source.path} is missing a tensor the model needs: {exc}") from None
+    pieces: list[torch.Tensor] = []
+    if dim == 1:   # columns of every part, the parts stacked by rows
+        for n in names:
+            pieces.append(torch.cat([reader.read_slice(n, 1, a, b) for a, b in ranges], dim=1))
+        return [torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]]
+    total = sum(s[0] for s in shapes)
+    for start, stop in ranges:   # rows of the concatenation: intersect with each part
+        offset = 0
+        for n, s in zip(names, shapes):
+            a, b = max(start, offset), min(stop, offset + s[0])
+            if a < b:
+                pieces.append(reader.read_slice(n, 0, a - offset, b - offset))
+            offset += s[0]
+        if stop > total:   # vocabulary padding past the last row
+            pieces.append(torch.zeros((stop - max(start, total),) + tuple(shapes[0][1:]),
+                                      dtype=pieces[-1].dtype if pieces else torch.float32))
+    return [torch.cat(pieces, dim=0)]
 
 
 def _read(reader: WeightReader, source: ModelSource, name: str) -> torch.Tensor:

@@ -51,6 +51,24 @@ class SafetensorsReader:
         self.names_read.append(name)
         return self._handles[file].get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor ``name``, reading only those
+        bytes where the layout allows (a tensor-parallel rank's shard)."""
+        part = self._slice(name)
+        self.names_read.append(name)
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    def _slice(self, name: str):
+        file = self._file_of.get(name)
+        if file is None:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.directory}")
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file].get_slice(name)
+
     def close(self) -> None:
         self._handles.clear()
 
