@@ -33,7 +33,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """``executor``: run the steps on this one instead of the stages ``config`` describes
+        (no weights are loaded then); calibration uses an executor that answers at once
+        to time the driver alone."""
         self.config = config
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()
@@ -43,7 +46,7 @@ class LLMEngine:
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks)
-        self.executor = self._make_executor()
+        self.executor = executor or self._make_executor()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
