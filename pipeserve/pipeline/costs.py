@@ -15,15 +15,15 @@ from typing import NamedTuple
 import torch
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.pipeline.layer_costs import LayerCosts
+from pipeserve.pipeline.part_costs import PartCosts
 
 
-def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype) -> LayerCosts:
+def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype) -> PartCosts:
     """Memory of each part (no timing): used alone when memory is all that matters.
     A layer's bytes are its TOTAL parameters (MoE: every expert is stored)."""
     size = dtype.itemsize
     sizes = tuple(cfg.layer_params(i) * size for i in range(cfg.num_layers))
-    return LayerCosts(embed=0.0, layer=0.0, head=0.0, embed_bytes=cfg.embedding_params() * size,
+    return PartCosts(embed=0.0, layer=0.0, head=0.0, embed_bytes=cfg.embedding_params() * size,
                       layer_bytes=max(sizes, default=0), head_bytes=cfg.head_params() * size,
                       layer_sizes=sizes if len(set(sizes)) > 1 else ())
 
@@ -120,7 +120,7 @@ def step_tensors(cfg: ModelConfig, backend, query_lens: list[int], context_lens:
 @torch.inference_mode()
 def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                         batch: int = 8, context: int = 128, prefill_tokens: int = 512, block_size: int = 16,
-                        repeats: int = 5, attention_backend: str = "auto") -> LayerCosts:
+                        repeats: int = 5, attention_backend: str = "auto") -> PartCosts:
     """Time embedding, one decoder layer and norm + LM head per *unit of
     work*: one prompt token plus one generated token, the mix of a chat
     workload whose prompts and answers have similar lengths.
@@ -156,6 +156,6 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     rows = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)       # [batch, hidden]
     head_s = _best_time(lambda: head_stage.compute_logits(rows), repeats, device) / batch
     mem = parameter_bytes(cfg, dtype)
-    return LayerCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
+    return PartCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
                       layer_bytes=mem.layer_bytes, head_bytes=mem.head_bytes,
                       layer_times=layer_times(cfg, layer_s, measured), layer_sizes=mem.layer_sizes)
