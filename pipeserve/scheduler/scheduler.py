@@ -16,6 +16,11 @@ its step is done, since the stages may still be writing them.
 ``max_num_seqs`` and ``max_num_batched_tokens`` bound one micro-batch; an
 engine running P micro-batches passes its share via ``max_seqs`` /
 ``token_budget``.
+
+The scheduler keeps queues of sequences, not requests: a request's record
+(``SequenceGroup``) is read from the engine's table, ``requests``, by its id.
+The engine adds a record before ``add_request`` and removes it once the
+request's final output is made.
 """
 
 from __future__ import annotations
@@ -54,24 +59,24 @@ class _Budget:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int,
+                 requests: dict[str, SequenceGroup]) -> None:
         self.config = config
+        self.requests = requests                      # the engine's table: request id -> record
         self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks,
                                           config.enable_prefix_caching)
         self.policy = make_policy(config.scheduling_policy)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self._groups: dict[str, SequenceGroup] = {}
         self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
-        self._prefilled: set[str] = set()            # requests whose first sequence finished its prompt
         self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
-        if group.request_id in self._groups:
-            raise ValueError(f"request id {group.request_id!r} is already in use")
-        self._groups[group.request_id] = group
+        """Queue the request's sequences; its record is already in ``requests``."""
+        if self.requests.get(group.request_id) is not group:
+            raise ValueError(f"request {group.request_id!r} is not in the request table")
         for seq in group.seqs:
             if not seq.is_finished:
                 seq.status = SequenceStatus.WAITING
@@ -79,7 +84,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """End every unfinished sequence of a request; returns the ones ended."""
-        group = self._groups.get(request_id)
+        group = self.requests.get(request_id)
         if group is None:
             return []
         ended = [s for s in group.seqs if not s.is_finished]
@@ -95,21 +100,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.seq_id not in self._inflight:
-            self._release(seq)
+            self.block_manager.free(seq)
 
     def _remove_from_queue(self, seq: Sequence) -> None:
         queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
                  SequenceStatus.SWAPPED: self.swapped}.get(seq.status)
         if queue is not None and seq in queue:
             queue.remove(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        group = self._groups.get(seq.request_id)
-        if group is not None and group.is_finished and \
-                not any(s.seq_id in self._inflight for s in group.seqs):
-            del self._groups[seq.request_id]
-            self._prefilled.discard(seq.request_id)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -255,7 +252,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
             self._add(seq, num_new, budget, out)
-            group = self._groups[seq.request_id]
+            group = self.requests[seq.request_id]
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.time()
         if admitted:
@@ -270,13 +267,12 @@ class Scheduler:
     def _waits_for_first(self, seq: Sequence) -> bool:
         """Siblings start only after the first sequence has computed the shared
         prompt once, so they can share its blocks instead of recomputing them."""
-        first = self._groups[seq.request_id].seqs[0]
-        return (self._is_fresh_sibling(seq) and not first.is_finished
-                and seq.request_id not in self._prefilled)
+        group = self.requests[seq.request_id]
+        return self._is_fresh_sibling(seq) and not group.seqs[0].is_finished and not group.prefilled
 
     def _fork_parent(self, seq: Sequence) -> Sequence | None:
         """The first sequence of the request, if ``seq`` can fork from it now."""
-        first = self._groups[seq.request_id].seqs[0]
+        first = self.requests[seq.request_id].seqs[0]
         if (self._is_fresh_sibling(seq) and first.status == SequenceStatus.RUNNING
                 and first.num_computed_tokens >= first.num_prompt_tokens):
             return first
@@ -301,13 +297,13 @@ class Scheduler:
         for item in out.scheduled:
             seq = self._take_inflight(item)
             if seq.is_finished:
-                self._release(seq)        # aborted in flight: its result is dropped
+                self.block_manager.free(seq)      # aborted in flight: its result is dropped
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.register_computed(seq)
             self.policy.record_service(seq, item.num_new_tokens)
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                self._prefilled.add(seq.request_id)
+                self.requests[seq.request_id].prefilled = True
 
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The micro-batch ``out`` was lost (a stage failed): nothing it computed
@@ -315,7 +311,7 @@ class Scheduler:
         for item in out.scheduled:
             seq = self._take_inflight(item)
             if seq.is_finished:
-                self._release(seq)
+                self.block_manager.free(seq)
 
     def replay_all(self) -> int:
         """All KV is lost (a stage was replaced): every running and swapped sequence
@@ -332,7 +328,8 @@ class Scheduler:
         self.waiting = replayed + self.waiting
         self.running, self.swapped = [], []
         # Fresh siblings wait for their first sequence's prompt again, to share its new blocks.
-        self._prefilled.clear()
+        for group in self.requests.values():
+            group.prefilled = False
         self._counters["replayed"] += len(replayed)
         return len(replayed)
 
