@@ -14,6 +14,7 @@ import time
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.guides import Guides
 from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
 from pipeserve.engine.output_processor import OutputProcessor
 from pipeserve.engine.recovery import RecoveryLog
@@ -23,7 +24,6 @@ from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from pipeserve.sequence import SequenceGroup
-from pipeserve.structured.guides import Guides
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.step import StepOutput

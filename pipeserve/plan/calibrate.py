@@ -253,7 +253,8 @@ def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[
     import json
 
     from pipeserve.worker.model_runner import prepare_step
-    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+    from pipeserve.sampling.inputs import SeqSampling
+    from pipeserve.worker.step import SeqStep, StepInput
     from pipeserve.worker.step_wire import dumps, from_wire
 
     bs = timer.block_size
