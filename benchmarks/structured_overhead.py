@@ -17,9 +17,9 @@ import argparse
 import statistics
 import time
 
+from pipeserve.engine.guides import Guides
 from pipeserve.entrypoints.llm import LLM
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.structured.guides import Guides
 from pipeserve.structured.params import StructuredOutputsParams
 
 SCHEMA = {"type": "object", "properties": {

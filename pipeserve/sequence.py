@@ -1,8 +1,10 @@
 """Request and sequence state, shared by the engine, the scheduler and the KV manager.
 
 Plain Python: no torch. A *request* (``SequenceGroup``) holds ``n`` sequences
-that share one prompt. Each ``Sequence`` owns a block table into the one
-logical KV cache that every pipeline stage indexes the same way.
+that share one prompt; it is the one record of a request's state, kept in the
+engine's table ``LLMEngine.requests`` (request id -> record), which the
+scheduler reads too. Each ``Sequence`` owns a block table into the one logical
+KV cache that every pipeline stage indexes the same way, and its output text.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
+from pipeserve.outputs import Logprob
 from pipeserve.sampling_params import SamplingParams
 
 _seq_counter = itertools.count()
@@ -24,8 +28,16 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Detokenizer(Protocol):
+    """Turns a stream's new token ids into newly stable text (``engine/detokenizer.py``)."""
+
+    def step(self, new_token_ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 class Sequence:
-    """One token stream and its KV bookkeeping.
+    """One token stream, its KV bookkeeping and its output text.
 
     Invariants:
       - ``token_ids`` = prompt + generated tokens.
@@ -53,6 +65,11 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Output text, kept by the engine's output processor.
+        self.detokenizer: Detokenizer | None = None
+        self.output_text = ""                # cut at a stop string once finished
+        self.output_logprobs: list[dict[int, Logprob]] | None = None   # None: not asked for
+        self.cumulative_logprob = 0.0
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -95,7 +112,12 @@ class Sequence:
 
 @dataclass
 class SequenceGroup:
-    """One request: ``n`` sequences over one prompt."""
+    """One request: ``n`` sequences over one prompt, and every fact the engine keeps
+    about it. Each timestamp is set in one place: ``arrival_time`` when the request
+    is made (``input_processor.make_group``), ``first_scheduled_time`` when the
+    scheduler first admits one of its sequences, ``first_token_time`` /
+    ``last_token_time`` when the output processor takes a token, ``finished_time``
+    when it makes the final output."""
 
     request_id: str
     prompt: str | None
@@ -110,6 +132,9 @@ class SequenceGroup:
     last_token_time: float | None = None
     finished_time: float | None = None
     error: str | None = None
+    # The first sequence has computed the shared prompt, so its siblings may fork
+    # from its blocks (the scheduler sets it; a replay after a stage failure clears it).
+    prefilled: bool = False
 
     @property
     def is_finished(self) -> bool:

@@ -178,7 +178,8 @@ def test_longrope_scheduler_never_reads_keys_of_the_other_rotation():
     class RopeTaggedEngine(FakeEngine):
         def __init__(self, **kwargs) -> None:
             super().__init__(**kwargs)
-            self.sched = Scheduler(self.config, len(self.dev), len(self.host), rope_switch_len=switch)
+            self.sched = Scheduler(self.config, len(self.dev), len(self.host), self.requests,
+                                   rope_switch_len=switch)
 
         def _signatures(self, seq):
             rotation = seq.num_tokens > switch     # what the step computes (SeqStep.seq_len)

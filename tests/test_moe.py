@@ -221,18 +221,18 @@ def test_config_counts_total_and_active_expert_parameters():
 
 def test_auto_partition_balances_active_and_caps_total_parameters():
     from pipeserve.pipeline.costs import layer_times, parameter_bytes
-    from pipeserve.pipeline.layer_costs import LayerCosts
+    from pipeserve.pipeline.part_costs import PartCosts
     from pipeserve.pipeline.partition import auto_partition, chunk_bytes
     cfg = _mixed_moe_config()
     mem = parameter_bytes(cfg, torch.float32)
     assert mem.layer_sizes == tuple(cfg.layer_params(i) * 4 for i in range(6))     # every expert stored
     times = layer_times(cfg, 1.0, measured_layer=3)
     assert times == pytest.approx([cfg.active_layer_params(i) / cfg.active_layer_params(3) for i in range(6)])
-    costs = LayerCosts(0.0, 1.0, 0.0, layer_sizes=mem.layer_sizes, layer_times=times)
+    costs = PartCosts(0.0, 1.0, 0.0, layer_sizes=mem.layer_sizes, layer_times=times)
     # Compute: the dense layers are the slow ones, so the first stage gets fewer layers than
     # a balance of stored (total) parameters would give it (that one puts 4 layers first).
     part = auto_partition(6, 2, costs)
-    by_total = auto_partition(6, 2, LayerCosts(0.0, 1.0, 0.0, layer_times=tuple(map(float, mem.layer_sizes))))
+    by_total = auto_partition(6, 2, PartCosts(0.0, 1.0, 0.0, layer_times=tuple(map(float, mem.layer_sizes))))
     assert part[0][1] < 4 == by_total[0][1]
     # Memory: a limit of two MoE layers' TOTAL bytes forces the MoE layers apart.
     limit = 2 * mem.layer_sizes[5]

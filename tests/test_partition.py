@@ -8,13 +8,13 @@ import pytest
 
 from pipeserve.config import EngineConfig
 from pipeserve.model.config import ModelConfig
-from pipeserve.pipeline.layer_costs import LayerCosts
+from pipeserve.pipeline.part_costs import PartCosts
 from pipeserve.pipeline.partition import (auto_partition, choose_partition, manual_partition,
                                           parse_stage_speeds, partition_for_config, stage_times,
                                           uniform_partition)
 
 # SmolLM2-135M-like: the LM head costs about as much as eight decoder layers.
-SMOL = LayerCosts(embed=0.01, layer=1.0, head=8.0)
+SMOL = PartCosts(embed=0.01, layer=1.0, head=8.0)
 
 
 def counts(partition: list[tuple[int, int]]) -> list[int]:
@@ -69,7 +69,7 @@ def test_auto_gives_the_head_stage_fewer_layers() -> None:
 
 
 def test_auto_is_optimal_against_brute_force() -> None:
-    costs = LayerCosts(embed=2.5, layer=1.0, head=4.0)
+    costs = PartCosts(embed=2.5, layer=1.0, head=4.0)
     best = auto_partition(12, 3, costs)
     brute = min(max(stage_times([(0, a), (a, a + b), (a + b, 12)], costs))
                 for a in range(1, 11) for b in range(1, 12 - a))
@@ -77,11 +77,11 @@ def test_auto_is_optimal_against_brute_force() -> None:
 
 
 def test_auto_with_equal_costs_is_uniform() -> None:
-    assert counts(auto_partition(12, 4, LayerCosts(0.0, 1.0, 0.0))) == [3, 3, 3, 3]
+    assert counts(auto_partition(12, 4, PartCosts(0.0, 1.0, 0.0))) == [3, 3, 3, 3]
 
 
 def test_stage_speeds_shift_layers_to_the_fast_stage() -> None:
-    flat = LayerCosts(0.0, 1.0, 0.0)
+    flat = PartCosts(0.0, 1.0, 0.0)
     part = auto_partition(30, 2, flat, speeds=[1.0, 0.5])
     assert counts(part) == [20, 10]   # 20/1 == 10/0.5
     assert stage_times(part, flat, [1.0, 0.5]) == [20.0, 20.0]
@@ -99,14 +99,14 @@ def test_parse_stage_speeds() -> None:
 
 
 def test_memory_limit_caps_a_stage() -> None:
-    costs = LayerCosts(0.0, 1.0, 8.0, layer_bytes=100, head_bytes=0)
+    costs = PartCosts(0.0, 1.0, 8.0, layer_bytes=100, head_bytes=0)
     # Unconstrained: [19, 11]. Stage 0 may hold at most 16 layers (1600 bytes).
     part = auto_partition(30, 2, costs, memory_limits=[1600, None])
     assert counts(part) == [16, 14]
 
 
 def test_memory_limits_that_cannot_fit_raise() -> None:
-    costs = LayerCosts(0.0, 1.0, 0.0, layer_bytes=100, embed_bytes=1000)
+    costs = PartCosts(0.0, 1.0, 0.0, layer_bytes=100, embed_bytes=1000)
     with pytest.raises(ValueError, match="fits the memory limits"):
         auto_partition(10, 2, costs, memory_limits=[500, 500])
 
@@ -114,7 +114,7 @@ def test_memory_limits_that_cannot_fit_raise() -> None:
 def test_choose_partition_interleaved_has_p_times_v_chunks() -> None:
     part = choose_partition("uniform", 12, 2, virtual_stages=3)
     assert counts(part) == [2] * 6
-    auto = choose_partition("auto", 12, 2, virtual_stages=2, costs=LayerCosts(0.0, 1.0, 3.0))
+    auto = choose_partition("auto", 12, 2, virtual_stages=2, costs=PartCosts(0.0, 1.0, 3.0))
     assert len(auto) == 4 and counts(auto)[-1] < counts(auto)[0]
     with pytest.raises(ValueError, match="needs layer costs"):
         choose_partition("auto", 12, 2)

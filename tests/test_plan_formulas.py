@@ -7,8 +7,8 @@ import math
 import pytest
 
 from pipeserve.plan import formulas
+from pipeserve.plan.analysis import PlanRequest, evaluate
 from pipeserve.plan.hardware import load_hardware, parse_quantity
-from pipeserve.plan.partition import auto_partition, uniform_partition
 from pipeserve.plan.presets import PlanInputError, load_model
 from pipeserve.plan.roofline import BatchShape, LayerCosts, ring_allreduce_time
 
@@ -78,13 +78,24 @@ def test_allreduce_and_units() -> None:
         parse_quantity("fast", "x")
 
 
-def test_partitions() -> None:
-    assert uniform_partition(30, 4) == [8, 8, 7, 7]
+def test_planner_partitions_with_the_runtimes_partitioner() -> None:
+    from pipeserve.pipeline.partition import min_max_split
     # The last part carries a head worth 8 layers: it gets fewer layers.
-    counts = auto_partition(30, 2, lambda part, k: k + (8 if part == 1 else 0))
+    counts = min_max_split(30, 2, lambda part, start, end: end - start + (8 if part == 1 else 0))
     assert counts == [19, 11]
-    with pytest.raises(PlanInputError):
-        uniform_partition(3, 4)
+    # The last part capped at 10 layers (memory): the cap wins over balance; nothing fits: None.
+    capped = min_max_split(30, 2, lambda part, start, end: math.inf if end - start > 10 and part == 1
+                           else end - start + (8 if part == 1 else 0))
+    assert capped == [20, 10]
+    assert min_max_split(30, 2, lambda part, start, end: math.inf if end - start > 14 else 1.0) is None
+    _, smol = load_model("SmolLM2-135M")
+    hw = load_hardware("cpu-local")
+    assert evaluate(smol, hw, PlanRequest(pp=4, partition="uniform")).chunk_layers == [8, 8, 7, 7]
+    assert evaluate(smol, hw, PlanRequest(pp=2, partition="20,10")).chunk_layers == [20, 10]
+    with pytest.raises(PlanInputError, match="cannot split 30 layers into 32 pipeline chunks.*--pp or"):
+        evaluate(smol, hw, PlanRequest(pp=32, partition="uniform"))
+    with pytest.raises(PlanInputError, match="--partition '20,9' sums to 29 layers"):
+        evaluate(smol, hw, PlanRequest(pp=2, partition="20,9"))
 
 
 def test_presets_case_insensitive() -> None:

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
+from pipeserve.sampling.inputs import SeqSampling
 from pipeserve.sampling.penalties import apply_penalties
 from pipeserve.sampling.sampler import Sampler
-from pipeserve.worker.step import SeqSampling
 
 
 def sp(**kw) -> SeqSampling:

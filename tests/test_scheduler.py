@@ -27,7 +27,8 @@ class FakeEngine:
     def __init__(self, num_blocks: int, num_host_blocks: int = 0, max_inflight: int = 1,
                  seed: int = 0, **config) -> None:
         self.config = EngineConfig(block_size=BS, **config)
-        self.sched = Scheduler(self.config, num_blocks, num_host_blocks)
+        self.requests: dict[str, SequenceGroup] = {}      # as the engine's table; never emptied here
+        self.sched = Scheduler(self.config, num_blocks, num_host_blocks, self.requests)
         self.dev: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * BS for _ in range(num_host_blocks)]
         self.inflight: deque[SchedulerOutput] = deque()
@@ -49,6 +50,7 @@ class FakeEngine:
         seqs = [Sequence(rid, i, prompt, params, now, priority, user) for i in range(n)]
         group = SequenceGroup(rid, None, prompt, params, seqs, now, priority, user)
         assert self.sched.can_ever_fit(len(prompt) + max_tokens)
+        self.requests[rid] = group
         self.sched.add_request(group)
         self.groups.append(group)
         return group
@@ -406,5 +408,5 @@ def test_swap_preemption_and_fallback_to_recompute() -> None:
 
 
 def test_can_ever_fit() -> None:
-    sched = Scheduler(EngineConfig(block_size=BS), num_blocks=3, num_host_blocks=0)
+    sched = Scheduler(EngineConfig(block_size=BS), num_blocks=3, num_host_blocks=0, requests={})
     assert sched.can_ever_fit(12) and not sched.can_ever_fit(13)

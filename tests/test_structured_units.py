@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from pipeserve.sampling.inputs import SeqSampling
 from pipeserve.sampling.sampler import Sampler
 from pipeserve.sampling.token_mask import apply_token_masks, unpack_bitmask
 from pipeserve.sampling_params import SamplingParams
@@ -14,7 +15,6 @@ from pipeserve.structured import tools as T
 from pipeserve.structured.chat_tools import ChatTools, ToolsError, ToolStream
 from pipeserve.structured.grammar import grammar_of
 from pipeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams
-from pipeserve.worker.step import SeqSampling
 
 V = 100
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
@@ -181,8 +181,8 @@ def test_a_template_that_takes_tools_renders_them_and_earlier_calls(tok):
 
 
 def test_guides_walk_a_choice_and_then_allow_only_eos(tok):
+    from pipeserve.engine.guides import Guides
     from pipeserve.sequence import Sequence
-    from pipeserve.structured.guides import Guides
     guides = Guides(tok.hf_tokenizer, 49152)
     seq = Sequence("r", 0, [1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
     plain = Sequence("p", 0, [1, 2], SamplingParams())

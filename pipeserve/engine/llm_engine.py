@@ -14,6 +14,7 @@ import time
 import torch
 
 from pipeserve.config import EngineConfig
+from pipeserve.engine.guides import Guides
 from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
 from pipeserve.engine.output_processor import OutputProcessor
 from pipeserve.engine.recovery import RecoveryLog
@@ -22,7 +23,7 @@ from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
-from pipeserve.structured.guides import Guides
+from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.step import StepOutput
@@ -33,7 +34,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        """``executor``: run the steps on this one instead of the stages ``config`` describes
+        (no weights are loaded then); calibration uses an executor that answers at once
+        to time the driver alone."""
         self.config = config
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()
@@ -45,13 +49,14 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
-        self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks,
+        # The one record of each unfinished request, by id; the scheduler reads it too.
+        self.requests: dict[str, SequenceGroup] = {}
+        self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks, self.requests,
                                    rope_switch_len=self.model_config.rope_switch_len)
-        self.executor = self._make_executor()
+        self.executor = executor or self._make_executor()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
-        self._groups: dict = {}
         self._dead: str | None = None
         self.recovery = RecoveryLog()
         # Objects made so far (model, tokenizer, tables) live as long as the
@@ -136,7 +141,7 @@ class LLMEngine:
         """Queue a request. Raises ``ValueError`` (``RequestRejected``) if it can never be served."""
         if self._dead:
             raise RuntimeError(f"the engine is unhealthy: {self._dead}")
-        if request_id in self._groups:
+        if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if params.n > self.config.max_n:
@@ -148,11 +153,11 @@ class LLMEngine:
                            fits_in_cache=self.scheduler.can_ever_fit, priority=priority, user=user,
                            arrival_time=arrival_time)
         self._start_guides(group)
-        self._groups[request_id] = group
+        self.requests[request_id] = group
         self.outputs.add(group)
         self.scheduler.add_request(group)
 
-    def _start_guides(self, group) -> None:
+    def _start_guides(self, group: SequenceGroup) -> None:
         """Grammar matchers (and first masks) for a constrained request; a bad grammar is refused."""
         try:
             for seq in group.seqs:
@@ -163,14 +168,14 @@ class LLMEngine:
             raise RequestRejected(str(exc)) from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        group = self._groups.get(request_id)
+        group = self.requests.get(request_id)
         if group is None:
             return None
         self.scheduler.abort_request(request_id)
         return self._finish_group(group, reason="abort")
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self.requests)
 
     # -- the loop ----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -194,7 +199,7 @@ class LLMEngine:
         for result in results:
             for out in self._process(result):
                 updated[out.request_id] = out
-        if not self._groups and not self._inflight:
+        if not self.requests and not self._inflight:
             # Just went idle: every block must be free or cached. O(blocks), once per idle spell;
             # a KVCacheIntegrityError here is a bookkeeping bug, caught before it serves wrong KV.
             self.scheduler.block_manager.check_integrity()
@@ -216,7 +221,6 @@ class LLMEngine:
                 break
             step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                               self.guides.mask if len(self.guides) else None)
-            self._note_scheduled(sched)
             self._inflight[step.step_id] = sched
             self.executor.submit(step)
 
@@ -259,13 +263,6 @@ class LLMEngine:
                        for sched in self._inflight.values())
         return min(budget, lightest + quantum)
 
-    def _note_scheduled(self, sched: SchedulerOutput) -> None:
-        now = time.time()
-        for s in sched.scheduled:
-            group = self._groups.get(s.seq.request_id)
-            if group is not None and group.first_scheduled_time is None:
-                group.first_scheduled_time = now
-
     def _process(self, result: StepOutput) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
         self.scheduler.on_step_done(sched)
@@ -273,7 +270,7 @@ class LLMEngine:
         touched: dict[str, RequestOutput] = {}
         for tok in result.sampled:
             seq = by_id[tok.seq_id]
-            group = self._groups.get(seq.request_id)
+            group = self.requests.get(seq.request_id)
             if group is None or seq.is_finished:
                 continue  # aborted while in flight
             seq.append_token(tok.token_id)
@@ -286,13 +283,14 @@ class LLMEngine:
             touched[group.request_id] = group
         return [self._output(group) for group in touched.values()]
 
-    def _output(self, group) -> RequestOutput:
+    def _output(self, group: SequenceGroup) -> RequestOutput:
         if group.is_finished:
             return self._finish_group(group, reason=None)
         return self.outputs.request_output(group)
 
-    def _finish_group(self, group, reason: str | None, error: str | None = None) -> RequestOutput:
-        self._groups.pop(group.request_id, None)
+    def _finish_group(self, group: SequenceGroup, reason: str | None,
+                      error: str | None = None) -> RequestOutput:
+        self.requests.pop(group.request_id, None)
         for seq in group.seqs:
             self.guides.drop(seq.seq_id)
         return self.outputs.finish(group, reason, error)
@@ -340,7 +338,7 @@ class LLMEngine:
             self.scheduler.on_step_failed(sched)
         self._inflight.clear()
         failed = []
-        for group in list(self._groups.values()):
+        for group in list(self.requests.values()):
             unfinished = [s for s in group.seqs if not s.is_finished]
             self.scheduler.abort_request(group.request_id)
             for seq in unfinished:

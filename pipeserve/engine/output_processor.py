@@ -1,9 +1,12 @@
-"""Tokens in, text and ``RequestOutput``s out: detokenization, stop checks, logprobs, timings."""
+"""Tokens in, text and ``RequestOutput``s out: detokenization, stop checks, logprobs, timings.
+
+Keeps no state of its own: a sequence's text lives on the ``Sequence``, the
+request's timestamps on its ``SequenceGroup``.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from pipeserve.engine.detokenizer import IncrementalDetokenizer
 from pipeserve.engine.stop import check_stop, streamable_length
@@ -12,56 +15,38 @@ from pipeserve.sequence import Sequence, SequenceGroup
 from pipeserve.worker.step import SampledToken
 
 
-@dataclass
-class _SeqText:
-    detok: IncrementalDetokenizer
-    text: str = ""                       # the output text (cut at a stop string once finished)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    finished: bool = False
-
-
-@dataclass
-class _Request:
-    seqs: dict[int, _SeqText] = field(default_factory=dict)
-
-
 class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._requests: dict[str, _Request] = {}
 
     def add(self, group: SequenceGroup) -> None:
+        """Give each sequence of a new request its detokenizer (and logprob list if asked)."""
         skip = group.params.skip_special_tokens
-        want_logprobs = group.params.logprobs is not None
-        self._requests[group.request_id] = _Request({
-            seq.seq_id: _SeqText(IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, skip),
-                                 logprobs=[] if want_logprobs else None)
-            for seq in group.seqs})
+        for seq in group.seqs:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids, skip)
+            seq.output_logprobs = [] if group.params.logprobs is not None else None
 
     def on_token(self, group: SequenceGroup, seq: Sequence, tok: SampledToken) -> str | None:
         """Account for the token just appended to ``seq``; returns a finish reason or None."""
         now = time.time()
         group.first_token_time = group.first_token_time or now
         group.last_token_time = now
-        state = self._requests[group.request_id].seqs[seq.seq_id]
-        delta = state.detok.step([tok.token_id])
-        state.text += delta
-        state.cumulative_logprob += tok.logprob
-        if state.logprobs is not None:
-            state.logprobs.append(self._logprob_entry(tok))
+        delta = seq.detokenizer.step([tok.token_id])
+        seq.output_text += delta
+        seq.cumulative_logprob += tok.logprob
+        if seq.output_logprobs is not None:
+            seq.output_logprobs.append(self._logprob_entry(tok))
         decision = check_stop(seq.params, token_id=tok.token_id, num_output_tokens=seq.num_output_tokens,
-                              text=state.text, num_new_chars=len(delta), num_tokens=seq.num_tokens,
+                              text=seq.output_text, num_new_chars=len(delta), num_tokens=seq.num_tokens,
                               max_model_len=self.max_model_len)
         if decision is None:
             return None
         if decision.finish_reason == "length" and decision.truncate_to is None:
-            state.text += state.detok.flush()
+            seq.output_text += seq.detokenizer.flush()
         if decision.truncate_to is not None:
-            state.text = state.text[:decision.truncate_to]
+            seq.output_text = seq.output_text[:decision.truncate_to]
         seq.stop_reason = decision.stop_reason
-        state.finished = True
         return decision.finish_reason
 
     def _logprob_entry(self, tok: SampledToken) -> dict[int, Logprob]:
@@ -77,21 +62,20 @@ class OutputProcessor:
     # -- outputs -----------------------------------------------------------
     def request_output(self, group: SequenceGroup) -> RequestOutput:
         """The request so far; unfinished text holds back a tail that may become a stop string."""
-        request = self._requests[group.request_id]
-        outputs = [self._completion(seq, request.seqs[seq.seq_id]) for seq in group.seqs]
+        outputs = [self._completion(seq) for seq in group.seqs]
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outputs, finished=group.is_finished, metrics=_metrics(group),
             num_cached_tokens=max((s.num_cached_tokens for s in group.seqs), default=0), error=group.error)
 
-    def _completion(self, seq: Sequence, state: _SeqText) -> CompletionOutput:
-        text = state.text
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        text = seq.output_text
         if not seq.is_finished:
             text = text[:streamable_length(text, seq.params.stop)]
         return CompletionOutput(index=seq.index, text=text, token_ids=seq.output_token_ids,
-                                logprobs=state.logprobs, finish_reason=seq.finish_reason,
+                                logprobs=seq.output_logprobs, finish_reason=seq.finish_reason,
                                 stop_reason=seq.stop_reason,
-                                cumulative_logprob=None if state.logprobs is None else state.cumulative_logprob)
+                                cumulative_logprob=None if seq.output_logprobs is None else seq.cumulative_logprob)
 
     def finish(self, group: SequenceGroup, reason: str | None, error: str | None = None) -> RequestOutput:
         """Final output of a request; ``reason`` marks sequences not yet finished (abort, error)."""
@@ -102,7 +86,6 @@ class OutputProcessor:
         group.finished_time = time.time()
         out = self.request_output(group)
         out.finished = True
-        del self._requests[group.request_id]
         return out
 
 

@@ -7,8 +7,9 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from pipeserve.sampling.inputs import SeqSampling
 from pipeserve.sequence import Sequence
-from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+from pipeserve.worker.step import SeqStep, StepInput
 
 _step_ids = itertools.count()
 

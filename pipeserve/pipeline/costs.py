@@ -10,19 +10,20 @@ parameter counts.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.pipeline.layer_costs import LayerCosts
+from pipeserve.pipeline.part_costs import PartCosts
 
 
-def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype) -> LayerCosts:
+def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype) -> PartCosts:
     """Memory of each part (no timing): used alone when memory is all that matters.
     A layer's bytes are its TOTAL parameters (MoE: every expert is stored)."""
     size = dtype.itemsize
     sizes = tuple(cfg.layer_params(i) * size for i in range(cfg.num_layers))
-    return LayerCosts(embed=0.0, layer=0.0, head=0.0, embed_bytes=cfg.embedding_params() * size,
+    return PartCosts(embed=0.0, layer=0.0, head=0.0, embed_bytes=cfg.embedding_params() * size,
                       layer_bytes=max(sizes, default=0), head_bytes=cfg.head_params() * size,
                       layer_sizes=sizes if len(set(sizes)) > 1 else ())
 
@@ -49,10 +50,15 @@ def _best_time(fn, repeats: int, device: torch.device) -> float:
     return min(times)
 
 
-def _random_stage(cfg: ModelConfig, start: int, end: int, is_first: bool, is_last: bool,
-                  dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
+def random_stage(cfg: ModelConfig, start: int, end: int, is_first: bool, is_last: bool,
+                 dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"):
+    """The runtime's own stage model (``LlamaModel``) for layers [start, end), random weights.
+
+    The real shapes and the configured attention backend, so a timing of it is a
+    timing of the runtime's layers; used here and by ``pipeserve plan --calibrate``.
+    """
     from pipeserve.model.cpu_attention import select_backend
-    from pipeserve.model.llama import LlamaModel  # the runtime's own layers, real shapes
+    from pipeserve.model.llama import LlamaModel
     stage = LlamaModel(cfg, start, end, is_first, is_last, dtype, device,
                        backend=select_backend(attention_backend, device))
     for p in stage.parameters():
@@ -65,9 +71,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _stage_input(cfg: ModelConfig, backend, query_lens: list[int], context_lens: list[int], block_size: int,
-                 dtype: torch.dtype, device: torch.device, cache_blocks: int = 0):
-    """KV caches, metadata, positions, ids and hidden states for one step of the given shape.
+class StepTensors(NamedTuple):
+    """What one forward of a stage takes, for a step of a given shape (see ``step_tensors``)."""
+
+    kv: list                  # one layer's (K, V) paged cache, [blocks, block_size, kv_heads, head_dim] each
+    meta: object              # the backend's AttentionMetadata for the step
+    positions: torch.Tensor   # [tokens]
+    ids: torch.Tensor         # [tokens] random token ids (a first stage's input)
+    hidden: torch.Tensor      # [tokens, hidden] random activations (a later stage's input)
+
+
+def step_tensors(cfg: ModelConfig, backend, query_lens: list[int], context_lens: list[int], block_size: int,
+                 dtype: torch.dtype, device: torch.device, cache_blocks: int = 0) -> StepTensors:
+    """KV cache, metadata, positions, ids and hidden states for one step of the given shape,
+    for timing a ``random_stage`` (here and by ``pipeserve plan --calibrate``).
+
+    ``context_lens`` include the step's new tokens (``query_lens``); the metadata
+    comes from ``backend.build_metadata``, as the runner builds it.
 
     By default each sequence's blocks are consecutive in a cache just big enough.
     ``cache_blocks``: a cache of that many blocks (allocated as the runtime does)
@@ -94,13 +114,13 @@ def _stage_input(cfg: ModelConfig, backend, query_lens: list[int], context_lens:
     tokens = int(positions.shape[0])
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)             # [tokens]
     hidden = torch.randn(tokens, cfg.hidden_size, dtype=dtype, device=device)    # [tokens, hidden]
-    return kv, meta, positions, ids, hidden
+    return StepTensors(kv, meta, positions, ids, hidden)
 
 
 @torch.inference_mode()
 def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
                         batch: int = 8, context: int = 128, prefill_tokens: int = 512, block_size: int = 16,
-                        repeats: int = 5, attention_backend: str = "auto") -> LayerCosts:
+                        repeats: int = 5, attention_backend: str = "auto") -> PartCosts:
     """Time embedding, one decoder layer and norm + LM head per *unit of
     work*: one prompt token plus one generated token, the mix of a chat
     workload whose prompts and answers have similar lengths.
@@ -120,15 +140,15 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     # The measured layer: the first with experts where the model has any (its routed
     # experts run on random router weights, so tokens spread over them as in use).
     measured = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), 0)
-    layer_stage = _random_stage(cfg, measured, measured + 1, False, False, dtype, device, attention_backend)
-    embed_stage = _random_stage(cfg, 0, 0, True, False, dtype, device)
-    head_stage = _random_stage(cfg, 0, 0, False, True, dtype, device)
+    layer_stage = random_stage(cfg, measured, measured + 1, False, False, dtype, device, attention_backend)
+    embed_stage = random_stage(cfg, 0, 0, True, False, dtype, device)
+    head_stage = random_stage(cfg, 0, 0, False, True, dtype, device)
     prompt = max(2, min(context, prefill_tokens))
     shapes = {"decode": ([1] * batch, [context + 1] * batch),
               "prefill": ([prompt] * max(1, prefill_tokens // prompt), [prompt] * max(1, prefill_tokens // prompt))}
     embed_s = layer_s = 0.0
     for query_lens, context_lens in shapes.values():
-        kv, meta, positions, ids, hidden = _stage_input(cfg, layer_stage.backend, query_lens, context_lens,
+        kv, meta, positions, ids, hidden = step_tensors(cfg, layer_stage.backend, query_lens, context_lens,
                                                         block_size, dtype, device)
         tokens = len(ids)
         embed_s += _best_time(lambda: embed_stage(ids, positions, meta, []), repeats, device) / tokens
@@ -136,6 +156,6 @@ def measure_layer_costs(cfg: ModelConfig, dtype: torch.dtype, device: torch.devi
     rows = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)       # [batch, hidden]
     head_s = _best_time(lambda: head_stage.compute_logits(rows), repeats, device) / batch
     mem = parameter_bytes(cfg, dtype)
-    return LayerCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
+    return PartCosts(embed=embed_s, layer=layer_s, head=head_s, embed_bytes=mem.embed_bytes,
                       layer_bytes=mem.layer_bytes, head_bytes=mem.head_bytes,
                       layer_times=layer_times(cfg, layer_s, measured), layer_sizes=mem.layer_sizes)

@@ -7,15 +7,18 @@ holds chunks ``w, w + P, w + 2P, ...``.
 
 The math here is plain Python (no torch) so that it is tested alone; the
 costs it balances come from ``pipeserve.pipeline.costs`` (measured on the
-device at start-up) or from the caller.
+device at start-up) or from the caller. ``min_max_split`` is the one
+balancing algorithm: the runtime's ``auto`` runs it on measured costs, the
+planner (``pipeserve.plan.analysis``) on its roofline times.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pipeserve.pipeline.layer_costs import LayerCosts
+from pipeserve.pipeline.part_costs import PartCosts
 
 if TYPE_CHECKING:
     import torch
@@ -36,36 +39,43 @@ def counts_to_ranges(counts: list[int]) -> Partition:
     return ranges
 
 
-def _check_parts(num_layers: int, parts: int) -> None:
+def layer_counts(partition: Partition) -> list[int]:
+    return [end - start for start, end in partition]
+
+
+def check_parts(num_layers: int, parts: int,
+                flags: str = "--pipeline-parallel-size or --pp-virtual-stages") -> None:
+    """Refuse a chunk count that cannot hold the layers; ``flags`` names what the user can lower."""
     if parts < 1:
         raise ValueError(f"the number of pipeline chunks must be >= 1, got {parts}")
     if parts > num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {parts} pipeline chunks (each needs at "
-                         "least one layer): lower --pipeline-parallel-size or --pp-virtual-stages")
+                         f"least one layer): lower {flags}")
 
 
 def uniform_partition(num_layers: int, parts: int) -> Partition:
     """Equal layer counts; the remainder goes one layer each to the first chunks,
     because the last chunk also carries the LM head."""
-    _check_parts(num_layers, parts)
+    check_parts(num_layers, parts)
     base, extra = divmod(num_layers, parts)
     return counts_to_ranges([base + (1 if i < extra else 0) for i in range(parts)])
 
 
-def manual_partition(text: str, num_layers: int, parts: int) -> Partition:
-    """``"19,11"`` -> [(0, 19), (19, 30)]: one positive count per chunk, summing to the layers."""
+def manual_partition(text: str, num_layers: int, parts: int, flag: str = "--pp-partition") -> Partition:
+    """``"19,11"`` -> [(0, 19), (19, 30)]: one positive count per chunk, summing to the layers.
+    ``flag`` names the option the text came from, for the error messages."""
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--pp-partition {text!r}: write uniform, auto, or one layer count per stage "
+        raise ValueError(f"{flag} {text!r}: write uniform, auto, or one layer count per stage "
                          f"like 19,11") from None
     if len(counts) != parts:
-        raise ValueError(f"--pp-partition {text!r} has {len(counts)} counts; {parts} pipeline chunks "
+        raise ValueError(f"{flag} {text!r} has {len(counts)} counts; {parts} pipeline chunks "
                          "need one each")
     if min(counts) < 1:
-        raise ValueError(f"--pp-partition {text!r}: every stage needs at least one layer")
+        raise ValueError(f"{flag} {text!r}: every stage needs at least one layer")
     if sum(counts) != num_layers:
-        raise ValueError(f"--pp-partition {text!r} sums to {sum(counts)} layers; the model has "
+        raise ValueError(f"{flag} {text!r} sums to {sum(counts)} layers; the model has "
                          f"{num_layers}")
     return counts_to_ranges(counts)
 
@@ -83,19 +93,19 @@ def parse_stage_speeds(text: str | None, num_stages: int) -> list[float]:
     return speeds
 
 
-def chunk_time(costs: LayerCosts, start: int, end: int, is_first: bool, is_last: bool,
+def chunk_time(costs: PartCosts, start: int, end: int, is_first: bool, is_last: bool,
                speed: float = 1.0) -> float:
     """Time of a chunk holding layers [start, end) (plus the embedding / head at the ends)."""
     work = costs.span_time(start, end) + (costs.embed if is_first else 0.0) + (costs.head if is_last else 0.0)
     return work / speed
 
 
-def chunk_bytes(costs: LayerCosts, start: int, end: int, is_first: bool, is_last: bool) -> int:
+def chunk_bytes(costs: PartCosts, start: int, end: int, is_first: bool, is_last: bool) -> int:
     return (costs.span_bytes(start, end) + (costs.embed_bytes if is_first else 0)
             + (costs.head_bytes if is_last else 0))
 
 
-def stage_times(partition: Partition, costs: LayerCosts, speeds: list[float] | None = None) -> list[float]:
+def stage_times(partition: Partition, costs: PartCosts, speeds: list[float] | None = None) -> list[float]:
     """Predicted time of each chunk (chunk i runs on worker i mod len(speeds))."""
     speeds = speeds or [1.0] * len(partition)
     last = len(partition) - 1
@@ -103,40 +113,57 @@ def stage_times(partition: Partition, costs: LayerCosts, speeds: list[float] | N
             for i, (start, end) in enumerate(partition)]
 
 
-def auto_partition(num_layers: int, parts: int, costs: LayerCosts, speeds: list[float] | None = None,
-                   memory_limits: list[int | None] | None = None) -> Partition:
-    """Contiguous split minimising the slowest chunk's time under each chunk's memory limit.
+def min_max_split(num_layers: int, parts: int,
+                  chunk_time: Callable[[int, int, int], float]) -> list[int] | None:
+    """Layer counts of the contiguous split into ``parts`` chunks whose slowest chunk is
+    fastest, or None when no split fits.
 
-    Dynamic programming over (chunks placed, layers placed), O(parts · layers²):
-    trivial for real models. Among equally slow splits the first found wins.
+    ``chunk_time(part, start, end)`` is the time of chunk ``part`` holding layers
+    [start, end) (the caller adds the embedding / head at the ends), ``inf`` where
+    the chunk does not fit (memory). Dynamic programming over (chunks placed, layers
+    placed), O(parts · layers²): trivial for real models. Among equally slow splits
+    the first found wins.
     """
-    _check_parts(num_layers, parts)
-    speeds = speeds or [1.0] * parts
-    limits = memory_limits or [None] * parts
     inf = float("inf")
     best = [[inf] * (num_layers + 1) for _ in range(parts + 1)]  # best[p][n]: slowest of chunks < p
     choice = [[0] * (num_layers + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for p in range(1, parts + 1):
-        first, last = p == 1, p == parts
         for n in range(p, num_layers - (parts - p) + 1):
             for k in range(1, n - (p - 1) + 1):
-                limit = limits[p - 1]
-                if limit is not None and chunk_bytes(costs, n - k, n, first, last) > limit:
-                    continue
-                value = max(best[p - 1][n - k], chunk_time(costs, n - k, n, first, last, speeds[p - 1]))
+                value = max(best[p - 1][n - k], chunk_time(p - 1, n - k, n))
                 if value < best[p][n]:
                     best[p][n], choice[p][n] = value, k
     if best[parts][num_layers] == inf:
-        raise ValueError(_no_fit_message(num_layers, parts, costs, limits))
+        return None
     counts, n = [], num_layers
     for p in range(parts, 0, -1):
         counts.append(choice[p][n])
         n -= choice[p][n]
-    return counts_to_ranges(counts[::-1])
+    return counts[::-1]
 
 
-def _no_fit_message(num_layers: int, parts: int, costs: LayerCosts, limits: list[int | None]) -> str:
+def auto_partition(num_layers: int, parts: int, costs: PartCosts, speeds: list[float] | None = None,
+                   memory_limits: list[int | None] | None = None) -> Partition:
+    """Contiguous split minimising the slowest chunk's time under each chunk's memory limit."""
+    check_parts(num_layers, parts)
+    speeds = speeds or [1.0] * parts
+    limits = memory_limits or [None] * parts
+
+    def time_if_fits(part: int, start: int, end: int) -> float:
+        first, last = part == 0, part == parts - 1
+        limit = limits[part]
+        if limit is not None and chunk_bytes(costs, start, end, first, last) > limit:
+            return float("inf")
+        return chunk_time(costs, start, end, first, last, speeds[part])
+
+    counts = min_max_split(num_layers, parts, time_if_fits)
+    if counts is None:
+        raise ValueError(_no_fit_message(num_layers, parts, costs, limits))
+    return counts_to_ranges(counts)
+
+
+def _no_fit_message(num_layers: int, parts: int, costs: PartCosts, limits: list[int | None]) -> str:
     return (f"no split of {num_layers} layers into {parts} pipeline chunks fits the memory limits "
             f"{limits} (one layer takes {max(costs.layer_sizes, default=costs.layer_bytes)} bytes, "
             f"the embedding {costs.embed_bytes}, "
@@ -144,7 +171,7 @@ def _no_fit_message(num_layers: int, parts: int, costs: LayerCosts, limits: list
 
 
 def choose_partition(mode: str, num_layers: int, num_stages: int, virtual_stages: int = 1,
-                     costs: LayerCosts | None = None, speeds: list[float] | None = None,
+                     costs: PartCosts | None = None, speeds: list[float] | None = None,
                      memory_limits: list[int | None] | None = None) -> Partition:
     """Dispatch on ``--pp-partition`` (uniform | auto | "a,b,c").
 
@@ -168,7 +195,7 @@ def choose_partition(mode: str, num_layers: int, num_stages: int, virtual_stages
     return manual_partition(mode, num_layers, parts)
 
 
-def log_partition(partition: Partition, costs: LayerCosts | None, speeds: list[float] | None) -> None:
+def log_partition(partition: Partition, costs: PartCosts | None, speeds: list[float] | None) -> None:
     layers = [end - start for start, end in partition]
     if costs is None:
         logger.info("pipeline partition %s (layers per chunk %s)", partition, layers)

@@ -6,10 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.pipeline.partition import (check_parts, layer_counts, manual_partition, min_max_split,
+                                          uniform_partition)
 from pipeserve.plan import formulas
 from pipeserve.plan.hardware import Hardware
 from pipeserve.plan.memory import StageMemory, kv_token_capacity, stage_memory, stage_weight_bytes
-from pipeserve.plan.partition import auto_partition, check_parts, parse_partition, uniform_partition
 from pipeserve.plan.presets import PlanInputError
 from pipeserve.plan.roofline import BatchShape
 from pipeserve.plan.stages import PipelineCosts
@@ -63,32 +64,40 @@ class PlanEstimate:
 
 
 def _chunks(req: PlanRequest, model: ModelConfig, hw: Hardware) -> list[int]:
+    """Layers per chunk: the runtime's own partitioner, fed the planner's times."""
     parts = req.pp * req.virtual_stages
-    check_parts(model.num_layers, parts)
-    if req.partition == "uniform":
-        return uniform_partition(model.num_layers, parts)
-    if req.partition != "auto":
-        return parse_partition(req.partition, model.num_layers, parts)
+    try:
+        check_parts(model.num_layers, parts, flags="--pp or --virtual-stages")
+        if req.partition == "uniform":
+            return layer_counts(uniform_partition(model.num_layers, parts))
+        if req.partition != "auto":
+            return layer_counts(manual_partition(req.partition, model.num_layers, parts, flag="--partition"))
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from None
     probe = PipelineCosts(model, hw, [1] * parts, req.pp, req.tp, req.dtype, quantization=req.quantization)
     shape = BatchShape.decode(max(1, req.max_num_seqs // req.pp), req.input_len + req.output_len / 2)
     per_layer = [probe.layer_time(shape, probe.worker_of(c)) for c in range(parts)]
     fixed = [probe.chunk_time(c, shape) - per_layer[c] for c in range(parts)]
-    cost = lambda c, k: fixed[c] + k * per_layer[c]  # noqa: E731
-    try:
-        return auto_partition(model.num_layers, parts, cost, _memory_cap(req, model, hw, probe))
-    except PlanInputError:
-        # Nothing fits: still balance time, and let the memory table say "NO".
-        return auto_partition(model.num_layers, parts, cost)
+    cap = _memory_cap(req, model, hw, probe)
+
+    def time(c: int, start: int, end: int) -> float:
+        return fixed[c] + (end - start) * per_layer[c]
+
+    def time_if_fits(c: int, start: int, end: int) -> float:
+        return time(c, start, end) if end - start <= cap else math.inf
+
+    # Nothing fits: still balance time, and let the memory table say "NO".
+    return (min_max_split(model.num_layers, parts, time_if_fits)
+            or min_max_split(model.num_layers, parts, time))
 
 
-def _memory_cap(req: PlanRequest, model: ModelConfig, hw: Hardware, probe: PipelineCosts):
+def _memory_cap(req: PlanRequest, model: ModelConfig, hw: Hardware, probe: PipelineCosts) -> int:
     """Most layers a chunk may hold so its worker's weights and activations fit."""
     per_layer = stage_weight_bytes(model, probe.costs, 1, False, False)
     ends = stage_weight_bytes(model, probe.costs, 0, True, False) + stage_weight_bytes(
         model, probe.costs, 0, False, True)
     room = hw.usable_bytes - ends
-    limit = max(1, int(room / per_layer / req.virtual_stages)) if room > 0 else 1
-    return lambda chunk: limit
+    return max(1, int(room / per_layer / req.virtual_stages)) if room > 0 else 1
 
 
 def evaluate(model: ModelConfig, hw: Hardware, req: PlanRequest) -> PlanEstimate:

@@ -1,7 +1,10 @@
 """``pipeserve plan --calibrate``: measure this machine and write a hardware file.
 
 torch (and the runtime's model code) is imported lazily here and nowhere else in
-the planner. The compute numbers come from timing the runtime's OWN decoder layer
+the planner, and only through the runtime's public functions:
+``pipeline.costs.random_stage`` / ``step_tensors`` (a stage model with random
+weights and a step's tensors), ``worker.model_runner.prepare_step`` (a stage's
+per-step metadata) and ``LLMEngine(config, executor=...)``. The compute numbers come from timing the runtime's OWN decoder layer
 (``pipeserve.pipeline.costs``: one layer of the model with random weights, the
 configured attention backend, its real metadata and paged KV cache), not bare
 matmuls: a real layer costs much more than its four matmuls (RMSNorm in fp32,
@@ -83,13 +86,13 @@ class LayerTimer:
 
     def __init__(self, torch, model: ModelConfig, dtype, attention_backend: str = "auto",
                  block_size: int = _BLOCK_SIZE) -> None:
-        from pipeserve.pipeline.costs import _random_stage
+        from pipeserve.pipeline.costs import random_stage
         self.torch, self.model, self.dtype, self.block_size = torch, model, dtype, block_size
         self.device = torch.device("cpu")
         self.measured: list[tuple[str, float]] = []   # (shape, best seconds), for the log
         torch.manual_seed(0)
         with torch.inference_mode():
-            self.stage = _random_stage(model, 0, 1, False, False, dtype, self.device, attention_backend)
+            self.stage = random_stage(model, 0, 1, False, False, dtype, self.device, attention_backend)
 
     @property
     def backend_name(self) -> str:
@@ -99,11 +102,11 @@ class LayerTimer:
         """Best seconds of one layer forward over sequences with these query / context
         lengths (context includes the new tokens; its KV is read from the paged cache,
         a cache of the runtime's default size with the blocks scattered over it)."""
-        from pipeserve.pipeline.costs import _stage_input
+        from pipeserve.pipeline.costs import step_tensors
         torch = self.torch
         block_bytes = 2 * self.block_size * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
         with torch.inference_mode():
-            kv, meta, positions, _ids, hidden = _stage_input(
+            kv, meta, positions, _ids, hidden = step_tensors(
                 self.model, self.stage.backend, query_lens, context_lens, self.block_size,
                 self.dtype, self.device, cache_blocks=_CACHE_BYTES_PER_LAYER // block_bytes)
             seconds = _best(lambda: self.stage(hidden, positions, meta, kv), repeats)
@@ -191,10 +194,10 @@ def _fit_two(points: list[tuple[float, float, float]]) -> tuple[float, float]:
 def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int = 128,
                             prompt_len: int = 64, output_len: int = 48) -> tuple[float, float]:
     """(s per micro-batch, s per sequence in it) of the engine's driver: the real
-    LLMEngine (scheduler, step builder, output processing and detokenizer, pickling
-    the step as the pipeline transport does) over an executor that answers at once,
-    so all the time measured is the driver's. Two runs, small and large
-    micro-batches, separate the fixed and per-sequence parts."""
+    LLMEngine (scheduler, step builder, output processing and detokenizer, the step
+    through the wire format both ways as the transport does) over an executor that
+    answers at once, so all the time measured is the driver's. Two runs, small and
+    large micro-batches, separate the fixed and per-sequence parts."""
     import json
 
     from pipeserve.config import EngineConfig
@@ -226,15 +229,11 @@ def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int 
         def num_inflight(self) -> int:
             return len(self.done)
 
-    class DriverOnlyEngine(LLMEngine):
-        def _make_executor(self) -> Executor:
-            return InstantExecutor(2)
-
     points = []
     for max_seqs in (8, requests):
         config = EngineConfig.from_kwargs(model=model, pipeline_parallel_size=2, pp_partition="uniform",
                                           max_num_seqs=max_seqs, kv_cache_memory="256MiB")
-        engine = DriverOnlyEngine(config)
+        engine = LLMEngine(config, executor=InstantExecutor(2))
         params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
         start = time.perf_counter()
         for i in range(requests):
@@ -250,24 +249,23 @@ def measure_driver_overhead(model: str = "smollm2-135m-instruct", requests: int 
 def measure_stage_step_overhead(timer: LayerTimer, context: int = 256) -> tuple[float, float]:
     """(s per micro-batch, s per sequence) of a stage's work outside its layers:
     decode the step from the wire, build the attention metadata and positions (the
-    runner's ``_prepare``), for decode batches of 1 and 64 sequences."""
+    runner's ``prepare_step``), for decode batches of 1 and 64 sequences."""
     import json
-    from types import SimpleNamespace
 
-    from pipeserve.worker.model_runner import ModelRunner
-    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+    from pipeserve.worker.model_runner import prepare_step
+    from pipeserve.sampling.inputs import SeqSampling
+    from pipeserve.worker.step import SeqStep, StepInput
     from pipeserve.worker.step_wire import dumps, from_wire
 
     bs = timer.block_size
-    runner = SimpleNamespace(model=SimpleNamespace(backend=timer.stage.backend), block_size=bs,
-                             device=timer.device)
     blocks = (context + 1 + bs - 1) // bs
     points = []
     for seqs in (1, 64):
         step = StepInput(0, [SeqStep(i, [100 + i], context, list(range(i * blocks, (i + 1) * blocks)),
                                      SeqSampling(0.0, 1.0, 0, 0.0, None, 5)) for i in range(seqs)])
         wire = dumps(step)
-        seconds = _best(lambda: ModelRunner._prepare(runner, from_wire(StepInput, json.loads(wire))), 20)
+        seconds = _best(lambda: prepare_step(from_wire(StepInput, json.loads(wire)), timer.stage.backend, bs,
+                                             timer.device), 20)
         points.append((1, seqs, seconds))
     return _fit_two(points)
 

@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from pipeserve.worker.step import SeqSampling
+from pipeserve.sampling.inputs import SeqSampling
 
 
 def has_penalty(p: SeqSampling) -> bool:

@@ -23,10 +23,10 @@ import torch
 
 from pipeserve.sampling.draw import inverse_cdf
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
+from pipeserve.sampling.inputs import SeqSampling
 from pipeserve.sampling.penalties import apply_bans, apply_penalties, has_penalty
 from pipeserve.sampling.seeding import draw_uniforms
 from pipeserve.sampling.token_mask import apply_token_masks
-from pipeserve.worker.step import SeqSampling
 
 # (sampled token id, its logprob, top-N (token id, logprob) best first)
 SampleResult = tuple[int, float, list[tuple[int, float]]]

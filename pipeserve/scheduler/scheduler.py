@@ -18,6 +18,11 @@ its step is done, since the stages may still be writing them.
 ``max_num_seqs`` and ``max_num_batched_tokens`` bound one micro-batch; an
 engine running P micro-batches passes its share via ``max_seqs`` /
 ``token_budget``.
+
+The scheduler keeps queues of sequences, not requests: a request's record
+(``SequenceGroup``) is read from the engine's table, ``requests``, by its id.
+The engine adds a record before ``add_request`` and removes it once the
+request's final output is made.
 """
 
 from __future__ import annotations
@@ -57,9 +62,11 @@ class _Budget:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_host_blocks: int,
-                 rope_switch_len: int | None = None) -> None:
-        """``rope_switch_len``: the model's ``ModelConfig.rope_switch_len`` (longrope)."""
+                 requests: dict[str, SequenceGroup], rope_switch_len: int | None = None) -> None:
+        """``requests``: the engine's table (request id -> record), read here too;
+        ``rope_switch_len``: the model's ``ModelConfig.rope_switch_len`` (longrope)."""
         self.config = config
+        self.requests = requests                      # the engine's table: request id -> record
         self._rope_switch = rope_switch_len
         self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks,
                                           config.enable_prefix_caching,
@@ -69,17 +76,15 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self._groups: dict[str, SequenceGroup] = {}
         self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
-        self._prefilled: set[str] = set()            # requests whose first sequence finished its prompt
         self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0,
                               rope_recomputes=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
-        if group.request_id in self._groups:
-            raise ValueError(f"request id {group.request_id!r} is already in use")
-        self._groups[group.request_id] = group
+        """Queue the request's sequences; its record is already in ``requests``."""
+        if self.requests.get(group.request_id) is not group:
+            raise ValueError(f"request {group.request_id!r} is not in the request table")
         for seq in group.seqs:
             if not seq.is_finished:
                 seq.status = SequenceStatus.WAITING
@@ -87,7 +92,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> list[Sequence]:
         """End every unfinished sequence of a request; returns the ones ended."""
-        group = self._groups.get(request_id)
+        group = self.requests.get(request_id)
         if group is None:
             return []
         ended = [s for s in group.seqs if not s.is_finished]
@@ -114,11 +119,6 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         self._short_rope.discard(seq.seq_id)
-        group = self._groups.get(seq.request_id)
-        if group is not None and group.is_finished and \
-                not any(s.seq_id in self._inflight for s in group.seqs):
-            del self._groups[seq.request_id]
-            self._prefilled.discard(seq.request_id)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -288,7 +288,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             admitted.append(seq)
             self._add(seq, num_new, budget, out)
-            group = self._groups[seq.request_id]
+            group = self.requests[seq.request_id]
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = time.time()
         if admitted:
@@ -303,13 +303,12 @@ class Scheduler:
     def _waits_for_first(self, seq: Sequence) -> bool:
         """Siblings start only after the first sequence has computed the shared
         prompt once, so they can share its blocks instead of recomputing them."""
-        first = self._groups[seq.request_id].seqs[0]
-        return (self._is_fresh_sibling(seq) and not first.is_finished
-                and seq.request_id not in self._prefilled)
+        group = self.requests[seq.request_id]
+        return self._is_fresh_sibling(seq) and not group.seqs[0].is_finished and not group.prefilled
 
     def _fork_parent(self, seq: Sequence) -> Sequence | None:
         """The first sequence of the request, if ``seq`` can fork from it now."""
-        first = self._groups[seq.request_id].seqs[0]
+        first = self.requests[seq.request_id].seqs[0]
         if (self._is_fresh_sibling(seq) and first.status == SequenceStatus.RUNNING
                 and first.num_computed_tokens >= first.num_prompt_tokens
                 and (self._rope_switch is None or self._rope_variant(first) == self._rope_variant(seq))):
@@ -340,13 +339,13 @@ class Scheduler:
         for item in out.scheduled:
             seq = self._take_inflight(item)
             if seq.is_finished:
-                self._release(seq)        # aborted in flight: its result is dropped
+                self._release(seq)      # aborted in flight: its result is dropped
                 continue
             seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.register_computed(seq)
             self.policy.record_service(seq, item.num_new_tokens)
             if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                self._prefilled.add(seq.request_id)
+                self.requests[seq.request_id].prefilled = True
 
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The micro-batch ``out`` was lost (a stage failed): nothing it computed
@@ -371,7 +370,8 @@ class Scheduler:
         self.waiting = replayed + self.waiting
         self.running, self.swapped = [], []
         # Fresh siblings wait for their first sequence's prompt again, to share its new blocks.
-        self._prefilled.clear()
+        for group in self.requests.values():
+            group.prefilled = False
         self._counters["replayed"] += len(replayed)
         return len(replayed)
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from pipeserve.model.attention import AttentionMetadata, KVCache
+from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader import ModelSource, load_model
@@ -106,13 +106,7 @@ class ModelRunner:
         return self.model(x, positions, meta, self.kv_caches)
 
     def _prepare(self, step: StepInput) -> tuple[AttentionMetadata, torch.Tensor]:
-        query_lens = [len(s.token_ids) for s in step.seqs]
-        context_lens = [s.start_pos + q for s, q in zip(step.seqs, query_lens)]
-        meta = self.model.backend.build_metadata(query_lens, context_lens, [s.block_table for s in step.seqs],
-                                                 self.block_size, self.device)
-        meta.seq_lens = [s.seq_len or ctx for s, ctx in zip(step.seqs, context_lens)]
-        pos = [p for s, q in zip(step.seqs, query_lens) for p in range(s.start_pos, s.start_pos + q)]
-        return meta, torch.tensor(pos, dtype=torch.int64, device=self.device)
+        return prepare_step(step, self.model.backend, self.block_size, self.device)
 
     @staticmethod
     def _sample_rows(step: StepInput) -> list[int]:
@@ -147,6 +141,18 @@ class ModelRunner:
         for src_pair, dst_pair in zip(src_caches, dst_caches):
             for src, dst in zip(src_pair, dst_pair):
                 dst[dst_idx] = src[src_idx].to(dst_device)  # the gather copies first: safe for chains
+
+
+def prepare_step(step: StepInput, backend: AttentionBackend, block_size: int,
+                 device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A step's attention metadata and token positions ([num_tokens] int64), as every
+    stage builds them before its forward; public so that calibration times this code."""
+    query_lens = [len(s.token_ids) for s in step.seqs]
+    context_lens = [s.start_pos + q for s, q in zip(step.seqs, query_lens)]
+    meta = backend.build_metadata(query_lens, context_lens, [s.block_table for s in step.seqs], block_size, device)
+    meta.seq_lens = [s.seq_len or ctx for s, ctx in zip(step.seqs, context_lens)]
+    pos = [p for s, q in zip(step.seqs, query_lens) for p in range(s.start_pos, s.start_pos + q)]
+    return meta, torch.tensor(pos, dtype=torch.int64, device=device)
 
 
 _MADV_HUGEPAGE = 14

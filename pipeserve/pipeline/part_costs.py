@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class LayerCosts:
-    """Time (seconds, or any consistent unit) and memory (bytes) of the model's parts.
+class PartCosts:
+    """Measured time (seconds, or any consistent unit) and memory (bytes) of the model's
+    parts: the embedding, each decoder layer, the final norm + LM head.
 
     ``embed`` runs on the first chunk only, ``head`` (final norm + LM head) on
     the last chunk only, ``layer`` is one decoder layer.
