@@ -71,14 +71,14 @@ class QuantKernels:
 
     def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
         """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
-        True/False forces the choice (tests, benchmarks)."""
-        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        True/False forces the choice (tests, benchmarks). Decode calls this ~120 times a
+        token, so the weight's arguments are built once (``_weight_args``)."""
+        kind, qs, scale, minv, n, k, group = _weight_args(w)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         act_i8 = bf16 if int8_act is None else int(int8_act)
-        rc = self._gemv(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
-                        w.in_features, w.group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
-                        act_i8, torch.get_num_threads())
-        if rc != 0:
+        if self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
+                      act_i8, torch.get_num_threads()):
             raise MemoryError("quantized matmul: cannot allocate its activation scratch")
         return out
 
@@ -96,6 +96,16 @@ class QuantKernels:
             r1 = min(r0 + rows, w.out_features)
             out[:, r0:r1] = x @ self.dequant_rows(w, r0, r1, x.dtype).t()   # [M, rows]
         return out
+
+
+def _weight_args(w: PackedWeight) -> tuple:
+    """(kind, codes, scales, minimums, out, in, group) as the C functions take them, kept on
+    the weight (its tensors are fixed for its lifetime: ``map`` makes a new PackedWeight)."""
+    args = w.cache.get("c_args")
+    if args is None:
+        args = w.cache["c_args"] = (_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+                                    w.in_features, w.group)
+    return args
 
 
 def _kind(w: PackedWeight) -> int:
