@@ -156,6 +156,9 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1
 #define QB 32      /* activation block */
+#ifndef PF_ROWS
+#define PF_ROWS 8
+#endif
 #define CHUNK 64   /* weights per 512-bit dot product: two blocks */
 
 /* Activations of the int8 path, per row of x, quantized once per call:
@@ -220,15 +223,16 @@ static inline __m512 block_scales(const uint16_t *s, int64_t b0, int n, int64_t 
 
 /* The codes of the chunk starting at block b as 64 unsigned bytes in the lane order the
  * activations were laid out in (q4: one 32-byte load broadcast to both halves, the high
- * half shifted by 4, masked to nibbles; q8: code + 128). */
-static inline __attribute__((always_inline)) __m512i chunk_codes(int kind, const uint8_t *q, int64_t b, int64_t nb) {
+ * half shifted by 4, masked to nibbles; q8: code + 128). `half`: block b is the row's
+ * last and has no partner (the activations are zero there). */
+static inline __attribute__((always_inline)) __m512i chunk_codes(int kind, const uint8_t *q, int64_t b, int half) {
     if (kind == 4) {
-        const __m512i w = b + 1 < nb ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + b * 16)))
-                                     : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+        const __m512i w = half ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(q + b * 16)))
+                               : _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + b * 16)));
         return _mm512_and_si512(_mm512_srlv_epi64(w, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(15));
     }
-    const __m512i w = b + 1 < nb ? _mm512_loadu_si512(q + b * 32)
-                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * 32)));
+    const __m512i w = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * 32)))
+                           : _mm512_loadu_si512(q + b * 32);
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
@@ -244,7 +248,7 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
  * s_w * d_x, taken from a 16-block vector of them by a permute. Minimums (and q8's
  * -128 * s_w) meet the block sums d * sum(x') in one FMA per 16 blocks. Even and odd
  * chunks go to separate accumulators (two FMA chains in flight); all lanes are summed
- * once at the end of the row. */
+ * once at the end of the row. kind and m_rows are constants where this is inlined. */
 static inline __attribute__((always_inline)) void
 row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t per,
            const act_i8 *a, int m_rows, float *res) {
@@ -267,8 +271,8 @@ row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, i
         }
         __m512i idx = first;
         int64_t b = g;
-        for (; b + 2 < g + n; b += 4) {   /* two chunks */
-            const __m512i w = chunk_codes(kind, q, b, nb), v = chunk_codes(kind, q, b + 2, nb);
+        for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
+            const __m512i w = chunk_codes(kind, q, b, 0), v = chunk_codes(kind, q, b + 2, 0);
             const __m512i idx2 = _mm512_add_epi32(idx, two);
             for (int m = 0; m < m_rows; m++) {
                 const int64_t o = (m * nch + b / 2) * CHUNK;
@@ -278,25 +282,35 @@ row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, i
             }
             idx = _mm512_add_epi32(idx2, two);
         }
-        if (b < g + n) {   /* a last chunk */
-            const __m512i w = chunk_codes(kind, q, b, nb);
+        if (b < g + n) {   /* one more chunk, full or the row's odd last block */
+            const __m512i w = chunk_codes(kind, q, b, b + 1 == nb);
             for (int m = 0; m < m_rows; m++) {
                 const int64_t o = (m * nch + b / 2) * CHUNK;
                 acc[m] = _mm512_fmadd_ps(chunk_dot(w, a->x1 + o, a->x2 + o), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
+            }
+            if (b + 2 < g + n) {   /* and one after it (three chunks left: only in a short last group) */
+                const __m512i v = chunk_codes(kind, q, b + 2, b + 3 == nb);
+                idx = _mm512_add_epi32(idx, two);
+                for (int m = 0; m < m_rows; m++) {
+                    const int64_t o = (m * nch + b / 2 + 1) * CHUNK;
+                    acc2[m] = _mm512_fmadd_ps(chunk_dot(v, a->x1 + o, a->x2 + o), _mm512_permutexvar_ps(idx, sd[m]), acc2[m]);
+                }
             }
         }
     }
     for (int m = 0; m < m_rows; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 }
 
+/* kind and m_rows as constants: the row loop unrolls, the accumulators stay in registers
+ * and the layout's branches fold away. */
 static void rows_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t per,
                         const act_i8 *a, int m_rows, float *res) {
-    switch (m_rows) {   /* constant m_rows: the row loop unrolls, accumulators stay in registers */
-#define CASE(r) case r: row_dot_i8(kind, q, sc, mn, per, a, r, res); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-    default: row_dot_i8(kind, q, sc, mn, per, a, GEMV_ROWS, res); break;
+#define CASE(k, r) case r: row_dot_i8(k, q, sc, mn, per, a, r, res); break;
+#define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
+                                 default: row_dot_i8(k, q, sc, mn, per, a, GEMV_ROWS, res); break; }
+    if (kind == 4) ALL(4) else ALL(8)
+#undef ALL
 #undef CASE
-    }
 }
 #endif
 
@@ -345,6 +359,12 @@ static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t n = 0; n < N; n++) {
         float res[GEMV_ROWS];
+        if (n + PF_ROWS < N) {
+            const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), _MM_HINT_T0);
+            if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
+        }
         rows_dot_i8(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, per, &a, (int)M, res);
         for (int64_t m = 0; m < M; m++) store(out, out_bf16, m * N + n, res[m]);
     }
