@@ -5,8 +5,9 @@ Documented tolerances (pipeserve/model/quant/cpu_kernels.py): with float32
 activations the kernels differ from ``x @ dequantize(w).T`` only by float32
 summation order; with bfloat16 activations by the bfloat16 rounding of the
 output (and, on the tiled path, of the dequantized weight). The decode
-kernel's int8-activation path (bfloat16 activations, AVX512-VNNI builds)
-writes each activation as d * (256 * q1 + q2) with two int8 codes and moves it
+kernel's integer-activation path (bfloat16 activations, AVX512-VNNI builds)
+writes each activation as d * (256 * q1 + q2) with two int8 codes (q8 weights)
+or as d' * q with one int16 code (q4 weights, d' = max|x| / 32767) and moves it
 by at most d = max|x| / (127 * 256) over its block of 32: see
 ``_int8_activation_bound``.
 """

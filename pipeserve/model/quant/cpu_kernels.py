@@ -12,9 +12,10 @@ paths; results differ from ``dequantize(w) @ x`` only by summation order
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
 
 Decode with bfloat16 activations on an AVX512-VNNI CPU ("avx512-vnni" in the
-log line) quantizes each activation row to int8 blocks of 32 (scale
-max|x| / 127) and takes integer dot products, as llama.cpp does for every
-activation: each activation moves by at most half its block's step, so
+log line) quantizes each activation row per block of 32 and takes integer dot
+products, as llama.cpp does: int16 (one term, step max|x| / 32767) against q4
+codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes (see
+quant_matmul.c); each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
 float32 activations never take that path (``--quantization none`` and the
 float32 fidelity reference keep their numerics).
@@ -38,9 +39,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantKernels:
-    def __init__(self) -> None:
-        from pipeserve.kernels.build import load_kernel
-        lib = load_kernel("quant_matmul")
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        """``lib``: another build of quant_matmul.c (benchmarks compare two); default this tree's."""
+        if lib is None:
+            from pipeserve.kernels.build import load_kernel
+            lib = load_kernel("quant_matmul")
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._gemv = lib.pipeserve_quant_gemv
         self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32]
