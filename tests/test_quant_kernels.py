@@ -177,7 +177,10 @@ def _int8_cases(gguf_file):
     path, types = gguf_file
     cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
     w = torch.randn(41, 256, generator=torch.Generator().manual_seed(7))
-    return cases + [quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
+    # 23 blocks of 32: the VNNI kernel's odd last block and its short last group of 16 blocks
+    odd = torch.randn(9, 736, generator=torch.Generator().manual_seed(8))
+    return cases + [quantize_weight(odd, 4, 32), quantize_weight(odd, 8, 32),
+                    quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 
 @needs_kernel
