@@ -5,8 +5,9 @@ Documented tolerances (pipeserve/model/quant/cpu_kernels.py): with float32
 activations the kernels differ from ``x @ dequantize(w).T`` only by float32
 summation order; with bfloat16 activations by the bfloat16 rounding of the
 output (and, on the tiled path, of the dequantized weight). The decode
-kernel's int8-activation path (bfloat16 activations, AVX512-VNNI builds)
-writes each activation as d * (256 * q1 + q2) with two int8 codes and moves it
+kernel's integer-activation path (bfloat16 activations, AVX512-VNNI builds)
+writes each activation as d * (256 * q1 + q2) with two int8 codes (q8 weights)
+or as d' * q with one int16 code (q4 weights, d' = max|x| / 32767) and moves it
 by at most d = max|x| / (127 * 256) over its block of 32: see
 ``_int8_activation_bound``.
 """
@@ -176,7 +177,10 @@ def _int8_cases(gguf_file):
     path, types = gguf_file
     cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
     w = torch.randn(41, 256, generator=torch.Generator().manual_seed(7))
-    return cases + [quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
+    # 23 blocks of 32: the VNNI kernel's odd last block and its short last group of 16 blocks
+    odd = torch.randn(9, 736, generator=torch.Generator().manual_seed(8))
+    return cases + [quantize_weight(odd, 4, 32), quantize_weight(odd, 8, 32),
+                    quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 
 @needs_kernel

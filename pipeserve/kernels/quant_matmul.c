@@ -6,25 +6,34 @@
  * weight). A weight is scale * q + min.
  *
  * pipeserve_quant_gemv: out[M, N] = x[M, K] . W[N, K]^T for a few rows of x
- *   (decode). Bandwidth-bound: each thread takes a range of output rows and
- *   reads their codes once, dequantizing 16 weights at a time in registers
- *   (fma(q, scale, min)) and multiplying them into up to 4 rows of x.
+ *   (decode). Each thread takes a contiguous range of output rows and reads
+ *   their codes once (prefetching a few rows ahead); with float activations it
+ *   dequantizes 16 weights at a time in registers (fma(q, scale, min)) and
+ *   multiplies them into up to 4 rows of x; with integer activations (below)
+ *   it takes integer dot products of the codes.
  * pipeserve_quant_dequant: rows [r0, r1) of W as float32 or bfloat16, so a
  *   prefill can run a dense matmul per tile.
  * x and out are float32 or bfloat16 (the flags); accumulation is float32.
  *
- * int8 activations (flag act_i8, AVX512-VNNI builds, groups a multiple of 32):
- *   each row of x is quantized once per call into blocks of 32 as two int8
- *   terms, x ~ d * (256 * q1 + q2) with d = max|x| / (127 * 256) (llama.cpp
- *   uses q1 alone; on SmolLM2 that costs ~2 points of top-1 agreement); a
- *   block's dot product is two vpdpbusd (unsigned codes x signed int8) and
- *   y += s_w * d * dot + m_w * d * sum(x'). q8 codes are signed, so they
- *   enter as q + 128 and the 128 * s_w * d * sum(x') excess is folded into
- *   the min term. Error vs float activations: at most d per element.
+ * Integer activations (flag act_i8, AVX512-VNNI builds, groups a multiple of 32):
+ *   each row of x is quantized once per call into blocks of 32. q8 weights:
+ *   two int8 terms, x ~ d * (256 * q1 + q2) with d = max|x| / (127 * 256)
+ *   (llama.cpp uses q1 alone; on SmolLM2 that costs ~2 points of top-1
+ *   agreement), two vpdpbusd per block (codes enter unsigned as q + 128, the
+ *   128 * s_w * d * sum(x') excess folded into the min term). q4 weights: one
+ *   int16 term, x ~ d * q with d = max|x| / 32767, two vpdpwssd per pair of
+ *   blocks (fewer instructions than two int8 terms, and finer). A row is read
+ *   in chunks of 64 weights (two blocks, 16 int32 lanes); each lane is scaled
+ *   by its block's s_w * d (a permute of a 16-block vector of them), the
+ *   minimums meet d * sum(x') once per 16 blocks, and the lanes are summed
+ *   once per row. Error vs float activations per element: at most d (q8:
+ *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
+ *   at most max|x| / 32512 of the block.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "vec_math.h"
 
@@ -44,6 +53,11 @@ static inline float f16_to_f32(uint16_t h) {
         v.u |= sign;
     }
     return v.f;
+}
+
+static inline void store(void *out, int out_bf16, int64_t index, float v) {
+    if (out_bf16) ((uint16_t *)out)[index] = f32_to_bf16(v);
+    else ((float *)out)[index] = v;
 }
 
 const char *pipeserve_quant_isa(void) {
@@ -155,95 +169,212 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define HAVE_VNNI 1
-#define QB 32   /* activation block */
+#define QB 32      /* activation block */
+#ifndef PF_ROWS
+#define PF_ROWS 8
+#endif
+#define CHUNK 64   /* weights per 512-bit dot product: two blocks */
 
-/* x [M, K] float32 -> two int8 terms xq [2, M, K] with x ~ d * (256 * q1 + q2) per block of 32
- * (d = max|x| / 127 / 256), xd [M, K / 32] = d, xc [M, K / 32] = d * (256 * sum q1 + sum q2).
+/* Activations of the int8 path, per row of x, quantized once per call:
+ * x1, x2 [M, chunks, 64] int8, the two terms of x ~ d * (256 * q1 + q2) per block of 32
+ * (d = max|x| / 127 / 256), each chunk of two blocks b, b + 1 in the order the weight
+ * unpack produces (q4: x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32]; q8: x_b, x_b+1;
+ * a trailing odd block pairs with zeros); xd, xc [M, nbp] float (nbp = blocks rounded up
+ * to 16, zero padded): d and d * (256 * sum q1 + sum q2) per block.
  * q1 = round(x / 256d); q2 = the remainder rounded in steps of d (|q2| <= 128, clamped
  * to 127): about 15 bits per activation, finer than the bfloat16 input. */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xc) {
-    const int64_t nb = K / QB;
-    int8_t *xq2 = xq + M * K;
+typedef struct {
+    int8_t *x1, *x2;    /* q8 weights: two int8 terms */
+    int16_t *xw;        /* q4 weights: one int16 term, [M, chunks, 64] */
+    float *xd, *xc;
+    int64_t nb, nch, nbp;
+} act_i8;
+
+/* q4 weights take 16-bit activations instead (vpdpwssd): x ~ d * q, d = max|x| / 32767 per
+ * block, each chunk as [x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32]] (the order of
+ * the zero-extended code bytes' low, then high, nibbles). One product term where the
+ * two-term int8 form needs two plus a shift, and finer (half a step is max|x| / 65534). */
+static void quantize_rows16(const float *x, int64_t M, int64_t K, const act_i8 *a) {
+    for (int64_t m = 0; m < M; m++) {
+        if (a->nb & 1) memset(a->xw + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK * sizeof(int16_t));
+        for (int64_t b = a->nb; b < a->nbp; b++) a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *xb = x + m * K + b * QB;
+            const __m512 u = _mm512_loadu_ps(xb), v = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
+            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            const __m512i iu = _mm512_cvtps_epi32(_mm512_mul_ps(u, id)), iv = _mm512_cvtps_epi32(_mm512_mul_ps(v, id));
+            int16_t *c = a->xw + (m * a->nch + b / 2) * CHUNK + (b & 1) * 16;
+            _mm256_storeu_si256((__m256i *)c, _mm512_cvtsepi32_epi16(iu));
+            _mm256_storeu_si256((__m256i *)(c + 32), _mm512_cvtsepi32_epi16(iv));
+            const float d = amax / 32767.0f;
+            a->xd[m * a->nbp + b] = d;
+            a->xc[m * a->nbp + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(iu, iv));
+        }
+    }
+}
+
+static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a) {
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     const __m512 k256 = _mm512_set1_ps(256.0f);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t o = m * K + b * QB;
-            const __m512 a = _mm512_loadu_ps(x + o), c = _mm512_loadu_ps(x + o + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    for (int64_t m = 0; m < M; m++) {
+        if (a->nb & 1) {   /* the zero half of the last chunk */
+            memset(a->x1 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
+            memset(a->x2 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
+        }
+        for (int64_t b = a->nb; b < a->nbp; b++) a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *xb = x + m * K + b * QB;
+            const __m512 u = _mm512_loadu_ps(xb), v = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(u), _mm512_abs_ps(v)));
             const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            const __m512 sa = _mm512_mul_ps(a, id), sc = _mm512_mul_ps(c, id);   /* units of 256d */
-            const __m512 ra = _mm512_roundscale_ps(sa, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512 rc = _mm512_roundscale_ps(sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m512i ia = _mm512_cvtps_epi32(ra), ic = _mm512_cvtps_epi32(rc);
-            const __m512i ja = _mm512_max_epi32(_mm512_min_epi32(
-                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sa, ra), k256)), hi), lo);
-            const __m512i jc = _mm512_max_epi32(_mm512_min_epi32(
-                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sc, rc), k256)), hi), lo);
-            _mm_storeu_si128((__m128i *)(xq + o), _mm512_cvtsepi32_epi8(ia));
-            _mm_storeu_si128((__m128i *)(xq + o + 16), _mm512_cvtsepi32_epi8(ic));
-            _mm_storeu_si128((__m128i *)(xq2 + o), _mm512_cvtepi32_epi8(ja));
-            _mm_storeu_si128((__m128i *)(xq2 + o + 16), _mm512_cvtepi32_epi8(jc));
+            const __m512 su = _mm512_mul_ps(u, id), sv = _mm512_mul_ps(v, id);   /* units of 256d */
+            const __m512 ru = _mm512_roundscale_ps(su, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 rv = _mm512_roundscale_ps(sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i iu = _mm512_cvtps_epi32(ru), iv = _mm512_cvtps_epi32(rv);
+            const __m512i ju = _mm512_max_epi32(_mm512_min_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(su, ru), k256)), hi), lo);
+            const __m512i jv = _mm512_max_epi32(_mm512_min_epi32(
+                _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, rv), k256)), hi), lo);
+            const int64_t c = (m * a->nch + b / 2) * CHUNK;
+            const int64_t p0 = (b & 1) * 32, p1 = p0 + 16;
+            _mm_storeu_si128((__m128i *)(a->x1 + c + p0), _mm512_cvtsepi32_epi8(iu));
+            _mm_storeu_si128((__m128i *)(a->x1 + c + p1), _mm512_cvtsepi32_epi8(iv));
+            _mm_storeu_si128((__m128i *)(a->x2 + c + p0), _mm512_cvtepi32_epi8(ju));
+            _mm_storeu_si128((__m128i *)(a->x2 + c + p1), _mm512_cvtepi32_epi8(jv));
             const float d = amax / 127.0f / 256.0f;
-            const int32_t s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(ia, ic));
-            const int32_t s2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ja, jc));
-            xd[m * nb + b] = d;
-            xc[m * nb + b] = d * (256.0f * (float)s1 + (float)s2);
+            const int32_t s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(iu, iv));
+            const int32_t s2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ju, jv));
+            a->xd[m * a->nbp + b] = d;
+            a->xc[m * a->nbp + b] = d * (256.0f * (float)s1 + (float)s2);
         }
-}
-
-/* 32 weights of one block as unsigned bytes in order (q8: code + 128). */
-static inline __m256i unpack_u8(int kind, const uint8_t *q, int64_t k) {
-    if (kind == 4) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo = _mm_set1_epi8(15);
-        return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, lo)),
-                                       _mm_and_si128(_mm_srli_epi16(v, 4), lo), 1);
     }
-    return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + k)), _mm256_set1_epi8((char)0x80));
 }
 
-static inline float hsum256(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+/* The float16 scales (or minimums) of blocks [b0, b0 + n) of a row, n <= 16, one per lane
+ * (lanes >= n are 0); `per` blocks share a scale (group / 32). */
+static inline __m512 block_scales(const uint16_t *s, int64_t b0, int n, int64_t per) {
+    if (per == 1) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), s + b0));
+    float t[16] = {0};
+    for (int j = 0; j < n; j++) t[j] = _cvtsh_ss(s[(b0 + j) / per]);
+    return _mm512_loadu_ps(t);
 }
 
-/* One weight row against m_rows quantized rows of x; even and odd blocks in
- * separate accumulators so two FMA chains are in flight. */
+/* q8: the codes of the chunk starting at block b as 64 unsigned bytes (code + 128).
+ * `half`: block b is the row's last and has no partner (the activations are zero there). */
+static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t *q, int64_t b, int half) {
+    const __m512i w = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * 32)))
+                           : _mm512_loadu_si512(q + b * 32);
+    return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+}
+
+/* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
+ * bytes zero-extended to words, low nibbles then high nibbles, two vpdpwssd; lanes 0-7
+ * belong to block b, 8-15 to b + 1. */
+static inline __attribute__((always_inline)) __m512 chunk_dot4(const uint8_t *q, int64_t b, int half, const int16_t *xw) {
+    const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
+                             : _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    const __m512i w = _mm512_cvtepu8_epi16(raw);
+    const __m512i lo = _mm512_and_si512(w, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(w, 4);
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(
+        _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xw)), hi, _mm512_loadu_si512(xw + 32)));
+}
+
+/* 256 * dot(w, q1) + dot(w, q2) per lane: |.| < 2^31 for codes <= 255 */
+static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const int8_t *x1, const int8_t *x2) {
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
+        _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x1)), 8),
+        w, _mm512_loadu_si512(x2)));
+}
+
+/* One weight row against m_rows quantized rows of x. Per chunk of 64 weights: the codes
+ * as 64 unsigned bytes, two vpdpbusd into 16 int32 lanes, then one FMA with each lane's
+ * s_w * d_x, taken from a 16-block vector of them by a permute. Minimums (and q8's
+ * -128 * s_w) meet the block sums d * sum(x') in one FMA per 16 blocks. Even and odd
+ * chunks go to separate accumulators (two FMA chains in flight); all lanes are summed
+ * once at the end of the row. kind and m_rows are constants where this is inlined. */
 static inline __attribute__((always_inline)) void
-row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K, int64_t group,
-           const int8_t *xq, const int8_t *xq2, const float *xd, const float *xc, int m_rows, float *res) {
-    const int64_t nb = K / QB;
-    __m256 acc[2][GEMV_ROWS];
-    float tail[GEMV_ROWS];
-    for (int m = 0; m < m_rows; m++) { acc[0][m] = acc[1][m] = _mm256_setzero_ps(); tail[m] = 0.0f; }
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t g = b * QB / group;
-        const float s = _cvtsh_ss(sc[g]);
-        const float mw = (mn ? _cvtsh_ss(mn[g]) : 0.0f) - (kind == 8 ? 128.0f * s : 0.0f);
-        const __m256i w = unpack_u8(kind, q, b * QB);
+row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t per,
+           const act_i8 *a, int m_rows, float *res) {
+    const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
+    const __m512i two = _mm512_set1_epi32(2);
+    /* lane -> block within the chunk: lanes 0-7 block b, 8-15 block b + 1 */
+    const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[GEMV_ROWS], acc2[GEMV_ROWS];
+    for (int m = 0; m < m_rows; m++) acc[m] = acc2[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int n = nb - g < 16 ? (int)(nb - g) : 16;
+        const __m512 s = block_scales(sc, g, n, per);
+        __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
+        if (kind == 8) mw = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.0f), mw);   /* codes enter as q + 128 */
+        __m512 sd[GEMV_ROWS];
         for (int m = 0; m < m_rows; m++) {
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + m * K + b * QB));
-            const __m256i x2 = _mm256_loadu_si256((const __m256i *)(xq2 + m * K + b * QB));
-            /* 256 * dot(w, q1) + dot(w, q2): |.| < 2^31 for codes <= 255 */
-            const __m256i d = _mm256_dpbusd_epi32(
-                _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x1), 8), w, x2);
-            acc[b & 1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s * xd[m * nb + b]), acc[b & 1][m]);
-            tail[m] += mw * xc[m * nb + b];
+            sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
+            acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
         }
+        __m512i idx = first;
+        int64_t b = g;
+        /* the dot products of chunk c (blocks c, c + 1; half: c is the row's odd last block)
+         * with row m of x, as 16 float lanes */
+#define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
+                                   : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
+        __m512i w8 = _mm512_setzero_si512();
+        for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
+            const __m512i idx2 = _mm512_add_epi32(idx, two);
+            if (kind == 8) w8 = chunk_codes8(q, b, 0);
+            for (int m = 0; m < m_rows; m++)
+                acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
+            if (kind == 8) w8 = chunk_codes8(q, b + 2, 0);
+            for (int m = 0; m < m_rows; m++)
+                acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), _mm512_permutexvar_ps(idx2, sd[m]), acc2[m]);
+            idx = _mm512_add_epi32(idx2, two);
+        }
+        if (b < g + n) {   /* one more chunk, full or the row's odd last block */
+            if (kind == 8) w8 = chunk_codes8(q, b, b + 1 == nb);
+            for (int m = 0; m < m_rows; m++)
+                acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
+            if (b + 2 < g + n) {   /* and one after it (three chunks left: only in a short last group) */
+                idx = _mm512_add_epi32(idx, two);
+                if (kind == 8) w8 = chunk_codes8(q, b + 2, b + 3 == nb);
+                for (int m = 0; m < m_rows; m++)
+                    acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc2[m]);
+            }
+        }
+#undef DOT
     }
-    for (int m = 0; m < m_rows; m++) res[m] = hsum256(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m];
+    for (int m = 0; m < m_rows; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 }
 
-static void rows_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K,
-                        int64_t group, const int8_t *xq, const int8_t *xq2, const float *xd, const float *xc,
-                        int m_rows, float *res) {
-    switch (m_rows) {   /* constant m_rows: the row loop unrolls, accumulators stay in registers */
-#define CASE(r) case r: row_dot_i8(kind, q, sc, mn, K, group, xq, xq2, xd, xc, r, res); break;
-    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7)
-    default: row_dot_i8(kind, q, sc, mn, K, group, xq, xq2, xd, xc, GEMV_ROWS, res); break;
-#undef CASE
+/* Output rows [n0, n1) for m_rows rows of x; the codes of row n + PF_ROWS are prefetched
+ * while row n is computed. */
+static inline __attribute__((always_inline)) void
+rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
+        int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16) {
+    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n + PF_ROWS < N) {
+            const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), _MM_HINT_T0);
+            if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
+        }
+        float res[GEMV_ROWS];
+        row_dot_i8(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        for (int m = 0; m < m_rows; m++) store(out, out_bf16, m * N + n, res[m]);
     }
+}
+
+/* kind and m_rows as constants: the row loop unrolls, the accumulators stay in registers,
+ * the layout's branches fold away, and nothing is set up again per output row. */
+static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                          int64_t per, int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1,
+                          int64_t N, void *out, int out_bf16) {
+#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break;
+#define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
+                                 default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break; }
+    if (kind == 4) ALL(4) else ALL(8)
+#undef ALL
+#undef CASE
 }
 #endif
 
@@ -259,11 +390,6 @@ static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint1
     }
 }
 
-static void store(void *out, int out_bf16, int64_t index, float v) {
-    if (out_bf16) ((uint16_t *)out)[index] = f32_to_bf16(v);
-    else ((float *)out)[index] = v;
-}
-
 /* 1 when pipeserve_quant_gemv honours act_i8 for this layout (else it runs the float path). */
 int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #ifdef HAVE_VNNI
@@ -277,19 +403,27 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #ifdef HAVE_VNNI
 static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
                    int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads) {
-    const int64_t nb = K / QB, row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
-    int8_t *xq = malloc(2 * M * K + 2 * sizeof(float) * M * nb);
-    if (!xq) return -1;
-    float *xd = (float *)(xq + ((2 * M * K + 3) & ~(int64_t)3)), *xc = xd + M * nb;
-    quantize_rows(xf, M, K, xq, xd, xc);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        float res[GEMV_ROWS];
-        rows_dot_i8(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, K, group, xq,
-                    xq + M * K, xd, xc, (int)M, res);
-        for (int64_t m = 0; m < M; m++) store(out, out_bf16, m * N + n, res[m]);
+    const int64_t per = group / QB;
+    act_i8 a;
+    a.nb = K / QB;
+    a.nch = (a.nb + 1) / 2;
+    a.nbp = (a.nb + 15) & ~(int64_t)15;
+    /* q8: two int8 terms; q4: one int16 term (the same bytes) */
+    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 2 * sizeof(float) * M * a.nbp);
+    if (!buf) return -1;
+    a.x1 = buf;
+    a.x2 = buf + M * a.nch * CHUNK;
+    a.xw = (int16_t *)buf;
+    a.xd = (float *)(buf + 2 * M * a.nch * CHUNK);
+    a.xc = a.xd + M * a.nbp;
+    if (kind == 4) quantize_rows16(xf, M, K, &a);
+    else quantize_rows(xf, M, K, &a);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16);
     }
-    free(xq);
+    free(buf);
     return 0;
 }
 #endif

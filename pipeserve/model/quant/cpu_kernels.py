@@ -12,9 +12,10 @@ paths; results differ from ``dequantize(w) @ x`` only by summation order
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
 
 Decode with bfloat16 activations on an AVX512-VNNI CPU ("avx512-vnni" in the
-log line) quantizes each activation row to int8 blocks of 32 (scale
-max|x| / 127) and takes integer dot products, as llama.cpp does for every
-activation: each activation moves by at most half its block's step, so
+log line) quantizes each activation row per block of 32 and takes integer dot
+products, as llama.cpp does: int16 (one term, step max|x| / 32767) against q4
+codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes (see
+quant_matmul.c); each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
 float32 activations never take that path (``--quantization none`` and the
 float32 fidelity reference keep their numerics).
@@ -38,9 +39,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantKernels:
-    def __init__(self) -> None:
-        from pipeserve.kernels.build import load_kernel
-        lib = load_kernel("quant_matmul")
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        """``lib``: another build of quant_matmul.c (benchmarks compare two); default this tree's."""
+        if lib is None:
+            from pipeserve.kernels.build import load_kernel
+            lib = load_kernel("quant_matmul")
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._gemv = lib.pipeserve_quant_gemv
         self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32]
@@ -71,14 +74,14 @@ class QuantKernels:
 
     def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
         """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
-        True/False forces the choice (tests, benchmarks)."""
-        out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
+        True/False forces the choice (tests, benchmarks). Decode calls this ~120 times a
+        token, so the weight's arguments are built once (``_weight_args``)."""
+        kind, qs, scale, minv, n, k, group = _weight_args(w)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         act_i8 = bf16 if int8_act is None else int(int8_act)
-        rc = self._gemv(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
-                        w.in_features, w.group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
-                        act_i8, torch.get_num_threads())
-        if rc != 0:
+        if self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
+                      act_i8, torch.get_num_threads()):
             raise MemoryError("quantized matmul: cannot allocate its activation scratch")
         return out
 
@@ -96,6 +99,16 @@ class QuantKernels:
             r1 = min(r0 + rows, w.out_features)
             out[:, r0:r1] = x @ self.dequant_rows(w, r0, r1, x.dtype).t()   # [M, rows]
         return out
+
+
+def _weight_args(w: PackedWeight) -> tuple:
+    """(kind, codes, scales, minimums, out, in, group) as the C functions take them, kept on
+    the weight (its tensors are fixed for its lifetime: ``map`` makes a new PackedWeight)."""
+    args = w.cache.get("c_args")
+    if args is None:
+        args = w.cache["c_args"] = (_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+                                    w.in_features, w.group)
+    return args
 
 
 def _kind(w: PackedWeight) -> int:

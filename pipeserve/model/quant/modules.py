@@ -54,12 +54,14 @@ class QuantLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out] in x's dtype."""
-        kernels = cpu_kernels() if x.device.type == "cpu" else None
+        parts = self._parts or self.parts   # runs ~120 times per decode step: the short way first
+        kernels = cpu_kernels() if x.is_cpu else None
         if kernels is not None and kernels.applies(x):
-            outs = [kernels.matmul(p, x) for p in self.parts]
+            out = kernels.matmul(parts[0], x) if len(parts) == 1 else torch.cat(
+                [kernels.matmul(p, x) for p in parts], dim=-1)
         else:
-            outs = [F.linear(x, dequantize(p, x.dtype)) for p in self.parts]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

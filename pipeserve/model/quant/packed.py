@@ -17,7 +17,7 @@ dimension is the same operation on ``qs``, ``scale`` and ``minv``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class PackedWeight:
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
+    cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
 
     @property
     def out_features(self) -> int:
