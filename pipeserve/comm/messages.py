@@ -6,6 +6,12 @@ A frame is a 16-byte prefix ``MAGIC | header length (u32) | tensor bytes (u64)``
 against the type ``PAYLOADS`` declares for its kind (``worker/step_wire.py``;
 a dataclass is the array of its fields):
 nothing on the wire names a type or a function, and nothing is unpickled.
+
+This module declares the kinds the transport itself speaks (hello, peers,
+pings, errors, timelines); the pipeline declares the types of its own kinds
+(a step, its result, a stage's spec) with ``register_payloads`` when
+``pipeline/spec.py`` is imported, so ``comm`` does not import ``pipeline``.
+A kind nobody declared is refused on both ends.
 """
 
 from __future__ import annotations
@@ -20,8 +26,6 @@ import torch
 
 from pipeserve.comm.transport import Kind
 from pipeserve.metrics.timeline import Interval
-from pipeserve.pipeline.spec import SpecWire, StepEnvelope
-from pipeserve.worker.step import StepOutput
 from pipeserve.worker.step_wire import WireError, dumps, from_wire
 
 FRAME_MAGIC = b"PSF1"
@@ -56,12 +60,22 @@ class NodeInfo:
 
 
 PAYLOADS: dict[Kind, Any] = {
-    Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.STOP: type(None),
-    Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: float, Kind.FLUSH: type(None),
-    Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello, Kind.SPEC: SpecWire,
+    Kind.STOP: type(None), Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: float,
+    Kind.FLUSH: type(None), Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello,
     Kind.READY: int, Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
     Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None),
 }
+
+
+def register_payloads(types: dict[Kind, Any]) -> None:
+    """Declare what the given kinds carry (the pipeline's step, result and spec).
+
+    Idempotent for the same types; a kind already declared with another type is a bug.
+    """
+    for kind, payload in types.items():
+        known = PAYLOADS.setdefault(kind, payload)
+        if known != payload:
+            raise ValueError(f"{kind.name} already carries {known!r}, not {payload!r}")
 
 
 def encode_frame(kind: Kind, obj: Any, tensor: torch.Tensor | None) -> tuple[bytes, memoryview | None]:

@@ -17,10 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeserve.comm import messages
+from pipeserve.comm.transport import Kind
 from pipeserve.config import EngineConfig
 from pipeserve.metrics.timeline import Interval
 from pipeserve.model.config import ModelConfig
-from pipeserve.worker.step import StepInput
+from pipeserve.worker.step import StepInput, StepOutput
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -107,6 +109,12 @@ class StepEnvelope:
     step: StepInput
     chunk: int                                  # the chunk that runs it next
     intervals: list[Interval] = field(default_factory=list)  # piggybacked timeline, stage clocks
+
+
+# What the pipeline's own message kinds carry (``comm`` declares the transport's).
+messages.register_payloads({
+    Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.SPEC: SpecWire,
+})
 
 
 def validate_partition(partition: list[tuple[int, int]], num_layers: int, num_stages: int) -> None:
