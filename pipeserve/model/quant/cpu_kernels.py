@@ -53,6 +53,7 @@ class QuantKernels:
         self._i8_applies.restype = i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
+        self._gemm, self.gemm_isa = _load_gemm()
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -63,7 +64,30 @@ class QuantKernels:
         x = x.contiguous()
         if x.shape[0] <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
+        if self.gemm_applies(w, x):
+            return self.gemm(w, x)
         return self.tiled(w, x)
+
+    def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
+        return (self._gemm is not None and x.dtype == torch.bfloat16 and w.in_features % 32 == 0
+                and w.group % (32 if w.kind == "q4" else 16) == 0)
+
+    def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
+        multiplied with vdpbf16ps (pipeserve/kernels/quant_gemm.c)."""
+        if not self.gemm_applies(w, x):
+            raise ValueError(f"the bfloat16 many-row kernel does not apply to {w.source} "
+                             f"(in_features {w.in_features}, group {w.group}) with {x.dtype} activations")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        rc = self._gemm(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+                        w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("quantized many-row matmul: cannot allocate its scratch")
+        if rc != 0:
+            raise RuntimeError(f"quantized many-row matmul refused its arguments (code {rc})")
+        return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k)."""
@@ -98,6 +122,26 @@ class QuantKernels:
         return out
 
 
+def _load_gemm():
+    """(pipeserve_quant_gemm, "avx512-bf16"), or (None, None) where quant_gemm.c cannot be
+    built or this CPU has no AVX512_BF16 (then many rows take the tiled path)."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    try:
+        lib = load_kernel("quant_gemm")
+    except KernelBuildError as exc:
+        log.warning("quantized weights, many rows: quant_gemm.c unavailable (%s); tiled dequantize path", exc)
+        return None, None
+    lib.pipeserve_quant_gemm_isa.restype = ctypes.c_char_p
+    isa = lib.pipeserve_quant_gemm_isa().decode()
+    if isa == "none":
+        return None, None
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pipeserve_quant_gemm
+    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32]
+    fn.restype = i32
+    return fn, isa
+
+
 def _kind(w: PackedWeight) -> int:
     return 4 if w.kind == "q4" else 8
 
@@ -116,5 +160,7 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    log.info("quantized weights: C kernel, %s path", kernels.isa)
+    log.info("quantized weights: C kernel, %s path; many rows: %s", kernels.isa,
+             f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
+             else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
     return kernels
