@@ -23,6 +23,7 @@ from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.packed import dequantize, quantize_weight
 from tests.kernels import skip_without_kernel
 from tests.test_quant_kernels import _read, gguf_file  # noqa: F401  (gguf_file is a fixture)
+from tests.test_quant_model import _all_logits, _perplexity, _runner, smollm2  # noqa: F401  (smollm2: fixture)
 
 ROWS = (GEMV_MAX_ROWS + 1, 16, 23, 64, 100)   # block tails (rows % 16) and whole blocks
 needs_matmul, needs_gemm = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm")
@@ -105,3 +106,24 @@ def test_gemm_build_failure_logs_and_keeps_the_tiled_path(monkeypatch, caplog):
         fn, isa = quant_cpu._load_gemm()
     assert fn is None and isa is None
     assert "quant_gemm.c unavailable" in caplog.text and "compiler exploded" in caplog.text
+
+
+@needs_matmul
+@needs_gemm
+def test_kept_smollm2_bfloat16_prefill_through_gemm_agrees_with_bfloat16_model(smollm2):
+    """The whole model in bfloat16, kept Q4_1/Q8_0 through the many-row kernel vs the dequantized
+    bfloat16 model (--quantization none): same bfloat16 weights, so only summation order differs."""
+    kernels = _gemm_kernels()
+    source, cfg, ids = smollm2
+    calls = []
+    real_gemm = kernels.gemm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "gemm", lambda w, x: calls.append(w.source) or real_gemm(w, x))
+        kept = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
+    assert {"Q4_1", "Q8_0"} <= set(calls), set(calls)          # the layers and the tied head
+    dense = _all_logits(_runner(source, "none", cfg, dtype=torch.bfloat16), ids).float()
+    agree = (kept.argmax(-1) == dense.argmax(-1)).float().mean().item()
+    ppl_kept, ppl_dense = _perplexity(kept, ids), _perplexity(dense, ids)
+    print(f"gemm vs bfloat16 model: top-1 agreement {agree:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
+    assert agree >= 0.99, agree
+    assert abs(ppl_kept / ppl_dense - 1) <= 0.005, (ppl_kept, ppl_dense)

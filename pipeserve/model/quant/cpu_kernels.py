@@ -4,7 +4,13 @@ Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``). Prefill (more
 rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
-is paid once per tile for all rows. The crossover was measured
+is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
+CPU, more rows take ``pipeserve_quant_gemm`` (pipeserve/kernels/quant_gemm.c)
+instead: 16-row weight panels dequantized to bfloat16 in cache and vdpbf16ps,
+with no dequantized tile written to memory or handed to PyTorch; it rounds
+each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
+``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
+rounding only (tests/test_quant_gemm.py). The log line names the many-row path. The crossover was measured
 (benchmarks/README.md, "Quantized weights"); the tile size (about L2's half)
 is not tuned. Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order
