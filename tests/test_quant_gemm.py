@@ -19,13 +19,13 @@ import torch
 
 import pipeserve.kernels.build as kernel_build
 import pipeserve.model.quant.cpu_kernels as quant_cpu
-from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.packed import dequantize, quantize_weight
 from tests.kernels import skip_without_kernel
 from tests.test_quant_kernels import _read, gguf_file  # noqa: F401  (gguf_file is a fixture)
 from tests.test_quant_model import _all_logits, _perplexity, _runner, smollm2  # noqa: F401  (smollm2: fixture)
 
-ROWS = (GEMV_MAX_ROWS + 1, 16, 23, 64, 100)   # block tails (rows % 16) and whole blocks
+ROWS = (GEMM_MIN_ROWS, GEMV_MAX_ROWS + 1, 16, 23, 64, 100)   # block tails (rows % 16) and whole blocks
 needs_matmul, needs_gemm = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm")
 
 
@@ -67,7 +67,7 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
         ref, tol = _bound(w, x)
         err = (got.float() - ref).abs()
         assert (err <= tol).all(), (w.source, rows, err.max().item())
-        # the dispatch: more than GEMV_MAX_ROWS bfloat16 rows take this kernel
+        # the dispatch: from GEMM_MIN_ROWS bfloat16 rows on, this kernel
         assert torch.equal(kernels.matmul(w, x), got), w.source
         seen.add(w.source)
     assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "int8", "int4"} <= seen
@@ -77,6 +77,8 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
 def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):  # noqa: F811
     kernels = cpu_kernels()
     w = _cases(gguf_file)[-1]
+    few = torch.randn(GEMM_MIN_ROWS - 1, w.in_features).bfloat16()
+    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized: the gemv kernel
     x = torch.randn(32, w.in_features)
     assert not kernels.gemm_applies(w, x)                               # float32: the fidelity reference
     assert torch.equal(kernels.matmul(w, x), kernels.tiled(w, x))

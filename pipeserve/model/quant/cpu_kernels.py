@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
 TILE_BYTES = 1 << 20   # dequantized tile size (bytes) on the prefill path
+# bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
+# (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
+GEMM_MIN_ROWS = 5
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -68,10 +71,10 @@ class QuantKernels:
     def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype."""
         x = x.contiguous()
+        if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
+            return self.gemm(w, x)
         if x.shape[0] <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
-        if self.gemm_applies(w, x):
-            return self.gemm(w, x)
         return self.tiled(w, x)
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
