@@ -22,9 +22,11 @@
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * Without AVX512_BF16 the function is absent from the answer of
- * pipeserve_quant_gemm_isa() ("none") and returns -2: the caller keeps its
- * portable path (dequantized row tiles and PyTorch's matmul).
+ * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
+ * take (K not a multiple of 32, a q8 group not a multiple of 16 or a q4 group
+ * not a multiple of 32). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
+ * "none" and the function returns -2: the caller keeps its portable path
+ * (dequantized row tiles and PyTorch's matmul).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -159,6 +161,7 @@ static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
+    if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
     uint32_t *xp = aligned_alloc(64, (size_t)(blocks * 16 * K * 2 + 63) / 64 * 64);
     if (!xp) return -1;
