@@ -7,7 +7,9 @@ output 160 ± 60 %, seed 0, ``ignore_eos``) through every mode in turn.
 ``tiled`` is the kept engine with the many-row kernel (quant_gemm.c) switched
 off for its round, i.e. the tile path it replaced. Output tok/s per round, and
 each mode's ratio to ``none`` in the same round (the machine is shared: read
-the ratios, and the median over rounds).
+the ratios, and the median over rounds). Also per CPU second of this process
+(``time.process_time``): with ``--threads 1`` that is the work done, which
+other processes on the machine do not inflate as they inflate wall time.
 
     PYTHONPATH=$PWD python benchmarks/quant_throughput.py --num-prompts 64 --rounds 3
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 from pipeserve import LLM
 from pipeserve.bench.datasets import random_requests
@@ -46,25 +49,31 @@ def main() -> None:
     for llm in engines.values():
         warm_up(llm, requests, 4)
     rates: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_rates: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
         line = []
-        for mode in modes:
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:   # rotate who goes first
             llm = engines["auto" if mode == "tiled" else mode]
             if kernels is not None:
                 kernels._gemm = None if mode == "tiled" else gemm
+            cpu = time.process_time()
             _, seconds, _ = run_pipeserve(llm, requests, progress=False)
+            cpu = time.process_time() - cpu
             rates[mode].append(out_tokens / seconds)
+            cpu_rates[mode].append(out_tokens / cpu)
+            print(f"  round {r + 1} {mode}: {seconds:.1f} s wall, {cpu:.1f} s CPU", flush=True)
             line.append(f"{mode} {out_tokens / seconds:7.1f}")
         if kernels is not None:
             kernels._gemm = gemm
         ratios = [f"{m}/none {rates[m][-1] / rates['none'][-1]:.3f}" for m in modes if m != "none" and "none" in rates]
         print(f"round {r + 1}: output tok/s " + ", ".join(line) + "; " + ", ".join(ratios), flush=True)
     if "none" in rates:
-        for m in modes:
-            if m != "none":
-                per_round = [a / b for a, b in zip(rates[m], rates["none"])]
-                print(f"{m}/none median ratio {statistics.median(per_round):.3f} "
-                      f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
+        for label, table in (("wall", rates), ("CPU-time", cpu_rates)):
+            for m in modes:
+                if m != "none":
+                    per_round = [a / b for a, b in zip(table[m], table["none"])]
+                    print(f"{m}/none {label} median ratio {statistics.median(per_round):.3f} "
+                          f"(rounds: {', '.join(f'{x:.3f}' for x in per_round)})")
     for llm in engines.values():
         llm.shutdown()
 
