@@ -41,7 +41,8 @@ def main() -> None:
     modes = args.modes.split(",")
     engines = {q: LLM(model=args.model, dtype="bfloat16", quantization=q, threads_per_stage=args.threads)
                for q in dict.fromkeys("auto" if m == "tiled" else m for m in modes)}
-    requests = random_requests(load_hf_tokenizer(args.model, None), num_prompts=args.num_prompts, input_len=args.input_len,
+    requests = random_requests(load_hf_tokenizer(args.model, None), num_prompts=args.num_prompts,
+                               input_len=args.input_len,
                                output_len=args.output_len, range_ratio=args.range_ratio, seed=0)
     out_tokens = sum(r.output_len for r in requests)
     kernels = cpu_kernels()
