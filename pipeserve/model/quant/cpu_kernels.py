@@ -4,7 +4,13 @@ Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``). Prefill (more
 rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
-is paid once per tile for all rows. The crossover was measured
+is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
+CPU, more rows take ``pipeserve_quant_gemm`` (pipeserve/kernels/quant_gemm.c)
+instead: 16-row weight panels dequantized to bfloat16 in cache and vdpbf16ps,
+with no dequantized tile written to memory or handed to PyTorch; it rounds
+each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
+``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
+rounding only (tests/test_quant_gemm.py). The log line names the many-row path. The crossover was measured
 (benchmarks/README.md, "Quantized weights"); the tile size (about L2's half)
 is not tuned. Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
 TILE_BYTES = 1 << 20   # dequantized tile size (bytes) on the prefill path
+# bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
+# (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
+GEMM_MIN_ROWS = 5
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -56,6 +65,7 @@ class QuantKernels:
         self._i8_applies.restype = i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
+        self._gemm, self.gemm_isa = _load_gemm()
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -64,9 +74,32 @@ class QuantKernels:
     def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype."""
         x = x.contiguous()
+        if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
+            return self.gemm(w, x)
         if x.shape[0] <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
         return self.tiled(w, x)
+
+    def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
+        return (self._gemm is not None and x.dtype == torch.bfloat16 and w.in_features % 32 == 0
+                and w.group % (32 if w.kind == "q4" else 16) == 0)
+
+    def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
+        multiplied with vdpbf16ps (pipeserve/kernels/quant_gemm.c)."""
+        if not self.gemm_applies(w, x):
+            raise ValueError(f"the bfloat16 many-row kernel does not apply to {w.source} "
+                             f"(in_features {w.in_features}, group {w.group}) with {x.dtype} activations")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        rc = self._gemm(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+                        w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("quantized many-row matmul: cannot allocate its scratch")
+        if rc != 0:
+            raise RuntimeError(f"quantized many-row matmul refused its arguments (code {rc})")
+        return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k)."""
@@ -111,6 +144,26 @@ def _weight_args(w: PackedWeight) -> tuple:
     return args
 
 
+def _load_gemm():
+    """(pipeserve_quant_gemm, "avx512-bf16"), or (None, None) where quant_gemm.c cannot be
+    built or this CPU has no AVX512_BF16 (then many rows take the tiled path)."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    try:
+        lib = load_kernel("quant_gemm")
+    except KernelBuildError as exc:
+        log.warning("quantized weights, many rows: quant_gemm.c unavailable (%s); tiled dequantize path", exc)
+        return None, None
+    lib.pipeserve_quant_gemm_isa.restype = ctypes.c_char_p
+    isa = lib.pipeserve_quant_gemm_isa().decode()
+    if isa == "none":
+        return None, None
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pipeserve_quant_gemm
+    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32]
+    fn.restype = i32
+    return fn, isa
+
+
 def _kind(w: PackedWeight) -> int:
     return 4 if w.kind == "q4" else 8
 
@@ -129,5 +182,7 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    log.info("quantized weights: C kernel, %s path", kernels.isa)
+    log.info("quantized weights: C kernel, %s path; many rows: %s", kernels.isa,
+             f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
+             else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
     return kernels

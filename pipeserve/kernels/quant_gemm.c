@@ -1,0 +1,202 @@
+/* Many-row matmul (prefill, batched decode) against weights kept quantized
+ * (layouts: pipeserve/model/quant/packed.py, "q4" and "q8").
+ *
+ * pipeserve_quant_gemm: out[M, N] = x[M, K] . W[N, K]^T, x and out bfloat16,
+ *   float32 accumulation, on AVX512_BF16 builds (vdpbf16ps).
+ *
+ *   x is repacked once per call into blocks of 16 rows, "pair-interleaved":
+ *   xp[m / 16][k / 2][m % 16] is the 32-bit pair (x[m, k], x[m, k + 1]), so one
+ *   64-byte load holds one pair of 16 rows. Each thread takes panels of NB = 16
+ *   weight rows: it dequantizes the panel once into bfloat16 (L1/L2-resident,
+ *   row-major) and runs it against every 16-row block of x; the micro-kernel
+ *   keeps 16 x 16 float32 accumulators (lanes = rows of x, one register per
+ *   weight row), and per pair of k does one load of x and 16 vdpbf16ps with the
+ *   weight pair broadcast. The 16 x 16 tile is transposed on the way out.
+ *
+ *   Dequantizing: a weight is bf16(scale * q + min), rounded to nearest even as
+ *   PyTorch's .to(bfloat16) rounds the float32 dequantized weight (what the
+ *   bfloat16 model of --quantization none holds). q4: the 16 values of a group
+ *   are computed once into a 32-entry bf16 table and each run of 32 codes is
+ *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16.
+ *
+ *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
+ *   by summation order (and the final bfloat16 rounding of out).
+ *
+ * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
+ * take (K not a multiple of 32, a q8 group not a multiple of 16 or a q4 group
+ * not a multiple of 32). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
+ * "none" and the function returns -2: the caller keeps its portable path
+ * (dequantized row tiles and PyTorch's matmul).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char *pipeserve_quant_gemm_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return "avx512-bf16";
+#else
+    return "none";
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define NB 16   /* weight rows per panel: one zmm of 16 float32 outputs */
+
+/* r[j] = 16 dwords of row j -> r[c] = column c (16 x 16 transpose of 32-bit elements). */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {   /* b[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3 */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
+        const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
+    }
+}
+
+/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order). */
+static inline __attribute__((always_inline)) __m512i
+dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int64_t group, int64_t k) {
+    if (kind == 4) {   /* group is a multiple of 32: one table per run */
+        const int64_t g = k / group;
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(s[g])),
+                                            _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f));
+        /* table[i] = bf16(i * scale + min), i < 16 (entries 16..31 unused) */
+        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
+        const __m256i codes = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_and_si128(v, lo4)), _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
+        return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+    }
+    /* q8: group is a multiple of 16 (Q6_K has 16) */
+    const int64_t g0 = k / group, g1 = (k + 16) / group;
+    const __m512 w0 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))),
+        _mm512_set1_ps(_cvtsh_ss(s[g0])), _mm512_set1_ps(b ? _cvtsh_ss(b[g0]) : 0.0f));
+    const __m512 w1 = _mm512_fmadd_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k + 16)))),
+        _mm512_set1_ps(_cvtsh_ss(s[g1])), _mm512_set1_ps(b ? _cvtsh_ss(b[g1]) : 0.0f));
+    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+}
+
+/* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
+ * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
+static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                          int64_t K, int64_t group, int64_t n0, uint32_t *wp) {
+    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+    const int64_t rows = N - n0 < NB ? N - n0 : NB;
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i r[NB];
+        for (int64_t j = 0; j < NB; j++) {
+            const int64_t n = n0 + j;
+            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL,
+                                        group, k)
+                            : _mm512_setzero_si512();
+        }
+        transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
+        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wp + (k / 2 + c) * NB), r[c]);
+    }
+}
+
+/* x [M, K] bfloat16 -> xp [ceil(M / 16)][K / 2][16] 32-bit pairs (rows past M zero).
+ * One thread: about 1 % of the matmul's time, and one parallel region (one barrier)
+ * per call instead of two, which is what costs on a loaded machine. */
+static void pack_x(const uint16_t *x, int64_t M, int64_t K, uint32_t *xp) {
+    const int64_t K2 = K / 2, blocks = (M + 15) / 16;
+    for (int64_t mb = 0; mb < blocks; mb++) {
+        const int64_t rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
+        const uint32_t *src = (const uint32_t *)(x + mb * 16 * K);
+        uint32_t *dst = xp + mb * K2 * 16;
+        for (int64_t p = 0; p < K2; p += 16) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = i < rows ? _mm512_loadu_si512((const void *)(src + i * K2 + p)) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(dst + (p + c) * 16), r[c]);
+        }
+    }
+}
+
+/* out[m0 + i, n0 .. n0 + cols) for i < MR: the rows of one 16-row block of x against one
+ * weight panel, over all of K; accumulator i holds row i (lanes = the panel's 16 rows). */
+static inline __attribute__((always_inline)) void
+micro(const uint32_t *xb, const uint32_t *wp, int64_t K, const int MR, uint16_t *out, int64_t N, int64_t n0,
+      int64_t m0, int64_t rows, __mmask16 keep) {
+    __m512 acc[16];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 2; p++) {
+        const __m512bh wv = (__m512bh)_mm512_load_si512((const void *)(wp + p * NB));
+        for (int i = 0; i < MR; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)xb[p * 16 + i]), wv);
+    }
+    for (int i = 0; i < MR && i < rows; i++)
+        _mm256_mask_storeu_epi16(out + (m0 + i) * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16_t *out, int64_t N, int64_t n0,
+                       int64_t m0, int64_t rows, __mmask16 keep) {
+    switch ((rows + 3) / 4) {   /* a constant MR: the row loop unrolls into registers */
+    case 1: micro(xb, wp, K, 4, out, N, n0, m0, rows, keep); break;
+    case 2: micro(xb, wp, K, 8, out, N, n0, m0, rows, keep); break;
+    case 3: micro(xb, wp, K, 12, out, N, n0, m0, rows, keep); break;
+    default: micro(xb, wp, K, 16, out, N, n0, m0, rows, keep); break;
+    }
+}
+
+int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
+    uint32_t *xp = aligned_alloc(64, (size_t)(blocks * 16 * K * 2 + 63) / 64 * 64);
+    if (!xp) return -1;
+    pack_x(x, M, K, xp);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
+        if (!wp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < panels; pn++) {
+            if (!wp) continue;
+            const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp);
+            for (int64_t mb = 0; mb < blocks; mb++)
+                micro_rows(xp + mb * (K / 2) * 16, wp, K, out, N, n0, mb * 16,
+                           M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
+        }
+        free(wp);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+
+#else
+
+int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)M; (void)out;
+    (void)num_threads;
+    return -2;
+}
+
+#endif

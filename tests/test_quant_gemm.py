@@ -1,0 +1,131 @@
+"""The many-row kernel for kept-quantized weights (pipeserve/kernels/quant_gemm.c):
+every kept GGUF type and the int8/int4 layouts against dequantize-then-matmul, and
+the fallback to the tiled path where it does not apply.
+
+Documented tolerance (cpu_kernels.py, quant_gemm.c): the kernel rounds each
+dequantized weight to bfloat16 as ``dequantize(w, torch.bfloat16)`` does, so
+against ``x.float() @ dequantize(w, bfloat16).float().T`` it differs only by
+float32 summation order and the bfloat16 rounding of the output (half an ulp,
+2^-9 relative); against the float32 dequantized weight add the weight's
+bfloat16 rounding (2^-9 of each |w|, summed with |x|).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import pipeserve.kernels.build as kernel_build
+import pipeserve.model.quant.cpu_kernels as quant_cpu
+from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.packed import dequantize, quantize_weight
+from tests.kernels import skip_without_kernel
+from tests.test_quant_kernels import _read, gguf_file  # noqa: F401  (gguf_file is a fixture)
+from tests.test_quant_model import _all_logits, _perplexity, _runner, smollm2  # noqa: F401  (smollm2: fixture)
+
+ROWS = (GEMM_MIN_ROWS, GEMV_MAX_ROWS + 1, 16, 23, 64, 100)   # block tails (rows % 16) and whole blocks
+needs_matmul, needs_gemm = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm")
+
+
+def _gemm_kernels():
+    kernels = cpu_kernels()
+    if kernels.gemm_isa is None:
+        pytest.skip("quant_gemm.c has no AVX512_BF16 kernel on this CPU/compiler (many rows run tiled)")
+    return kernels
+
+
+def _bound(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference with bfloat16 weights, allowed |error|), both [M, N] float32."""
+    wb = dequantize(w, torch.bfloat16).float()
+    ref = x.float() @ wb.t()
+    return ref, 2.0 ** -8 * ref.abs() + 1e-5 * (x.float().abs() @ wb.abs().t()) + 1e-30
+
+
+def _cases(gguf_file):  # noqa: F811
+    path, types = gguf_file
+    cases = [_read(path, i)[0] for i in range(len(types))]            # every kept GGUF type
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(41, 256, generator=gen)                            # 41 rows: a partial panel of 16
+    cases += [quantize_weight(w, 8, g) for g in (32, 128)] + [quantize_weight(w, 4, g) for g in (32, 64)]
+    return cases
+
+
+@needs_matmul
+@needs_gemm
+@pytest.mark.parametrize("rows", ROWS)
+def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
+    kernels = _gemm_kernels()
+    seen = set()
+    for w in _cases(gguf_file):
+        x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        x[-1] *= 50                                                     # a loud row next to quiet ones
+        assert kernels.gemm_applies(w, x), (w.source, w.group)
+        got = kernels.gemm(w, x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, w.out_features)
+        ref, tol = _bound(w, x)
+        err = (got.float() - ref).abs()
+        assert (err <= tol).all(), (w.source, rows, err.max().item())
+        # the dispatch: from GEMM_MIN_ROWS bfloat16 rows on, this kernel
+        assert torch.equal(kernels.matmul(w, x), got), w.source
+        seen.add(w.source)
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "int8", "int4"} <= seen
+
+
+@needs_matmul
+def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):  # noqa: F811
+    kernels = cpu_kernels()
+    w = _cases(gguf_file)[-1]
+    few = torch.randn(GEMM_MIN_ROWS - 1, w.in_features).bfloat16()
+    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized: the gemv kernel
+    x = torch.randn(32, w.in_features)
+    assert not kernels.gemm_applies(w, x)                               # float32: the fidelity reference
+    assert torch.equal(kernels.matmul(w, x), kernels.tiled(w, x))
+    with pytest.raises(ValueError, match="does not apply"):
+        kernels.gemm(w, x)
+    # No kernel (no AVX512_BF16, or quant_gemm.c failed to build): bfloat16 rows go tiled, within
+    # the same bound.
+    xb = x.bfloat16()
+    monkeypatch.setattr(kernels, "_gemm", None)
+    assert not kernels.gemm_applies(w, xb)
+    got = kernels.matmul(w, xb)
+    assert torch.equal(got, kernels.tiled(w, xb))
+    ref, tol = _bound(w, xb)
+    assert ((got.float() - ref).abs() <= tol).all()
+
+
+def test_gemm_build_failure_logs_and_keeps_the_tiled_path(monkeypatch, caplog):
+    real = kernel_build.load_kernel
+
+    def fail_gemm(name):
+        if name == "quant_gemm":
+            raise kernel_build.KernelBuildError("compiler exploded (test)")
+        return real(name)
+
+    monkeypatch.setattr(kernel_build, "load_kernel", fail_gemm)
+    with caplog.at_level(logging.WARNING, logger=quant_cpu.__name__):
+        fn, isa = quant_cpu._load_gemm()
+    assert fn is None and isa is None
+    assert "quant_gemm.c unavailable" in caplog.text and "compiler exploded" in caplog.text
+
+
+@needs_matmul
+@needs_gemm
+def test_kept_smollm2_bfloat16_prefill_through_gemm_agrees_with_bfloat16_model(smollm2):
+    """The whole model in bfloat16, kept Q4_1/Q8_0 through the many-row kernel vs the dequantized
+    bfloat16 model (--quantization none): same bfloat16 weights, so only summation order differs."""
+    kernels = _gemm_kernels()
+    source, cfg, ids = smollm2
+    calls = []
+    real_gemm = kernels.gemm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "gemm", lambda w, x: calls.append(w.source) or real_gemm(w, x))
+        kept = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
+    assert {"Q4_1", "Q8_0"} <= set(calls), set(calls)          # the layers and the tied head
+    dense = _all_logits(_runner(source, "none", cfg, dtype=torch.bfloat16), ids).float()
+    agree = (kept.argmax(-1) == dense.argmax(-1)).float().mean().item()
+    ppl_kept, ppl_dense = _perplexity(kept, ids), _perplexity(dense, ids)
+    print(f"gemm vs bfloat16 model: top-1 agreement {agree:.4f}; perplexity {ppl_kept:.4f} vs {ppl_dense:.4f}")
+    assert agree >= 0.99, agree
+    assert abs(ppl_kept / ppl_dense - 1) <= 0.005, (ppl_kept, ppl_dense)
