@@ -34,6 +34,25 @@ def test_tensor_parallel_accepts_cuda_but_not_a_pinned_gpu():
         check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, device="cuda:1"), SMOL, "hf")
 
 
+def test_cuda_group_uses_nccl_beside_gloo_and_says_when_it_cannot(monkeypatch):
+    """No GPU needed: the backend choice, and the two refusals a rank can meet at start."""
+    import torch
+    import torch.distributed as dist
+
+    import pipeserve.pipeline.stage_process as stage_process
+    from pipeserve.pipeline.tensor_group import _backend, _rank_device
+    assert _backend(torch.device("cpu")) == "gloo"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert _backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a PyTorch build with NCCL"):
+        _backend(torch.device("cuda", 0))
+    monkeypatch.setattr(stage_process, "stage_device", lambda spec, stage, rank: torch.device("cuda", 3))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="stage 1 tensor-parallel rank 1 needs GPU 3, but this node has 2"):
+        _rank_device(None, 1, 1)
+
+
 CASES = [(2, 1, "async", {}), (1, 2, "async", {}), (2, 2, "gpipe", {"pp_micro_batches": 2})]
 
 

@@ -202,7 +202,8 @@ class TensorParallelGroup:
     backends (``cpu:gloo,cuda:nccl``), so the activations' all-reduces, gathers and
     broadcasts (CUDA tensors) go through NCCL and the step's control messages (CPU
     tensors) through gloo. ``device`` is where this rank computes; ``reduce_seconds``
-    accumulates the time spent in all-reduces (for the benchmark's share)."""
+    accumulates the time spent in all-reduces (for the benchmark's share; on CUDA only
+    their launch: NCCL runs them on its stream without blocking the host)."""
 
     def __init__(self, shard: TensorShard, group=None, device: torch.device | None = None) -> None:
         self.shard = shard
