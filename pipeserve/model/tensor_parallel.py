@@ -103,9 +103,9 @@ def check_tensor_parallel_config(config, cfg, source_kind: str) -> None:
     from pipeserve.model.quant.load import weight_format
     if weight_format(source_kind, config.quantization) != "dense":
         raise ValueError(tensor_parallel_quantization_message(config.quantization))
-    if config.device != "cpu":
-        raise ValueError(f"--tensor-parallel-size > 1 runs on the CPU (gloo collectives) only; got --device "
-                         f"{config.device}")
+    if config.device.startswith("cuda:"):
+        raise ValueError(f"--tensor-parallel-size > 1 places each rank on its own GPU (stage s's rank r on "
+                         f"cuda:{{s * T + r}} of its node); use --device cuda, not --device {config.device}")
 
 
 def plan_shard(cfg, rank: int, size: int) -> TensorShard:
@@ -198,13 +198,18 @@ def take_slices(tensor: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:
 class TensorParallelGroup:
     """One stage's TP ranks: the collectives the sharded layers call.
 
-    Backed by a torch.distributed process group (gloo on CPU); ``reduce_seconds``
-    accumulates the time spent in all-reduces (for the benchmark's share)."""
+    Backed by a torch.distributed process group: gloo on CPU; on CUDA one with both
+    backends (``cpu:gloo,cuda:nccl``), so the activations' all-reduces, gathers and
+    broadcasts (CUDA tensors) go through NCCL and the step's control messages (CPU
+    tensors) through gloo. ``device`` is where this rank computes; ``reduce_seconds``
+    accumulates the time spent in all-reduces (for the benchmark's share; on CUDA only
+    their launch: NCCL runs them on its stream without blocking the host)."""
 
-    def __init__(self, shard: TensorShard, group=None) -> None:
+    def __init__(self, shard: TensorShard, group=None, device: torch.device | None = None) -> None:
         self.shard = shard
         self.rank, self.size = shard.rank, shard.size
         self.group = group
+        self.device = device or torch.device("cpu")
         self.shm: SharedMemoryAllReduce | None = None   # set where the ranks share a host
         self.reduce_seconds = 0.0
         self.reduce_calls = 0

@@ -60,18 +60,43 @@ def _spec_mac(key: bytes, text: bytes) -> str:
     return hmac.new(key, b"pipeserve-tp-spec\0" + text, hashlib.sha256).hexdigest()
 
 
-def _init_group(store, rank: int, size: int, timeout_s: float):
+def _backend(device: torch.device) -> str:
+    """gloo on CPU; on CUDA NCCL for CUDA tensors (the activations' collectives) beside
+    gloo for CPU ones (the step headers and payloads): one group, dispatched by device."""
+    if device.type != "cuda":
+        return "gloo"
     import torch.distributed as dist
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+    if not dist.is_nccl_available():
+        raise RuntimeError("--device cuda with --tensor-parallel-size > 1 needs a PyTorch build with NCCL "
+                           "(torch.distributed.is_nccl_available() is False)")
+    return "cpu:gloo,cuda:nccl"
+
+
+def _init_group(store, rank: int, size: int, timeout_s: float, device: torch.device):
+    import torch.distributed as dist
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _group_for(spec, rank: int, shm_path: str | None = None, create: bool = False):
+def _rank_device(spec, stage: int, rank: int) -> torch.device:
+    """Where TP rank ``rank`` of ``stage`` computes: the CPU, or its own GPU (``stage_device``),
+    made the current one before NCCL starts (NCCL uses the current device)."""
+    from pipeserve.pipeline.stage_process import stage_device
+    device = stage_device(spec, stage, rank)
+    if device.type == "cuda":
+        if device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"stage {stage} tensor-parallel rank {rank} needs GPU {device.index}, but this "
+                               f"node has {torch.cuda.device_count()} (each stage's T ranks take T GPUs)")
+        torch.cuda.set_device(device)
+    return device
+
+
+def _group_for(spec, stage: int, rank: int, shm_path: str | None = None, create: bool = False):
     """This rank's ``TensorParallelGroup``; with ``shm_path`` its all-reduces go through
-    shared memory (``--tp-all-reduce shm``), sized for the largest step's activations."""
+    shared memory (``--tp-all-reduce shm``, CPU only), sized for the largest step's activations."""
     from pipeserve.model.tensor_parallel import SharedMemoryAllReduce, TensorParallelGroup, plan_shard
     size = spec.config.tensor_parallel_size
-    group = TensorParallelGroup(plan_shard(spec.model_cfg, rank, size))
+    group = TensorParallelGroup(plan_shard(spec.model_cfg, rank, size), device=_rank_device(spec, stage, rank))
     if shm_path is not None:
         from pipeserve.pipeline.stage_process import DTYPES
         elems = min(spec.config.max_num_batched_tokens * spec.model_cfg.hidden_size, 1 << 24)
@@ -100,9 +125,10 @@ class TensorGroupLeader:
         store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timedelta(seconds=timeout_s),
                               wait_for_workers=False)
         text = dumps(SpecWire.of(spec)).encode()
-        self.shm_path = _shm_path(stage) if spec.config.tp_all_reduce == "shm" else None
+        on_cpu = spec.config.device == "cpu"   # on CUDA the activations' collectives are NCCL's
+        self.shm_path = _shm_path(stage) if spec.config.tp_all_reduce == "shm" and on_cpu else None
         store.set("shm", self.shm_path or "")
-        self.group = _group_for(spec, 0, self.shm_path, create=True)
+        self.group = _group_for(spec, stage, 0, self.shm_path, create=True)
         store.set("spec", text)
         store.set("spec_mac", _spec_mac(key, text))
         paths = [PACKAGE_ROOT] + [p for p in sys.path if p and os.path.isdir(p)]
@@ -115,7 +141,7 @@ class TensorGroupLeader:
                                    env=env, stdin=subprocess.DEVNULL)
             for rank in range(1, self.size)}
         threading.Thread(target=self._watch, name="tp-followers", daemon=True).start()
-        _init_group(store, 0, self.size, timeout_s)
+        _init_group(store, 0, self.size, timeout_s, self.group.device)
         if self.shm_path:   # every follower mapped it before joining the group: the name can go
             os.unlink(self.shm_path)
         self.store = store
@@ -142,8 +168,8 @@ class TensorGroupLeader:
             rows, cols, dtype = hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype)
         self.group.broadcast(torch.tensor([_STEP, chunk, len(payload), rows, cols, dtype], dtype=torch.int64))
         self.group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        if hidden is not None:
-            self.group.broadcast(hidden.contiguous())
+        if hidden is not None:   # on CUDA from this rank's GPU (NCCL), as the followers receive it
+            self.group.broadcast(hidden.to(self.group.device).contiguous())
         self.broadcast_seconds += time.perf_counter() - start
 
     def stats(self) -> dict:
@@ -235,7 +261,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     import torch.distributed as dist
 
     from pipeserve.pipeline.spec import SpecWire
-    from pipeserve.pipeline.stage_process import _exit_with_parent, build_runners, stage_device
+    from pipeserve.pipeline.stage_process import _exit_with_parent, build_runners
     from pipeserve.worker.step import StepInput
     from pipeserve.worker.step_wire import from_wire
     _exit_with_parent()
@@ -248,10 +274,14 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
     spec = from_wire(SpecWire, json.loads(text), "spec").to_spec()
     size = spec.config.tensor_parallel_size
     torch.set_num_threads(spec.config.stage_threads)
-    group = _group_for(spec, tp_rank, store.get("shm").decode() or None)   # map it before joining
-    _init_group(store, tp_rank, size, timeout_s)
     try:
-        runners = build_runners(spec, stage, stage_device(spec, stage, tp_rank), group)
+        group = _group_for(spec, stage, tp_rank, store.get("shm").decode() or None)   # map it before joining
+    except Exception:
+        logger.error("stage %d tp rank %d cannot start:\n%s", stage, tp_rank, traceback.format_exc())
+        return 1
+    _init_group(store, tp_rank, size, timeout_s, group.device)
+    try:
+        runners = build_runners(spec, stage, group.device, group)
     except Exception:
         logger.error("stage %d tp rank %d failed to load:\n%s", stage, tp_rank, traceback.format_exc())
         return 1
@@ -269,7 +299,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
         step = from_wire(StepInput, json.loads(payload.numpy().tobytes()), "tensor-parallel step")
         hidden = None
         if rows >= 0:
-            hidden = group.broadcast(torch.empty(rows, cols, dtype=_DTYPES[dtype]))
+            hidden = group.broadcast(torch.empty(rows, cols, dtype=_DTYPES[dtype], device=group.device))
         try:
             runners[chunk].execute(step, hidden)
         except Exception:

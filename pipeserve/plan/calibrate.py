@@ -414,7 +414,17 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
         dtype=dtype, memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True,
         cores=cores, parallel_efficiency=efficiency, kv_read_amplification=amplification,
         driver_step_overhead=driver_step, driver_seq_overhead=driver_seq,
-        stage_step_overhead=stage_step, stage_seq_overhead=stage_seq)
+        stage_step_overhead=stage_step, stage_seq_overhead=stage_seq,
+        tp_allreduce_latency=CPU_TP_ALLREDUCE_LATENCY)
+
+
+# One TP = 2 all-reduce of a decode's activations through shared memory (--tp-all-reduce shm),
+# SmolLM2-135M, one request: 0.58 ms on average (benchmarks/README.md, "Tensor parallelism",
+# measured on the shared 2-core machine under load: mostly the wait for the other rank to be
+# scheduled). Not measured by --calibrate (it would need two rank processes running layers);
+# the same run's gloo all-reduce took 1.35 ms (use that with --tp-all-reduce gloo).
+CPU_TP_ALLREDUCE_LATENCY = 0.58e-3
+CPU_TP_ALLREDUCE_LATENCY_GLOO = 1.35e-3
 
 
 def write_hardware_file(hw: Hardware, path: str) -> None:

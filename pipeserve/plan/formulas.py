@@ -56,3 +56,21 @@ def md1_queue_wait(arrival_rate: float, service_time: float) -> float:
     if rho >= 1:
         return float("inf")
     return rho * service_time / (2 * (1 - rho))
+
+
+def tp_collectives(layers: int, first: bool, last: bool) -> int:
+    """Collectives a chunk's TP ranks run per forward: 2 all-reduces per decoder layer
+    (after o_proj and after down_proj), 1 after the vocabulary-split embedding (first
+    chunk), 1 gather of the logits' vocabulary slices (last chunk)."""
+    return 2 * layers + int(first) + int(last)
+
+
+def tp_allreduce_time(nbytes: float, ranks: int, bandwidth: float, ring_latency: float,
+                      call_latency: float = 0.0) -> float:
+    """One all-reduce of ``nbytes`` over T ranks: 2(T−1)/T·nbytes/bandwidth plus its latency,
+    (T−1)·call_latency where one is set (measured per collective at T = 2), else a ring's
+    2(T−1)·ring_latency; 0 at T = 1."""
+    if ranks <= 1:
+        return 0.0
+    latency = (ranks - 1) * call_latency if call_latency > 0 else 2 * (ranks - 1) * ring_latency
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + latency

@@ -56,6 +56,11 @@ class Hardware:
     driver_seq_overhead: float = 0.0
     stage_step_overhead: float = 0.0
     stage_seq_overhead: float = 0.0
+    # Seconds of one tensor-parallel collective beyond its bytes at T = 2 (launch, and the
+    # wait for the ranks to meet), per ring step pair: a collective over T ranks costs its
+    # bandwidth term + (T - 1)·this. 0 = not set: 2(T - 1)·intra_node_latency (a ring's
+    # message latencies). cpu-local's default is measured (calibrate.CPU_TP_ALLREDUCE_LATENCY).
+    tp_allreduce_latency: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("flops_prefill", "flops_decode", "mem_bandwidth", "mem_bytes",
@@ -204,4 +209,4 @@ HARDWARE_PRESETS["cpu-local"] = Hardware(
     dtype="bfloat16", memory_utilization=0.5, reserved_bytes=1 * GIB, shared_compute=True,
     cores=2, parallel_efficiency=0.80, kv_read_amplification=2.62,
     driver_step_overhead=31e-6, driver_seq_overhead=26e-6, stage_step_overhead=27e-6,
-    stage_seq_overhead=9.3e-6)
+    stage_seq_overhead=9.3e-6, tp_allreduce_latency=0.58e-3)   # TP: calibrate.CPU_TP_ALLREDUCE_LATENCY

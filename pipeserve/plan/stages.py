@@ -10,10 +10,10 @@ inter-node link.
 from __future__ import annotations
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.plan import formulas
 from pipeserve.plan.hardware import DTYPE_BYTES, Hardware
 from pipeserve.plan.quantization import weight_format
-from pipeserve.plan.roofline import (BatchShape, LayerCosts, OpCost, flops_rate,
-                                     ring_allreduce_time)
+from pipeserve.plan.roofline import BatchShape, LayerCosts, OpCost, flops_rate
 
 TOKEN_RETURN_BYTES = 8  # sampled token id (+ logprob) per row sent back to the driver
 
@@ -36,8 +36,8 @@ class PipelineCosts:
         self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
                                 fmt and fmt.bytes, fmt and fmt.head_bytes)
         nodes = [self.node_of(w) for w in range(num_workers)]
-        # With shared compute every worker on a node gets an equal slice of it.
-        self.share = [nodes.count(n) if hw.shared_compute else 1 for n in nodes]
+        # With shared compute every rank process on a node (T per worker) gets an equal slice.
+        self.share = [nodes.count(n) * tp if hw.shared_compute else 1 for n in nodes]
 
     @property
     def num_chunks(self) -> int:
@@ -69,20 +69,28 @@ class PipelineCosts:
         if shape.new_tokens == 0:
             return 0.0
         compute = self.costs.layer_time(shape, *self._rates(shape.new_tokens, worker))
-        reduce = 2 * ring_allreduce_time(self.costs.allreduce_bytes(shape), self.tp,
-                                         self.hw.intra_node_bandwidth, self.hw.intra_node_latency)
-        return compute + reduce + self.hw.layer_overhead
+        return compute + 2 * self.allreduce_time(shape) + self.hw.layer_overhead
+
+    def allreduce_time(self, shape: BatchShape) -> float:
+        """One TP all-reduce of the micro-batch's [new_tokens, hidden] activations (0 at T = 1)."""
+        return formulas.tp_allreduce_time(self.costs.allreduce_bytes(shape), self.tp, self.hw.intra_node_bandwidth,
+                                          self.hw.intra_node_latency, self.hw.tp_allreduce_latency)
 
     def embedding_time(self, shape: BatchShape, worker: int = 0) -> float:
-        return self._op_time(self.costs.embedding(shape), shape.new_tokens, worker)
+        """The vocabulary-split embedding: each rank looks up its ids, one all-reduce completes them."""
+        return self._op_time(self.costs.embedding(shape), shape.new_tokens, worker) + self.allreduce_time(shape)
 
     def head_time(self, shape: BatchShape, worker: int = 0) -> float:
+        """The LM head's vocabulary slices, gathered on TP rank 0: half a ring all-reduce's
+        bytes, one collective's latency."""
         if shape.logit_rows == 0:
             return 0.0
         compute = self._op_time(self.costs.head(shape), shape.logit_rows, worker)
-        gather = ring_allreduce_time(shape.logit_rows * self.model.vocab_size * 4, self.tp,
-                                     self.hw.intra_node_bandwidth, self.hw.intra_node_latency) / 2
-        return compute + gather
+        if self.tp == 1:
+            return compute
+        nbytes = shape.logit_rows * self.model.vocab_size * 4   # fp32 logits
+        return compute + formulas.tp_allreduce_time(nbytes / 2, self.tp, self.hw.intra_node_bandwidth,
+                                                    self.hw.intra_node_latency / 2, self.hw.tp_allreduce_latency)
 
     def chunk_time(self, chunk: int, shape: BatchShape) -> float:
         """Forward time of one chunk: its layers, plus the embedding / LM head at the ends."""

@@ -1,11 +1,14 @@
 """Check the planner against measured runs: predicted vs measured output tokens/s.
 
     python -m pipeserve.plan.validate benchmarks/results --hardware benchmarks/results/cpu-local.yaml
+    python -m pipeserve.plan.validate --tp-latency --hardware benchmarks/results/cpu-local.yaml
 
 Reads every ``bench throughput`` JSON of a random workload in the folder, predicts
 the same configuration (pipeline size, schedule, partition, virtual stages,
 micro-batches) on the same workload with ``predict_throughput``, and prints a
-Markdown table with the ratio predicted / measured.
+Markdown table with the ratio predicted / measured. ``--tp-latency`` adds the
+tensor-parallel rows: one request's per-token latency at the recorded (PP, TP)
+configurations against the figures in benchmarks/README.md (``tp_latency_rows``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,52 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
     return blocks * engine["block_size"] if blocks else None
 
 
+# Tensor parallelism: one request's per-token latency (ms), SmolLM2-135M bfloat16 dense, prompt
+# 128, 256 tokens (benchmarks/README.md "Tensor parallelism: one request at TP = 2 vs PP = 2 vs
+# PP = 1", measured on the shared 2-core machine under load, load average 3-11: noisy).
+# (label, PP, TP, per-all-reduce latency in s or None, measured ms per token)
+RECORDED_TP_LATENCY = [
+    ("PP=1, 1 thread", 1, 1, None, 45.9),
+    ("PP=2, 1 thread each", 2, 1, None, 45.6),
+    ("TP=2, shared-memory all-reduce, 1 thread each", 1, 2, 0.58e-3, 74.6),
+    ("TP=2, gloo all-reduce, 1 thread each", 1, 2, 1.35e-3, 120.7),
+]
+
+
+def tp_latency_rows(hardware: str, model: str = "SmolLM2-135M", prompt: int = 128, tokens: int = 256) -> list[dict]:
+    """Predicted vs recorded per-token decode latency of one request at each recorded
+    (PP, TP): the cost model's chunk times (its 2 all-reduces per layer, the embedding's and
+    the logits gather at the ends) + hops + the driver, every rank process on its own core
+    (the runs' one thread each). The per-all-reduce latency is the one measured in the same
+    run, so a TP row checks the rest of the model (compute split T ways, collective counts)."""
+    import dataclasses
+
+    from pipeserve.plan.roofline import BatchShape
+    from pipeserve.plan.stages import PipelineCosts
+    _, cfg = load_model(model)
+    hw = load_hardware(hardware)
+    shape = BatchShape.decode(1, prompt + tokens / 2)
+    out = []
+    for label, pp, tp, latency, measured in RECORDED_TP_LATENCY:
+        run_hw = dataclasses.replace(hw, cores=pp * tp, tp_allreduce_latency=latency or hw.tp_allreduce_latency)
+        layers = [cfg.num_layers // pp + (1 if i < cfg.num_layers % pp else 0) for i in range(pp)]
+        costs = PipelineCosts(cfg, run_hw, layers, pp, tp)
+        seconds = (sum(costs.chunk_time(c, shape) + costs.hop_time(c, shape) for c in range(pp))
+                   + costs.driver_time(shape))
+        out.append({"label": label, "pp": pp, "tp": tp, "measured": measured, "predicted": seconds * 1e3,
+                    "ratio": seconds * 1e3 / measured})
+    return out
+
+
+def tp_markdown(table: list[dict]) -> str:
+    lines = ["| run (one request) | PP | TP | measured ms/token | predicted | predicted / measured |",
+             "|---|---|---|---|---|---|"]
+    for r in table:
+        lines.append(f"| {r['label']} | {r['pp']} | {r['tp']} | {r['measured']:.1f} | {r['predicted']:.1f} | "
+                     f"{r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
 def markdown(table: list[dict]) -> str:
     lines = ["| run | PP | schedule | partition | measured out tok/s | predicted | predicted / measured |",
              "|---|---|---|---|---|---|---|"]
@@ -90,10 +139,20 @@ def markdown(table: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeserve.plan.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="folder of bench throughput JSON files")
+    parser.add_argument("results", type=Path, nargs="?", help="folder of bench throughput JSON files")
     parser.add_argument("--hardware", required=True, help="calibrated hardware file (pipeserve plan --calibrate)")
     parser.add_argument("--model", default="SmolLM2-135M")
+    parser.add_argument("--tp-latency", action="store_true",
+                        help="also (or, without a results folder, only) the tensor-parallel rows: one "
+                             "request's per-token latency vs the figures recorded in benchmarks/README.md")
     args = parser.parse_args(argv)
+    if args.tp_latency:
+        print(tp_markdown(tp_latency_rows(args.hardware, args.model)))
+        if args.results is None:
+            return 0
+        print()
+    if args.results is None:
+        parser.error("give a results folder, or --tp-latency")
     table = rows(args.results, args.hardware, args.model)
     if not table:
         print(f"no random-workload throughput results in {args.results}", file=sys.stderr)
