@@ -57,13 +57,18 @@ _ARCH = {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "phi3_longrope"
 
 def build_family(kind: str, directory: Path, seed: int = 0) -> Path:
     """Tiny random checkpoint of ``kind`` (one of FAMILIES) saved as safetensors."""
-    from transformers import AutoModelForCausalLM
     config = _configs()[kind]()
     config.architectures = [_ARCH[kind]]
+    return save_random_checkpoint(config, directory, seed)
+
+
+def save_random_checkpoint(config, directory: Path, seed: int = 0) -> Path:
+    """A random-weight model of a transformers ``config`` (architectures set) saved with a tiny tokenizer."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
-    if kind.startswith("gemma"):  # Gemma norms scale by (1 + w): keep the scale near 1, as trained models do
+    if config.model_type.startswith("gemma"):  # Gemma norms scale by (1 + w): keep the scale near 1, as trained models do
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -25,8 +25,8 @@ import torch
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.loader.gguf import read_gguf_config
-from tests.checkpoints import _add_tensor, _randomize, save_tiny_tokenizer
-from tests.test_families import _BASE, NEW, WINDOW, hf_greedy, prompts_for
+from tests.checkpoints import _add_tensor
+from tests.test_families import _BASE, NEW, WINDOW, hf_greedy, prompts_for, save_random_checkpoint
 from tests.test_loaders import hf_logits, run_stages
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,20 +59,9 @@ def _config(kind: str):
 
 
 def build_hf(kind: str, directory: Path) -> Path:
-    from transformers import AutoModelForCausalLM
     config, arch = _config(kind)
     config.architectures = [arch]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, 0)
-    if kind.startswith("gemma"):  # (1 + w) norms: keep the scale near 1, as trained models do
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.sub_(1.0)
-    model.save_pretrained(directory)
-    save_tiny_tokenizer(directory)
-    return directory
+    return save_random_checkpoint(config, directory)
 
 
 def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
