@@ -119,11 +119,16 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     for hf_name, tensor in state.items():
         name, array = _gguf_tensor(hf_name, tensor.float().numpy(), cfg)
         _add_tensor(writer, name, array, qtype)
+    finish_gguf(writer)
+    return path
+
+
+def finish_gguf(writer) -> None:
+    """Write a ``gguf.GGUFWriter``'s header, metadata and tensors, and close the file."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _write_metadata(w, cfg) -> None:

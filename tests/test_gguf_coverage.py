@@ -15,7 +15,7 @@ from pipeserve import LLM
 from pipeserve.config import EngineConfig
 from pipeserve.model.loader import ModelSource, resolve_model
 from pipeserve.model.loader.gguf import GGUF_ARCHITECTURES, read_gguf_config
-from tests.checkpoints import write_llama_gguf
+from tests.checkpoints import finish_gguf, write_llama_gguf
 from tests.test_engine_behaviour import greedy, hf_greedy_batch, random_prompts, token_lists
 from tests.test_loaders import IDS, hf_logits, run_stages, write_gguf
 
@@ -78,10 +78,7 @@ def test_yarn_scaled_gguf_is_refused(tmp_path):
         add(value)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_tensor("blk.0.attn_q.bias", np.zeros(64, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match="'yarn' RoPE scaling"):
         read_gguf_config(tmp_path / "y.gguf")
 

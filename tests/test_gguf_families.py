@@ -25,7 +25,7 @@ import torch
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.loader.gguf import read_gguf_config
-from tests.checkpoints import _add_tensor
+from tests.checkpoints import _add_tensor, finish_gguf
 from tests.test_families import _BASE, NEW, WINDOW, hf_greedy, prompts_for, save_random_checkpoint
 from tests.test_loaders import hf_logits, run_stages
 
@@ -84,10 +84,7 @@ def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
             assert hf_name == "lm_head.weight" and arch == "gemma2", hf_name   # Gemma2Model drops it
             continue
         _add_tensor(writer, name, array, qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 
@@ -185,10 +182,7 @@ def _gemma_file(tmp_path: Path, arch: str, layers: int, **keys) -> Path:
         add(value)
     for name, value in keys.items():
         getattr(w, f"add_{name}")(value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return tmp_path / f"{arch}-{layers}.gguf"
 
 
@@ -266,9 +260,6 @@ def test_longrope_gguf_without_short_factors_is_refused(tmp_path):
                        (w.add_rope_scaling_attn_factors, 1.1)]:
         add(value)
     w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match="rope_factors_short"):
         read_gguf_config(tmp_path / "p.gguf")

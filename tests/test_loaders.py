@@ -14,7 +14,7 @@ from pipeserve.model.loader import ModelSource, load_model, resolve_model
 from pipeserve.model.loader.gguf import GGUFWeightReader, read_gguf_config
 from pipeserve.model.loader.resolve import BUILTIN_MODELS
 from pipeserve.tokenizer import load_tokenizer
-from tests.checkpoints import TINY_VOCAB, build_checkpoint, write_llama_gguf
+from tests.checkpoints import TINY_VOCAB, build_checkpoint, finish_gguf, write_llama_gguf
 
 T = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -107,10 +107,7 @@ def write_gguf(path, tensors: dict[str, tuple[np.ndarray, T | None]], arch: str 
     w.add_context_length(128)
     for name, (data, raw) in tensors.items():
         w.add_tensor(name, data, raw_dtype=raw) if raw is not None else w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -15,7 +15,7 @@ import torch
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.moe import SparseMoeBlock, route
-from tests.checkpoints import _COMMON, _randomize, save_tiny_tokenizer
+from tests.checkpoints import _COMMON, _randomize, finish_gguf, save_tiny_tokenizer
 from tests.kernels import kernel_missing
 
 NEW = 10
@@ -309,10 +309,7 @@ def write_mixtral_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     kinds = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
     for (layer, w), experts in stacks.items():
         _add_tensor(writer, f"blk.{layer}.{kinds[w]}.weight", np.stack([experts[e] for e in sorted(experts)]), qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path
 
 

@@ -25,6 +25,7 @@ from pipeserve.model.loader.gguf import GGUFWeightReader
 from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import concat_rows, dequantize, quantize_weight
+from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
 
 T = gguf.GGMLQuantizationType
@@ -60,10 +61,7 @@ def gguf_file(tmp_path_factory):
     for i, (ttype, raw) in enumerate(data.items()):
         writer.add_tensor(f"blk.{i}.ffn_up.weight", raw, raw_dtype=ttype)
     writer.add_tensor("blk.0.attn_q.weight", data[T.Q4_1], raw_dtype=T.Q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)
     return path, list(data)
 
 
