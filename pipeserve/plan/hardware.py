@@ -61,6 +61,18 @@ class Hardware:
     # bandwidth term + (T - 1)·this. 0 = not set: 2(T - 1)·intra_node_latency (a ring's
     # message latencies). cpu-local's default is measured (calibrate.CPU_TP_ALLREDUCE_LATENCY).
     tp_allreduce_latency: float = 0.0
+    # Fitted on measured runs (`python -m pipeserve.plan.validate --heldout`; 1 = not fitted):
+    # - engine_work_scale: a stage's work in a full engine run over the calibrated layer's
+    #   (caches shared with other sequences' KV and other processes, allocator, ...);
+    # - oversubscription_efficiency: the share of a node's cores its threads get when more
+    #   of them are runnable than there are cores (time slices, context switches, caches).
+    engine_work_scale: float = 1.0
+    oversubscription_efficiency: float = 1.0
+    # The validation's observed predicted / measured throughput on held-out runs with this
+    # file (0 = not validated): `pipeserve plan` prints it next to its predictions.
+    validated_ratio_low: float = 0.0
+    validated_ratio_high: float = 0.0
+    validated_runs: int = 0
 
     def __post_init__(self) -> None:
         for f in ("flops_prefill", "flops_decode", "mem_bandwidth", "mem_bytes",
@@ -69,6 +81,9 @@ class Hardware:
                 raise PlanInputError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
+        if not (self.engine_work_scale > 0 and 0 < self.oversubscription_efficiency <= 1):
+            raise PlanInputError(f"hardware {self.name!r}: engine_work_scale must be > 0 and "
+                                 "oversubscription_efficiency in (0, 1]")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

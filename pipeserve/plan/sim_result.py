@@ -38,6 +38,7 @@ class SimResult:
     last_end: float = 0.0                               # last micro-batch returns
     micro_batches: int = 0                              # micro-batches launched
     driver_busy: float = 0.0                            # s the driver spent forming them
+    preemptions: int = 0                                # engine batcher: preemptions by recompute
 
     @property
     def span(self) -> float:
@@ -64,7 +65,7 @@ class SimResult:
             "requests_per_s": len(reqs) / duration,
             "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "e2e_s": percentiles(e2e),
             "bubble_ratio": self.bubble_ratios(), "micro_batches": self.micro_batches,
-            "driver_busy_ratio": self.driver_busy / self.span,
+            "driver_busy_ratio": self.driver_busy / self.span, "preemptions": self.preemptions,
         }
 
 

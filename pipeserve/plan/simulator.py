@@ -15,6 +15,22 @@ a slot has at most one micro-batch in flight.
 The driver is one more serial resource: forming a micro-batch (scheduling it,
 building its step, taking its tokens back) costs ``driver_time(shape)`` before
 its first chunk is ready; micro-batches formed together queue for the driver.
+
+Two ways to form micro-batches (``SimConfig.batcher``):
+- ``engine`` (default): the runtime's own scheduler with the engine's per-micro-batch
+  limits (``plan/batching.py``): KV blocks allocated as sequences grow, preemption by
+  recompute, the prompt-token throttle, any ready sequence in any micro-batch;
+- ``slots``: a model of it: each request in one of K balanced slots, its whole KV
+  reserved at admission.
+
+Time-sharing (a cost model with ``cpu_sharing()``, the CPU host): the stage processes
+and the driver are jobs on a node's C cores, run by processor sharing. A job's work is
+a serial part (one thread: per-op dispatch, per-step bookkeeping, collectives' waits) and
+a parallel part (the kernels, on the process's k threads), both in seconds on one core.
+With n runnable threads on the node each gets f = min(1, C / n) of a core; a serial
+part runs at f, a parallel one at k·f cores' worth, 1 + (k·f − 1)·e above one core
+(e: parallel efficiency). So an idle stage lends its cores to the busy ones, and P
+stages + the driver on C < P cores slow each other only while they all run.
 """
 
 from __future__ import annotations
@@ -31,7 +47,38 @@ from pipeserve.plan.sim_result import Interval, RequestTimes, SimResult
 from pipeserve.plan.workload import TraceRequest
 
 SCHEDULES = ("async", "gpipe", "interleaved")
-_ARRIVE, _READY, _DONE, _RETURN, _LAUNCH = range(5)
+BATCHERS = ("engine", "slots")
+_ARRIVE, _READY, _DONE, _RETURN, _LAUNCH, _TICK = range(6)
+
+
+@dataclass(frozen=True)
+class CpuSharing:
+    """Who shares which cores: worker w runs ``threads[w]`` threads on node ``node_of[w]``
+    with ``cores[node]`` cores; the driver (one thread) runs on node 0. With more runnable
+    threads than cores, the cores deliver ``oversubscribed`` of their time (switching)."""
+    cores: tuple[float, ...]
+    node_of: tuple[int, ...]
+    threads: tuple[int, ...]
+    efficiency: float
+    oversubscribed: float = 1.0
+
+    def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
+        """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
+        runnable threads on ``node``."""
+        cores = self.cores[node]
+        share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
+        if not parallel:
+            return share
+        cpu = threads * share
+        return cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
+
+
+class _Job:
+    """Work left on a time-shared node: serial seconds, then parallel seconds (on one core)."""
+    __slots__ = ("node", "threads", "serial", "parallel", "done")
+
+    def __init__(self, node: int, threads: int, serial: float, parallel: float, done) -> None:
+        self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
 
 
 class CostModel(Protocol):
@@ -44,6 +91,8 @@ class CostModel(Protocol):
     def hop_time(self, chunk: int, shape: BatchShape) -> float: ...
     # Optional: the driver's work per micro-batch (0 when a cost model leaves it out).
     # def driver_time(self, shape: BatchShape) -> float: ...
+    # Optional, time-shared cores: cpu_sharing() -> CpuSharing | None, and
+    # chunk_work(chunk, shape) -> (serial s, parallel s) on one core.
 
 
 @dataclass(frozen=True)
@@ -55,8 +104,13 @@ class SimConfig:
     kv_capacity_tokens: float = math.inf
     enable_prefix_caching: bool = True
     record_intervals: bool = True
+    # engine: the runtime's scheduler, max_num_batched_tokens is the engine's (split over
+    # the micro-batches in flight by the batcher); slots: the budget of one micro-batch.
+    batcher: str = "engine"
 
     def __post_init__(self) -> None:
+        if self.batcher not in BATCHERS:
+            raise PlanInputError(f"batcher must be one of {', '.join(BATCHERS)}, got {self.batcher!r}")
         if self.schedule not in SCHEDULES:
             raise PlanInputError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.micro_batches < 1:
@@ -95,7 +149,10 @@ class PipelineSimulator:
         while self.events:
             now, _, kind, data = heapq.heappop(self.events)
             if kind == _ARRIVE:
-                self.waiting.append(data)
+                if self.batcher is not None:
+                    self.batcher.add(*data)
+                else:
+                    self.waiting.append(data)
                 if not self.launch_pending:
                     # Launch after every arrival of this instant, so they share micro-batches.
                     self.launch_pending = True
@@ -110,6 +167,9 @@ class PipelineSimulator:
                 self._finish_chunk(now, *data)
             elif kind == _RETURN:
                 self._complete(now, data)
+            elif kind == _TICK:
+                if data == self.ps_version:
+                    self._ps_tick(now)
         return self.result
 
     # -- bookkeeping ---------------------------------------------------------
@@ -134,8 +194,25 @@ class PipelineSimulator:
         self.driver_time = getattr(self.costs, "driver_time", lambda shape: 0.0)
         self.result = SimResult(self.cfg.schedule, workers, busy=[0.0] * workers,
                                 first_start=math.inf)
+        self.batcher = None
+        if self.cfg.batcher == "engine":
+            from pipeserve.plan.batching import BLOCK_SIZE, EngineBatcher
+            # An unbounded cache: blocks for every request of the trace at once.
+            whole = sum(t.prompt_len + t.output_len + BLOCK_SIZE for t in trace)
+            self.batcher = EngineBatcher(
+                kv_capacity_tokens=min(self.cfg.kv_capacity_tokens, whole), max_num_seqs=self.cfg.max_num_seqs,
+                max_num_batched_tokens=self.cfg.max_num_batched_tokens, max_inflight=self.cfg.micro_batches,
+                gpipe=self.cfg.schedule != "async" and self.cfg.micro_batches > 1,
+                enable_prefix_caching=self.cfg.enable_prefix_caching)
+        # Time-sharing: jobs on the nodes' cores (None: every worker has its own device).
+        self.sharing: CpuSharing | None = getattr(self.costs, "cpu_sharing", lambda: None)()
+        self.jobs: list[_Job] = []
+        self.ps_time = 0.0
+        self.ps_version = 0
+        self.driver_queue: deque[tuple[int, float]] = deque()
+        self.driver_job: _Job | None = None
         for rid, item in enumerate(trace):
-            self._push(item.arrival, _ARRIVE, _Req(rid, item))
+            self._push(item.arrival, _ARRIVE, (rid, item) if self.batcher is not None else _Req(rid, item))
 
     def _push(self, time: float, kind: int, data) -> None:
         self.counter += 1
@@ -147,7 +224,11 @@ class PipelineSimulator:
 
     # -- forming and launching micro-batches ---------------------------------
     def _launch(self, now: float) -> None:
-        busy_slots = {slot for slot, _, _ in self.in_flight.values()}
+        if self.batcher is not None:
+            for key, shape in self.batcher.fill():
+                self._start(now, key, shape, None)
+            return
+        busy_slots = {slot_items[0] for slot_items, _ in self.in_flight.values()}
         if self.cfg.schedule != "async" and busy_slots:
             return  # gpipe / interleaved: wait for the whole step
         for slot in range(self.cfg.micro_batches):
@@ -155,7 +236,10 @@ class PipelineSimulator:
                 continue
             items = self._form(slot)
             if items:
-                self._start(now, slot, items)
+                shape = EMPTY
+                for req, tokens in items:
+                    shape = shape + req.shape(tokens)
+                self._start(now, self.next_mb, shape, (slot, items))
 
     def _form(self, slot: int) -> list[tuple[_Req, int]]:
         budget = self.cfg.max_num_batched_tokens
@@ -187,21 +271,74 @@ class PipelineSimulator:
         if self.cfg.enable_prefix_caching and req.trace.prefix_id in self.cached_prefixes:
             req.cached = req.trace.prefix_len
 
-    def _start(self, now: float, slot: int, items: list[tuple[_Req, int]]) -> None:
-        shape = EMPTY
-        for req, tokens in items:
-            shape = shape + req.shape(tokens)
-        mb = self.next_mb
+    def _start(self, now: float, mb: int, shape: BatchShape, slot_items) -> None:
         self.next_mb += 1
-        self.in_flight[mb] = (slot, items, shape)
+        self.in_flight[mb] = (slot_items, shape)
         self.result.micro_batches += 1
-        # The driver forms micro-batches one at a time.
         seconds = self.driver_time(shape)
-        self.driver_free = max(now, self.driver_free) + seconds
         self.result.driver_busy += seconds
+        if self.sharing is not None:
+            self.driver_queue.append((mb, seconds))
+            self._driver_next(now)
+            return
+        # The driver forms micro-batches one at a time.
+        self.driver_free = max(now, self.driver_free) + seconds
         self._push(self.driver_free, _READY, (mb, 0))
 
-    # -- workers ---------------------------------------------------------------
+    # -- the driver and the workers on time-shared cores ---------------------
+    def _driver_next(self, now: float) -> None:
+        if self.driver_job is not None or not self.driver_queue:
+            return
+        mb, seconds = self.driver_queue.popleft()
+
+        def formed(t: float, mb: int = mb) -> None:
+            self.driver_job = None
+            self._push(t, _READY, (mb, 0))
+            self._driver_next(t)
+
+        self.driver_job = _Job(0, 1, seconds, 0.0, formed)
+        self._ps_add(now, self.driver_job)
+
+    def _ps_add(self, now: float, job: _Job) -> None:
+        self._ps_advance(now)
+        self.jobs.append(job)
+        self._ps_schedule(now)
+
+    def _ps_rates(self) -> list[float]:
+        runnable: dict[int, int] = {}
+        for job in self.jobs:
+            runnable[job.node] = runnable.get(job.node, 0) + job.threads
+        return [self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
+                for job in self.jobs]
+
+    def _ps_advance(self, now: float) -> None:
+        elapsed = now - self.ps_time
+        self.ps_time = now
+        if elapsed <= 0.0 or not self.jobs:
+            return
+        for job, rate in zip(self.jobs, self._ps_rates()):
+            # A part within a rounding error of done is done (its tick is now).
+            if job.serial > 0.0:
+                job.serial = _left(job.serial, rate * elapsed)
+            else:
+                job.parallel = _left(job.parallel, rate * elapsed)
+
+    def _ps_schedule(self, now: float) -> None:
+        self.ps_version += 1
+        if not self.jobs:
+            return
+        left = min((job.serial if job.serial > 0.0 else job.parallel) / rate
+                   for job, rate in zip(self.jobs, self._ps_rates()))
+        self._push(now + left, _TICK, self.ps_version)
+
+    def _ps_tick(self, now: float) -> None:
+        self._ps_advance(now)
+        finished = [job for job in self.jobs if job.serial <= 0.0 and job.parallel <= 0.0]
+        self.jobs = [job for job in self.jobs if job not in finished]
+        for job in finished:
+            job.done(now)
+        self._ps_schedule(now)
+
     def _dispatch(self, worker: int, now: float) -> None:
         queue = self.queues[worker]
         if self.worker_busy[worker] or not queue:
@@ -209,13 +346,20 @@ class PipelineSimulator:
         # FIFO by ready time; on a tie the later chunk first, to drain the pipe.
         pick = min(range(len(queue)), key=lambda i: (queue[i][0], -queue[i][2]))
         _, mb, chunk = queue.pop(pick)
-        duration = self.costs.chunk_time(chunk, self.in_flight[mb][2])
+        shape = self.in_flight[mb][1]
         self.worker_busy[worker] = True
         self.result.first_start = min(self.result.first_start, now)
+        if self.sharing is not None:
+            serial, parallel = self.costs.chunk_work(chunk, shape)
+            job = _Job(self.sharing.node_of[worker], self.sharing.threads[worker], serial, parallel,
+                       lambda t: self._finish_chunk(t, worker, mb, chunk, now))
+            self._ps_add(now, job)
+            return
+        duration = self.costs.chunk_time(chunk, shape)
         self._push(now + duration, _DONE, (worker, mb, chunk, now))
 
     def _finish_chunk(self, now: float, worker: int, mb: int, chunk: int, start: float) -> None:
-        shape = self.in_flight[mb][2]
+        shape = self.in_flight[mb][1]
         self.worker_busy[worker] = False
         self.result.busy[worker] += now - start
         if self.cfg.record_intervals:
@@ -229,10 +373,15 @@ class PipelineSimulator:
 
     def _complete(self, now: float, mb: int) -> None:
         """The micro-batch's sampled tokens reached the driver."""
-        slot, items, _ = self.in_flight.pop(mb)
+        slot_items, _ = self.in_flight.pop(mb)
         self.result.last_end = now
-        for req, tokens in items:
-            self._advance(now, req, tokens)
+        if self.batcher is not None:
+            for t, first, end in self.batcher.complete(mb, now):
+                self.result.requests.append(RequestTimes(t.arrival, first, end, t.prompt_len, t.output_len))
+            self.result.preemptions = self.batcher.preemptions
+        else:
+            for req, tokens in slot_items[1]:
+                self._advance(now, req, tokens)
         self._launch(now)
 
     def _advance(self, now: float, req: _Req, tokens: int) -> None:
@@ -249,3 +398,8 @@ class PipelineSimulator:
             t = req.trace
             self.result.requests.append(RequestTimes(t.arrival, req.first_token, now,
                                                      t.prompt_len, t.output_len))
+
+
+def _left(work: float, done: float) -> float:
+    left = work - done
+    return left if left > 1e-12 * max(1.0, work) else 0.0

@@ -14,6 +14,7 @@ from pipeserve.plan import formulas
 from pipeserve.plan.hardware import DTYPE_BYTES, Hardware
 from pipeserve.plan.quantization import weight_format
 from pipeserve.plan.roofline import BatchShape, LayerCosts, OpCost, flops_rate
+from pipeserve.plan.simulator import CpuSharing
 
 TOKEN_RETURN_BYTES = 8  # sampled token id (+ logprob) per row sent back to the driver
 
@@ -23,11 +24,15 @@ class PipelineCosts:
 
     def __init__(self, model: ModelConfig, hw: Hardware, chunk_layers: list[int],
                  num_workers: int, tp: int = 1, dtype: str | None = None,
-                 compute_scale: float = 1.0, quantization: str | None = None) -> None:
+                 compute_scale: float = 1.0, quantization: str | None = None,
+                 threads_per_rank: int | None = None) -> None:
         """``compute_scale``: the fraction of each worker's compute left to it
         (below 1 where another process, the driver, shares the cores);
-        ``quantization``: the weights' storage format (None: the dtype)."""
+        ``quantization``: the weights' storage format (None: the dtype);
+        ``threads_per_rank``: threads of each rank process on shared compute (None: the
+        engine's default, the node's cores // its rank processes, at least 1)."""
         self.model, self.hw, self.tp = model, hw, tp
+        self.threads_per_rank = threads_per_rank
         self.compute_scale = compute_scale
         self.chunk_layers = list(chunk_layers)
         self.num_workers = num_workers
@@ -100,7 +105,7 @@ class PipelineCosts:
             t += self.embedding_time(shape, worker)
         if chunk == self.num_chunks - 1:
             t += self.head_time(shape, worker)
-        return t
+        return t * self.hw.engine_work_scale
 
     def stage_step_time(self, shape: BatchShape, worker: int = 0) -> float:
         """A stage's per-micro-batch work outside its layers (step unpickling,
@@ -139,6 +144,47 @@ class PipelineCosts:
             return 0.0
         bandwidth, latency = self.link(src, dst)
         return latency + self.costs.hidden_bytes(shape) / bandwidth
+
+    # -- time-shared cores (the simulator's processor sharing) ----------------
+    def cpu_sharing(self) -> CpuSharing | None:
+        """Where the stages share a node's cores (``shared_compute``): each worker's
+        threads (T rank processes × threads each) and node, for the simulator to
+        time-share; None otherwise (each worker owns its device)."""
+        if not self.hw.shared_compute:
+            return None
+        nodes = [self.node_of(w) for w in range(self.num_workers)]
+        threads = []
+        for node in nodes:
+            ranks = nodes.count(node) * self.tp
+            threads.append(self.tp * (self.threads_per_rank or max(1, int(self.hw.cores) // ranks)))
+        return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
+                          threads=tuple(threads), efficiency=self.hw.parallel_efficiency,
+                          oversubscribed=self.hw.oversubscription_efficiency)
+
+    def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
+        """One chunk's work in seconds on one core: (serial part: per-layer dispatch,
+        the stage's per-step work, collectives' latencies; parallel part: the kernels,
+        which the process's threads share). Memory bandwidth: the node's / its cores."""
+        if shape.new_tokens == 0:
+            return 0.0, 0.0
+        layers = self.chunk_layers[chunk]
+        rates = self._core_rates(shape.new_tokens)
+        serial = (layers * (self.hw.layer_overhead + 2 * self.allreduce_time(shape))
+                  + self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs)
+        parallel = layers * self.costs.layer_time(shape, *rates)
+        if chunk == 0:
+            parallel += self.costs.embedding(shape).time(*rates)
+            serial += self.allreduce_time(shape)
+        if chunk == self.num_chunks - 1 and shape.logit_rows:
+            parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
+            serial += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
+        scale = self.hw.engine_work_scale
+        return serial * scale, parallel * scale
+
+    def _core_rates(self, tokens: int) -> tuple[float, float]:
+        """(FLOP/s, bytes/s) of one thread on one core."""
+        rate = flops_rate(self.hw.flops_decode, self.hw.flops_prefill, tokens)
+        return rate / self.hw.cores, self.hw.mem_bandwidth / self.hw.cores
 
     def stage_times(self, shape: BatchShape) -> list[float]:
         """Per-worker compute time for one pass of the micro-batch (all its chunks)."""

@@ -1,0 +1,143 @@
+"""The simulator's issue-18 pieces against closed forms, on fixed-time stand-in stages:
+the tail of a run (the batch shrinks to the long-output stragglers), the runtime
+scheduler's prefill/decode mix, and P stage processes + the driver time-sharing C cores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from pipeserve.plan.roofline import BatchShape
+from pipeserve.plan.simulator import CpuSharing, PipelineSimulator, SimConfig
+from pipeserve.plan.workload import TraceRequest
+
+
+@dataclass
+class LinearCosts:
+    """One worker per stage; a chunk costs a + c·(sequences in the micro-batch)."""
+    stages: int = 1
+    a: float = 1.0
+    c: float = 0.0
+    driver: float = 0.0
+
+    @property
+    def num_workers(self) -> int:
+        return self.stages
+
+    @property
+    def num_chunks(self) -> int:
+        return self.stages
+
+    def worker_of(self, chunk: int) -> int:
+        return chunk
+
+    def chunk_time(self, chunk: int, shape: BatchShape) -> float:
+        return self.a + self.c * shape.num_seqs
+
+    def hop_time(self, chunk: int, shape: BatchShape) -> float:
+        return 0.0
+
+    def driver_time(self, shape: BatchShape) -> float:
+        return self.driver
+
+
+@dataclass
+class SharedCosts(LinearCosts):
+    """The stages and the driver on ``cores`` cores: a chunk is ``serial`` s on one thread
+    then ``parallel`` s of kernels (both at one core); each stage runs ``threads`` threads."""
+    serial: float = 0.0
+    parallel: float = 1.0
+    cores: float = 2.0
+    threads: int = 1
+    efficiency: float = 0.8
+    oversubscribed: float = 1.0
+
+    def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
+        return self.serial, self.parallel
+
+    def cpu_sharing(self) -> CpuSharing:
+        return CpuSharing((self.cores,), (0,) * self.stages, (self.threads,) * self.stages,
+                          self.efficiency, self.oversubscribed)
+
+
+def _at_once(lengths: list[int], prompt: int = 8) -> list[TraceRequest]:
+    return [TraceRequest(0.0, prompt, out) for out in lengths]
+
+
+@pytest.mark.parametrize("batcher", ["engine", "slots"])
+def test_the_tail_shrinks_to_the_stragglers(batcher: str) -> None:
+    # n requests at once, k of them long: L1 steps at n sequences, then L2 - L1 at k.
+    n, k, l1, l2, a, c = 12, 3, 5, 20, 0.5, 0.1
+    trace = _at_once([l1] * (n - k) + [l2] * k)
+    result = PipelineSimulator(LinearCosts(1, a, c), SimConfig("async", micro_batches=1, batcher=batcher)).run(trace)
+    duration = l1 * (a + c * n) + (l2 - l1) * (a + c * k)
+    assert result.summary()["duration_s"] == pytest.approx(duration)
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(((n - k) * l1 + k * l2) / duration)
+
+
+def test_a_prompt_fills_what_the_decodes_leave_of_the_budget() -> None:
+    # One request decoding; a second arrives with a prompt of P tokens. The runtime's
+    # scheduler puts the decode first and chunks the prompt into the rest of the budget B:
+    # its first token comes ceil(P / (B - 1)) steps after it arrives.
+    budget, prompt = 64, 200
+    trace = [TraceRequest(0.0, 8, 40), TraceRequest(10.0, prompt, 2)]
+    cfg = SimConfig("async", micro_batches=1, max_num_batched_tokens=budget)
+    result = PipelineSimulator(LinearCosts(1, 1.0, 0.0), cfg).run(trace)
+    second = next(r for r in result.requests if r.prompt_len == prompt)
+    assert second.first_token - second.arrival == pytest.approx(-(-prompt // (budget - 1)))
+
+
+def test_the_engine_batcher_preempts_when_blocks_run_out() -> None:
+    # 4 requests of 8 + 40 tokens on 8 blocks of 16: all admitted (1 block each), then
+    # their growth runs the cache out, and the runtime's scheduler preempts (recompute).
+    trace = _at_once([40] * 4)
+    cfg = SimConfig("async", micro_batches=1, kv_capacity_tokens=8 * 16)
+    result = PipelineSimulator(LinearCosts(1, 1.0, 0.0), cfg).run(trace)
+    assert len(result.requests) == 4 and result.preemptions > 0
+    slots = PipelineSimulator(LinearCosts(1, 1.0, 0.0), SimConfig("async", micro_batches=1, batcher="slots",
+                                                                   kv_capacity_tokens=8 * 16)).run(trace)
+    assert slots.preemptions == 0   # the slot model reserves each request's KV at admission
+
+
+@pytest.mark.parametrize("p,cores,threads", [(3, 2, 1), (4, 2, 1), (2, 2, 2), (3, 1, 1)])
+def test_p_stages_on_c_cores_all_busy(p: int, cores: int, threads: int) -> None:
+    # P micro-batches keep all P stages busy: runnable threads n = P·threads, each gets
+    # C / n of a core (1 + (k·C/n − 1)·e with k threads above a core), so the last stage
+    # returns one micro-batch per w / rate; s sequences each: s · rate / w tokens/s.
+    w, s, steps = 1.0, 4, 300
+    costs = SharedCosts(stages=p, parallel=w, cores=cores, threads=threads)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=p)).run(_at_once([steps] * (s * p)))
+    cpu = threads * min(1.0, cores / (p * threads))
+    rate = cpu if cpu <= 1 else 1 + (cpu - 1) * costs.efficiency
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(s * rate / w, rel=0.02)
+
+
+def test_oversubscribed_cores_deliver_their_efficiency() -> None:
+    p, cores, eta, w, s = 3, 2, 0.8, 1.0, 4
+    costs = SharedCosts(stages=p, parallel=w, cores=cores, oversubscribed=eta)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=p)).run(_at_once([300] * (s * p)))
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(s * cores * eta / p / w, rel=0.02)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_idle_stage_lends_its_cores(threads: int) -> None:
+    # One micro-batch: one stage runs at a time, alone on the C = 2 cores, so a token
+    # costs P · (serial + parallel / speed), speed = 1 + (k − 1)·e with k = min(threads, C).
+    p, serial, parallel, e = 3, 0.2, 1.0, 0.8
+    costs = SharedCosts(stages=p, serial=serial, parallel=parallel, threads=threads, efficiency=e)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=1)).run(_at_once([6]))
+    speed = 1 + (min(threads, 2) - 1) * e
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(p * (serial + parallel / speed))
+
+
+def test_the_driver_takes_its_share_of_the_cores() -> None:
+    # Two one-thread stages and the driver on ONE core, two micro-batches in flight. Per
+    # token of each micro-batch the core does d (driver) + 2·w (stages) of work, all of it
+    # time-shared, so the core's whole time goes round: 2 micro-batches of s sequences
+    # per 2·(d + 2w) seconds.
+    d, w, s = 0.5, 1.0, 3
+    costs = SharedCosts(stages=2, parallel=w, cores=1, driver=d)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * (2 * s)))
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(2 * s / (2 * (d + 2 * w)), rel=0.02)
+    assert result.driver_busy == pytest.approx(d * result.micro_batches)
