@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from pipeserve.plan.validate import main, rows
+import dataclasses
+
+import pytest
+
+from pipeserve.plan.hardware import load_hardware
+from pipeserve.plan.presets import load_model
+from pipeserve.plan.validate import load_runs, main, predict_runs, rows
 
 
 def _bench_json(path, pp: int, schedule: str, measured: float, threads=None) -> None:
@@ -19,16 +25,16 @@ def _bench_json(path, pp: int, schedule: str, measured: float, threads=None) -> 
     path.write_text(json.dumps(doc))
 
 
-def test_predictions_for_each_default_threaded_run(tmp_path, capsys):
+def test_predictions_for_each_run(tmp_path, capsys):
     _bench_json(tmp_path / "a.json", 1, "async", 100.0)
     _bench_json(tmp_path / "b.json", 2, "gpipe", 150.0)
-    _bench_json(tmp_path / "c.json", 2, "async", 150.0, threads=1)  # not the planner's assumption
+    _bench_json(tmp_path / "c.json", 2, "async", 150.0, threads=2)  # 4 threads on 2 cores
     table = rows(tmp_path, "cpu-local")
-    assert [r["file"] for r in table] == ["a.json", "b.json"]
+    assert [r["file"] for r in table] == ["a.json", "b.json", "c.json"]
     for r in table:
         assert r["predicted"] > 0 and abs(r["ratio"] - r["predicted"] / r["measured"]) < 1e-9
     assert main([str(tmp_path), "--hardware", "cpu-local"]) == 0
-    assert "| pp2 gpipe | 2 | gpipe |" in capsys.readouterr().out
+    assert "| pp2 gpipe | 16 | 2 | 1 | default | gpipe |" in capsys.readouterr().out
 
 
 def test_empty_folder_is_a_clear_error(tmp_path, capsys):
@@ -45,3 +51,42 @@ def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(doc))
     tight = rows(tmp_path, "cpu-local")[0]["predicted"]
     assert tight < 0.5 * roomy
+
+
+def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys):
+    # "Measured" = the planner's own prediction on hardware whose stages work 1.25x and
+    # whose oversubscribed cores deliver 0.8: the fit must find both from the calibration
+    # runs, and then predict the held-out runs (other sizes, PP, threads) exactly.
+    cal, val = tmp_path / "cal", tmp_path / "val"
+    cal.mkdir(), val.mkdir()
+    for folder, runs in ((cal, [(1, "async", None), (2, "async", None), (3, "async", None)]),
+                         (val, [(2, "gpipe", None), (2, "async", 2)])):
+        for pp, schedule, threads in runs:
+            _bench_json(folder / f"pp{pp}{schedule}{threads}.json", pp, schedule, 1.0, threads)
+    _, cfg = load_model("SmolLM2-135M")
+    truth = dataclasses.replace(load_hardware("cpu-local"), engine_work_scale=1.25, oversubscription_efficiency=0.8)
+    for folder in (cal, val):
+        for row in predict_runs(load_runs(folder), cfg, truth):
+            path = folder / row["file"]
+            doc = json.loads(path.read_text())
+            doc["runs"][0]["output_tokens_per_s"] = row["predicted"]
+            path.write_text(json.dumps(doc))
+    fitted_file = tmp_path / "fitted.yaml"
+    assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), "--heldout-runs",
+                 str(val), "--fitted-output", str(fitted_file), "--table-output", str(tmp_path / "t.md"),
+                 "--jobs", "1"]) == 0
+    fitted = load_hardware(str(fitted_file))
+    assert fitted.oversubscription_efficiency == pytest.approx(0.8)
+    assert fitted.engine_work_scale == pytest.approx(1.25, rel=0.01)
+    assert fitted.validated_runs == 2
+    assert 0.99 <= fitted.validated_ratio_low <= fitted.validated_ratio_high <= 1.01
+    assert "Held-out predicted / measured" in (tmp_path / "t.md").read_text()
+
+
+def test_heldout_without_runs_says_how_to_measure_them(tmp_path, capsys):
+    _bench_json(tmp_path / "a.json", 1, "async", 100.0)
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(tmp_path),
+                 "--heldout-runs", str(empty)]) == 2
+    assert "run_planner_validation.sh" in capsys.readouterr().err

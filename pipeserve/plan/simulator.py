@@ -202,7 +202,9 @@ class PipelineSimulator:
             self.batcher = EngineBatcher(
                 kv_capacity_tokens=min(self.cfg.kv_capacity_tokens, whole), max_num_seqs=self.cfg.max_num_seqs,
                 max_num_batched_tokens=self.cfg.max_num_batched_tokens, max_inflight=self.cfg.micro_batches,
-                gpipe=self.cfg.schedule != "async" and self.cfg.micro_batches > 1,
+                # As the engine: only gpipe waits for the whole step; interleaved tops the
+                # pipeline up like async (its micro-batches go round the ring V times).
+                gpipe=self.cfg.schedule == "gpipe" and self.cfg.micro_batches > 1,
                 enable_prefix_caching=self.cfg.enable_prefix_caching)
         # Time-sharing: jobs on the nodes' cores (None: every worker has its own device).
         self.sharing: CpuSharing | None = getattr(self.costs, "cpu_sharing", lambda: None)()

@@ -2,11 +2,15 @@
 
     python -m pipeserve.plan.validate benchmarks/results --hardware benchmarks/results/cpu-local.yaml
     python -m pipeserve.plan.validate --tp-latency --hardware benchmarks/results/cpu-local.yaml
+    python -m pipeserve.plan.validate --heldout      # after benchmarks/run_planner_validation.sh
 
 Reads every ``bench throughput`` JSON of a random workload in the folder, predicts
-the same configuration (pipeline size, schedule, partition, virtual stages,
-micro-batches) on the same workload with ``predict_throughput``, and prints a
-Markdown table with the ratio predicted / measured. ``--tp-latency`` adds the
+the same configuration (pipeline size, tensor parallelism, threads per rank, schedule,
+partition, virtual stages, micro-batches, KV blocks, kept-quantized weights) on the same
+workload with ``predict_throughput``, and prints a Markdown table with the ratio
+predicted / measured. ``--heldout`` fits two hardware fields on one set of runs (the
+stored reference runs) and checks the fit on another (benchmarks/results/heldout/), then
+writes the fitted hardware file with the held-out error band. ``--tp-latency`` adds the
 tensor-parallel rows: one request's per-token latency at the recorded (PP, TP)
 configurations against the figures in benchmarks/README.md (``tp_latency_rows``).
 """
@@ -14,51 +18,107 @@ configurations against the figures in benchmarks/README.md (``tp_latency_rows``)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
-from pipeserve.plan.hardware import load_hardware
+from pipeserve.plan.hardware import Hardware, load_hardware
 from pipeserve.plan.predict import predict_throughput
 from pipeserve.plan.presets import load_model
 from pipeserve.plan.workload import Workload
 
 
-def rows(results: Path, hardware: str, model: str = "SmolLM2-135M") -> list[dict]:
+def rows(results: Path, hardware: str, model: str = "SmolLM2-135M", jobs: int = 1) -> list[dict]:
+    """Predicted vs measured output tokens/s for every random-workload ``bench throughput``
+    JSON in ``results`` (a folder, or one file)."""
     _, cfg = load_model(model)
     hw = load_hardware(hardware)
-    out = []
-    for path in sorted(results.glob("*.json")):
-        row = _compare(path, cfg, hw)
-        if row is not None:
-            out.append(row)
+    return predict_runs(load_runs(results), cfg, hw, jobs)
+
+
+def load_runs(results: Path) -> list[dict]:
+    """The pipeserve runs of random workloads in a folder (or one file), each as the
+    facts a prediction needs; a duplicate configuration (same engine and workload) once."""
+    paths = [results] if results.is_file() else sorted(results.glob("*.json"))
+    out, seen = [], set()
+    for path in paths:
+        run = _load(path)
+        if run is None:
+            continue
+        key = json.dumps([run["workload"], run["engine"]], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
     return out
 
 
-def _compare(path: Path, cfg, hw) -> dict | None:
-    doc = json.loads(path.read_text())
-    if doc.get("kind") != "throughput" or doc["dataset"]["name"] != "random":
+def _load(path: Path) -> dict | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("kind") != "throughput" or doc["dataset"]["name"] != "random":
         return None
     run = next((r for r in doc["runs"] if r["backend"] == "pipeserve"), None)
     if run is None:
         return None
     engine, data = run["engine"], doc["dataset"]
-    if engine.get("threads_per_stage"):
-        return None  # the planner assumes the runtime's default: the cores split over the stages
-    workload = Workload(kind="random", num_requests=data["num_requests"], input_len=data["input_len"],
-                        output_len=data["output_len"], range_ratio=data["range_ratio"], seed=data["seed"])
-    pp, schedule = engine["pipeline_parallel_size"], engine["pp_schedule"]
+    if engine.get("dtype") not in (None, "bfloat16", "float32", "float16"):
+        return None   # dtype auto: the planner needs the activations' dtype
+    schedule = engine["pp_schedule"]
+    quant = engine.get("quantization")
+    facts = {
+        "pp": engine["pipeline_parallel_size"], "tp": engine.get("tensor_parallel_size") or 1,
+        "schedule": schedule, "micro_batches": _engine_inflight(engine),
+        "virtual_stages": engine.get("pp_virtual_stages") if schedule == "interleaved" else None,
+        "partition": engine.get("pp_partition", "uniform"), "max_num_seqs": engine["max_num_seqs"],
+        "max_num_batched_tokens": engine["max_num_batched_tokens"], "dtype": engine["dtype"],
+        "kv_capacity_tokens": _kv_capacity(run, engine), "threads_per_rank": engine.get("threads_per_stage"),
+        # auto keeps a GGUF's blocks (the built-in SmolLM2 file: Q4_1); none / absent: the dtype
+        "quantization": _QUANTIZED.get(quant),
+    }
+    workload = {"num_requests": data["num_requests"], "input_len": data["input_len"],
+                "output_len": data["output_len"], "range_ratio": data["range_ratio"], "seed": data["seed"]}
+    return {"file": path.name, "label": doc.get("label") or path.stem, "engine": facts, "workload": workload,
+            "measured": run["output_tokens_per_s"]}
+
+
+DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
+DEFAULT_CALIBRATION = "benchmarks/results"
+DEFAULT_HELDOUT = "benchmarks/results/heldout"
+DEFAULT_FITTED = "benchmarks/results/cpu-local-fitted.yaml"
+DEFAULT_TABLE = "benchmarks/results/heldout/VALIDATION.md"
+
+# The engine's --quantization values the planner can cost: auto on the built-in GGUF keeps Q4_1.
+_QUANTIZED = {"auto": "q4_1", "int8": "int8", "int4": "int4"}
+
+
+def predict_run(run: dict, cfg, hw) -> dict:
+    e = run["engine"]
+    workload = Workload(kind="random", **run["workload"])
     predicted = predict_throughput(
-        cfg, hw, pp, schedule, workload, micro_batches=_engine_inflight(engine),
-        virtual_stages=engine.get("pp_virtual_stages") if schedule == "interleaved" else None,
-        partition=engine.get("pp_partition", "uniform"), max_num_seqs=engine["max_num_seqs"],
-        max_num_batched_tokens=engine["max_num_batched_tokens"], dtype=engine["dtype"],
-        kv_capacity_tokens=_kv_capacity(run, engine))
-    measured = run["output_tokens_per_s"]
+        cfg, hw, e["pp"], e["schedule"], workload, tp=e["tp"], micro_batches=e["micro_batches"],
+        virtual_stages=e["virtual_stages"], partition=e["partition"], max_num_seqs=e["max_num_seqs"],
+        max_num_batched_tokens=e["max_num_batched_tokens"], dtype=e["dtype"],
+        kv_capacity_tokens=e["kv_capacity_tokens"], threads_per_rank=e["threads_per_rank"],
+        quantization=e["quantization"])
     pred = predicted["output_tokens_per_s"]
-    return {"file": path.name, "label": doc.get("label") or path.stem, "pp": pp, "schedule": schedule,
-            "partition": engine.get("pp_partition"), "measured": measured, "predicted": pred,
-            "ratio": pred / measured}
+    return {"file": run["file"], "label": run["label"], "pp": e["pp"], "tp": e["tp"], "schedule": e["schedule"],
+            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
+            "requests": run["workload"]["num_requests"], "measured": run["measured"], "predicted": pred,
+            "ratio": pred / run["measured"], "preemptions": predicted["preemptions"]}
+
+
+def predict_runs(runs: list[dict], cfg, hw, jobs: int = 1) -> list[dict]:
+    """``predict_run`` for each, on ``jobs`` processes (each simulation is independent)."""
+    if jobs <= 1 or len(runs) <= 1:
+        return [predict_run(run, cfg, hw) for run in runs]
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(min(jobs, len(runs))) as pool:
+        return list(pool.map(predict_run, runs, [cfg] * len(runs), [hw] * len(runs)))
 
 
 def _engine_inflight(engine: dict) -> int:
@@ -79,6 +139,83 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
     simulator admits requests under the same memory limit; None if not recorded."""
     blocks = run.get("scheduler", {}).get("num_blocks")
     return blocks * engine["block_size"] if blocks else None
+
+
+# -- held-out validation: fit on one set of runs, check on another ---------------------
+# The two hardware fields fitted on the calibration runs, and the grid of the second.
+FITTED = ("engine_work_scale", "oversubscription_efficiency")
+OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
+
+
+def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]:
+    """Fit ``oversubscription_efficiency`` (grid) and ``engine_work_scale`` (closed form:
+    a stage's work scales every prediction by about 1 / scale) to minimise the spread of
+    log(predicted / measured) over ``runs``; returns the fitted hardware and the runs'
+    rows predicted with it."""
+    best = None
+    for eta in OVERSUBSCRIPTION_GRID:
+        trial = dataclasses.replace(hw, oversubscription_efficiency=eta)
+        logs = [math.log(r["ratio"]) for r in predict_runs(runs, cfg, trial, jobs)]
+        mean = sum(logs) / len(logs)
+        spread = sum((x - mean) ** 2 for x in logs)
+        if best is None or spread < best[0] - 1e-12:
+            best = (spread, eta, mean)
+    _, eta, mean = best
+    fitted = dataclasses.replace(hw, oversubscription_efficiency=eta,
+                                 engine_work_scale=hw.engine_work_scale * math.exp(mean))
+    table = predict_runs(runs, cfg, fitted, jobs)
+    # The driver's share does not scale with the stages' work: one more closed-form step.
+    mean = sum(math.log(r["ratio"]) for r in table) / len(table)
+    if abs(mean) > 0.005:
+        fitted = dataclasses.replace(fitted, engine_work_scale=fitted.engine_work_scale * math.exp(mean))
+        table = predict_runs(runs, cfg, fitted, jobs)
+    return fitted, table
+
+
+def error_band(table: list[dict]) -> dict:
+    ratios = [r["ratio"] for r in table]
+    return {"validated_ratio_low": round(min(ratios), 4), "validated_ratio_high": round(max(ratios), 4),
+            "validated_runs": len(ratios)}
+
+
+def write_hardware(hw: Hardware, path: Path) -> None:
+    """The hardware as a YAML file ``--hardware`` reads (plain key: value lines)."""
+    lines = [f"# Written by python -m pipeserve.plan.validate --heldout: the calibration fitted on "
+             f"measured runs ({', '.join(FITTED)}) and the held-out error band (validated_*)."]
+    for key, value in dataclasses.asdict(hw).items():
+        lines.append(f"{key}: {str(value).lower() if isinstance(value, bool) else value}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def heldout(calibration: Path, validation: Path, hardware: str, model: str, fitted_out: Path,
+            table_out: Path | None, jobs: int) -> int:
+    _, cfg = load_model(model)
+    hw = load_hardware(hardware)
+    cal_runs, val_runs = load_runs(calibration), load_runs(validation)
+    for name, runs, folder in (("calibration", cal_runs, calibration), ("held-out", val_runs, validation)):
+        if not runs:
+            print(f"error: no random-workload throughput results in {folder} ({name} runs)"
+                  + (": measure them with benchmarks/run_planner_validation.sh" if name == "held-out" else ""),
+                  file=sys.stderr)
+            return 2
+    fitted, cal_table = fit(cal_runs, cfg, hw, jobs)
+    val_table = predict_runs(val_runs, cfg, fitted, jobs)
+    fitted = dataclasses.replace(fitted, **error_band(val_table))
+    write_hardware(fitted, fitted_out)
+    text = "\n".join([
+        f"Calibration: {hardware} + {len(cal_runs)} runs in {calibration} -> fitted "
+        f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
+        f"{fitted.oversubscription_efficiency:.2f} (written to {fitted_out} with the error band).",
+        "", "Calibration runs (fitted):", "", markdown(cal_table),
+        "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
+        f"Held-out predicted / measured: {fitted.validated_ratio_low:.2f}-{fitted.validated_ratio_high:.2f} "
+        f"over {fitted.validated_runs} runs; within +-10 %: "
+        f"{sum(0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}."])
+    print(text)
+    if table_out is not None:
+        table_out.write_text(text + "\n")
+        print(f"wrote {table_out}")
+    return 0
 
 
 # Tensor parallelism: one request's per-token latency (ms), SmolLM2-135M bfloat16 dense, prompt
@@ -128,10 +265,12 @@ def tp_markdown(table: list[dict]) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| run | PP | schedule | partition | measured out tok/s | predicted | predicted / measured |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | requests | PP | TP | threads | schedule | partition | weights | measured out tok/s "
+             "| predicted | predicted / measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {r['label']} | {r['pp']} | {r['schedule']} | {r['partition']} | "
+        lines.append(f"| {r['label']} | {r['requests']} | {r['pp']} | {r['tp']} | {r['threads'] or 'default'} | "
+                     f"{r['schedule']} | {r['partition']} | {r['quantization'] or 'dtype'} | "
                      f"{r['measured']:.1f} | {r['predicted']:.1f} | {r['ratio']:.2f} |")
     return "\n".join(lines)
 
@@ -140,12 +279,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeserve.plan.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, nargs="?", help="folder of bench throughput JSON files")
-    parser.add_argument("--hardware", required=True, help="calibrated hardware file (pipeserve plan --calibrate)")
+    parser.add_argument("--hardware", help="calibrated hardware file (pipeserve plan --calibrate); "
+                                           f"--heldout: default {DEFAULT_HARDWARE}")
     parser.add_argument("--model", default="SmolLM2-135M")
+    parser.add_argument("--heldout", action="store_true",
+                        help="fit engine_work_scale and oversubscription_efficiency on the calibration runs, "
+                             "predict the held-out runs with them, write the fitted hardware file with the "
+                             "held-out error band (which `pipeserve plan --hardware FILE` prints)")
+    parser.add_argument("--calibration-runs", type=Path, default=Path(DEFAULT_CALIBRATION),
+                        help=f"--heldout: runs to fit on (default {DEFAULT_CALIBRATION})")
+    parser.add_argument("--heldout-runs", type=Path, default=Path(DEFAULT_HELDOUT),
+                        help=f"--heldout: runs to check (default {DEFAULT_HELDOUT}, measured by "
+                             "benchmarks/run_planner_validation.sh)")
+    parser.add_argument("--fitted-output", type=Path, default=Path(DEFAULT_FITTED),
+                        help=f"--heldout: the fitted hardware file (default {DEFAULT_FITTED})")
+    parser.add_argument("--table-output", type=Path, default=Path(DEFAULT_TABLE),
+                        help=f"--heldout: the tables as Markdown (default {DEFAULT_TABLE})")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="simulations run in parallel (default: the CPU count)")
     parser.add_argument("--tp-latency", action="store_true",
                         help="also (or, without a results folder, only) the tensor-parallel rows: one "
                              "request's per-token latency vs the figures recorded in benchmarks/README.md")
     args = parser.parse_args(argv)
+    if args.heldout:
+        return heldout(args.calibration_runs, args.heldout_runs, args.hardware or DEFAULT_HARDWARE, args.model,
+                       args.fitted_output, args.table_output, args.jobs)
+    if args.hardware is None:
+        parser.error("--hardware FILE is required (or --heldout)")
     if args.tp_latency:
         print(tp_markdown(tp_latency_rows(args.hardware, args.model)))
         if args.results is None:
@@ -153,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     if args.results is None:
         parser.error("give a results folder, or --tp-latency")
-    table = rows(args.results, args.hardware, args.model)
+    table = rows(args.results, args.hardware, args.model, args.jobs)
     if not table:
         print(f"no random-workload throughput results in {args.results}", file=sys.stderr)
         return 2
