@@ -81,6 +81,9 @@ def test_calibrate_writes_usable_hardware_file(tmp_path) -> None:
     # The engine's own work outside the layers, timed on its code (the tokenizer is installed here).
     assert 0 < hw.driver_step_overhead + hw.driver_seq_overhead * 64 < 0.1
     assert 0 < hw.stage_step_overhead + hw.stage_seq_overhead * 64 < 0.1
+    # The TP collective's fixed cost, measured on the runtime's shared-memory all-reduce.
+    from pipeserve.plan.calibrate import CPU_TP_ALLREDUCE_LATENCY
+    assert 0 < hw.tp_allreduce_latency < 0.05 and hw.tp_allreduce_latency != CPU_TP_ALLREDUCE_LATENCY
 
 
 def test_overhead_fit_separates_fixed_and_per_sequence_parts() -> None:

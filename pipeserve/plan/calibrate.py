@@ -31,7 +31,9 @@ timed on its own code too: each stage's per-micro-batch step (decode, attention
 metadata) and the driver's (schedule, build, process tokens, detokenize), the
 latter with an executor that answers at once so only the driver is timed. Memory bandwidth comes from a large copy, and
 the link from loopback gloo point-to-point between two processes (latency from
-tiny messages, bandwidth from big ones).
+tiny messages, bandwidth from big ones), and the TP collective's fixed cost from the
+runtime's own shared-memory all-reduce between two rank processes (a decode's
+activations, back to back: ``tp_allreduce_latency``).
 """
 
 from __future__ import annotations
@@ -340,6 +342,58 @@ def measure_gloo_link(repeats: int = 60, timeout: float = 60.0) -> tuple[float, 
     return bandwidth, latency
 
 
+def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, created, results) -> None:
+    import torch
+
+    from pipeserve.model.tensor_parallel import SharedMemoryAllReduce
+    torch.set_num_threads(1)
+    if rank == 1:
+        created.wait(30)
+    group = SharedMemoryAllReduce(path, rank, 2, hidden, torch.bfloat16, create=rank == 0)
+    if rank == 0:
+        created.set()
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    samples = []
+    for i in range(repeats + 20):
+        start = time.perf_counter()
+        group.all_reduce(x)
+        if i >= 20:   # the first calls fault the mapping in
+            samples.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put(samples)
+
+
+def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float = 60.0) -> tuple[float, float]:
+    """(median, mean) seconds of one TP = 2 all-reduce of a decode's [1, hidden] bfloat16
+    activations through the runtime's own ``SharedMemoryAllReduce`` (``--tp-all-reduce shm``),
+    two rank processes of one thread each calling it back to back. Idle, that is the
+    collective's fixed cost (copy in, publish, meet, sum); under load it grows by the waits
+    for the other rank to be scheduled, so calibrate on an idle host."""
+    import queue
+    import tempfile
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results, created = ctx.Queue(), ctx.Event()
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
+        path = os.path.join(folder, "allreduce")
+        procs = [ctx.Process(target=_shm_allreduce_worker, args=(r, path, hidden, repeats, created, results),
+                             daemon=True) for r in (0, 1)]
+        try:
+            for proc in procs:
+                proc.start()
+            try:
+                samples = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"the shared-memory all-reduce measurement did not finish within "
+                                   f"{timeout:.0f} s") from None
+            for proc in procs:
+                proc.join(timeout=timeout)
+        finally:
+            _end_processes(procs)
+    return statistics.median(samples), statistics.fmean(samples)
+
+
 def _end_processes(procs) -> None:
     for proc in procs:
         if proc.is_alive():
@@ -405,6 +459,13 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
             f"--calibrate on an idle machine")
     link_bw, link_lat = measure_gloo_link()
     log(f"gloo loopback: latency {link_lat * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s")
+    try:
+        median, allreduce = measure_shm_allreduce(model.hidden_size)
+        log(f"TP = 2 shared-memory all-reduce of [1, {model.hidden_size}] (the runtime's SharedMemoryAllReduce, "
+            f"2 rank processes): mean {allreduce * 1e3:.3f} ms (tp_allreduce_latency), median {median * 1e3:.3f} ms")
+    except Exception as exc:   # no /dev/shm or no second process: the documented default
+        allreduce = CPU_TP_ALLREDUCE_LATENCY
+        log(f"warning: shared-memory all-reduce not measured ({exc}); using {allreduce * 1e3:.2f} ms")
     log(f"calibration took {time.perf_counter() - started:.1f} s ({cores} cores)")
     return Hardware(
         name="cpu-local", flops_prefill=prefill * cores, flops_decode=decode * cores, mem_bandwidth=bandwidth,
@@ -415,13 +476,13 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
         cores=cores, parallel_efficiency=efficiency, kv_read_amplification=amplification,
         driver_step_overhead=driver_step, driver_seq_overhead=driver_seq,
         stage_step_overhead=stage_step, stage_seq_overhead=stage_seq,
-        tp_allreduce_latency=CPU_TP_ALLREDUCE_LATENCY)
+        tp_allreduce_latency=allreduce)
 
 
-# One TP = 2 all-reduce of a decode's activations through shared memory (--tp-all-reduce shm),
-# SmolLM2-135M, one request: 0.58 ms on average (benchmarks/README.md, "Tensor parallelism",
-# measured on the shared 2-core machine under load: mostly the wait for the other rank to be
-# scheduled). Not measured by --calibrate (it would need two rank processes running layers);
+# The default where --calibrate cannot measure the shared-memory all-reduce (measure_shm_allreduce):
+# one TP = 2 all-reduce of a decode's activations (--tp-all-reduce shm), SmolLM2-135M, one request,
+# 0.58 ms on average (benchmarks/README.md, "Tensor parallelism", measured on the shared 2-core
+# machine under load: mostly the wait for the other rank to be scheduled; idle it is ~0.14 ms);
 # the same run's gloo all-reduce took 1.35 ms (use that with --tp-all-reduce gloo).
 CPU_TP_ALLREDUCE_LATENCY = 0.58e-3
 CPU_TP_ALLREDUCE_LATENCY_GLOO = 1.35e-3

@@ -47,7 +47,7 @@ def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Work
     if time_sharing or not (hw.shared_compute and req.pp > 1):
         # On shared compute the simulator time-shares the node's cores between the stage
         # processes and the driver (processor sharing): the driver's share is simulated.
-        return PipelineSimulator(costs(1.0), cfg).run(trace)
+        return _with_band(PipelineSimulator(costs(1.0), cfg).run(trace), hw)
     # The static split: the driver's busy share of the previous round's span is taken from
     # the stages' compute, repeated to a fixed point.
     scale, result = 1.0, None
@@ -57,6 +57,13 @@ def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Work
         if driver_cores == 0.0:
             break
         scale = max(0.1, (hw.cores - driver_cores) / hw.cores)
+    return _with_band(result, hw)
+
+
+def _with_band(result: SimResult, hw: Hardware) -> SimResult:
+    """Attach the hardware file's validated error band (python -m pipeserve.plan.validate --heldout)."""
+    if hw.validated_runs > 0:
+        result.validated_ratio = (hw.validated_ratio_low, hw.validated_ratio_high, hw.validated_runs)
     return result
 
 

@@ -65,7 +65,8 @@ def format_estimate(est: PlanEstimate, title: str) -> str:
         f"{est.kv_bytes / 1e9:.2f} GB (whole model, all stages)",
         f"  [5] T = {lat['T_queue']:.3f} + {lat['T_prefill']:.3f} + {lat['T_decode']:.3f} + "
         f"{lat['T_comm']:.3f} = {lat['T']:.3f} s  (TTFT {lat['TTFT']:.3f} s, TPOT {_ms(lat['TPOT'])})",
-        f"  analytic decode throughput: {est.throughput:,.0f} output tokens/s",
+        f"  analytic decode throughput: {est.throughput:,.0f} output tokens/s (steady state, no error "
+        "band: the simulation below is the validated prediction)",
     ]
     return "\n".join(lines)
 
@@ -114,11 +115,29 @@ def explain(best: PlanEstimate | None, results: list[PlanEstimate], target: str)
 
 
 def format_simulation(summaries: list[dict]) -> str:
-    lines = ["Simulation (discrete-event, continuous batching):",
-             "  schedule     out tok/s   req/s  TTFT p50/p99 (s)   TPOT p50/p99 (ms)   bubble per stage"]
+    """The simulated schedules, each throughput with the range the hardware file's held-out
+    validation puts the measured one in (predicted / measured within [low, high] there)."""
+    band = summaries[0].get("validated_ratio") if summaries else None
+    lines = ["Simulation (discrete-event, continuous batching, the runtime's scheduler):",
+             "  schedule     out tok/s  expected range     req/s  TTFT p50/p99 (s)   TPOT p50/p99 (ms)   "
+             "bubble per stage"]
     for s in summaries:
         bubbles = " ".join(f"{b:.2f}" for b in s["bubble_ratio"])
-        lines.append(f"  {s['schedule']:<11} {s['output_tokens_per_s']:10,.0f} {s['requests_per_s']:7.2f}  "
+        tok = s["output_tokens_per_s"]
+        rng = f"{tok / band[1]:,.0f}-{tok / band[0]:,.0f}" if band else "not validated"
+        lines.append(f"  {s['schedule']:<11} {tok:10,.0f}  {rng:<17} {s['requests_per_s']:7.2f}  "
                      f"{s['ttft_s']['p50']:7.3f}/{s['ttft_s']['p99']:<7.3f}  "
                      f"{s['tpot_s']['p50'] * 1e3:8.2f}/{s['tpot_s']['p99'] * 1e3:<8.2f}  {bubbles}")
+    lines.append(expected_error(band))
     return "\n".join(lines)
+
+
+def expected_error(band: tuple[float, float, int] | None) -> str:
+    """One line: how far from a measurement this hardware file's predictions have been."""
+    if not band:
+        return ("  expected error: not validated for this hardware (no held-out runs measured with it; "
+                "on the 2-core CPU host see python -m pipeserve.plan.validate --heldout)")
+    low, high, runs = band
+    return (f"  expected error: the measured out tok/s was within {100 * (1 / high - 1):+.0f}% to "
+            f"{100 * (1 / low - 1):+.0f}% of the prediction on {runs} held-out runs with this hardware file "
+            f"(predicted / measured {low:.2f}-{high:.2f}; python -m pipeserve.plan.validate --heldout)")

@@ -39,6 +39,8 @@ class SimResult:
     micro_batches: int = 0                              # micro-batches launched
     driver_busy: float = 0.0                            # s the driver spent forming them
     preemptions: int = 0                                # engine batcher: preemptions by recompute
+    # The hardware file's held-out predicted / measured band (low, high, runs); None: not validated.
+    validated_ratio: tuple[float, float, int] | None = None
 
     @property
     def span(self) -> float:
@@ -66,6 +68,7 @@ class SimResult:
             "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "e2e_s": percentiles(e2e),
             "bubble_ratio": self.bubble_ratios(), "micro_batches": self.micro_batches,
             "driver_busy_ratio": self.driver_busy / self.span, "preemptions": self.preemptions,
+            "validated_ratio": self.validated_ratio,
         }
 
 
