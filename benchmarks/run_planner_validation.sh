@@ -1,40 +1,52 @@
 #!/usr/bin/env bash
-# Measure the planner's held-out runs (issue 18): SmolLM2-135M on this 2-core machine, every
-# run a `pipeserve bench throughput` JSON in benchmarks/results/heldout/ (or $OUT_DIR).
-# About 7 minutes on an IDLE 2-core machine; a loaded machine makes the figures useless for
-# validation. Then regenerate the table and the error band:
+# Measure the planner's validation runs (issue 18): SmolLM2-135M on this 2-core machine, each
+# a `pipeserve bench throughput` JSON. One fresh calibration run (kept-quantized weights, which
+# the stored runs lack) goes to benchmarks/results/calibration/, the held-out runs to
+# benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR override them). Then:
 #   python -m pipeserve.plan.validate --heldout
+# About 7 minutes on an IDLE 2-core machine (the planner's own estimate: ~3.5 min of timed
+# runs + ~15-20 s of start-up each). Figures from a loaded machine validate nothing: check
+# `uptime` first (load average well below 1).
 # Usage: benchmarks/run_planner_validation.sh [NAME ...]   (no name: every run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+CAL_DIR=${CAL_DIR:-benchmarks/results/calibration}
 OUT_DIR=${OUT_DIR:-benchmarks/results/heldout}
-mkdir -p "$OUT_DIR"
+mkdir -p "$CAL_DIR" "$OUT_DIR"
 
-# name | engine and workload flags (bfloat16 weights unless --quantization auto)
+# set | name | engine and workload flags (bfloat16 weights unless --quantization auto: the
+# built-in GGUF's Q4_1 blocks kept)
 RUNS=(
-  "pp1_n32_128x128|-pp 1 --num-prompts 32 --input-len 128 --output-len 128"
-  "pp1_t1_n48_mix|-pp 1 --threads-per-stage 1 --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.5"
-  "pp1_n96_mix|-pp 1 --num-prompts 96 --input-len 256 --output-len 96 --range-ratio 0.5"
-  "pp2_n64_ref|-pp 2 --num-prompts 64 --input-len 320 --output-len 160 --range-ratio 0.6"
-  "pp2_n256_short|-pp 2 --num-prompts 256 --input-len 64 --output-len 32 --range-ratio 0.5"
-  "pp2_t2_n48_mix|-pp 2 --threads-per-stage 2 --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.3"
-  "pp2_gpipe_n96|-pp 2 --pp-schedule gpipe --num-prompts 96 --input-len 128 --output-len 64"
-  "pp3_n64_mix|-pp 3 --num-prompts 64 --input-len 256 --output-len 128 --range-ratio 0.5"
-  "tp2_n48_128x64|-tp 2 --num-prompts 48 --input-len 128 --output-len 64 --range-ratio 0.5"
-  "pp2_q41_n64_mix|-pp 2 --quantization auto --num-prompts 64 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "cal|cal_pp1_q41_n64_mix|-pp 1 --quantization auto --num-prompts 64 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "val|pp1_n32_128x128|-pp 1 --num-prompts 32 --input-len 128 --output-len 128"
+  "val|pp1_t1_n32_mix|-pp 1 --threads-per-stage 1 --num-prompts 32 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "val|pp1_n64_mix|-pp 1 --num-prompts 64 --input-len 256 --output-len 64 --range-ratio 0.5"
+  "val|pp2_n64_ref|-pp 2 --num-prompts 64 --input-len 320 --output-len 160 --range-ratio 0.6"
+  "val|pp2_n256_short|-pp 2 --num-prompts 256 --input-len 64 --output-len 32 --range-ratio 0.5"
+  "val|pp2_t2_n48_mix|-pp 2 --threads-per-stage 2 --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.3"
+  "val|pp2_gpipe_n64|-pp 2 --pp-schedule gpipe --num-prompts 64 --input-len 128 --output-len 64"
+  "val|pp3_n48_mix|-pp 3 --num-prompts 48 --input-len 256 --output-len 128 --range-ratio 0.5"
+  "val|tp2_n48_128x64|-tp 2 --num-prompts 48 --input-len 128 --output-len 64 --range-ratio 0.5"
+  "val|pp2_q41_n64_mix|-pp 2 --quantization auto --num-prompts 64 --input-len 192 --output-len 96 --range-ratio 0.5"
 )
 
 want=" $* "
+begin=$(date +%s)
 for entry in "${RUNS[@]}"; do
-  name=${entry%%|*}
-  flags=${entry#*|}
+  set_name=${entry%%|*}
+  rest=${entry#*|}
+  name=${rest%%|*}
+  flags=${rest#*|}
   [[ $# -gt 0 && "$want" != *" $name "* ]] && continue
+  dir=$OUT_DIR
+  [[ $set_name == cal ]] && dir=$CAL_DIR
   case "$flags" in *--quantization*) quant=() ;; *) quant=(--quantization none) ;; esac
   start=$(date +%s)
   # shellcheck disable=SC2086
   python -m pipeserve bench throughput --dtype bfloat16 "${quant[@]}" --dataset random --seed 0 \
-      $flags --label "$name" --no-progress --output "$OUT_DIR/$name.json" > "$OUT_DIR/$name.log" 2>&1 \
-    || { echo "$name FAILED (see $OUT_DIR/$name.log)"; exit 1; }
-  echo "$name: $(( $(date +%s) - start )) s"
+      $flags --label "$name" --no-progress --output "$dir/$name.json" > "$dir/$name.log" 2>&1 \
+    || { echo "$name FAILED (see $dir/$name.log)"; exit 1; }
+  echo "$name: $(( $(date +%s) - start )) s (load average $(cut -d' ' -f1 /proc/loadavg))"
 done
+echo "total: $(( $(date +%s) - begin )) s; next: python -m pipeserve.plan.validate --heldout"

@@ -13,8 +13,8 @@ from pipeserve.plan.presets import load_model
 from pipeserve.plan.validate import load_runs, main, predict_runs, rows
 
 
-def _bench_json(path, pp: int, schedule: str, measured: float, threads=None) -> None:
-    engine = {"pipeline_parallel_size": pp, "pp_schedule": schedule, "pp_partition": "uniform",
+def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, quantization=None) -> None:
+    engine = {"quantization": quantization,"pipeline_parallel_size": pp, "pp_schedule": schedule, "pp_partition": "uniform",
               "pp_virtual_stages": 2 if schedule == "interleaved" else 1, "pp_micro_batches": None,
               "max_num_seqs": 256, "max_num_batched_tokens": 2048, "dtype": "bfloat16",
               "threads_per_stage": threads}
@@ -54,31 +54,35 @@ def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
 
 
 def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys):
-    # "Measured" = the planner's own prediction on hardware whose stages work 1.25x and
-    # whose oversubscribed cores deliver 0.8: the fit must find both from the calibration
-    # runs, and then predict the held-out runs (other sizes, PP, threads) exactly.
-    cal, val = tmp_path / "cal", tmp_path / "val"
-    cal.mkdir(), val.mkdir()
-    for folder, runs in ((cal, [(1, "async", None), (2, "async", None), (3, "async", None)]),
-                         (val, [(2, "gpipe", None), (2, "async", 2)])):
-        for pp, schedule, threads in runs:
-            _bench_json(folder / f"pp{pp}{schedule}{threads}.json", pp, schedule, 1.0, threads)
+    # "Measured" = the planner's own prediction on hardware whose stages work 1.25x (1.3x
+    # more with kept-quantized weights) and whose oversubscribed cores deliver 0.8: the fit
+    # must find all three from the calibration runs, then predict the held-out runs (other
+    # PP, schedule, threads) exactly.
+    cal, cal_q, val = tmp_path / "cal", tmp_path / "cal_q", tmp_path / "val"
+    for folder, runs in ((cal, [(1, "async", None, None), (2, "async", None, None), (3, "async", None, None)]),
+                         (cal_q, [(1, "async", None, "auto")]),
+                         (val, [(2, "gpipe", None, None), (2, "async", 2, None), (2, "async", None, "auto")])):
+        folder.mkdir()
+        for pp, schedule, threads, quant in runs:
+            _bench_json(folder / f"pp{pp}{schedule}{threads}{quant}.json", pp, schedule, 1.0, threads, quant)
     _, cfg = load_model("SmolLM2-135M")
-    truth = dataclasses.replace(load_hardware("cpu-local"), engine_work_scale=1.25, oversubscription_efficiency=0.8)
-    for folder in (cal, val):
+    truth = dataclasses.replace(load_hardware("cpu-local"), engine_work_scale=1.25, oversubscription_efficiency=0.8,
+                                quantized_work_scale=1.3)
+    for folder in (cal, cal_q, val):
         for row in predict_runs(load_runs(folder), cfg, truth):
             path = folder / row["file"]
             doc = json.loads(path.read_text())
             doc["runs"][0]["output_tokens_per_s"] = row["predicted"]
             path.write_text(json.dumps(doc))
     fitted_file = tmp_path / "fitted.yaml"
-    assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), "--heldout-runs",
+    assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), str(cal_q), "--heldout-runs",
                  str(val), "--fitted-output", str(fitted_file), "--table-output", str(tmp_path / "t.md"),
                  "--jobs", "1"]) == 0
     fitted = load_hardware(str(fitted_file))
     assert fitted.oversubscription_efficiency == pytest.approx(0.8)
     assert fitted.engine_work_scale == pytest.approx(1.25, rel=0.01)
-    assert fitted.validated_runs == 2
+    assert fitted.quantized_work_scale == pytest.approx(1.3, rel=0.01)
+    assert fitted.validated_runs == 3
     assert 0.99 <= fitted.validated_ratio_low <= fitted.validated_ratio_high <= 1.01
     assert "Held-out predicted / measured" in (tmp_path / "t.md").read_text()
 

@@ -66,8 +66,12 @@ class Hardware:
     #   (caches shared with other sequences' KV and other processes, allocator, ...);
     # - oversubscription_efficiency: the share of a node's cores its threads get when more
     #   of them are runnable than there are cores (time slices, context switches, caches).
+    # - quantized_work_scale: the same, further, for kept-quantized weights (their kernels
+    #   dequantize; the calibrated layer is dense), fitted on the calibration runs that keep
+    #   them (the built-in GGUF's Q4_1 here);
     engine_work_scale: float = 1.0
     oversubscription_efficiency: float = 1.0
+    quantized_work_scale: float = 1.0
     # The validation's observed predicted / measured throughput on held-out runs with this
     # file (0 = not validated): `pipeserve plan` prints it next to its predictions.
     validated_ratio_low: float = 0.0
@@ -81,9 +85,10 @@ class Hardware:
                 raise PlanInputError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
-        if not (self.engine_work_scale > 0 and 0 < self.oversubscription_efficiency <= 1):
-            raise PlanInputError(f"hardware {self.name!r}: engine_work_scale must be > 0 and "
-                                 "oversubscription_efficiency in (0, 1]")
+        if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0
+                and 0 < self.oversubscription_efficiency <= 1):
+            raise PlanInputError(f"hardware {self.name!r}: engine_work_scale and quantized_work_scale must be "
+                                 "> 0 and oversubscription_efficiency in (0, 1]")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

@@ -38,6 +38,8 @@ class PipelineCosts:
         self.num_workers = num_workers
         self.dtype = dtype or hw.dtype
         fmt = None if quantization is None else weight_format(quantization)
+        # A stage's work relative to the calibrated layer (both fitted on measured runs).
+        self.work_scale = hw.engine_work_scale * (hw.quantized_work_scale if fmt is not None else 1.0)
         self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
                                 fmt and fmt.bytes, fmt and fmt.head_bytes)
         nodes = [self.node_of(w) for w in range(num_workers)]
@@ -105,7 +107,7 @@ class PipelineCosts:
             t += self.embedding_time(shape, worker)
         if chunk == self.num_chunks - 1:
             t += self.head_time(shape, worker)
-        return t * self.hw.engine_work_scale
+        return t * self.work_scale
 
     def stage_step_time(self, shape: BatchShape, worker: int = 0) -> float:
         """A stage's per-micro-batch work outside its layers (step unpickling,
@@ -178,8 +180,7 @@ class PipelineCosts:
         if chunk == self.num_chunks - 1 and shape.logit_rows:
             parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
             serial += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
-        scale = self.hw.engine_work_scale
-        return serial * scale, parallel * scale
+        return serial * self.work_scale, parallel * self.work_scale
 
     def _core_rates(self, tokens: int) -> tuple[float, float]:
         """(FLOP/s, bytes/s) of one thread on one core."""

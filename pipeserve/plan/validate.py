@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeserve.plan.hardware import Hardware, load_hardware
 from pipeserve.plan.predict import predict_throughput
-from pipeserve.plan.presets import load_model
+from pipeserve.plan.presets import PlanInputError, load_model
 from pipeserve.plan.workload import Workload
 
 
@@ -39,10 +39,12 @@ def rows(results: Path, hardware: str, model: str = "SmolLM2-135M", jobs: int = 
     return predict_runs(load_runs(results), cfg, hw, jobs)
 
 
-def load_runs(results: Path) -> list[dict]:
-    """The pipeserve runs of random workloads in a folder (or one file), each as the
-    facts a prediction needs; a duplicate configuration (same engine and workload) once."""
-    paths = [results] if results.is_file() else sorted(results.glob("*.json"))
+def load_runs(results: Path | list[Path]) -> list[dict]:
+    """The pipeserve runs of random workloads in folders (or files), each as the facts a
+    prediction needs; a duplicate configuration (same engine and workload) once."""
+    paths = []
+    for item in results if isinstance(results, list) else [results]:
+        paths += [item] if item.is_file() else sorted(item.glob("*.json"))
     out, seen = [], set()
     for path in paths:
         run = _load(path)
@@ -87,7 +89,7 @@ def _load(path: Path) -> dict | None:
 
 
 DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
-DEFAULT_CALIBRATION = "benchmarks/results"
+DEFAULT_CALIBRATION = ("benchmarks/results", "benchmarks/results/calibration")
 DEFAULT_HELDOUT = "benchmarks/results/heldout"
 DEFAULT_FITTED = "benchmarks/results/cpu-local-fitted.yaml"
 DEFAULT_TABLE = "benchmarks/results/heldout/VALIDATION.md"
@@ -97,6 +99,20 @@ _QUANTIZED = {"auto": "q4_1", "int8": "int8", "int4": "int4"}
 
 
 def predict_run(run: dict, cfg, hw) -> dict:
+    """The run predicted; a configuration the planner refuses is a row with the reason
+    (``predicted`` and ``ratio`` None), left out of the error band but not hidden."""
+    e = run["engine"]
+    row = {"file": run["file"], "label": run["label"], "pp": e["pp"], "tp": e["tp"], "schedule": e["schedule"],
+           "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
+           "requests": run["workload"]["num_requests"], "measured": run["measured"], "predicted": None,
+           "ratio": None, "preemptions": None, "error": None}
+    try:
+        return {**row, **_predicted(run, cfg, hw)}
+    except PlanInputError as exc:
+        return {**row, "error": str(exc)}
+
+
+def _predicted(run: dict, cfg, hw) -> dict:
     e = run["engine"]
     workload = Workload(kind="random", **run["workload"])
     predicted = predict_throughput(
@@ -106,10 +122,7 @@ def predict_run(run: dict, cfg, hw) -> dict:
         kv_capacity_tokens=e["kv_capacity_tokens"], threads_per_rank=e["threads_per_rank"],
         quantization=e["quantization"])
     pred = predicted["output_tokens_per_s"]
-    return {"file": run["file"], "label": run["label"], "pp": e["pp"], "tp": e["tp"], "schedule": e["schedule"],
-            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
-            "requests": run["workload"]["num_requests"], "measured": run["measured"], "predicted": pred,
-            "ratio": pred / run["measured"], "preemptions": predicted["preemptions"]}
+    return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"]}
 
 
 def predict_runs(runs: list[dict], cfg, hw, jobs: int = 1) -> list[dict]:
@@ -143,19 +156,24 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
 # The two hardware fields fitted on the calibration runs, and the grid of the second.
-FITTED = ("engine_work_scale", "oversubscription_efficiency")
+FITTED = ("engine_work_scale", "oversubscription_efficiency", "quantized_work_scale")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 
 
 def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]:
     """Fit ``oversubscription_efficiency`` (grid) and ``engine_work_scale`` (closed form:
     a stage's work scales every prediction by about 1 / scale) to minimise the spread of
-    log(predicted / measured) over ``runs``; returns the fitted hardware and the runs'
-    rows predicted with it."""
+    log(predicted / measured) over the dense-weight ``runs``, then ``quantized_work_scale``
+    (closed form) on the kept-quantized ones; returns the fitted hardware and every run's
+    row predicted with it."""
+    dense = [r for r in runs if r["engine"]["quantization"] is None]
+    quantized = [r for r in runs if r["engine"]["quantization"] is not None]
+    if not dense:
+        raise PlanInputError("the calibration runs hold no run with dense weights (--quantization none)")
     best = None
     for eta in OVERSUBSCRIPTION_GRID:
         trial = dataclasses.replace(hw, oversubscription_efficiency=eta)
-        logs = [math.log(r["ratio"]) for r in predict_runs(runs, cfg, trial, jobs)]
+        logs = [math.log(r["ratio"]) for r in predict_runs(dense, cfg, trial, jobs) if r["ratio"]]
         mean = sum(logs) / len(logs)
         spread = sum((x - mean) ** 2 for x in logs)
         if best is None or spread < best[0] - 1e-12:
@@ -163,19 +181,31 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     _, eta, mean = best
     fitted = dataclasses.replace(hw, oversubscription_efficiency=eta,
                                  engine_work_scale=hw.engine_work_scale * math.exp(mean))
-    table = predict_runs(runs, cfg, fitted, jobs)
-    # The driver's share does not scale with the stages' work: one more closed-form step.
-    mean = sum(math.log(r["ratio"]) for r in table) / len(table)
-    if abs(mean) > 0.005:
-        fitted = dataclasses.replace(fitted, engine_work_scale=fitted.engine_work_scale * math.exp(mean))
-        table = predict_runs(runs, cfg, fitted, jobs)
-    return fitted, table
+    # The driver's share does not scale with the stages' work: one more closed-form step;
+    # then the kept-quantized runs' own scale, on top.
+    fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
+    if quantized:
+        fitted = _rescale(fitted, "quantized_work_scale", predict_runs(quantized, cfg, fitted, jobs))
+    return fitted, predict_runs(runs, cfg, fitted, jobs)
+
+
+def _rescale(hw: Hardware, field: str, table: list[dict]) -> Hardware:
+    logs = [math.log(r["ratio"]) for r in table if r["ratio"]]
+    if not logs:
+        return hw
+    return dataclasses.replace(hw, **{field: getattr(hw, field) * math.exp(sum(logs) / len(logs))})
 
 
 def error_band(table: list[dict]) -> dict:
-    ratios = [r["ratio"] for r in table]
+    ratios = [r["ratio"] for r in table if r["ratio"]]
+    if not ratios:
+        return {"validated_ratio_low": 0.0, "validated_ratio_high": 0.0, "validated_runs": 0}
     return {"validated_ratio_low": round(min(ratios), 4), "validated_ratio_high": round(max(ratios), 4),
             "validated_runs": len(ratios)}
+
+
+def _oversubscribed(row: dict, hw: Hardware) -> bool:
+    return row["pp"] * row["tp"] > hw.cores
 
 
 def write_hardware(hw: Hardware, path: Path) -> None:
@@ -187,30 +217,39 @@ def write_hardware(hw: Hardware, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def heldout(calibration: Path, validation: Path, hardware: str, model: str, fitted_out: Path,
+def heldout(calibration: list[Path], validation: Path, hardware: str, model: str, fitted_out: Path,
             table_out: Path | None, jobs: int) -> int:
     _, cfg = load_model(model)
     hw = load_hardware(hardware)
     cal_runs, val_runs = load_runs(calibration), load_runs(validation)
-    for name, runs, folder in (("calibration", cal_runs, calibration), ("held-out", val_runs, validation)):
+    for name, runs, folder in (("calibration", cal_runs, " + ".join(map(str, calibration))),
+                               ("held-out", val_runs, validation)):
         if not runs:
             print(f"error: no random-workload throughput results in {folder} ({name} runs)"
                   + (": measure them with benchmarks/run_planner_validation.sh" if name == "held-out" else ""),
                   file=sys.stderr)
             return 2
-    fitted, cal_table = fit(cal_runs, cfg, hw, jobs)
+    try:
+        fitted, cal_table = fit(cal_runs, cfg, hw, jobs)
+    except PlanInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     val_table = predict_runs(val_runs, cfg, fitted, jobs)
     fitted = dataclasses.replace(fitted, **error_band(val_table))
     write_hardware(fitted, fitted_out)
     text = "\n".join([
-        f"Calibration: {hardware} + {len(cal_runs)} runs in {calibration} -> fitted "
+        f"Calibration: {hardware} + {len(cal_runs)} runs in {' + '.join(map(str, calibration))} -> fitted "
         f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
-        f"{fitted.oversubscription_efficiency:.2f} (written to {fitted_out} with the error band).",
+        f"{fitted.oversubscription_efficiency:.2f}, quantized_work_scale {fitted.quantized_work_scale:.3f} "
+        f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
         f"Held-out predicted / measured: {fitted.validated_ratio_low:.2f}-{fitted.validated_ratio_high:.2f} "
-        f"over {fitted.validated_runs} runs; within +-10 %: "
-        f"{sum(0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}."])
+        f"over {fitted.validated_runs} predicted runs; within +-10 %: "
+        f"{sum(r['ratio'] is not None and 0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}"
+        f"; PP above the core count within +-15 %: "
+        f"{sum(r['ratio'] is not None and 0.85 <= r['ratio'] <= 1.15 for r in val_table if _oversubscribed(r, hw))}"
+        f"/{sum(_oversubscribed(r, hw) for r in val_table)}."])
     print(text)
     if table_out is not None:
         table_out.write_text(text + "\n")
@@ -269,9 +308,11 @@ def markdown(table: list[dict]) -> str:
              "| predicted | predicted / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
+        predicted = (f"{r['predicted']:.1f} | {r['ratio']:.2f}" if r["ratio"] is not None
+                     else f"not predicted: {r['error']} | -")
         lines.append(f"| {r['label']} | {r['requests']} | {r['pp']} | {r['tp']} | {r['threads'] or 'default'} | "
                      f"{r['schedule']} | {r['partition']} | {r['quantization'] or 'dtype'} | "
-                     f"{r['measured']:.1f} | {r['predicted']:.1f} | {r['ratio']:.2f} |")
+                     f"{r['measured']:.1f} | {predicted} |")
     return "\n".join(lines)
 
 
@@ -286,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fit engine_work_scale and oversubscription_efficiency on the calibration runs, "
                              "predict the held-out runs with them, write the fitted hardware file with the "
                              "held-out error band (which `pipeserve plan --hardware FILE` prints)")
-    parser.add_argument("--calibration-runs", type=Path, default=Path(DEFAULT_CALIBRATION),
-                        help=f"--heldout: runs to fit on (default {DEFAULT_CALIBRATION})")
+    parser.add_argument("--calibration-runs", type=Path, nargs="+", default=[Path(p) for p in DEFAULT_CALIBRATION],
+                        help=f"--heldout: folders or files of runs to fit on (default {' '.join(DEFAULT_CALIBRATION)}; "
+                             "the second is measured by benchmarks/run_planner_validation.sh)")
     parser.add_argument("--heldout-runs", type=Path, default=Path(DEFAULT_HELDOUT),
                         help=f"--heldout: runs to check (default {DEFAULT_HELDOUT}, measured by "
                              "benchmarks/run_planner_validation.sh)")
