@@ -13,13 +13,14 @@ from pipeserve.plan.presets import load_model
 from pipeserve.plan.validate import load_runs, main, predict_runs, rows
 
 
-def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, quantization=None) -> None:
+def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, quantization=None,
+                requests: int = 16) -> None:
     engine = {"quantization": quantization,"pipeline_parallel_size": pp, "pp_schedule": schedule, "pp_partition": "uniform",
               "pp_virtual_stages": 2 if schedule == "interleaved" else 1, "pp_micro_batches": None,
               "max_num_seqs": 256, "max_num_batched_tokens": 2048, "dtype": "bfloat16",
               "threads_per_stage": threads}
     doc = {"kind": "throughput", "label": f"pp{pp} {schedule}",
-           "dataset": {"name": "random", "num_requests": 16, "input_len": 64, "output_len": 16,
+           "dataset": {"name": "random", "num_requests": requests, "input_len": 64, "output_len": 16,
                        "range_ratio": 0.0, "seed": 0},
            "runs": [{"backend": "pipeserve", "engine": engine, "output_tokens_per_s": measured}]}
     path.write_text(json.dumps(doc))
@@ -55,19 +56,21 @@ def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
 
 def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys):
     # "Measured" = the planner's own prediction on hardware whose stages work 1.25x (1.3x
-    # more with kept-quantized weights) and whose oversubscribed cores deliver 0.8: the fit
-    # must find all three from the calibration runs, then predict the held-out runs (other
-    # PP, schedule, threads) exactly.
+    # more with kept-quantized weights), whose serial work is 1.5x and whose oversubscribed
+    # cores deliver 0.8: the fit must find them from the calibration runs (one request
+    # alone: mostly serial work; 64: mostly kernels), then predict the held-out runs
+    # (other PP, schedule, threads, sizes).
     cal, cal_q, val = tmp_path / "cal", tmp_path / "cal_q", tmp_path / "val"
-    for folder, runs in ((cal, [(1, "async", None, None), (2, "async", None, None), (3, "async", None, None)]),
-                         (cal_q, [(1, "async", None, "auto")]),
-                         (val, [(2, "gpipe", None, None), (2, "async", 2, None), (2, "async", None, "auto")])):
+    for folder, runs in ((cal, [(1, "async", None, None, 1), (1, "async", None, None, 64),
+                                (2, "async", None, None, 16), (3, "async", None, None, 16)]),
+                         (cal_q, [(1, "async", None, "auto", 16)]),
+                         (val, [(2, "gpipe", None, None, 16), (2, "async", 2, None, 32), (2, "async", None, "auto", 8)])):
         folder.mkdir()
-        for pp, schedule, threads, quant in runs:
-            _bench_json(folder / f"pp{pp}{schedule}{threads}{quant}.json", pp, schedule, 1.0, threads, quant)
+        for pp, schedule, threads, quant, n in runs:
+            _bench_json(folder / f"pp{pp}{schedule}{threads}{quant}{n}.json", pp, schedule, 1.0, threads, quant, n)
     _, cfg = load_model("SmolLM2-135M")
     truth = dataclasses.replace(load_hardware("cpu-local"), engine_work_scale=1.25, oversubscription_efficiency=0.8,
-                                quantized_work_scale=1.3)
+                                quantized_work_scale=1.3, engine_overhead_scale=1.5)
     for folder in (cal, cal_q, val):
         for row in predict_runs(load_runs(folder), cfg, truth):
             path = folder / row["file"]
@@ -80,10 +83,11 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys):
                  "--jobs", "1"]) == 0
     fitted = load_hardware(str(fitted_file))
     assert fitted.oversubscription_efficiency == pytest.approx(0.8)
-    assert fitted.engine_work_scale == pytest.approx(1.25, rel=0.01)
-    assert fitted.quantized_work_scale == pytest.approx(1.3, rel=0.01)
+    assert fitted.engine_overhead_scale == pytest.approx(1.5, abs=0.1)
+    assert fitted.engine_work_scale == pytest.approx(1.25, rel=0.03)
+    assert fitted.quantized_work_scale == pytest.approx(1.3, rel=0.03)
     assert fitted.validated_runs == 3
-    assert 0.99 <= fitted.validated_ratio_low <= fitted.validated_ratio_high <= 1.01
+    assert 0.98 <= fitted.validated_ratio_low <= fitted.validated_ratio_high <= 1.02
     assert "Held-out predicted / measured" in (tmp_path / "t.md").read_text()
 
 

@@ -69,9 +69,13 @@ class Hardware:
     # - quantized_work_scale: the same, further, for kept-quantized weights (their kernels
     #   dequantize; the calibrated layer is dense), fitted on the calibration runs that keep
     #   them (the built-in GGUF's Q4_1 here);
+    # - engine_overhead_scale: on time-shared (CPU) hosts, the serial part of a stage's work
+    #   (per-layer dispatch, per-step bookkeeping) in a whole run over the calibrated one:
+    #   what sets a small batch's step, so the tail of a run;
     engine_work_scale: float = 1.0
     oversubscription_efficiency: float = 1.0
     quantized_work_scale: float = 1.0
+    engine_overhead_scale: float = 1.0
     # The validation's observed predicted / measured throughput on held-out runs with this
     # file (0 = not validated): `pipeserve plan` prints it next to its predictions.
     validated_ratio_low: float = 0.0
@@ -85,10 +89,10 @@ class Hardware:
                 raise PlanInputError(f"hardware {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
         if self.gpus_per_node < 1:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
-        if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0
+        if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0 and self.engine_overhead_scale > 0
                 and 0 < self.oversubscription_efficiency <= 1):
-            raise PlanInputError(f"hardware {self.name!r}: engine_work_scale and quantized_work_scale must be "
-                                 "> 0 and oversubscription_efficiency in (0, 1]")
+            raise PlanInputError(f"hardware {self.name!r}: engine_work_scale, quantized_work_scale and "
+                                 "engine_overhead_scale must be > 0 and oversubscription_efficiency in (0, 1]")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

@@ -180,7 +180,7 @@ class PipelineCosts:
         if chunk == self.num_chunks - 1 and shape.logit_rows:
             parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
             serial += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
-        return serial * self.work_scale, parallel * self.work_scale
+        return serial * self.work_scale * self.hw.engine_overhead_scale, parallel * self.work_scale
 
     def _core_rates(self, tokens: int) -> tuple[float, float]:
         """(FLOP/s, bytes/s) of one thread on one core."""

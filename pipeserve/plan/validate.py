@@ -156,16 +156,22 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
 # The two hardware fields fitted on the calibration runs, and the grid of the second.
-FITTED = ("engine_work_scale", "oversubscription_efficiency", "quantized_work_scale")
+FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 
 
 def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]:
-    """Fit ``oversubscription_efficiency`` (grid) and ``engine_work_scale`` (closed form:
-    a stage's work scales every prediction by about 1 / scale) to minimise the spread of
-    log(predicted / measured) over the dense-weight ``runs``, then ``quantized_work_scale``
-    (closed form) on the kept-quantized ones; returns the fitted hardware and every run's
-    row predicted with it."""
+    """Fit the hardware file's run-level fields on ``runs`` (``FITTED``), each to minimise
+    the spread of log(predicted / measured) over the dense-weight runs:
+    1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores);
+    2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
+       taken as linear in it between and beyond, the best of a fine grid kept (a small
+       batch's step is mostly serial work, a large one's mostly kernels, so runs with
+       small batches in them pull it and the others hardly move);
+    3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
+       scales a prediction by about 1 / scale), refined once (the driver does not scale);
+    4. ``quantized_work_scale``: the same on the kept-quantized runs alone.
+    Returns the fitted hardware and every run's row predicted with it."""
     dense = [r for r in runs if r["engine"]["quantization"] is None]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
     if not dense:
@@ -173,20 +179,46 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     best = None
     for eta in OVERSUBSCRIPTION_GRID:
         trial = dataclasses.replace(hw, oversubscription_efficiency=eta)
-        logs = [math.log(r["ratio"]) for r in predict_runs(dense, cfg, trial, jobs) if r["ratio"]]
-        mean = sum(logs) / len(logs)
-        spread = sum((x - mean) ** 2 for x in logs)
+        spread = _spread([r["ratio"] for r in predict_runs(dense, cfg, trial, jobs)])
         if best is None or spread < best[0] - 1e-12:
-            best = (spread, eta, mean)
-    _, eta, mean = best
-    fitted = dataclasses.replace(hw, oversubscription_efficiency=eta,
-                                 engine_work_scale=hw.engine_work_scale * math.exp(mean))
-    # The driver's share does not scale with the stages' work: one more closed-form step;
-    # then the kept-quantized runs' own scale, on top.
+            best = (spread, eta)
+    fitted = dataclasses.replace(hw, oversubscription_efficiency=best[1])
+    base = hw.engine_overhead_scale
+    one = [r["ratio"] for r in predict_runs(dense, cfg, fitted, jobs)]
+    doubled = dataclasses.replace(fitted, engine_overhead_scale=2 * base)
+    two = [r["ratio"] for r in predict_runs(dense, cfg, doubled, jobs)]
+    spread = {g: _spread([_linear(r1, r2, g) for r1, r2 in zip(one, two)]) for g in OVERHEAD_GRID}
+    sigma = min(OVERHEAD_GRID, key=spread.get)
+    if spread[sigma] > 0.9 * spread[1.0]:
+        sigma = 1.0   # the runs hardly tell (no small batches among them): keep the calibration's
+    fitted = dataclasses.replace(fitted, engine_overhead_scale=base * sigma)
+    fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
         fitted = _rescale(fitted, "quantized_work_scale", predict_runs(quantized, cfg, fitted, jobs))
     return fitted, predict_runs(runs, cfg, fitted, jobs)
+
+
+# engine_overhead_scale candidates (times the file's own), and how the fit reads a run's
+# ratio at one of them from its ratios at 1 and 2 (duration linear in the scale).
+OVERHEAD_GRID = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))      # 0.5 ... 3.0
+
+
+def _linear(ratio_1: float | None, ratio_2: float | None, g: float) -> float | None:
+    if not ratio_1 or not ratio_2:
+        return None
+    d1, d2 = 1 / ratio_1, 1 / ratio_2              # durations, in units of the measured one
+    duration = d1 + (g - 1) * (d2 - d1)
+    return 1 / duration if duration > 0 else None
+
+
+def _spread(ratios: list[float | None]) -> float:
+    """Σ (log r − mean log r)² over the predicted runs: what is left once one scale is fitted."""
+    logs = [math.log(r) for r in ratios if r]
+    if not logs:
+        return math.inf
+    mean = sum(logs) / len(logs)
+    return sum((x - mean) ** 2 for x in logs)
 
 
 def _rescale(hw: Hardware, field: str, table: list[dict]) -> Hardware:
@@ -240,7 +272,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
     text = "\n".join([
         f"Calibration: {hardware} + {len(cal_runs)} runs in {' + '.join(map(str, calibration))} -> fitted "
         f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
-        f"{fitted.oversubscription_efficiency:.2f}, quantized_work_scale {fitted.quantized_work_scale:.3f} "
+        f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
+        f"quantized_work_scale {fitted.quantized_work_scale:.3f} "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
