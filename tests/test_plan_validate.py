@@ -80,7 +80,7 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys):
     fitted_file = tmp_path / "fitted.yaml"
     assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), str(cal_q), "--heldout-runs",
                  str(val), "--fitted-output", str(fitted_file), "--table-output", str(tmp_path / "t.md"),
-                 "--jobs", "1"]) == 0
+                 "--jobs", "1", "--no-reference"]) == 0
     fitted = load_hardware(str(fitted_file))
     assert fitted.oversubscription_efficiency == pytest.approx(0.8)
     assert fitted.engine_overhead_scale == pytest.approx(1.5, abs=0.1)

@@ -89,7 +89,8 @@ def _load(path: Path) -> dict | None:
 
 
 DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
-DEFAULT_CALIBRATION = ("benchmarks/results", "benchmarks/results/calibration")
+DEFAULT_CALIBRATION = ("benchmarks/results/calibration",)
+DEFAULT_REFERENCE = "benchmarks/results"
 DEFAULT_HELDOUT = "benchmarks/results/heldout"
 DEFAULT_FITTED = "benchmarks/results/cpu-local-fitted.yaml"
 DEFAULT_TABLE = "benchmarks/results/heldout/VALIDATION.md"
@@ -250,16 +251,15 @@ def write_hardware(hw: Hardware, path: Path) -> None:
 
 
 def heldout(calibration: list[Path], validation: Path, hardware: str, model: str, fitted_out: Path,
-            table_out: Path | None, jobs: int) -> int:
+            table_out: Path | None, jobs: int, reference: Path | None = None) -> int:
     _, cfg = load_model(model)
     hw = load_hardware(hardware)
     cal_runs, val_runs = load_runs(calibration), load_runs(validation)
     for name, runs, folder in (("calibration", cal_runs, " + ".join(map(str, calibration))),
                                ("held-out", val_runs, validation)):
         if not runs:
-            print(f"error: no random-workload throughput results in {folder} ({name} runs)"
-                  + (": measure them with benchmarks/run_planner_validation.sh" if name == "held-out" else ""),
-                  file=sys.stderr)
+            print(f"error: no random-workload throughput results in {folder} ({name} runs): measure them "
+                  "with benchmarks/run_planner_validation.sh (on an idle machine)", file=sys.stderr)
             return 2
     try:
         fitted, cal_table = fit(cal_runs, cfg, hw, jobs)
@@ -268,6 +268,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         return 2
     val_table = predict_runs(val_runs, cfg, fitted, jobs)
     fitted = dataclasses.replace(fitted, **error_band(val_table))
+    ref_runs = load_runs(reference) if reference is not None and reference.exists() else []
+    ref_table = predict_runs(ref_runs, cfg, fitted, jobs) if ref_runs else []
     write_hardware(fitted, fitted_out)
     text = "\n".join([
         f"Calibration: {hardware} + {len(cal_runs)} runs in {' + '.join(map(str, calibration))} -> fitted "
@@ -282,7 +284,9 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"{sum(r['ratio'] is not None and 0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}"
         f"; PP above the core count within +-15 %: "
         f"{sum(r['ratio'] is not None and 0.85 <= r['ratio'] <= 1.15 for r in val_table if _oversubscribed(r, hw))}"
-        f"/{sum(_oversubscribed(r, hw) for r in val_table)}."])
+        f"/{sum(_oversubscribed(r, hw) for r in val_table)}."]
+        + (["", f"For information, the older stored runs in {reference} (an earlier engine; not in the fit "
+                "nor in the band) with the fitted file:", "", markdown(ref_table)] if ref_table else []))
     print(text)
     if table_out is not None:
         table_out.write_text(text + "\n")
@@ -361,11 +365,16 @@ def main(argv: list[str] | None = None) -> int:
                              "predict the held-out runs with them, write the fitted hardware file with the "
                              "held-out error band (which `pipeserve plan --hardware FILE` prints)")
     parser.add_argument("--calibration-runs", type=Path, nargs="+", default=[Path(p) for p in DEFAULT_CALIBRATION],
-                        help=f"--heldout: folders or files of runs to fit on (default {' '.join(DEFAULT_CALIBRATION)}; "
-                             "the second is measured by benchmarks/run_planner_validation.sh)")
+                        help=f"--heldout: folders or files of runs to fit on (default {' '.join(DEFAULT_CALIBRATION)}, "
+                             "measured by benchmarks/run_planner_validation.sh; add benchmarks/results to fit on the "
+                             "stored reference runs too)")
     parser.add_argument("--heldout-runs", type=Path, default=Path(DEFAULT_HELDOUT),
                         help=f"--heldout: runs to check (default {DEFAULT_HELDOUT}, measured by "
                              "benchmarks/run_planner_validation.sh)")
+    parser.add_argument("--reference-runs", type=Path, default=Path(DEFAULT_REFERENCE),
+                        help=f"--heldout: older runs also predicted with the fit, for information (default "
+                             f"{DEFAULT_REFERENCE}: the stored reference runs)")
+    parser.add_argument("--no-reference", action="store_true", help="--heldout: leave the older runs out")
     parser.add_argument("--fitted-output", type=Path, default=Path(DEFAULT_FITTED),
                         help=f"--heldout: the fitted hardware file (default {DEFAULT_FITTED})")
     parser.add_argument("--table-output", type=Path, default=Path(DEFAULT_TABLE),
@@ -378,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.heldout:
         return heldout(args.calibration_runs, args.heldout_runs, args.hardware or DEFAULT_HARDWARE, args.model,
-                       args.fitted_output, args.table_output, args.jobs)
+                       args.fitted_output, args.table_output, args.jobs,
+                       None if args.no_reference else args.reference_runs)
     if args.hardware is None:
         parser.error("--hardware FILE is required (or --heldout)")
     if args.tp_latency:
