@@ -38,13 +38,13 @@ class PipelineCosts:
         self.num_workers = num_workers
         self.dtype = dtype or hw.dtype
         fmt = None if quantization is None else weight_format(quantization)
-        # A stage's work relative to the calibrated layer (both fitted on measured runs).
-        self.work_scale = hw.engine_work_scale * (hw.quantized_work_scale if fmt is not None else 1.0)
         self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
                                 fmt and fmt.bytes, fmt and fmt.head_bytes)
         nodes = [self.node_of(w) for w in range(num_workers)]
         # With shared compute every rank process on a node (T per worker) gets an equal slice.
         self.share = [nodes.count(n) * tp if hw.shared_compute else 1 for n in nodes]
+        # A stage's work relative to the calibrated layer (both fitted on measured runs).
+        self.work_scale = hw.engine_work_scale * (hw.quantized_work_scale if quantization is not None else 1.0)
 
     @property
     def num_chunks(self) -> int:
