@@ -98,3 +98,22 @@ def test_heldout_without_runs_says_how_to_measure_them(tmp_path, capsys):
     assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(tmp_path),
                  "--heldout-runs", str(empty)]) == 2
     assert "run_planner_validation.sh" in capsys.readouterr().err
+
+
+def test_plan_prints_the_validated_error_band_next_to_each_prediction(tmp_path, capsys):
+    from pipeserve.plan.__main__ import main as plan
+    from pipeserve.plan.validate import write_hardware
+    small = ["--model", "SmolLM2-135M", "--pp", "2", "--num-prompts", "8", "--input-len", "32", "--output-len", "8"]
+    assert plan([*small, "--hardware", "cpu-local"]) == 0
+    assert "expected error: not validated for this hardware" in capsys.readouterr().out
+    path = tmp_path / "validated.yaml"
+    write_hardware(dataclasses.replace(load_hardware("cpu-local"), validated_ratio_low=0.95,
+                                       validated_ratio_high=1.08, validated_runs=9), path)
+    assert plan([*small, "--hardware", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "within -7% to +5% of the prediction on 9 held-out runs" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("async"))
+    tokens = float(row.split()[1].replace(",", ""))
+    low, high = row.split()[2].split("-")
+    assert float(low.replace(",", "")) == pytest.approx(tokens / 1.08, abs=1) and \
+        float(high.replace(",", "")) == pytest.approx(tokens / 0.95, abs=1)
