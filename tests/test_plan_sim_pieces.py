@@ -141,3 +141,16 @@ def test_the_driver_takes_its_share_of_the_cores() -> None:
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * (2 * s)))
     assert result.summary()["output_tokens_per_s"] == pytest.approx(2 * s / (2 * (d + 2 * w)), rel=0.02)
     assert result.driver_busy == pytest.approx(d * result.micro_batches)
+
+
+def test_tp_ranks_share_the_cores_but_each_runs_its_own_shard() -> None:
+    # One stage of T = 2 one-thread ranks (each with w of work: its shard) on C cores. On 2
+    # cores each rank has a core: a token costs w. On 1 core the 2 runnable threads halve
+    # it: 2w. (Counting the ranks as one 2-thread process would give w / (1 + e) instead.)
+    w = 1.0
+    for cores, tpot in ((2, w), (1, 2 * w)):
+        sharing = CpuSharing((float(cores),), (0,), (1,), 0.8, 1.0, ranks=(2,))
+        costs = SharedCosts(stages=1, parallel=w, cores=cores)
+        costs.cpu_sharing = lambda sharing=sharing: sharing
+        result = PipelineSimulator(costs, SimConfig("async", micro_batches=1)).run(_at_once([5]))
+        assert result.summary()["tpot_s"]["p50"] == pytest.approx(tpot)

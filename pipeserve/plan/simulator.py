@@ -53,7 +53,8 @@ _ARRIVE, _READY, _DONE, _RETURN, _LAUNCH, _TICK = range(6)
 
 @dataclass(frozen=True)
 class CpuSharing:
-    """Who shares which cores: worker w runs ``threads[w]`` threads on node ``node_of[w]``
+    """Who shares which cores: worker w is ``ranks[w]`` processes (its TP ranks, each doing
+    its share of the work in step) of ``threads[w]`` threads each, on node ``node_of[w]``
     with ``cores[node]`` cores; the driver (one thread) runs on node 0. With more runnable
     threads than cores, the cores deliver ``oversubscribed`` of their time (switching)."""
     cores: tuple[float, ...]
@@ -61,6 +62,11 @@ class CpuSharing:
     threads: tuple[int, ...]
     efficiency: float
     oversubscribed: float = 1.0
+    ranks: tuple[int, ...] | None = None      # None: one process per worker
+
+    def runnable(self, worker: int) -> int:
+        """Threads worker w keeps runnable while it computes (all its ranks')."""
+        return self.threads[worker] * (self.ranks[worker] if self.ranks else 1)
 
     def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
@@ -75,10 +81,13 @@ class CpuSharing:
 
 class _Job:
     """Work left on a time-shared node: serial seconds, then parallel seconds (on one core)."""
-    __slots__ = ("node", "threads", "serial", "parallel", "done")
+    __slots__ = ("node", "threads", "runnable", "serial", "parallel", "done")
 
-    def __init__(self, node: int, threads: int, serial: float, parallel: float, done) -> None:
+    def __init__(self, node: int, threads: int, serial: float, parallel: float, done, runnable: int = 0) -> None:
+        """``threads``: of the process whose speed the work runs at (one rank); ``runnable``:
+        threads it keeps busy on the node (all ranks'; default ``threads``)."""
         self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
+        self.runnable = runnable or threads
 
 
 class CostModel(Protocol):
@@ -309,7 +318,7 @@ class PipelineSimulator:
     def _ps_rates(self) -> list[float]:
         runnable: dict[int, int] = {}
         for job in self.jobs:
-            runnable[job.node] = runnable.get(job.node, 0) + job.threads
+            runnable[job.node] = runnable.get(job.node, 0) + job.runnable
         return [self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
                 for job in self.jobs]
 
@@ -354,7 +363,7 @@ class PipelineSimulator:
         if self.sharing is not None:
             serial, parallel = self.costs.chunk_work(chunk, shape)
             job = _Job(self.sharing.node_of[worker], self.sharing.threads[worker], serial, parallel,
-                       lambda t: self._finish_chunk(t, worker, mb, chunk, now))
+                       lambda t: self._finish_chunk(t, worker, mb, chunk, now), self.sharing.runnable(worker))
             self._ps_add(now, job)
             return
         duration = self.costs.chunk_time(chunk, shape)

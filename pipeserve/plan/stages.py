@@ -150,21 +150,20 @@ class PipelineCosts:
     # -- time-shared cores (the simulator's processor sharing) ----------------
     def cpu_sharing(self) -> CpuSharing | None:
         """Where the stages share a node's cores (``shared_compute``): each worker's
-        threads (T rank processes × threads each) and node, for the simulator to
-        time-share; None otherwise (each worker owns its device)."""
+        rank processes (T), threads per rank and node, for the simulator to time-share;
+        None otherwise (each worker owns its device)."""
         if not self.hw.shared_compute:
             return None
         nodes = [self.node_of(w) for w in range(self.num_workers)]
-        threads = []
-        for node in nodes:
-            ranks = nodes.count(node) * self.tp
-            threads.append(self.tp * (self.threads_per_rank or max(1, int(self.hw.cores) // ranks)))
+        threads = [self.threads_per_rank or max(1, int(self.hw.cores) // (nodes.count(node) * self.tp))
+                   for node in nodes]
+        # Each TP rank computes its own shard (chunk_work is one rank's), in step with the others.
         return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
                           threads=tuple(threads), efficiency=self.hw.parallel_efficiency,
-                          oversubscribed=self.hw.oversubscription_efficiency)
+                          oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes))
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
-        """One chunk's work in seconds on one core: (serial part: per-layer dispatch,
+        """One chunk's work on one TP rank, in seconds on one core: (serial part: per-layer dispatch,
         the stage's per-step work, collectives' latencies; parallel part: the kernels,
         which the process's threads share). Memory bandwidth: the node's / its cores."""
         if shape.new_tokens == 0:
