@@ -15,7 +15,7 @@ from pipeserve.plan.validate import load_runs, main, predict_runs, rows
 
 def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, quantization=None,
                 requests: int = 16) -> None:
-    engine = {"quantization": quantization,"pipeline_parallel_size": pp, "pp_schedule": schedule, "pp_partition": "uniform",
+    engine = {"model": "smollm2-135m-instruct", "quantization": quantization,"pipeline_parallel_size": pp, "pp_schedule": schedule, "pp_partition": "uniform",
               "pp_virtual_stages": 2 if schedule == "interleaved" else 1, "pp_micro_batches": None,
               "max_num_seqs": 256, "max_num_batched_tokens": 2048, "dtype": "bfloat16",
               "threads_per_stage": threads}

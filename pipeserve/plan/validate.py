@@ -80,7 +80,7 @@ def _load(path: Path) -> dict | None:
         "max_num_batched_tokens": engine["max_num_batched_tokens"], "dtype": engine["dtype"],
         "kv_capacity_tokens": _kv_capacity(run, engine), "threads_per_rank": engine.get("threads_per_stage"),
         # auto keeps a GGUF's blocks (the built-in SmolLM2 file: Q4_1); none / absent: the dtype
-        "quantization": _QUANTIZED.get(quant),
+        "quantization": _weights(quant, engine.get("model")),
     }
     workload = {"num_requests": data["num_requests"], "input_len": data["input_len"],
                 "output_len": data["output_len"], "range_ratio": data["range_ratio"], "seed": data["seed"]}
@@ -95,8 +95,16 @@ DEFAULT_HELDOUT = "benchmarks/results/heldout"
 DEFAULT_FITTED = "benchmarks/results/cpu-local-fitted.yaml"
 DEFAULT_TABLE = "benchmarks/results/heldout/VALIDATION.md"
 
-# The engine's --quantization values the planner can cost: auto on the built-in GGUF keeps Q4_1.
-_QUANTIZED = {"auto": "q4_1", "int8": "int8", "int4": "int4"}
+# The engine's --quantization values the planner can cost: auto keeps a GGUF's blocks (the
+# built-in SmolLM2 file's are Q4_1), int8 / int4 quantize at load.
+_QUANTIZED = {"int8": "int8", "int4": "int4"}
+BUILTIN_GGUF = {"smollm2-135m-instruct": "q4_1"}
+
+
+def _weights(quantization: str | None, model: str | None) -> str | None:
+    if quantization == "auto":
+        return BUILTIN_GGUF.get(str(model).lower())   # a safetensors checkpoint stays dense
+    return _QUANTIZED.get(quantization)
 
 
 def predict_run(run: dict, cfg, hw) -> dict:
