@@ -176,7 +176,7 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
-       small batches in them pull it and the others hardly move);
+       small batches in them pull it and the others hardly move); 1 and 2 twice over;
     3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
        scales a prediction by about 1 / scale), refined once (the driver does not scale);
     4. ``quantized_work_scale``: the same on the kept-quantized runs alone.
@@ -185,27 +185,36 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
     if not dense:
         raise PlanInputError("the calibration runs hold no run with dense weights (--quantization none)")
-    best = None
-    for eta in OVERSUBSCRIPTION_GRID:
-        trial = dataclasses.replace(hw, oversubscription_efficiency=eta)
-        spread = _spread([r["ratio"] for r in predict_runs(dense, cfg, trial, jobs)])
-        if best is None or spread < best[0] - 1e-12:
-            best = (spread, eta)
-    fitted = dataclasses.replace(hw, oversubscription_efficiency=best[1])
-    base = hw.engine_overhead_scale
-    one = [r["ratio"] for r in predict_runs(dense, cfg, fitted, jobs)]
-    doubled = dataclasses.replace(fitted, engine_overhead_scale=2 * base)
-    two = [r["ratio"] for r in predict_runs(dense, cfg, doubled, jobs)]
-    spread = {g: _spread([_linear(r1, r2, g) for r1, r2 in zip(one, two)]) for g in OVERHEAD_GRID}
-    sigma = min(OVERHEAD_GRID, key=spread.get)
-    if spread[sigma] > 0.9 * spread[1.0]:
-        sigma = 1.0   # the runs hardly tell (no small batches among them): keep the calibration's
-    fitted = dataclasses.replace(fitted, engine_overhead_scale=base * sigma)
+    # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale.
+    fitted = hw
+    for _ in range(2):
+        fitted = _fit_oversubscription(dense, cfg, fitted, jobs)
+        fitted = _fit_overhead(dense, cfg, fitted, hw.engine_overhead_scale, jobs)
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
         fitted = _rescale(fitted, "quantized_work_scale", predict_runs(quantized, cfg, fitted, jobs))
     return fitted, predict_runs(runs, cfg, fitted, jobs)
+
+
+def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
+    spreads = {eta: _spread([r["ratio"] for r in
+                             predict_runs(runs, cfg, dataclasses.replace(hw, oversubscription_efficiency=eta), jobs)])
+               for eta in OVERSUBSCRIPTION_GRID}
+    return dataclasses.replace(hw, oversubscription_efficiency=min(OVERSUBSCRIPTION_GRID, key=spreads.get))
+
+
+def _fit_overhead(runs: list[dict], cfg, hw: Hardware, base: float, jobs: int) -> Hardware:
+    """``engine_overhead_scale`` = base · the grid value with the smallest spread, each run's
+    duration linear in it through its simulations at base and 2·base; base where the runs
+    hardly tell (no small batches among them)."""
+    one = [r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(hw, engine_overhead_scale=base), jobs)]
+    two = [r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(hw, engine_overhead_scale=2 * base), jobs)]
+    spread = {g: _spread([_linear(r1, r2, g) for r1, r2 in zip(one, two)]) for g in OVERHEAD_GRID}
+    sigma = min(OVERHEAD_GRID, key=spread.get)
+    if spread[sigma] > 0.9 * spread[1.0]:
+        sigma = 1.0
+    return dataclasses.replace(hw, engine_overhead_scale=base * sigma)
 
 
 # engine_overhead_scale candidates (times the file's own), and how the fit reads a run's
