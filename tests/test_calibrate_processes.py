@@ -13,3 +13,13 @@ def test_link_measurement_that_times_out_leaves_no_process(monkeypatch):
     with pytest.raises(TimeoutError, match="did not finish within 2 s"):
         calibrate.measure_gloo_link(repeats=1, timeout=2.0)
     assert multiprocessing.active_children() == []
+
+
+def test_allreduce_measurement_that_times_out_leaves_no_process():
+    import multiprocessing
+
+    from pipeserve.plan import calibrate
+    # Far more all-reduces than 2 s allow: the measurement gives up and ends both ranks.
+    with pytest.raises(TimeoutError, match="did not finish within 2 s"):
+        calibrate.measure_shm_allreduce(repeats=10**9, timeout=2.0)
+    assert multiprocessing.active_children() == []
