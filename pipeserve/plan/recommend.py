@@ -10,17 +10,23 @@ from pipeserve.plan.analysis import PlanEstimate, PlanRequest, evaluate
 from pipeserve.plan.hardware import Hardware
 from pipeserve.plan.memory import stage_weight_bytes
 from pipeserve.plan.presets import PlanInputError
+from pipeserve.plan.roofline import tp_shards
 from pipeserve.plan.stages import PipelineCosts
 
 TARGETS = ("throughput", "latency")
 
 
 def candidate_splits(model: ModelConfig, hw: Hardware, devices: int) -> list[tuple[int, int]]:
-    """(P, T) with P·T = devices, T within one node and dividing the heads, P ≤ layers."""
+    """(P, T) with P·T = devices, T within one node and one the runtime can split the model
+    over (unevenly where T does not divide the heads), P ≤ layers."""
     splits = []
     for tp in range(1, devices + 1):
         pp = devices // tp
-        if devices % tp or model.num_heads % tp or tp > hw.gpus_per_node or pp > model.num_layers:
+        if devices % tp or tp > hw.gpus_per_node or pp > model.num_layers:
+            continue
+        try:
+            tp_shards(model, tp)
+        except ValueError:
             continue
         if hw.gpus_per_node % tp:
             continue
