@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.model.tensor_parallel import TensorShard, rank_shards
+from pipeserve.model.tensor_parallel import SplitAlign, TensorShard, rank_shards
 
 # FLOP/s is calibrated (with the runtime's own decoder layer) at a decode batch of
 # DECODE_TOKENS tokens and a prefill of PREFILL_TOKENS tokens; between them it is
@@ -61,14 +61,24 @@ class OpCost:
         return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
 
 
-def tp_shards(model: ModelConfig, tp: int) -> list[TensorShard]:
+def tp_shards(model: ModelConfig, tp: int, block: int = 1) -> list[TensorShard]:
     """Every tensor-parallel rank's slice as the runtime cuts it (model/tensor_parallel.py:
     heads follow KV groups and may split unevenly, e.g. SmolLM2's 6 + 3 at T = 2; the MLP
-    rows rebalance each rank's weights; the vocabulary is padded to T equal slices). MoE:
-    the runtime does not split experts; the heads are cut as for a dense model and the
-    experts assumed split evenly. Raises ValueError for a T the runtime refuses."""
+    rows rebalance each rank's weights; the vocabulary is padded to T equal slices), with
+    o_proj's and down_proj's inputs cut on quantization blocks of ``block`` weights where
+    the weights are quantized. MoE: the runtime does not split experts; the heads are cut
+    as for a dense model and the experts assumed split evenly. Raises ValueError for a T
+    the runtime refuses (no head for some rank, no block-aligned cut)."""
     dense = dataclasses.replace(model, num_experts=0) if model.num_experts else model
-    return rank_shards(dense, tp)
+    align = None
+    if block > 1:
+        def fit(inputs: int) -> int:
+            # llama-quantize stores a row that is not a multiple of 256 in a 32-weight type;
+            # int8/int4 fall back to 32 the same way at load
+            return block if inputs % block == 0 else 32 if inputs % 32 == 0 else 1
+        align = SplitAlign(fit(model.num_heads * model.head_dim), fit(model.intermediate_size),
+                           f"o_proj (blocks of {block})", f"down_proj (blocks of {block})")
+    return rank_shards(dense, tp, align)
 
 
 class LayerCosts:
@@ -77,10 +87,11 @@ class LayerCosts:
 
     def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1,
                  kv_read_amplification: float = 1.0, weight_bytes: float | None = None,
-                 head_weight_bytes: float | None = None) -> None:
+                 head_weight_bytes: float | None = None, split_block: int = 1) -> None:
         """``weight_bytes`` / ``head_weight_bytes``: bytes per stored weight of the layers
         and embedding / of the LM head when they are quantized (default: ``dtype_bytes``);
-        activations and the KV cache stay at ``dtype_bytes``."""
+        activations and the KV cache stay at ``dtype_bytes``. ``split_block``: the
+        quantization block a TP cut of a row-parallel input must fall on (1: dense)."""
         self.model = model
         self.bytes = dtype_bytes
         self.weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
@@ -106,7 +117,7 @@ class LayerCosts:
         self.vocab_fraction = 1.0     # vocabulary rows per rank / vocabulary (padded: ceil(V / T))
         self.layer_fraction = 1.0     # the busiest rank's share of a layer's matmul weights
         if tp > 1:
-            shards = tp_shards(model, tp)
+            shards = tp_shards(model, tp, split_block)
             self.q_heads_per_rank = max(s.num_q_heads for s in shards)
             self.kv_heads_per_rank = max(s.num_kv_heads for s in shards)
             self.vocab_fraction = shards[0].vocab_rows / model.vocab_size
