@@ -27,6 +27,12 @@ The intermediate size is split so each rank holds about the same layer weights
 all-reduce), the vocabulary as evenly as possible; no size needs to divide by T. The vocabulary is padded to
 ``T * ceil(V / T)`` rows so the gathered logits are equal slices (the padding
 rows are zero and cut off after the gather).
+
+Kept-quantized weights (``SplitAlign``): the row-parallel inputs are cut only on
+quantization block boundaries, the nearest ones to the dense split.
+
+torch is imported only where tensors are touched: the planner (torch-free) prices
+the runtime's own split through ``rank_shards``.
 """
 
 from __future__ import annotations
