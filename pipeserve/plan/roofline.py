@@ -125,8 +125,8 @@ class LayerCosts:
                 self.layer_fraction = 1.0 / tp
             else:
                 d = model.head_dim
-                per_rank = [h * d * 2 * (s.num_q_heads + s.num_kv_heads) + 3 * h * (s.intermediate[1] - s.intermediate[0])
-                            for s in shards]
+                per_rank = [h * d * 2 * (s.num_q_heads + s.num_kv_heads)
+                            + 3 * h * (s.intermediate[1] - s.intermediate[0]) for s in shards]
                 self.layer_fraction = max(per_rank) / (self.attn_params + self.dense_mlp_params)
 
     def experts_touched(self, tokens: int) -> float:
