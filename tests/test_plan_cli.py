@@ -47,7 +47,7 @@ def test_config_json_and_hardware_yaml(tmp_path, capsys) -> None:
     (["--hardware", "/nope/hw.yaml"], "does not exist"),
     (["--pp", "31"], "cannot split 30 layers"),
     (["--pp", "0"], "--pp must be >= 1"),
-    (["--tp", "2"], "must divide the 9 attention heads"),
+    (["--tp", "10"], "--tp 10: --tensor-parallel-size 10 is too large for this model"),
 ])
 def test_bad_input_is_exit_2_without_traceback(argv: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "pipeserve.plan", *argv, "--no-simulate"],

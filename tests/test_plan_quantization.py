@@ -30,7 +30,7 @@ def test_bits_per_weight():
     q4km = weight_format("Q4_K_M")
     assert q4km.bits == 4.84 and q4km.head_bits == 6.5625   # mix average; head at Q6_K
     assert weight_format("q8_0").head_bits == 8.5
-    assert weight_format("int8").bits == 8.125 and weight_format("int4").bits == 4.25
+    assert weight_format("int8").bits == 8.5 and weight_format("int4").bits == 5.0   # group 32, float16 scale (+ min)
     assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
     with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):
         weight_format("q4_k_x")
@@ -67,7 +67,7 @@ def test_decode_reads_the_quantized_bytes():
     assert q4.attention(shape).bytes == bf16.attention(shape).bytes   # the KV cache keeps the dtype
 
 
-@pytest.mark.parametrize("quant,stages", [("q4_k_m", 3), ("q4_0", 3), ("int4", 2), ("q8_0", 4), ("bf16", 8)])
+@pytest.mark.parametrize("quant,stages", [("q4_k_m", 3), ("q4_0", 3), ("int4", 3), ("q8_0", 4), ("bf16", 8)])
 def test_fewest_stages_of_an_l4(quant, stages):
     _, cfg = load_model("llama-3.1-70b")
     hw = load_hardware("L4")   # 24 GiB, 21 GB usable

@@ -68,3 +68,60 @@ def test_tp_validation_rows(capsys):
     assert gloo["predicted"] - shm["predicted"] == pytest.approx(62 * (1.35 - 0.58))
     assert main(["--tp-latency", "--hardware", "cpu-local"]) == 0
     assert "| TP=2, gloo all-reduce, 1 thread each | 1 | 2 | 120.7 |" in capsys.readouterr().out
+
+
+# -- the runtime's split --------------------------------------------------------------
+def test_tp_costs_follow_the_runtimes_uneven_split():
+    """SmolLM2 at T = 2: the runtime gives 6 + 3 q heads (2 + 1 KV heads) and 672 + 864 MLP
+    rows; the planner prices the busiest rank with the same function (not T dividing 9)."""
+    from pipeserve.model.tensor_parallel import plan_shard
+    from pipeserve.plan.roofline import LayerCosts, tp_shards
+    _, cfg = load_model("SmolLM2-135M")
+    assert tp_shards(cfg, 2) == [plan_shard(cfg, r, 2) for r in range(2)]
+    costs = LayerCosts(cfg, 2, tp=2)
+    assert (costs.q_heads_per_rank, costs.kv_heads_per_rank) == (6, 2)
+    h, d = cfg.hidden_size, cfg.head_dim
+    busiest = max(h * d * 2 * (6 + 2) + 3 * h * 672, h * d * 2 * (3 + 1) + 3 * h * 864)
+    assert costs.layer_fraction == pytest.approx(busiest / (costs.attn_params + costs.dense_mlp_params))
+    assert 0.5 < costs.layer_fraction < 0.52        # the MLP rows rebalance the uneven heads
+    shape = BatchShape.decode(4, 300)
+    one = LayerCosts(cfg, 2)
+    assert costs.attention(shape).flops == pytest.approx(one.attention(shape).flops * 6 / 9)
+    assert costs.attention(shape).bytes == pytest.approx(one.attention(shape).bytes * 2 / 3)   # 2 of 3 KV heads
+    assert costs.matmuls(shape).flops == pytest.approx(one.matmuls(shape).flops * costs.layer_fraction)
+
+
+@pytest.mark.parametrize("quant", [None, "q4_0", "q8_0", "int4"])
+def test_tp_memory_is_the_busiest_ranks_share_at_the_formats_bytes(quant):
+    """A stage's weights per rank at T = 2: the busiest rank's share of each layer and half
+    the (padded) vocabulary, at the format's bytes per weight; the final norm on each rank."""
+    from pipeserve.plan.memory import stage_weight_bytes
+    from pipeserve.plan.quantization import weight_format
+    _, cfg = load_model("SmolLM2-135M")
+    hw = load_hardware("cpu-local")
+    two = PipelineCosts(cfg, hw, [30], 1, tp=2, dtype="bfloat16", quantization=quant).costs
+    per_weight = weight_format(quant).bytes if quant else 2
+    head = weight_format(quant).head_bytes if quant else 2
+    layer = sum(map(cfg.layer_params, range(cfg.num_layers))) / cfg.num_layers
+    want = (30 * layer * per_weight * two.layer_fraction + cfg.embedding_params() * head * 0.5
+            + cfg.hidden_size * 2)   # tied: the embedding is the head (head bytes); 49152 rows split 2 ways
+    assert stage_weight_bytes(cfg, two, 30, True, True) == pytest.approx(want)
+
+
+def test_plan_runs_tp_that_does_not_divide_the_heads(capsys):
+    from pipeserve.plan.__main__ import main as plan_main
+    assert plan_main(["--model", "SmolLM2-135M", "--hardware", "cpu-local", "--tp", "2", "--num-prompts", "4"]) == 0
+    assert "PP=1 x TP=2" in capsys.readouterr().out
+    assert plan_main(["--model", "SmolLM2-135M", "--hardware", "cpu-local", "--tp", "10"]) == 2
+    assert "too large for this model" in capsys.readouterr().err
+
+
+def test_quantized_tp_cuts_fall_on_the_formats_blocks():
+    """Llama-3.1-8B (32 heads of 128, 8 KV heads, 14336 MLP rows) at T = 3: the dense MLP
+    cut moves onto 256-weight blocks for a K-quant mix and 32 for q4_0."""
+    from pipeserve.plan.roofline import tp_shards
+    _, cfg = load_model("Llama-3.1-8B")
+    for block in (32, 256):
+        for shard in tp_shards(cfg, 3, block):
+            assert shard.intermediate[0] % block == 0 and shard.q_heads[0] * cfg.head_dim % block == 0
+    assert [s.intermediate for s in tp_shards(cfg, 3, 256)] != [s.intermediate for s in tp_shards(cfg, 3)]

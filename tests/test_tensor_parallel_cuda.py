@@ -29,9 +29,9 @@ def needs_gpus(count: int):
 def test_tensor_parallel_accepts_cuda_but_not_a_pinned_gpu():
     """No GPU needed: the engine's check lets --device cuda through and refuses cuda:N
     (every rank needs its own GPU)."""
-    check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, device="cuda"), SMOL, "hf")
+    check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, device="cuda"), SMOL)
     with pytest.raises(ValueError, match="use --device cuda, not --device cuda:1"):
-        check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, device="cuda:1"), SMOL, "hf")
+        check_tensor_parallel_config(EngineConfig(tensor_parallel_size=2, device="cuda:1"), SMOL)
 
 
 def test_cuda_group_uses_nccl_beside_gloo_and_says_when_it_cannot(monkeypatch):

@@ -44,8 +44,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
         self.dtype = DTYPES[config.torch_dtype_name]
         if config.tensor_parallel_size > 1:   # refuse before any process starts
-            from pipeserve.model.tensor_parallel import check_tensor_parallel_config
-            check_tensor_parallel_config(config, self.model_config, self.source.kind)
+            from pipeserve.model.loader import split_alignment
+            from pipeserve.model.tensor_parallel import check_tensor_parallel, check_tensor_parallel_config
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+            self._tp_align = split_alignment(self.source, self.model_config, config.quantization,
+                                             config.quantization_group_size)
+            check_tensor_parallel_config(config, self.model_config, self._tp_align)
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
@@ -103,7 +107,7 @@ class LLMEngine:
         from dataclasses import replace
 
         from pipeserve.model.tensor_parallel import plan_shard
-        heads = max(plan_shard(self.model_config, r, t).num_kv_heads for r in range(t))
+        heads = max(plan_shard(self.model_config, r, t, self._tp_align).num_kv_heads for r in range(t))
         return replace(self.model_config, num_kv_heads=heads)
 
     def _layers_per_worker(self) -> list[int]:

@@ -27,14 +27,22 @@ The intermediate size is split so each rank holds about the same layer weights
 all-reduce), the vocabulary as evenly as possible; no size needs to divide by T. The vocabulary is padded to
 ``T * ceil(V / T)`` rows so the gathered logits are equal slices (the padding
 rows are zero and cut off after the gather).
+
+Kept-quantized weights (``SplitAlign``): the row-parallel inputs are cut only on
+quantization block boundaries, the nearest ones to the dense split.
+
+torch is imported only where tensors are touched: the planner (torch-free) prices
+the runtime's own split through ``rank_shards``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch only where tensors are touched: the planner imports the split (torch-free)
+    import torch
 
 Ranges = tuple[tuple[int, int], ...]   # [start, stop) row (or column) ranges of a full tensor
 
@@ -45,6 +53,20 @@ def split_evenly(total: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class SplitAlign:
+    """Where the row-parallel layers' inputs may be cut when their weights stay quantized:
+    a quantization block (32 weights for Q4_0..Q8_0, 256 for K-quants, the group for
+    int8/int4) cannot straddle two ranks. ``attention``: o_proj's input (q heads x
+    head_dim) is cut at multiples of it; ``mlp``: down_proj's (the intermediate rows).
+    The names say which tensor sets each (for the error when no split exists)."""
+
+    attention: int = 1
+    mlp: int = 1
+    attention_tensor: str = "o_proj"
+    mlp_tensor: str = "down_proj"
 
 
 @dataclass(frozen=True)
@@ -96,28 +118,78 @@ def check_tensor_parallel(cfg, size: int) -> None:
         raise ValueError(f"--tensor-parallel-size {size} exceeds the model's intermediate size or vocabulary")
 
 
-def check_tensor_parallel_config(config, cfg, source_kind: str) -> None:
-    """The engine's check of ``--tensor-parallel-size`` against the model and the other flags."""
+def check_tensor_parallel_config(config, cfg, align: SplitAlign | None = None) -> None:
+    """The engine's check of ``--tensor-parallel-size`` against the model and the other flags;
+    ``align``: the kept-quantized weights' block boundaries (``loader.split_alignment``),
+    which every rank's split must respect."""
     check_tensor_parallel(cfg, config.tensor_parallel_size)
-    from pipeserve.model.loader import tensor_parallel_quantization_message
-    from pipeserve.model.quant.load import weight_format
-    if weight_format(source_kind, config.quantization) != "dense":
-        raise ValueError(tensor_parallel_quantization_message(config.quantization))
+    for rank in range(config.tensor_parallel_size):
+        plan_shard(cfg, rank, config.tensor_parallel_size, align)
     if config.device.startswith("cuda:"):
         raise ValueError(f"--tensor-parallel-size > 1 places each rank on its own GPU (stage s's rank r on "
                          f"cuda:{{s * T + r}} of its node); use --device cuda, not --device {config.device}")
 
 
-def plan_shard(cfg, rank: int, size: int) -> TensorShard:
-    """The slice of ``cfg``'s model that TP rank ``rank`` of ``size`` holds."""
+def plan_shard(cfg, rank: int, size: int, align: SplitAlign | None = None) -> TensorShard:
+    """The slice of ``cfg``'s model that TP rank ``rank`` of ``size`` holds; with ``align``
+    the cuts of o_proj's and down_proj's inputs fall on quantization block boundaries
+    (the nearest ones to the dense split; uneven is fine)."""
     check_tensor_parallel(cfg, size)
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} outside [0, {size})")
     heads = [_heads_of(cfg, r, size) for r in range(size)]
+    if align is not None and align.attention > 1:
+        heads = _align_heads(cfg, heads, align)
     q, kv = heads[rank]
     rows = -(-cfg.vocab_size // size)
-    return TensorShard(rank, size, q, kv, _intermediate_split(cfg, heads)[rank],
+    return TensorShard(rank, size, q, kv, _intermediate_split(cfg, heads, align)[rank],
                        (rank * rows, (rank + 1) * rows))
+
+
+def rank_shards(cfg, size: int, align: SplitAlign | None = None) -> list[TensorShard]:
+    """Every rank's shard (the planner's per-rank costs; the busiest rank paces the stage)."""
+    return [plan_shard(cfg, r, size, align) for r in range(size)]
+
+
+def _align_heads(cfg, heads: list, align: SplitAlign) -> list:
+    """Move each cut between two ranks' q heads to the nearest one at a multiple of
+    ``align.attention`` o_proj columns that keeps query groups with their KV head: with at
+    least T KV heads only whole KV groups move; with fewer, a cut between ranks sharing a
+    KV head moves inside that head's group, and a cut between two KV heads cannot move."""
+    size, d = len(heads), cfg.head_dim
+    group = cfg.num_heads // cfg.num_kv_heads
+    step = align.attention // _gcd(align.attention, d)   # q heads per block-aligned cut
+    bounds = [q0 for (q0, _), _ in heads] + [cfg.num_heads]
+    for i in range(1, size):
+        want, prev = bounds[i], bounds[i - 1]
+        if cfg.num_kv_heads >= size:
+            lo, hi, unit = prev + 1, cfg.num_heads - (size - i) * group, group   # whole KV groups
+        elif heads[i - 1][1] == heads[i][1]:                               # both ranks share one KV head
+            kv0 = heads[i][1][0]
+            lo, hi, unit = max(prev + 1, kv0 * group + 1), (kv0 + 1) * group - 1, 1
+        else:
+            lo = hi = want                                                 # fixed: the KV head's first q head
+            unit = 1
+        ok = [b for b in range(max(lo, 1), hi + 1) if b % unit == 0 and b % step == 0]
+        if not ok:
+            raise ValueError(
+                f"--tensor-parallel-size {size}: {align.attention_tensor} is quantized in blocks of "
+                f"{align.attention} weights along its input ({cfg.num_heads} heads x {d} dims), and no cut "
+                f"between tensor-parallel ranks {i - 1} and {i} falls on a block boundary while keeping "
+                f"query heads with their KV head ({cfg.num_kv_heads} KV heads); use --quantization none "
+                "or a smaller --tensor-parallel-size")
+        bounds[i] = min(ok, key=lambda b: (abs(b - want), b))
+    out = []
+    for r in range(size):
+        q0, q1 = bounds[r], bounds[r + 1]
+        kv = (q0 // group, -(-q1 // group)) if cfg.num_kv_heads >= size else heads[r][1]
+        out.append(((q0, q1), kv))
+    return out
+
+
+def _gcd(a: int, b: int) -> int:
+    import math
+    return math.gcd(a, b)
 
 
 def _heads_of(cfg, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -132,19 +204,27 @@ def _heads_of(cfg, rank: int, size: int) -> tuple[tuple[int, int], tuple[int, in
     return (head * group + lo, head * group + hi), (head, head + 1)
 
 
-def _intermediate_split(cfg, heads: list) -> list[tuple[int, int]]:
+def _intermediate_split(cfg, heads: list, quant: SplitAlign | None = None) -> list[tuple[int, int]]:
     """The MLP's intermediate rows per rank, balancing each rank's layer weights: a rank with
     more attention heads (an uneven head split, e.g. SmolLM2's 6 + 3) gets fewer MLP rows,
     since the slowest rank sets every all-reduce's pace. Weights per rank: attention
-    h·D·(2 q + 2 kv) + MLP 3·h·rows. Boundaries are multiples of 32 where the size allows."""
+    h·D·(2 q + 2 kv) + MLP 3·h·rows. Boundaries are multiples of 32 where the size allows,
+    and multiples of ``quant.mlp`` (down_proj's quantization block) where it is set."""
     size, inter, d = len(heads), cfg.intermediate_size, cfg.head_dim
     attn = [2 * d * ((q1 - q0) + (k1 - k0)) for (q0, q1), (k0, k1) in heads]   # per unit of hidden
     target = (sum(attn) + 3 * inter) / size
     align = 32 if inter % 32 == 0 and inter >= 32 * 8 * size else 1   # coarse only where it is small
+    if quant is not None and quant.mlp > 1:
+        align = quant.mlp
+        if inter % align or inter < align * size:
+            raise ValueError(
+                f"--tensor-parallel-size {size}: {quant.mlp_tensor} is quantized in blocks of {align} weights "
+                f"along its input ({inter} intermediate rows), so {size} ranks cannot each get whole blocks; "
+                "use --quantization none or a smaller --tensor-parallel-size")
     bounds, start = [], 0
     for r in range(size - 1):
-        want = max(1, round(max(0.0, target - attn[r]) / 3 / align) * align)
-        stop = min(start + want, inter - (size - 1 - r))   # leave at least one row per later rank
+        want = max(align, round(max(0.0, target - attn[r]) / 3 / align) * align)
+        stop = min(start + want, inter - (size - 1 - r) * align)   # leave a block per later rank
         bounds.append((start, max(stop, start + 1)))
         start = bounds[-1][1]
     bounds.append((start, inter))
@@ -183,6 +263,7 @@ def parameter_slices(cfg, shard: TensorShard, name: str) -> tuple[int, Ranges] |
 def take_slices(tensor: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:
     """The ranges of ``tensor`` along ``dim``, concatenated; rows past the end (vocabulary
     padding) are zeros."""
+    import torch
     parts = []
     for start, stop in ranges:
         have = max(0, min(stop, tensor.shape[dim]) - start)
@@ -206,6 +287,7 @@ class TensorParallelGroup:
     their launch: NCCL runs them on its stream without blocking the host)."""
 
     def __init__(self, shard: TensorShard, group=None, device: torch.device | None = None) -> None:
+        import torch
         self.shard = shard
         self.rank, self.size = shard.rank, shard.size
         self.group = group
@@ -229,6 +311,7 @@ class TensorParallelGroup:
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's ``x`` (equal shapes) along the last dim on rank 0; None elsewhere."""
+        import torch
         import torch.distributed as dist
         x = x.contiguous()
         if self.rank == 0:
@@ -307,6 +390,7 @@ class SharedMemoryAllReduce:
     def __init__(self, path: str, rank: int, size: int, slot_elems: int, dtype: torch.dtype,
                  create: bool, timeout_s: float = 60.0) -> None:
         import numpy as np
+        import torch
         self.rank, self.size, self.slot_elems, self.dtype = rank, size, slot_elems, dtype
         self.timeout_s = timeout_s
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -330,6 +414,8 @@ class SharedMemoryAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import time
+
+        import torch
         self.calls += 1
         gen, n = self.calls, x.numel()
         bank = self.slots[gen % 2]

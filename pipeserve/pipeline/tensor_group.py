@@ -95,8 +95,11 @@ def _group_for(spec, stage: int, rank: int, shm_path: str | None = None, create:
     """This rank's ``TensorParallelGroup``; with ``shm_path`` its all-reduces go through
     shared memory (``--tp-all-reduce shm``, CPU only), sized for the largest step's activations."""
     from pipeserve.model.tensor_parallel import SharedMemoryAllReduce, TensorParallelGroup, plan_shard
+    from pipeserve.model.loader import split_alignment
     size = spec.config.tensor_parallel_size
-    group = TensorParallelGroup(plan_shard(spec.model_cfg, rank, size), device=_rank_device(spec, stage, rank))
+    align = split_alignment(spec.source, spec.model_cfg, spec.config.quantization,
+                            spec.config.quantization_group_size)   # the driver's split (llm_engine)
+    group = TensorParallelGroup(plan_shard(spec.model_cfg, rank, size, align), device=_rank_device(spec, stage, rank))
     if shm_path is not None:
         from pipeserve.pipeline.stage_process import DTYPES
         elems = min(spec.config.max_num_batched_tokens * spec.model_cfg.hidden_size, 1 << 24)

@@ -12,7 +12,8 @@ from pipeserve.plan import formulas
 from pipeserve.plan.hardware import Hardware
 from pipeserve.plan.memory import StageMemory, kv_token_capacity, stage_memory, stage_weight_bytes
 from pipeserve.plan.presets import PlanInputError
-from pipeserve.plan.roofline import BatchShape
+from pipeserve.plan.quantization import weight_format
+from pipeserve.plan.roofline import BatchShape, tp_shards
 from pipeserve.plan.stages import PipelineCosts
 
 
@@ -100,9 +101,18 @@ def _memory_cap(req: PlanRequest, model: ModelConfig, hw: Hardware, probe: Pipel
     return max(1, int(room / per_layer / req.virtual_stages)) if room > 0 else 1
 
 
+def check_tp(model: ModelConfig, tp: int, quantization: str | None = None) -> None:
+    """Refuse a T the runtime cannot split this model over (its message); T need not
+    divide the heads: the runtime splits them unevenly (``roofline.tp_shards``)."""
+    block = weight_format(quantization).block if quantization else 1
+    try:
+        tp_shards(model, tp, block)
+    except ValueError as exc:
+        raise PlanInputError(f"--tp {tp}: {exc}") from None
+
+
 def evaluate(model: ModelConfig, hw: Hardware, req: PlanRequest) -> PlanEstimate:
-    if req.tp < 1 or model.num_heads % req.tp:
-        raise PlanInputError(f"--tp {req.tp} must divide the {model.num_heads} attention heads")
+    check_tp(model, req.tp, req.quantization)
     chunks = _chunks(req, model, hw)
     costs = PipelineCosts(model, hw, chunks, req.pp, req.tp, req.dtype, quantization=req.quantization)
     worker_layers = [sum(chunks[c] for c in range(len(chunks)) if costs.worker_of(c) == w)

@@ -29,21 +29,23 @@ class StageMemory:
 
 def stage_weight_bytes(model: ModelConfig, costs: LayerCosts, layers: int, first: bool,
                        last: bool) -> float:
-    """Bytes of the weights a stage stores per TP rank (tied embeddings stored on both
-    ends if P > 1). Quantized: layers and embedding at ``costs.weight_bytes``, the LM
+    """Bytes of the weights a stage stores on its fullest TP rank (tied embeddings stored
+    on both ends if P > 1). Quantized: layers and embedding at ``costs.weight_bytes``, the LM
     head at ``costs.head_weight_bytes`` (a tied embedding is the head, so it too);
-    the final norm stays in the dtype. MoE: ALL experts are stored, not just the active ones."""
+    the final norm stays in the dtype. MoE: ALL experts are stored, not just the active ones.
+    Under TP the runtime's split (``LayerCosts.layer_fraction``: uneven heads, rebalanced
+    MLP rows; the vocabulary padded to T equal slices); the final norm is on every rank."""
     average_layer = sum(map(model.layer_params, range(model.num_layers))) / model.num_layers
-    nbytes = layers * average_layer * costs.weight_bytes
+    nbytes = layers * average_layer * costs.weight_bytes * costs.layer_fraction
     head_matrix = model.head_params() - model.hidden_size
     if first:
         embed = costs.head_weight_bytes if model.tie_word_embeddings else costs.weight_bytes
-        nbytes += model.embedding_params() * embed
+        nbytes += model.embedding_params() * embed * costs.vocab_fraction
     if last:
         nbytes += model.hidden_size * costs.bytes  # final norm
     if last and not (first and model.tie_word_embeddings):
-        nbytes += head_matrix * costs.head_weight_bytes
-    return nbytes / costs.tp
+        nbytes += head_matrix * costs.head_weight_bytes * costs.vocab_fraction
+    return nbytes
 
 
 def kv_bytes_per_token(costs: LayerCosts, layers: int) -> float:

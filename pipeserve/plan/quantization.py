@@ -11,8 +11,10 @@ Weight-only: the KV cache and activations keep the dtype. Three kinds of entry:
   whole-file averages llama.cpp's tools/quantize/README.md reports (Llama 2 7B:
   Q4_K_M 4.84, Q5_K_M 5.68 …); a 70B differs by about 1 % (Llama-3.1-70B Q4_K_M
   files are 42.5 GB for 70.6 B parameters: 4.82 bits).
-- pipeserve's load-time ``int8`` / ``int4``: one bfloat16 scale (int8) or scale
-  and zero point (int4) per group of ``GROUP_SIZE`` weights along the input.
+- pipeserve's load-time ``int8`` / ``int4`` as the runtime stores them
+  (model/quant/packed.py ``quantize_weight``): one float16 scale (int8) or scale and
+  minimum (int4) per group of ``GROUP_SIZE`` weights along the input, the runtime's
+  default ``--quantization-group-size``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from pipeserve.plan.presets import PlanInputError
 
-GROUP_SIZE = 128   # int8 / int4 group size assumed here (one bfloat16 scale (+ zero) per group)
+GROUP_SIZE = 32    # int8 / int4: the runtime's default --quantization-group-size (float16 scale (+ minimum))
 Q6_K_BITS = 8 * 210 / 256  # 6.5625: llama-quantize's LM head below Q8_0
 
 
@@ -31,6 +33,7 @@ class WeightFormat:
     bits: float          # bits per weight of the decoder layers and the input embedding
     head_bits: float     # bits per weight of the LM head (output.weight)
     note: str
+    block: int = 1       # weights per quantization block along a row (a TP cut falls on one)
 
     @property
     def bytes(self) -> float:
@@ -45,12 +48,12 @@ def _block(name: str, block_bytes: int, block_weights: int, head_bits: float | N
     bits = 8 * block_bytes / block_weights
     head = Q6_K_BITS if head_bits is None else head_bits
     return WeightFormat(name, bits, head, f"GGUF {name.upper()}: {block_bytes} bytes / {block_weights} "
-                                         f"weights, head at {head:g} bits")
+                                         f"weights, head at {head:g} bits", block_weights)
 
 
 def _mix(name: str, bits: float) -> WeightFormat:
     return WeightFormat(name, bits, Q6_K_BITS, f"GGUF {name.upper()} mix: {bits} bits average "
-                                               "(llama.cpp quantize README), head Q6_K")
+                                               "(llama.cpp quantize README), head Q6_K", 256)
 
 
 def _dense(name: str, bits: int) -> WeightFormat:
@@ -66,11 +69,11 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     # GGUF file-type mixes of K-quants
     _mix("q5_k_m", 5.68), _mix("q5_k_s", 5.52), _mix("q4_k_m", 4.84), _mix("q4_k_s", 4.58),
     _mix("q3_k_l", 4.27), _mix("q3_k_m", 3.91), _mix("q3_k_s", 3.50), _mix("q2_k", 3.35),
-    # pipeserve's group-wise load-time quantization (weights + bf16 scale [+ zero] per group)
+    # pipeserve's group-wise load-time quantization (weights + float16 scale [+ minimum] per group)
     WeightFormat("int8", 8 + 16 / GROUP_SIZE, 8 + 16 / GROUP_SIZE,
-                 f"int8, one bf16 scale per {GROUP_SIZE} weights"),
+                 f"int8, one float16 scale per {GROUP_SIZE} weights", block=GROUP_SIZE),
     WeightFormat("int4", 4 + 32 / GROUP_SIZE, 4 + 32 / GROUP_SIZE,
-                 f"int4, bf16 scale and zero per {GROUP_SIZE} weights"),
+                 f"int4, float16 scale and minimum per {GROUP_SIZE} weights", block=GROUP_SIZE),
 )}
 
 

@@ -10,17 +10,24 @@ from pipeserve.plan.analysis import PlanEstimate, PlanRequest, evaluate
 from pipeserve.plan.hardware import Hardware
 from pipeserve.plan.memory import stage_weight_bytes
 from pipeserve.plan.presets import PlanInputError
+from pipeserve.plan.quantization import weight_format
+from pipeserve.plan.roofline import tp_shards
 from pipeserve.plan.stages import PipelineCosts
 
 TARGETS = ("throughput", "latency")
 
 
-def candidate_splits(model: ModelConfig, hw: Hardware, devices: int) -> list[tuple[int, int]]:
-    """(P, T) with P·T = devices, T within one node and dividing the heads, P ≤ layers."""
+def candidate_splits(model: ModelConfig, hw: Hardware, devices: int, block: int = 1) -> list[tuple[int, int]]:
+    """(P, T) with P·T = devices, T within one node and one the runtime can split the model
+    over (unevenly where T does not divide the heads), P ≤ layers."""
     splits = []
     for tp in range(1, devices + 1):
         pp = devices // tp
-        if devices % tp or model.num_heads % tp or tp > hw.gpus_per_node or pp > model.num_layers:
+        if devices % tp or tp > hw.gpus_per_node or pp > model.num_layers:
+            continue
+        try:
+            tp_shards(model, tp, block)
+        except ValueError:
             continue
         if hw.gpus_per_node % tp:
             continue
@@ -41,7 +48,8 @@ def recommend(model: ModelConfig, hw: Hardware, base: PlanRequest,
     if target not in TARGETS:
         raise PlanInputError(f"--target must be throughput or latency, got {target!r}")
     results = []
-    for pp, tp in candidate_splits(model, hw, base.pp * base.tp):
+    block = weight_format(base.quantization).block if base.quantization else 1
+    for pp, tp in candidate_splits(model, hw, base.pp * base.tp, block):
         req = dataclasses.replace(base, pp=pp, tp=tp, micro_batches=None,
                                   partition="auto" if base.partition not in ("uniform",) else "uniform")
         try:

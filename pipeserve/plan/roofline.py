@@ -9,10 +9,12 @@ terms: the matmuls (weights' FLOPs vs weight + activation bytes) and attention
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.tensor_parallel import SplitAlign, TensorShard, rank_shards
 
 # FLOP/s is calibrated (with the runtime's own decoder layer) at a decode batch of
 # DECODE_TOKENS tokens and a prefill of PREFILL_TOKENS tokens; between them it is
@@ -59,15 +61,37 @@ class OpCost:
         return max(self.flops / flops_per_s, self.bytes / bytes_per_s)
 
 
+def tp_shards(model: ModelConfig, tp: int, block: int = 1) -> list[TensorShard]:
+    """Every tensor-parallel rank's slice as the runtime cuts it (model/tensor_parallel.py:
+    heads follow KV groups and may split unevenly, e.g. SmolLM2's 6 + 3 at T = 2; the MLP
+    rows rebalance each rank's weights; the vocabulary is padded to T equal slices), with
+    o_proj's and down_proj's inputs cut on quantization blocks of ``block`` weights where
+    the weights are quantized. MoE: the runtime does not split experts; the heads are cut
+    as for a dense model and the experts assumed split evenly. Raises ValueError for a T
+    the runtime refuses (no head for some rank, no block-aligned cut)."""
+    dense = dataclasses.replace(model, num_experts=0) if model.num_experts else model
+    align = None
+    if block > 1:
+        def fit(inputs: int) -> int:
+            # llama-quantize stores a row that is not a multiple of 256 in a 32-weight type;
+            # int8/int4 fall back to 32 the same way at load
+            return block if inputs % block == 0 else 32 if inputs % 32 == 0 else 1
+        align = SplitAlign(fit(model.num_heads * model.head_dim), fit(model.intermediate_size),
+                           f"o_proj (blocks of {block})", f"down_proj (blocks of {block})")
+    return rank_shards(dense, tp, align)
+
+
 class LayerCosts:
-    """FLOPs and bytes of the model's pieces for a batch shape, on one of ``tp`` ranks."""
+    """FLOPs and bytes of the model's pieces for a batch shape, on the busiest of ``tp``
+    ranks (the slowest rank paces every all-reduce; the fullest one sets the memory)."""
 
     def __init__(self, model: ModelConfig, dtype_bytes: int, tp: int = 1,
                  kv_read_amplification: float = 1.0, weight_bytes: float | None = None,
-                 head_weight_bytes: float | None = None) -> None:
+                 head_weight_bytes: float | None = None, split_block: int = 1) -> None:
         """``weight_bytes`` / ``head_weight_bytes``: bytes per stored weight of the layers
         and embedding / of the LM head when they are quantized (default: ``dtype_bytes``);
-        activations and the KV cache stay at ``dtype_bytes``."""
+        activations and the KV cache stay at ``dtype_bytes``. ``split_block``: the
+        quantization block a TP cut of a row-parallel input must fall on (1: dense)."""
         self.model = model
         self.bytes = dtype_bytes
         self.weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
@@ -86,8 +110,24 @@ class LayerCosts:
         self.dense_mlp_params = 3 * h * model.intermediate_size
         layers = range(model.num_layers)
         self.moe_fraction = sum(map(model.is_moe_layer, layers)) / model.num_layers if model.num_experts else 0.0
-        # KV heads are split across TP ranks, replicated once there are more ranks than heads.
-        self.kv_heads_per_rank = max(1.0, model.num_kv_heads / tp)
+        # The runtime's split: KV heads over the ranks (replicated once there are more ranks
+        # than heads), unevenly where they do not divide; each quantity at its busiest rank.
+        self.q_heads_per_rank: float = model.num_heads
+        self.kv_heads_per_rank: float = model.num_kv_heads
+        self.vocab_fraction = 1.0     # vocabulary rows per rank / vocabulary (padded: ceil(V / T))
+        self.layer_fraction = 1.0     # the busiest rank's share of a layer's matmul weights
+        if tp > 1:
+            shards = tp_shards(model, tp, split_block)
+            self.q_heads_per_rank = max(s.num_q_heads for s in shards)
+            self.kv_heads_per_rank = max(s.num_kv_heads for s in shards)
+            self.vocab_fraction = shards[0].vocab_rows / model.vocab_size
+            if model.num_experts:
+                self.layer_fraction = 1.0 / tp
+            else:
+                d = model.head_dim
+                per_rank = [h * d * 2 * (s.num_q_heads + s.num_kv_heads)
+                            + 3 * h * (s.intermediate[1] - s.intermediate[0]) for s in shards]
+                self.layer_fraction = max(per_rank) / (self.attn_params + self.dense_mlp_params)
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts whose weights a batch reads (1 for a dense MLP)."""
@@ -124,7 +164,8 @@ class LayerCosts:
         active = self.attn_params + mlp_active
         weights = self.attn_params + mlp_read
         act = t * (6 * m.hidden_size + 2 * m.q_size + 2 * m.kv_size + 4 * self.mlp_width())
-        return OpCost(2 * active * t / self.tp, (weights * self.weight_bytes + act * self.bytes) / self.tp)
+        f = self.layer_fraction
+        return OpCost(2 * active * t * f, weights * self.weight_bytes * f + act * self.bytes / self.tp)
 
     def attention(self, shape: BatchShape) -> OpCost:
         """A decoder layer's attention: 4·pairs·q_size FLOPs (QK^T and PV) against the KV
@@ -132,7 +173,7 @@ class LayerCosts:
         cost per attended KV byte of the attention kernel relative to a plain read."""
         t = shape.new_tokens
         kv = (shape.kv_tokens + t) * self.kv_bytes_per_token_layer() * self.kv_read_amplification  # per rank
-        return OpCost(4 * shape.attn_pairs * self.model.q_size / self.tp, kv)
+        return OpCost(4 * shape.attn_pairs * self.q_heads_per_rank * self.model.head_dim, kv)
 
     def layer(self, shape: BatchShape) -> OpCost:
         """All FLOPs and bytes of one decoder layer (matmuls + attention). Counts only:
@@ -156,7 +197,7 @@ class LayerCosts:
         m, rows = self.model, shape.logit_rows
         flops = 2 * rows * m.hidden_size * m.vocab_size
         traffic = m.vocab_size * m.hidden_size * self.head_weight_bytes + rows * m.vocab_size * 4
-        return OpCost(flops / self.tp, traffic / self.tp + rows * m.hidden_size * self.bytes)
+        return OpCost(flops * self.vocab_fraction, traffic * self.vocab_fraction + rows * m.hidden_size * self.bytes)
 
     def hidden_bytes(self, shape: BatchShape) -> float:
         """Activation sent from one stage to the next: [new_tokens, hidden]."""

@@ -23,13 +23,13 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
     group-wise at load.
 
     ``tp`` (a ``TensorParallelGroup``): build and fill only this tensor-parallel
-    rank's slices (dense weights only)."""
+    rank's slices; kept-quantized weights are cut before they are re-laid out (a GGUF's
+    block bytes) or before they are quantized (int8/int4), on the block boundaries
+    ``split_alignment`` gave the shard plan."""
     from pipeserve.model.cpu_attention import select_backend
     from pipeserve.model.quant.load import materialize_rest, replace_quantized, weight_format
     fmt = weight_format(source.kind, quantization)
     device = torch.device(device)
-    if tp is not None and fmt != "dense":
-        raise ValueError(tensor_parallel_quantization_message(quantization))
     build_on = device if fmt == "dense" else torch.device("meta")
     model = LlamaModel(cfg, start_layer, end_layer, is_first, is_last, dtype, build_on,
                        backend=select_backend(attention_backend, device), tp=tp)
@@ -52,6 +52,8 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
         real = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device)
         model.rotary, model.local_rotary = real.rotary, real.local_rotary
         model.device = device
+        if tp is not None:
+            reader = _ShardReader(reader, source, cfg, tp.shard, sources)
         replace_quantized(model, reader, sources, fmt, quantization_group_size, dtype, device)
         materialize_rest(model, sources, dtype, device,
                          lambda param, ours, names: _fill(param, ours, [_read(reader, source, n) for n in names]))
@@ -60,10 +62,88 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
     return model
 
 
-def tensor_parallel_quantization_message(quantization: str) -> str:
-    return (f"--tensor-parallel-size > 1 runs dense weights only, but --quantization {quantization} keeps "
-            "them quantized (a GGUF's blocks with 'auto', or int8/int4): pass --quantization none to "
-            "dequantize at load (to --dtype), or use --tensor-parallel-size 1")
+def split_alignment(source: ModelSource, cfg: ModelConfig, quantization: str, group: int):
+    """Where a tensor-parallel split may cut the row-parallel layers' inputs (o_proj,
+    down_proj) with these weights kept quantized: a ``SplitAlign`` of the largest block
+    (GGUF: the file's types, every layer; int8/int4: the group, as ``quantize_weight``
+    would take it for the whole tensor), or None for dense weights (no constraint)."""
+    from pipeserve.model.quant.load import weight_format
+    from pipeserve.model.quant.packed import SUB
+    from pipeserve.model.tensor_parallel import SplitAlign
+    kind = getattr(source, "kind", None)
+    if kind is None or cfg.num_experts or weight_format(kind, quantization) == "dense":
+        return None
+    if quantization in ("int8", "int4"):
+        def unit(inputs: int) -> int:
+            return group if inputs % group == 0 else SUB if inputs % SUB == 0 else 1
+        return SplitAlign(unit(cfg.num_heads * cfg.head_dim), unit(cfg.intermediate_size),
+                          f"o_proj ({quantization}, group {group})", f"down_proj ({quantization}, group {group})")
+    reader = source.open_weights(cfg)
+    try:
+        layers = range(cfg.num_layers)
+        attention = [reader.block_size(f"model.layers.{i}.self_attn.o_proj.weight") for i in layers]
+        mlp = [reader.block_size(f"model.layers.{i}.mlp.down_proj.weight") for i in layers]
+    finally:
+        reader.close()
+    a, m = max(attention), max(mlp)
+    return SplitAlign(a, m, f"layer {attention.index(a)}'s o_proj (GGUF attn_output)",
+                      f"layer {mlp.index(m)}'s down_proj (GGUF ffn_down)")
+
+
+class _ShardReader:
+    """A tensor-parallel rank's view of the checkpoint for the kept-quantized path:
+    ``read`` and ``read_packed`` return only this rank's slice of each checkpoint tensor
+    (a fused parameter's ranges, given on the concatenation of its tensors, are mapped
+    onto each tensor), so ``replace_quantized`` quantizes or re-lays out shards only."""
+
+    def __init__(self, reader: WeightReader, source: ModelSource, cfg: ModelConfig, shard,
+                 sources: dict[str, list[str]]) -> None:
+        from pipeserve.model.tensor_parallel import parameter_slices
+        self._reader, self._source = reader, source
+        self._cuts: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {}
+        for ours, names in sources.items():
+            cut = parameter_slices(cfg, shard, ours)
+            if cut is None:
+                continue
+            for name, local in _per_tensor(reader, source, names, *cut).items():
+                if self._cuts.setdefault(name, local) != local:
+                    raise RuntimeError(f"checkpoint tensor {name} is cut two ways for tensor parallelism")
+
+    def read(self, name: str) -> torch.Tensor:
+        from pipeserve.model.tensor_parallel import take_slices
+        tensor = self._reader.read(name)
+        cut = self._cuts.get(name)
+        return tensor if cut is None else take_slices(tensor, *cut)
+
+    def read_packed(self, name: str):
+        return self._reader.read_packed(name, self._cuts.get(name))
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+def _per_tensor(reader: WeightReader, source: ModelSource, names: list[str], dim: int,
+                ranges) -> dict[str, tuple[int, tuple[tuple[int, int], ...]]]:
+    """A parameter's cut (ranges along ``dim`` of its tensors concatenated by rows) as one
+    cut per tensor; rows past the end (vocabulary padding) stay with the last tensor."""
+    if dim == 1 or len(names) == 1:
+        return {n: (dim, tuple(ranges)) for n in names}
+    try:
+        rows = [reader.shape(n)[0] for n in names]
+    except KeyError as exc:
+        raise ValueError(f"checkpoint {source.path} is missing a tensor the model needs: {exc}") from None
+    local: dict[str, list[tuple[int, int]]] = {n: [] for n in names}
+    for start, stop in ranges:
+        offset = 0
+        for i, (n, r) in enumerate(zip(names, rows)):
+            end = offset + r if i < len(names) - 1 else max(stop, offset + r)
+            a, b = max(start, offset), min(stop, end)
+            if a < b:
+                local[n].append((a - offset, b - offset))
+            offset += r
+    if any(not v for v in local.values()):
+        raise RuntimeError(f"a tensor-parallel cut leaves nothing of one of {names}")
+    return {n: (0, tuple(v)) for n, v in local.items()}
 
 
 def _read_shard(reader: WeightReader, source: ModelSource, cfg: ModelConfig, shard, name: str,

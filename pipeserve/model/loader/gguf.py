@@ -352,9 +352,34 @@ class GGUFWeightReader:
             self._stacks[name] = dequantize_tensor(tensor)
         return self._stacks[name]
 
-    def read_packed(self, hf_name: str) -> PackedWeight | None:
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        """The tensor's shape in PyTorch (row-major) order, without reading it."""
+        tensor, expert = self._tensor(hf_name)
+        self.names_read.pop()
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        return shape if expert is None else shape[1:]
+
+    def block_size(self, hf_name: str) -> int:
+        """Weights per quantization block along the tensor's input when it is kept quantized
+        (32, or 256 for K-quants); 1 when it is dense, dequantized at load or absent."""
+        try:
+            tensor, expert = self._tensor(hf_name)
+        except KeyError:
+            return 1
+        self.names_read.pop()
+        if expert is not None or tensor.tensor_type not in KEPT_TYPES:
+            return 1
+        return gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
+
+    def read_packed(self, hf_name: str, cut: tuple[int, tuple[tuple[int, int], ...]] | None = None
+                    ) -> PackedWeight | None:
         """The tensor in its own block type (``pipeserve.model.quant``), or None
-        when that type is not kept quantized (then ``read`` dequantizes it)."""
+        when that type is not kept quantized (then ``read`` dequantizes it).
+
+        ``cut`` (dim, [start, stop) ranges): a tensor-parallel rank's slice, taken from the
+        file's block bytes before they are re-laid out: whole rows (dim 0; rows past the end
+        are zero blocks, the vocabulary padding) or whole blocks of every row (dim 1, the
+        input of a row-parallel layer: each range must start and stop on a block boundary)."""
         tensor, expert = self._tensor(hf_name)
         if expert is not None or tensor.tensor_type not in KEPT_TYPES:   # experts: one dense stack
             if expert is None and tensor.tensor_type not in (T.F32, T.F16, T.BF16):
@@ -362,17 +387,39 @@ class GGUFWeightReader:
                          tensor.name, tensor.tensor_type.name)
             self.names_read.pop()   # the caller reads it again with ``read``
             return None
-        packed = repack(tensor.tensor_type, tensor.data)
+        raw = tensor.data   # uint8 [rows, bytes per row]: the file's blocks
         if self._permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = self.cfg.num_heads if ".attn_q." in tensor.name else self.cfg.num_kv_heads
-            # Rows are independent: undo the rotary permutation on whole rows of codes.
-            order = unpermute_rotary_rows(np.arange(packed.out_features), heads)
-            packed = packed.rows(torch.from_numpy(np.ascontiguousarray(order)))
-        return packed
+            # Rows are independent: undo the rotary permutation on whole rows of blocks.
+            raw = raw[unpermute_rotary_rows(np.arange(raw.shape[0]), heads)]
+        if cut is not None:
+            raw = _cut_blocks(raw, tensor, *cut)
+        return repack(tensor.tensor_type, raw)
 
     def close(self) -> None:
         self._tensors.clear()
         self._stacks.clear()
+
+
+def _cut_blocks(raw: np.ndarray, tensor, dim: int, ranges) -> np.ndarray:
+    """Rows (dim 0) or input columns (dim 1) of a block-quantized tensor's raw bytes."""
+    rows = raw.shape[0]
+    if dim == 0:
+        pieces = []
+        for start, stop in ranges:
+            if start < rows:
+                pieces.append(raw[start:min(stop, rows)])
+            if stop > max(start, rows):   # zero blocks dequantize to zero (scale 0)
+                pieces.append(np.zeros((stop - max(start, rows), raw.shape[1]), dtype=raw.dtype))
+        return np.ascontiguousarray(np.concatenate(pieces, axis=0))
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    pieces = []
+    for start, stop in ranges:
+        if start % block or stop % block:
+            raise ValueError(f"tensor {tensor.name} ({tensor.tensor_type.name}) is quantized in blocks of {block} "
+                             f"weights along its input; a tensor-parallel cut [{start}, {stop}) splits a block")
+        pieces.append(raw[:, start // block * type_size:stop // block * type_size])
+    return np.ascontiguousarray(np.concatenate(pieces, axis=1))
 
 
 def dequantize_tensor(tensor) -> np.ndarray:

@@ -1,0 +1,222 @@
+"""Tensor parallelism with weights kept quantized (--tensor-parallel-size 2 with
+--quantization auto on GGUF files, and int8/int4): the shard plan's cuts fall on
+quantization blocks, each rank holds the file's blocks of its slice only (about half the
+bytes), its layers are exactly the cut of the TP = 1 layers, and greedy output equals
+TP = 1 kept-quantized."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeserve.model.config import ModelConfig
+from pipeserve.model.tensor_parallel import SplitAlign, parameter_slices, plan_shard, take_slices
+from tests.test_engine_behaviour import random_prompts
+from tests.test_tensor_parallel import SMOL, run
+
+# A Llama with rows long enough for K-quants (256 weights a block): o_proj's input is 8 heads
+# of 64 (two blocks), down_proj's 1024 intermediate rows (four blocks).
+KQUANT_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=2, tie_word_embeddings=False)
+# llama-quantize's Q4_K_M mix: Q6_K for attn_v, ffn_down and the head, Q4_K elsewhere.
+KQUANT_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+def _k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (gguf's writer cannot quantize to K-quants) with small float16
+    scales, so the weights are of a trained model's size (|w| < ~0.5)."""
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in ((208,) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2)):
+        d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def _kquant_gguf(root: Path) -> Path:
+    """A tiny random Llama as a Q4_K_M-style GGUF (Q4_K, with Q6_K tensors), F32 norms."""
+    import gguf
+    from transformers import LlamaConfig
+
+    from tests.checkpoints import _COMMON, _write_metadata, finish_gguf, save_tiny_tokenizer
+    cfg = LlamaConfig(**{**_COMMON, **KQUANT_CONFIG}, rope_theta=10000.0)
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * 64
+    rng = np.random.default_rng(5)
+    shapes = {"token_embd": (cfg.vocab_size, h), "output": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        shapes.update({f"blk.{i}.attn_q": (h, h), f"blk.{i}.attn_k": (kv, h), f"blk.{i}.attn_v": (kv, h),
+                       f"blk.{i}.attn_output": (h, h), f"blk.{i}.ffn_gate": (inter, h),
+                       f"blk.{i}.ffn_up": (inter, h), f"blk.{i}.ffn_down": (h, inter)})
+    save_tiny_tokenizer(root)        # the GGUF's directory: its tokenizer is looked up beside it
+    path = root / "q4_k_m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _write_metadata(writer, cfg)
+    for name, (rows, cols) in shapes.items():
+        qtype = gguf.GGMLQuantizationType[KQUANT_TYPES.get(name.split(".")[-1], "Q4_K")]
+        writer.add_tensor(f"{name}.weight", _k_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+    norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("attn_norm", "ffn_norm")]
+    for name in norms:
+        writer.add_tensor(f"{name}.weight", (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    finish_gguf(writer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tiny_checkpoints, tmp_path_factory):
+    """name -> a tiny GGUF: "q8_0" (tied Llama, permuted q/k rows), "q4_k_m" (K-quants)."""
+    from tests.checkpoints import save_tiny_tokenizer, write_llama_gguf
+    root = tmp_path_factory.mktemp("tp_quant")
+    save_tiny_tokenizer(root)
+    files = {"q8_0": write_llama_gguf(tiny_checkpoints("llama_tied_gqa"), root / "q8_0.gguf", "Q8_0")}
+    kdir = root / "kquant"
+    kdir.mkdir()
+    files["q4_k_m"] = _kquant_gguf(kdir)
+    return files
+
+
+# -- the shard plan ------------------------------------------------------------------
+def test_block_aligned_cuts_move_to_the_nearest_block_boundary():
+    """SmolLM2's dense split is 6 + 3 q heads (384 o_proj columns) and 672 + 864 MLP rows;
+    with blocks of 32 both already fall on boundaries; with (hypothetical) blocks of 256 the
+    head cut must sit at 4 or 8 heads (256 / 64), keeping whole KV groups of 3: none exists."""
+    dense = [plan_shard(SMOL, r, 2) for r in range(2)]
+    legacy = [plan_shard(SMOL, r, 2, SplitAlign(32, 32)) for r in range(2)]
+    assert legacy == dense
+    with pytest.raises(ValueError, match=r"o_proj is quantized in blocks of 256 weights.*9 heads x 64 dims"):
+        plan_shard(SMOL, 0, 2, SplitAlign(256, 256))
+    # Only the MLP blocked at 256: the cut moves from 672 to the nearest multiple, 768.
+    mlp = [plan_shard(SMOL, r, 2, SplitAlign(1, 256)) for r in range(2)]
+    assert [s.intermediate for s in mlp] == [(0, 768), (768, 1536)]
+    assert [s.q_heads for s in mlp] == [s.q_heads for s in dense]
+
+
+def test_block_aligned_head_cut_keeps_query_groups():
+    """8 q heads of 64 over 2 KV heads, blocks of 256 (4 heads): the cut stays at 4 heads.
+    With 4 KV heads over 2 ranks at blocks of 256, the even cut (2 KV heads, 4 q heads) is
+    already aligned; at blocks of 512 no cut exists (the whole input is one block)."""
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=320, hidden_size=512, intermediate_size=1024, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+    shards = [plan_shard(cfg, r, 2, SplitAlign(256, 256, "o_proj (Q4_K)")) for r in range(2)]
+    assert [s.q_heads for s in shards] == [(0, 4), (4, 8)] and [s.kv_heads for s in shards] == [(0, 1), (1, 2)]
+    assert all(s.intermediate[0] % 256 == 0 for s in shards)
+    # 12 q heads of 64 in 6 KV groups of 2: the even cut at 6 heads (384 columns) is not on a
+    # 256-column block; the nearest cut on one that keeps whole groups is 4 heads (8 ties; lower wins).
+    wide = replace(cfg, num_heads=12, num_kv_heads=6, hidden_size=768, intermediate_size=2560)
+    moved = [plan_shard(wide, r, 2, SplitAlign(256, 256)) for r in range(2)]
+    assert [s.q_heads for s in moved] == [(0, 4), (4, 12)] and [s.kv_heads for s in moved] == [(0, 2), (2, 6)]
+    assert moved[0].intermediate == (0, 1536)   # fewer heads, more MLP rows (of 2560), whole blocks
+    with pytest.raises(ValueError, match="blocks of 512"):
+        plan_shard(cfg, 0, 2, SplitAlign(512, 256))
+    with pytest.raises(ValueError, match=r"down_proj is quantized in blocks of 256 weights along its input \(1024"):
+        plan_shard(cfg, 0, 8, SplitAlign(64, 256))
+
+
+# -- each rank's layers are the cut of the whole ---------------------------------------
+def _dequantized(module) -> torch.Tensor:
+    from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
+    from pipeserve.model.quant.packed import dequantize
+    if isinstance(module, (QuantLinear, QuantEmbedding)):
+        return torch.cat([dequantize(p) for p in module.parts], dim=0)
+    return module.weight.float()
+
+
+def _models(source, quantization: str, tp: int):
+    from pipeserve.model.loader import load_model, split_alignment
+    from pipeserve.model.tensor_parallel import TensorParallelGroup
+    cfg = source.load_config()
+    align = split_alignment(source, cfg, quantization, 32)
+    build = (lambda group: load_model(source, cfg, 0, cfg.num_layers, True, True, torch.float32, "cpu",
+                                      quantization=quantization, tp=group))
+    return cfg, build(None), [build(TensorParallelGroup(plan_shard(cfg, r, tp, align))) for r in range(tp)]
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "int4"])
+def test_each_rank_holds_the_cut_of_the_whole_and_half_the_bytes(gguf_files, tiny_checkpoints, name):
+    """GGUF: a rank's layers dequantize to exactly the cut of the TP = 1 layers (the same
+    blocks); int4: a rank's layers are the quantization of the cut float weight. Each rank's
+    resident weight bytes are about half of TP = 1's."""
+    from pipeserve.model.loader import resolve_model
+    from pipeserve.model.quant.load import weight_bytes
+    from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
+    from pipeserve.model.quant.packed import dequantize, quantize_weight
+    if name == "int4":
+        source, quantization = resolve_model(str(tiny_checkpoints("qwen2_bias"))), "int4"
+    else:
+        source, quantization = resolve_model(str(gguf_files[name])), "auto"
+    cfg, whole, ranks = _models(source, quantization, 2)
+    reader = source.open_weights(cfg)
+    kept = 0
+    for model in ranks:
+        for ours, names in model.checkpoint_names().items():
+            path = ours.rsplit(".", 1)[0]
+            module = model.get_submodule(path)
+            if not ours.endswith(".weight") or not isinstance(module, (QuantLinear, QuantEmbedding)):
+                continue
+            kept += 1
+            cut = parameter_slices(cfg, model.tp.shard, ours)
+            if name == "int4":
+                full = torch.cat([reader.read(n) for n in names], dim=0)
+                want = dequantize(quantize_weight(full if cut is None else take_slices(full, *cut), 4, 32))
+            else:
+                full = _dequantized(whole.get_submodule(path))
+                want = full if cut is None else take_slices(full, *cut)
+            assert torch.equal(_dequantized(module), want), ours
+    reader.close()
+    assert kept >= 2 * cfg.num_layers * 4
+    total, parts = weight_bytes(whole), [weight_bytes(m) for m in ranks]
+    assert all(0.4 * total < p < 0.62 * total for p in parts), (total, parts)
+
+
+def test_gguf_cut_on_raw_blocks_refuses_a_split_block(gguf_files):
+    from pipeserve.model.loader import resolve_model
+    source = resolve_model(str(gguf_files["q4_k_m"]))
+    reader = source.open_weights(source.load_config())
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_output\.weight \(Q4_K\) is quantized in blocks of 256"):
+        reader.read_packed("model.layers.0.self_attn.o_proj.weight", (1, ((0, 128),)))
+    reader.close()
+
+
+# -- greedy output equal to TP = 1 --------------------------------------------------------
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "int4"])
+def test_tensor_parallel_kept_quantized_matches_tp1(gguf_files, tiny_checkpoints, name):
+    """float32 activations: the ranks' partial sums add in another order than one matmul,
+    which moved no greedy token on these checkpoints."""
+    if name == "int4":
+        model, quantization = str(tiny_checkpoints("qwen2_bias")), "int4"
+    else:
+        model, quantization = str(gguf_files[name]), "auto"
+    prompts = random_prompts(3, seed=31)
+    one = run(model, prompts, quantization=quantization)
+    two = run(model, prompts, quantization=quantization, tensor_parallel_size=2)
+    assert two == one
+
+
+def test_smollm2_kept_q4_1_at_tp2_matches_tp1(smollm2_gguf):
+    """The built-in Q4_1 GGUF kept quantized: 6 + 3 heads, 672 + 864 MLP rows (all on
+    32-weight blocks), the same greedy tokens as one rank (float32 activations; the partial
+    sums' order moved none), and TP rank 0 holds about half the resident weight bytes."""
+    from pipeserve import LLM, SamplingParams
+    from tests.test_engine_behaviour import token_lists
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(1, seed=23, vocab=49152)]
+    got, resident = [], []
+    for tp in (1, 2):
+        with LLM(model=str(smollm2_gguf), dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1,
+                 quantization="auto", tensor_parallel_size=tp) as llm:
+            got.append(token_lists(llm.generate(prompts, params, use_tqdm=False)))
+            resident.append(llm.stats()["weight_bytes"][0])
+    assert got[1] == got[0] and len(got[0][0]) == 5
+    assert 0.4 < resident[1] / resident[0] < 0.6, resident
+
+
+def test_llm_refuses_a_split_off_the_blocks_before_starting_processes(gguf_files):
+    """4 ranks over 8 heads of 64 in 2 KV groups: ranks 0 and 1 share KV head 0 and would
+    cut its 4 q heads at 2 (128 columns), inside a 256-weight Q4_K block of attn_output."""
+    from pipeserve import LLM
+    with pytest.raises(ValueError, match=r"layer 0's o_proj \(GGUF attn_output\) is quantized in blocks of 256"):
+        LLM(model=str(gguf_files["q4_k_m"]), tensor_parallel_size=4)
