@@ -17,13 +17,16 @@
  *   PyTorch's .to(bfloat16) rounds the float32 dequantized weight (what the
  *   bfloat16 model of --quantization none holds). q4: the 16 values of a group
  *   are computed once into a 32-entry bf16 table and each run of 32 codes is
- *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16.
+ *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16. q5/q6 (compact
+ *   5/6-bit codes, quant_codes.h): the panel's rows are first expanded into
+ *   int8 codes (NB x K bytes of per-thread scratch), then dequantized as q8.
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
- * take (K not a multiple of 32, a q8 group not a multiple of 16 or a q4 group
+ * kind: 4, 8, 5 or 6 (q4, q8, q5, q6); qh and zero: q5/q6's high bits and code offset
+ * (ignored otherwise). Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
+ * take (K not a multiple of 32, a q8/q5/q6 group not a multiple of 16 or a q4 group
  * not a multiple of 32). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
  * "none" and the function returns -2: the caller keeps its portable path
  * (dequantized row tiles and PyTorch's matmul).
@@ -31,6 +34,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "quant_codes.h"
 
 const char *pipeserve_quant_gemm_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -98,15 +103,20 @@ dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int6
 /* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
  * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
 static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                          int64_t K, int64_t group, int64_t n0, uint32_t *wp) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero,
+                          int8_t *codes) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
+    const int compact = quant_is_compact(kind), ck = kind == 4 ? 4 : 8;
+    if (compact)   /* codes[j * K ..] = row n0 + j as int8 codes */
+        for (int64_t j = 0; j < rows; j++)
+            quant_q8_row(kind, qs, qh, zero, K, n0 + j, codes + j * K);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL,
-                                        group, k)
+            const uint8_t *q = compact ? (const uint8_t *)(codes + j * K) : qs + n * row_bytes;
+            r[j] = j < rows ? dequant32(ck, q, sc + n * groups, mn ? mn + n * groups : NULL, group, k)
                             : _mm512_setzero_si512();
         }
         transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
@@ -160,7 +170,8 @@ static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16
 }
 
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
+                         const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
@@ -171,20 +182,23 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        if (!wp) {
+        int8_t *codes = quant_is_compact(kind) ? aligned_alloc(64, (size_t)(NB * K + 63) / 64 * 64) : NULL;
+        const int ok = wp && (codes || !quant_is_compact(kind));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
-            if (!wp) continue;
+            if (!ok) continue;
             const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
-            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp);
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero, codes);
             for (int64_t mb = 0; mb < blocks; mb++)
                 micro_rows(xp + mb * (K / 2) * 16, wp, K, out, N, n0, mb * 16,
                            M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
         }
         free(wp);
+        free(codes);
     }
     free(xp);
     return failed ? -1 : 0;
@@ -193,9 +207,10 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #else
 
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
+                         const uint8_t *qh, int zero) {
     (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)M; (void)out;
-    (void)num_threads;
+    (void)num_threads; (void)qh; (void)zero;
     return -2;
 }
 

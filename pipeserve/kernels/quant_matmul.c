@@ -3,7 +3,12 @@
  * Layouts: a row of `K` weights is K / group float16 scales (and minimums)
  * plus codes, either "q4" (16 bytes per 32 weights: weight j in the low
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
- * weight). A weight is scale * q + min.
+ * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
+ * minus a constant `zero`; quant_codes.h). A weight is scale * q + min.
+ * q5/q6 rows are expanded into int8 codes in a per-thread scratch row (in L1)
+ * just before their dot products, which are then q8's: the row crosses the
+ * memory bus at its compact size, and every q8 path (float, VNNI, dequantize)
+ * serves them.
  *
  * pipeserve_quant_gemv: out[M, N] = x[M, K] . W[N, K]^T for a few rows of x
  *   (decode). Each thread takes a contiguous range of output rows and reads
@@ -36,6 +41,7 @@
 #include <omp.h>
 
 #include "vec_math.h"
+#include "quant_codes.h"
 
 #define MAX_M 4  /* rows of x per pass over the weights (float path) */
 #define GEMV_ROWS 8  /* rows of x per pass on the int8-activation path */
@@ -349,17 +355,21 @@ row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, i
  * while row n is computed. */
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
-        int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+        int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
+        int layout, const uint8_t *qh, int zero, int8_t *scratch) {
+    const int64_t row_bytes = quant_row_bytes(layout, K), high_bytes = quant_high_row_bytes(layout, K), groups = K / group;
     for (int64_t n = n0; n < n1; n++) {
         if (n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < high_bytes; o += 64)
+                _mm_prefetch((const char *)(qh + (n + PF_ROWS) * high_bytes + o), _MM_HINT_T0);
             _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), _MM_HINT_T0);
             if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
         }
         float res[GEMV_ROWS];
-        row_dot_i8(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        const uint8_t *q = kind == 4 ? qs + n * row_bytes : quant_q8_row(layout, qs, qh, zero, K, n, scratch);
+        row_dot_i8(kind, q, sc + n * groups, mn ? mn + n * groups : NULL, per, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) store(out, out_bf16, m * N + n, res[m]);
     }
 }
@@ -368,10 +378,13 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
  * the layout's branches fold away, and nothing is set up again per output row. */
 static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                           int64_t per, int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1,
-                          int64_t N, void *out, int out_bf16) {
-#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break;
+                          int64_t N, void *out, int out_bf16, int layout, const uint8_t *qh, int zero,
+                          int8_t *scratch) {
+#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16, layout, qh, zero, \
+                                   scratch); break;
 #define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
-                                 default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break; }
+                                 default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, \
+                                                  out_bf16, layout, qh, zero, scratch); break; }
     if (kind == 4) ALL(4) else ALL(8)
 #undef ALL
 #undef CASE
@@ -401,8 +414,10 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 }
 
 #ifdef HAVE_VNNI
-static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
-                   int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads) {
+static int gemv_i8(int layout, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                   int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
+                   const uint8_t *qh, int zero) {
+    const int kind = layout == 4 ? 4 : 8;   /* q5/q6 rows are expanded to q8 codes */
     const int64_t per = group / QB;
     act_i8 a;
     a.nb = K / QB;
@@ -418,125 +433,167 @@ static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16
     a.xc = a.xd + M * a.nbp;
     if (kind == 4) quantize_rows16(xf, M, K, &a);
     else quantize_rows(xf, M, K, &a);
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16);
+        int8_t *scratch = quant_is_compact(layout) ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
+        if (quant_is_compact(layout) && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out,
+                          out_bf16, layout, qh, zero, scratch);
+        }
+        free(scratch);
     }
     free(buf);
-    return 0;
+    return failed ? -1 : 0;
 }
 #endif
 
-/* kind: 4 or 8; mn may be NULL; act_i8: quantize x to int8 blocks where
+/* kind: 4, 8, 5 or 6 (q4, q8, q5, q6); mn may be NULL; qh and zero: q5/q6's high bits and
+ * code offset (ignored otherwise; last, so callers built against the two-layout
+ * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, or -1 when scratch cannot be allocated. */
 int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                          int64_t N, int64_t K, int64_t group, const void *x, int x_bf16, int64_t M,
-                         void *out, int out_bf16, int act_i8, int num_threads) {
+                         void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 #ifdef HAVE_VNNI
     if (act_i8 && pipeserve_quant_i8_applies(K, group, M)) {
-        const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads);
+        const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
         free(xf);
         return rc;
     }
 #else
     (void)act_i8;
 #endif
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
+    const int64_t groups = K / group;
+    int failed = 0;
+    /* row n's codes (q5/q6: expanded into buf) */
+#define ROW(n, buf) (ck == 4 ? qs + (n) * (K / 2) : quant_q8_row(kind, qs, qh, zero, K, (n), (buf)))
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t *scratch = compact ? aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64) : NULL;
+        if (compact && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int ok = !compact || scratch;
 #ifdef HAVE_TWO_ROWS
-    if (M == 1) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-        for (int64_t pair = 0; pair < N / 2; pair++) {
-            const int64_t n = 2 * pair;
-            float res[2];
-            two_rows_dot1(kind, qs + n * row_bytes, qs + (n + 1) * row_bytes, sc + n * groups,
-                          sc + (n + 1) * groups, mn ? mn + n * groups : NULL, mn ? mn + (n + 1) * groups : NULL,
-                          K, group, xf, res);
-            store(out, out_bf16, n, res[0]);
-            store(out, out_bf16, n + 1, res[1]);
-        }
-        if (N % 2) {
-            float res[1];
-            rows_dot(kind, qs + (N - 1) * row_bytes, sc + (N - 1) * groups, mn ? mn + (N - 1) * groups : NULL,
-                     K, group, xf, 1, res);
-            store(out, out_bf16, N - 1, res[0]);
-        }
-        free(xf);
-        return 0;
-    }
+        if (M == 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < (N + 1) / 2; pair++) {
+                const int64_t n = 2 * pair;
+                if (!ok) continue;
+                if (n + 1 == N) {   /* an odd last row */
+                    float res[1];
+                    rows_dot(ck, ROW(n, scratch), sc + n * groups, mn ? mn + n * groups : NULL, K, group, xf, 1, res);
+                    store(out, out_bf16, n, res[0]);
+                    continue;
+                }
+                float res[2];
+                const uint8_t *qa = ROW(n, scratch), *qb = ROW(n + 1, scratch + K);
+                two_rows_dot1(ck, qa, qb, sc + n * groups, sc + (n + 1) * groups, mn ? mn + n * groups : NULL,
+                              mn ? mn + (n + 1) * groups : NULL, K, group, xf, res);
+                store(out, out_bf16, n, res[0]);
+                store(out, out_bf16, n + 1, res[1]);
+            }
+        } else
 #endif
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *q = qs + n * row_bytes;
-        const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-            float res[MAX_M];
-            const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
-            rows_dot(kind, q, s, b, K, group, xf + m0 * K, m_rows, res);
-            for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
+        {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                if (!ok) continue;
+                const uint8_t *q = ROW(n, scratch);
+                const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+                for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+                    float res[MAX_M];
+                    const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
+                    rows_dot(ck, q, s, b, K, group, xf + m0 * K, m_rows, res);
+                    for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
+                }
+            }
         }
+        free(scratch);
     }
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
-void pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
-                             int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
-                             int num_threads) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t n = r0; n < r1; n++) {
-        const uint8_t *q = qs + n * row_bytes;
-        const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
-        const int64_t o = (n - r0) * K;
+/* Returns 0, or -1 when scratch cannot be allocated (q5/q6). */
+int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                            int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
+                            int num_threads, const uint8_t *qh, int zero) {
+    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);
+    const int64_t groups = K / group;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t *scratch = compact ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
+        if (compact && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = r0; n < r1; n++) {
+            if (compact && !scratch) continue;
+            const uint8_t *q = ROW(n, scratch);
+            const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+            const int64_t o = (n - r0) * K;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-        if (kind == 4) {   /* the prefill tile path's common case, vectorised */
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512 sv = _mm512_set1_ps(_cvtsh_ss(s[g])), bv = _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f);
-                for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
-                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
-                    const __m512 w0 = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), sv, bv);
-                    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, bv);
-                    if (out_bf16) {
-                        uint16_t *o16 = (uint16_t *)out + o + k;
-                        _mm256_storeu_si256((__m256i *)o16, (__m256i)_mm512_cvtneps_pbh(w0));
-                        _mm256_storeu_si256((__m256i *)(o16 + 16), (__m256i)_mm512_cvtneps_pbh(w1));
-                    } else {
-                        _mm512_storeu_ps((float *)out + o + k, w0);
-                        _mm512_storeu_ps((float *)out + o + k + 16, w1);
+            if (ck == 4) {   /* the prefill tile path's common case, vectorised */
+                for (int64_t g = 0; g < groups; g++) {
+                    const __m512 sv = _mm512_set1_ps(_cvtsh_ss(s[g])), bv = _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f);
+                    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+                        const __m512 w0 = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), sv, bv);
+                        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, bv);
+                        if (out_bf16) {
+                            uint16_t *o16 = (uint16_t *)out + o + k;
+                            _mm256_storeu_si256((__m256i *)o16, (__m256i)_mm512_cvtneps_pbh(w0));
+                            _mm256_storeu_si256((__m256i *)(o16 + 16), (__m256i)_mm512_cvtneps_pbh(w1));
+                        } else {
+                            _mm512_storeu_ps((float *)out + o + k, w0);
+                            _mm512_storeu_ps((float *)out + o + k + 16, w1);
+                        }
                     }
                 }
+                continue;
             }
-            continue;
-        }
 #endif
-        for (int64_t g = 0; g < groups; g++) {
-            const float scale = f16_to_f32(s[g]), bias = b ? f16_to_f32(b[g]) : 0.0f;
-            const int step = kind == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
-            for (int64_t k = g * group; k < (g + 1) * group; k += step) {
-                float w[32];
-                if (kind == 4) {
+            for (int64_t g = 0; g < groups; g++) {
+                const float scale = f16_to_f32(s[g]), bias = b ? f16_to_f32(b[g]) : 0.0f;
+                const int step = ck == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
+                for (int64_t k = g * group; k < (g + 1) * group; k += step) {
+                    float w[32];
+                    if (ck == 4) {
 #pragma omp simd
-                    for (int j = 0; j < 16; j++) {
-                        w[j] = (float)(q[k / 2 + j] & 15) * scale + bias;
-                        w[j + 16] = (float)(q[k / 2 + j] >> 4) * scale + bias;
+                        for (int j = 0; j < 16; j++) {
+                            w[j] = (float)(q[k / 2 + j] & 15) * scale + bias;
+                            w[j + 16] = (float)(q[k / 2 + j] >> 4) * scale + bias;
+                        }
+                    } else {
+#pragma omp simd
+                        for (int j = 0; j < 16; j++) w[j] = (float)((const int8_t *)q)[k + j] * scale + bias;
                     }
-                } else {
+                    if (out_bf16) {
 #pragma omp simd
-                    for (int j = 0; j < 16; j++) w[j] = (float)((const int8_t *)q)[k + j] * scale + bias;
-                }
-                if (out_bf16) {
-#pragma omp simd
-                    for (int j = 0; j < step; j++) ((uint16_t *)out)[o + k + j] = f32_to_bf16(w[j]);
-                } else {
-                    memcpy((float *)out + o + k, w, sizeof(float) * step);
+                        for (int j = 0; j < step; j++) ((uint16_t *)out)[o + k + j] = f32_to_bf16(w[j]);
+                    } else {
+                        memcpy((float *)out + o + k, w, sizeof(float) * step);
+                    }
                 }
             }
         }
+        free(scratch);
     }
+    return failed ? -1 : 0;
 }
+#undef ROW
