@@ -125,21 +125,27 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     row (or a panel) into those bytes and run the q8 code."""
     path, types = gguf_file
     kernels = cpu_kernels()
+    weights = []
     for ttype in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K):
         w = _read(path, types.index(ttype))[0]
         assert w.kind == ("q6" if ttype == T.Q6_K else "q5"), ttype.name
+        weights.append(w)
+    # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
+    weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
+    for w in weights:
+        ttype = w.source
         wide = to_q8(w)
-        assert torch.equal(dequantize(w), dequantize(wide)), ttype.name
+        assert torch.equal(dequantize(w), dequantize(wide)), ttype
         for rows in (1, 2, 3, GEMV_MAX_ROWS, 64):
-            x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype.name, rows)
+            x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
             if rows <= GEMV_MAX_ROWS:
                 for i8 in (False, True):
                     assert torch.equal(kernels.gemv(w, x, int8_act=i8), kernels.gemv(wide, x, int8_act=i8)), \
-                        (ttype.name, rows, i8)
-            assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype.name, rows)
+                        (ttype, rows, i8)
+            assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype, rows)
             if kernels.gemm_applies(w, x):
-                assert torch.equal(kernels.gemm(w, x), kernels.gemm(wide, x)), (ttype.name, rows)
+                assert torch.equal(kernels.gemm(w, x), kernels.gemm(wide, x)), (ttype, rows)
 
 
 @needs_kernel
@@ -243,6 +249,17 @@ def _int8_activation_bound(w, x: torch.Tensor) -> torch.Tensor:
     return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
 
 
+def _compact(rows: int, cols: int, kind: str, group: int, zero: int, with_min: bool, seed: int) -> PackedWeight:
+    """A random q5/q6 weight (codes, float16 scales and minimums) of any shape."""
+    gen = torch.Generator().manual_seed(seed)
+    hbits = 1 if kind == "q5" else 2
+    codes = torch.randint(0, 1 << (4 + hbits), (rows, cols), generator=gen).to(torch.uint8)
+    qs, qh = pack_high_codes(codes, hbits)
+    scale = (0.01 * torch.rand(rows, cols // group, generator=gen) + 0.005).half()
+    minv = (0.1 * torch.randn(rows, cols // group, generator=gen)).half() if with_min else None
+    return PackedWeight(kind, group, qs, scale, minv, f"{kind}/{group}", qh, zero)
+
+
 def _int8_cases(gguf_file):
     path, types = gguf_file
     cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
@@ -250,6 +267,8 @@ def _int8_cases(gguf_file):
     # 23 blocks of 32: the VNNI kernel's odd last block and its short last group of 16 blocks
     odd = torch.randn(9, 736, generator=torch.Generator().manual_seed(8))
     return cases + [quantize_weight(odd, 4, 32), quantize_weight(odd, 8, 32),
+                    _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
+                    _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 
@@ -265,9 +284,9 @@ def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows):
         err = (got - ref).abs()
         assert (err <= _int8_activation_bound(w, x)).all(), (w.source, rows, err.max().item())
         uses_int8 = kernels.int8_activations(w, x.bfloat16())
-        if not uses_int8:                                 # no VNNI, or a group of 16 (Q6_K): float path
+        if not uses_int8:                                 # no VNNI: float path
             assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
-        assert uses_int8 == (kernels.isa == "avx512-vnni" and w.group % 32 == 0), w.source
+        assert uses_int8 == (kernels.isa == "avx512-vnni"), w.source   # every kept type, Q6_K's groups of 16 too
 
 
 @needs_kernel

@@ -193,6 +193,7 @@ typedef struct {
     int8_t *x1, *x2;    /* q8 weights: two int8 terms */
     int16_t *xw;        /* q4 weights: one int16 term, [M, chunks, 64] */
     float *xd, *xc;
+    float *xc16;        /* q8 codes, groups of 16 (Q6_K): d * (256 * sum q1 + sum q2) per half block, [M, 2 * nbp] */
     int64_t nb, nch, nbp;
 } act_i8;
 
@@ -228,7 +229,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a)
             memset(a->x1 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
             memset(a->x2 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
         }
-        for (int64_t b = a->nb; b < a->nbp; b++) a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+        for (int64_t b = a->nb; b < a->nbp; b++) {
+            a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+            a->xc16[2 * (m * a->nbp + b)] = a->xc16[2 * (m * a->nbp + b) + 1] = 0.0f;
+        }
         for (int64_t b = 0; b < a->nb; b++) {
             const float *xb = x + m * K + b * QB;
             const __m512 u = _mm512_loadu_ps(xb), v = _mm512_loadu_ps(xb + 16);
@@ -249,10 +253,12 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a)
             _mm_storeu_si128((__m128i *)(a->x2 + c + p0), _mm512_cvtepi32_epi8(ju));
             _mm_storeu_si128((__m128i *)(a->x2 + c + p1), _mm512_cvtepi32_epi8(jv));
             const float d = amax / 127.0f / 256.0f;
-            const int32_t s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(iu, iv));
-            const int32_t s2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ju, jv));
+            const float su1 = 256.0f * (float)_mm512_reduce_add_epi32(iu) + (float)_mm512_reduce_add_epi32(ju);
+            const float sv1 = 256.0f * (float)_mm512_reduce_add_epi32(iv) + (float)_mm512_reduce_add_epi32(jv);
             a->xd[m * a->nbp + b] = d;
-            a->xc[m * a->nbp + b] = d * (256.0f * (float)s1 + (float)s2);
+            a->xc[m * a->nbp + b] = d * (su1 + sv1);
+            a->xc16[2 * (m * a->nbp + b)] = d * su1;
+            a->xc16[2 * (m * a->nbp + b) + 1] = d * sv1;
         }
     }
 }
@@ -272,6 +278,26 @@ static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t 
     const __m512i w = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * 32)))
                            : _mm512_loadu_si512(q + b * 32);
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+}
+
+/* q5/q6: the codes of the chunk starting at block b as 64 unsigned bytes (code - zero + 128),
+ * expanded in registers from 32 nibble bytes and the blocks' high-bit planes (quant_codes.h):
+ * the same bytes chunk_codes8 loads from a q8 row. */
+static inline __attribute__((always_inline)) __m512i
+chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half, int zero) {
+    const int hbits = kind - 4;
+    const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
+                             : _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    /* [low nibbles b, b + 1 | high nibbles b, b + 1] -> weight order [b 0-15, b 16-31, b+1 0-15, b+1 16-31] */
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    __m512i c = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    for (int p = 0; p < hbits; p++) {
+        uint32_t lo = 0, hi = 0;
+        memcpy(&lo, qh + (b * hbits + p) * 4, 4);
+        if (!half) memcpy(&hi, qh + ((b + 1) * hbits + p) * 4, 4);
+        c = _mm512_mask_add_epi8(c, (__mmask64)lo | (__mmask64)hi << 32, c, _mm512_set1_epi8((char)(16 << p)));
+    }
+    return _mm512_add_epi8(c, _mm512_set1_epi8((char)(128 - zero)));
 }
 
 /* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
@@ -294,58 +320,89 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
 }
 
 /* One weight row against m_rows quantized rows of x. Per chunk of 64 weights: the codes
- * as 64 unsigned bytes, two vpdpbusd into 16 int32 lanes, then one FMA with each lane's
- * s_w * d_x, taken from a 16-block vector of them by a permute. Minimums (and q8's
- * -128 * s_w) meet the block sums d * sum(x') in one FMA per 16 blocks. Even and odd
- * chunks go to separate accumulators (two FMA chains in flight); all lanes are summed
- * once at the end of the row. kind and m_rows are constants where this is inlined. */
+ * as 64 unsigned bytes (q8: loaded; q5/q6: expanded in registers), two vpdpbusd into 16
+ * int32 lanes (q4: two vpdpwssd), then one FMA with each lane's s_w * d_x, taken from a
+ * 16-block vector of them by a permute. Minimums (and q8's -128 * s_w) meet the block sums
+ * d * sum(x') in one FMA per 16 blocks. Groups of 16 (Q6_K; `per` 0): lane l of a chunk is
+ * group l / 4 of it, so the 32 groups of 16 blocks are two vectors of s_w * d_x, read with
+ * one two-source permute per chunk, and the -128 * s_w term meets the half-block sums.
+ * Even and odd chunks go to separate accumulators (two FMA chains in flight); all lanes
+ * are summed once at the end of the row. kind and m_rows are constants where this is inlined. */
 static inline __attribute__((always_inline)) void
-row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t per,
-           const act_i8 *a, int m_rows, float *res) {
+row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
+           int64_t per, const act_i8 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
-    const __m512i two = _mm512_set1_epi32(2);
-    /* lane -> block within the chunk: lanes 0-7 block b, 8-15 block b + 1 */
-    const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int g16 = per == 0;
+    const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
+    /* lane -> scale within the chunk: lanes 0-7 block b, 8-15 block b + 1; groups of 16: lane / 4 */
+    const __m512i first = g16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                              : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
     __m512 acc[GEMV_ROWS], acc2[GEMV_ROWS];
     for (int m = 0; m < m_rows; m++) acc[m] = acc2[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16) {
         const int n = nb - g < 16 ? (int)(nb - g) : 16;
-        const __m512 s = block_scales(sc, g, n, per);
-        __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
-        if (kind == 8) mw = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.0f), mw);   /* codes enter as q + 128 */
-        __m512 sd[GEMV_ROWS];
-        for (int m = 0; m < m_rows; m++) {
-            sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
-            acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
+        __m512 sd[GEMV_ROWS], sd1[GEMV_ROWS];   /* sd1: groups of 16 only, the run's second 16 groups */
+        if (g16) {
+            const int n0 = 2 * n < 16 ? 2 * n : 16, n1 = 2 * n - n0;
+            const __m512 s0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), sc + 2 * g));
+            const __m512 s1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), sc + 2 * g + 16));
+            __m512 mw0 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), mn + 2 * g))
+                            : _mm512_setzero_ps();
+            __m512 mw1 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), mn + 2 * g + 16))
+                            : _mm512_setzero_ps();
+            mw0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(-128.0f), mw0);   /* codes enter as q + 128 */
+            mw1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(-128.0f), mw1);
+            for (int m = 0; m < m_rows; m++) {
+                const __m512 d = _mm512_loadu_ps(a->xd + m * nbp + g);
+                sd[m] = _mm512_mul_ps(s0, _mm512_permutexvar_ps(dup_lo, d));
+                sd1[m] = _mm512_mul_ps(s1, _mm512_permutexvar_ps(dup_hi, d));
+                const float *xc = a->xc16 + 2 * (m * nbp + g);
+                acc2[m] = _mm512_fmadd_ps(mw0, _mm512_loadu_ps(xc), acc2[m]);
+                acc2[m] = _mm512_fmadd_ps(mw1, _mm512_loadu_ps(xc + 16), acc2[m]);
+            }
+        } else {
+            const __m512 s = block_scales(sc, g, n, per);
+            __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
+            if (kind != 4) mw = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.0f), mw);   /* codes enter as q + 128 */
+            for (int m = 0; m < m_rows; m++) {
+                sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
+                acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
+            }
         }
         __m512i idx = first;
         int64_t b = g;
         /* the dot products of chunk c (blocks c, c + 1; half: c is the row's odd last block)
-         * with row m of x, as 16 float lanes */
+         * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
 #define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
+#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : chunk_codes_hb(kind, q, qh, c, half, zero))
+#define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
-            const __m512i idx2 = _mm512_add_epi32(idx, two);
-            if (kind == 8) w8 = chunk_codes8(q, b, 0);
+            const __m512i idx2 = _mm512_add_epi32(idx, step);
+            if (kind != 4) w8 = CODES(b, 0);
             for (int m = 0; m < m_rows; m++)
-                acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
-            if (kind == 8) w8 = chunk_codes8(q, b + 2, 0);
+                acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), SCALE(m, idx), acc[m]);
+            if (kind != 4) w8 = CODES(b + 2, 0);
             for (int m = 0; m < m_rows; m++)
-                acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), _mm512_permutexvar_ps(idx2, sd[m]), acc2[m]);
-            idx = _mm512_add_epi32(idx2, two);
+                acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), SCALE(m, idx2), acc2[m]);
+            idx = _mm512_add_epi32(idx2, step);
         }
         if (b < g + n) {   /* one more chunk, full or the row's odd last block */
-            if (kind == 8) w8 = chunk_codes8(q, b, b + 1 == nb);
+            if (kind != 4) w8 = CODES(b, b + 1 == nb);
             for (int m = 0; m < m_rows; m++)
-                acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), SCALE(m, idx), acc[m]);
             if (b + 2 < g + n) {   /* and one after it (three chunks left: only in a short last group) */
-                idx = _mm512_add_epi32(idx, two);
-                if (kind == 8) w8 = chunk_codes8(q, b + 2, b + 3 == nb);
+                idx = _mm512_add_epi32(idx, step);
+                if (kind != 4) w8 = CODES(b + 2, b + 3 == nb);
                 for (int m = 0; m < m_rows; m++)
-                    acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc2[m]);
+                    acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), SCALE(m, idx), acc2[m]);
             }
         }
+#undef SCALE
+#undef CODES
 #undef DOT
     }
     for (int m = 0; m < m_rows; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
@@ -356,8 +413,8 @@ row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, i
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
-        int layout, const uint8_t *qh, int zero, int8_t *scratch) {
-    const int64_t row_bytes = quant_row_bytes(layout, K), high_bytes = quant_high_row_bytes(layout, K), groups = K / group;
+        const uint8_t *qh, int zero) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     for (int64_t n = n0; n < n1; n++) {
         if (n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
@@ -368,8 +425,8 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
             if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
         }
         float res[GEMV_ROWS];
-        const uint8_t *q = kind == 4 ? qs + n * row_bytes : quant_q8_row(layout, qs, qh, zero, K, n, scratch);
-        row_dot_i8(kind, q, sc + n * groups, mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        row_dot_i8(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+                   mn ? mn + n * groups : NULL, per, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) store(out, out_bf16, m * N + n, res[m]);
     }
 }
@@ -378,14 +435,12 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
  * the layout's branches fold away, and nothing is set up again per output row. */
 static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                           int64_t per, int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1,
-                          int64_t N, void *out, int out_bf16, int layout, const uint8_t *qh, int zero,
-                          int8_t *scratch) {
-#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16, layout, qh, zero, \
-                                   scratch); break;
+                          int64_t N, void *out, int out_bf16, const uint8_t *qh, int zero) {
+#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16, qh, zero); break;
 #define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
                                  default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, \
-                                                  out_bf16, layout, qh, zero, scratch); break; }
-    if (kind == 4) ALL(4) else ALL(8)
+                                                  out_bf16, qh, zero); break; }
+    switch (kind) { case 4: ALL(4) break; case 5: ALL(5) break; case 6: ALL(6) break; default: ALL(8) break; }
 #undef ALL
 #undef CASE
 }
@@ -406,7 +461,7 @@ static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint1
 /* 1 when pipeserve_quant_gemv honours act_i8 for this layout (else it runs the float path). */
 int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #ifdef HAVE_VNNI
-    return K % QB == 0 && group % QB == 0 && M <= GEMV_ROWS;
+    return K % QB == 0 && (group % QB == 0 || group == 16) && M <= GEMV_ROWS;
 #else
     (void)K; (void)group; (void)M;
     return 0;
@@ -414,41 +469,33 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 }
 
 #ifdef HAVE_VNNI
-static int gemv_i8(int layout, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
                    int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
                    const uint8_t *qh, int zero) {
-    const int kind = layout == 4 ? 4 : 8;   /* q5/q6 rows are expanded to q8 codes */
-    const int64_t per = group / QB;
+    const int64_t per = group / QB;   /* 0: groups of 16 */
     act_i8 a;
     a.nb = K / QB;
     a.nch = (a.nb + 1) / 2;
     a.nbp = (a.nb + 15) & ~(int64_t)15;
     /* q8: two int8 terms; q4: one int16 term (the same bytes) */
-    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 2 * sizeof(float) * M * a.nbp);
+    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 4 * sizeof(float) * M * a.nbp);
     if (!buf) return -1;
     a.x1 = buf;
     a.x2 = buf + M * a.nch * CHUNK;
     a.xw = (int16_t *)buf;
     a.xd = (float *)(buf + 2 * M * a.nch * CHUNK);
     a.xc = a.xd + M * a.nbp;
+    a.xc16 = a.xc + M * a.nbp;
     if (kind == 4) quantize_rows16(xf, M, K, &a);
     else quantize_rows(xf, M, K, &a);
-    int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        int8_t *scratch = quant_is_compact(layout) ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
-        if (quant_is_compact(layout) && !scratch) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out,
-                          out_bf16, layout, qh, zero, scratch);
-        }
-        free(scratch);
+        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16,
+                      qh, zero);
     }
     free(buf);
-    return failed ? -1 : 0;
+    return 0;
 }
 #endif
 
@@ -464,7 +511,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 #ifdef HAVE_VNNI
-    if (act_i8 && pipeserve_quant_i8_applies(K, group, M)) {
+    if (act_i8 && pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0)) {
         const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
         free(xf);
         return rc;

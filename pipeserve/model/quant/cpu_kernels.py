@@ -105,8 +105,9 @@ class QuantKernels:
         return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
-        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k)."""
-        return x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k or 16)."""
+        return (x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+                and (w.kind != "q4" or w.group % 32 == 0))
 
     def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
         """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
