@@ -18,8 +18,8 @@
  *   bfloat16 model of --quantization none holds). q4: the 16 values of a group
  *   are computed once into a 32-entry bf16 table and each run of 32 codes is
  *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16. q5/q6 (compact
- *   5/6-bit codes, quant_codes.h): the panel's rows are first expanded into
- *   int8 codes (NB x K bytes of per-thread scratch), then dequantized as q8.
+ *   5/6-bit codes, quant_codes.h): each run of 32 codes is expanded in registers
+ *   (nibbles + masked adds of the high-bit planes), then dequantized as q8.
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
@@ -74,9 +74,10 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order). */
+/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6 only. */
 static inline __attribute__((always_inline)) __m512i
-dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int64_t group, int64_t k) {
+dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
+          int64_t group, int64_t k) {
     if (kind == 4) {   /* group is a multiple of 32: one table per run */
         const int64_t g = k / group;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -89,13 +90,30 @@ dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int6
             _mm256_castsi128_si256(_mm_and_si128(v, lo4)), _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
         return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
     }
-    /* q8: group is a multiple of 16 (Q6_K has 16) */
+    /* q8, q5, q6: group is a multiple of 16 (Q6_K has 16) */
     const int64_t g0 = k / group, g1 = (k + 16) / group;
-    const __m512 w0 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))),
+    __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
+    if (kind == 8) {
+        c0 = _mm_loadu_si128((const __m128i *)(q + k));
+        c1 = _mm_loadu_si128((const __m128i *)(q + k + 16));
+    } else {   /* expanded from the run's nibbles and high-bit planes */
+        const int hbits = kind - 4;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
+        c0 = _mm_and_si128(v, lo4);
+        c1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+        for (int p = 0; p < hbits; p++) {
+            uint32_t plane;
+            memcpy(&plane, qh + (k / 32 * hbits + p) * 4, 4);
+            const __m128i add = _mm_set1_epi8((char)(16 << p));
+            c0 = _mm_mask_add_epi8(c0, (__mmask16)plane, c0, add);
+            c1 = _mm_mask_add_epi8(c1, (__mmask16)(plane >> 16), c1, add);
+        }
+        c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
+        c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
+    }
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),
         _mm512_set1_ps(_cvtsh_ss(s[g0])), _mm512_set1_ps(b ? _cvtsh_ss(b[g0]) : 0.0f));
-    const __m512 w1 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k + 16)))),
+    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
         _mm512_set1_ps(_cvtsh_ss(s[g1])), _mm512_set1_ps(b ? _cvtsh_ss(b[g1]) : 0.0f));
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
 }
@@ -103,20 +121,15 @@ dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int6
 /* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
  * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
 static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero,
-                          int8_t *codes) {
-    const int64_t row_bytes = quant_row_bytes(kind, K), groups = K / group;
+                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
-    const int compact = quant_is_compact(kind), ck = kind == 4 ? 4 : 8;
-    if (compact)   /* codes[j * K ..] = row n0 + j as int8 codes */
-        for (int64_t j = 0; j < rows; j++)
-            quant_q8_row(kind, qs, qh, zero, K, n0 + j, codes + j * K);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            const uint8_t *q = compact ? (const uint8_t *)(codes + j * K) : qs + n * row_bytes;
-            r[j] = j < rows ? dequant32(ck, q, sc + n * groups, mn ? mn + n * groups : NULL, group, k)
+            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero,
+                                        sc + n * groups, mn ? mn + n * groups : NULL, group, k)
                             : _mm512_setzero_si512();
         }
         transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
@@ -182,8 +195,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        int8_t *codes = quant_is_compact(kind) ? aligned_alloc(64, (size_t)(NB * K + 63) / 64 * 64) : NULL;
-        const int ok = wp && (codes || !quant_is_compact(kind));
+        const int ok = wp != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -192,13 +204,12 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
         for (int64_t pn = 0; pn < panels; pn++) {
             if (!ok) continue;
             const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
-            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero, codes);
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero);
             for (int64_t mb = 0; mb < blocks; mb++)
                 micro_rows(xp + mb * (K / 2) * 16, wp, K, out, N, n0, mb * 16,
                            M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
         }
         free(wp);
-        free(codes);
     }
     free(xp);
     return failed ? -1 : 0;

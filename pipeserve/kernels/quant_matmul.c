@@ -5,10 +5,10 @@
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
  * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
  * minus a constant `zero`; quant_codes.h). A weight is scale * q + min.
- * q5/q6 rows are expanded into int8 codes in a per-thread scratch row (in L1)
- * just before their dot products, which are then q8's: the row crosses the
- * memory bus at its compact size, and every q8 path (float, VNNI, dequantize)
- * serves them.
+ * q5/q6 codes cross the memory bus at their compact size: the integer-activation
+ * path expands each chunk of 64 in registers (chunk_codes_hb) into the bytes a q8
+ * row holds; the float and dequantize paths expand a row into a per-thread
+ * scratch row (in L1) just before using it as q8.
  *
  * pipeserve_quant_gemv: out[M, N] = x[M, K] . W[N, K]^T for a few rows of x
  *   (decode). Each thread takes a contiguous range of output rows and reads
@@ -31,7 +31,10 @@
  *   in chunks of 64 weights (two blocks, 16 int32 lanes); each lane is scaled
  *   by its block's s_w * d (a permute of a 16-block vector of them), the
  *   minimums meet d * sum(x') once per 16 blocks, and the lanes are summed
- *   once per row. Error vs float activations per element: at most d (q8:
+ *   once per row. Groups of 16 (Q6_K) take this path too: each lane of a chunk is one
+ *   group (4 lanes per 16 weights), scaled from two 16-lane vectors of s_w * d, and
+ *   the q8 excess term meets per-half-block activation sums. q5/q6 (compact codes)
+ *   are expanded in registers to the bytes q8 would load. Error vs float activations per element: at most d (q8:
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  */

@@ -24,7 +24,11 @@ codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes (see
 quant_matmul.c); each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
 float32 activations never take that path (``--quantization none`` and the
-float32 fidelity reference keep their numerics).
+float32 fidelity reference keep their numerics). q8 codes in groups of 16
+(Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) are
+expanded to q8's int8 codes inside the kernels (in registers on the VNNI
+path, into a cached scratch row or panel elsewhere), so every path computes
+on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py).
 """
 
 from __future__ import annotations

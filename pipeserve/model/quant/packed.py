@@ -16,8 +16,9 @@ weights of a row:
   order for hbits = 1, so those bytes are copied as they are). ``zero`` is
   subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
   per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
-  the kernels expand one row (or a 16-row panel) at a time into int8 codes in
-  cache and run the ``q8`` code on them (``expand_codes`` is the reference).
+  the kernels expand the codes into ``q8``'s int8 codes where they compute (in
+  registers on the VNNI decode path, a row or a 16-row panel in cache
+  elsewhere) and run the ``q8`` code on them (``expand_codes`` is the reference).
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
 except on q5/q6). Rows are independent, so a row permutation or a
