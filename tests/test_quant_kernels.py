@@ -86,12 +86,12 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
 
 
 # Resident bytes per weight in memory over bytes per weight in the file, per kept type:
-# legacy types keep their block's bytes (scales moved to their own array), Q4_0 plus
-# a float16 minimum -8·d per 32 weights (the q4 kernels take no code offset: 20 / 18); Q4_K/Q5_K
+# legacy types keep their block's bytes (scales moved to their own array; Q4_0's and
+# Q5_0's offsets are the weight's ``zero``, not a minimum array); Q4_K/Q5_K
 # hold a float16 scale and minimum per 32 weights where the file has 6-bit ones under
 # a float16 per 256 (160 / 144, 192 / 176 bytes per 256), Q6_K a float16 scale per 16
 # where the file has int8 ones (224 / 210).
-RESIDENT_OVER_FILE = {T.Q4_0: 20 / 18, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
+RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
                       T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210}
 
 
@@ -232,7 +232,9 @@ def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monke
 
 def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     path, types = gguf_file
-    a, b = _read(path, types.index(T.Q4_0))[0], _read(path, types.index(T.Q4_1))[0]
+    a, b = _read(path, types.index(T.Q4_K))[0], _read(path, types.index(T.Q4_1))[0]
+    with pytest.raises(ValueError, match="different layouts"):   # Q4_0 has a code offset, Q4_1 minimums
+        concat_rows([_read(path, types.index(T.Q4_0))[0], b])
     fused = concat_rows([a, b])
     assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
     emb = QuantEmbedding(fused, torch.bfloat16)

@@ -81,9 +81,10 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
     if (kind == 4) {   /* group is a multiple of 32: one table per run */
         const int64_t g = k / group;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(s[g])),
-                                            _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f));
-        /* table[i] = bf16(i * scale + min), i < 16 (entries 16..31 unused) */
+        const float sg = _cvtsh_ss(s[g]);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
+        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg),
+                                            _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)zero * sg));
+        /* table[i] = bf16(i * scale + min - zero * scale), i < 16 (entries 16..31 unused) */
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
         const __m256i codes = _mm256_inserti128_si256(

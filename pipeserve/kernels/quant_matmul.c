@@ -4,7 +4,8 @@
  * plus codes, either "q4" (16 bytes per 32 weights: weight j in the low
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
  * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
- * minus a constant `zero`; quant_codes.h). A weight is scale * q + min.
+ * minus a constant `zero`; quant_codes.h). A weight is scale * (q - zero) + min
+ * (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 in registers (chunk_codes_hb) into the bytes a q8
  * row holds; the float and dequantize paths expand a row into a per-thread
@@ -84,14 +85,15 @@ const char *pipeserve_quant_isa(void) {
 #include <immintrin.h>
 
 static inline __attribute__((always_inline)) void
-row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K, int64_t group,
+row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
         const float *x, int m_rows, float *res) {
     __m512 acc0[MAX_M], acc1[MAX_M];
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot). */
-        const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
-        const __m512 b = _mm512_set1_ps(mn ? _cvtsh_ss(mn[g]) : 0.0f);
+        const float sg = _cvtsh_ss(sc[g]);
+        const __m512 s = _mm512_set1_ps(sg);
+        const __m512 b = _mm512_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
         if (kind == 4) {  /* group is a multiple of 32 */
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
@@ -120,13 +122,14 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int6
 /* Decode's common case, one row of x: two weight rows at once, so four FMA
  * chains are in flight instead of two (one chain is bound by FMA latency). */
 static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const uint16_t *sa,
-                          const uint16_t *sb, const uint16_t *ma, const uint16_t *mb, int64_t K,
+                          const uint16_t *sb, const uint16_t *ma, const uint16_t *mb, int zero, int64_t K,
                           int64_t group, const float *x, float *res) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int64_t g = 0; g < K / group; g++) {
-        const __m512 s_a = _mm512_set1_ps(_cvtsh_ss(sa[g])), s_b = _mm512_set1_ps(_cvtsh_ss(sb[g]));
-        const __m512 m_a = _mm512_set1_ps(ma ? _cvtsh_ss(ma[g]) : 0.0f);
-        const __m512 m_b = _mm512_set1_ps(mb ? _cvtsh_ss(mb[g]) : 0.0f);
+        const float fa = _cvtsh_ss(sa[g]), fb = _cvtsh_ss(sb[g]);
+        const __m512 s_a = _mm512_set1_ps(fa), s_b = _mm512_set1_ps(fb);
+        const __m512 m_a = _mm512_set1_ps((ma ? _cvtsh_ss(ma[g]) : 0.0f) - (float)zero * fa);
+        const __m512 m_b = _mm512_set1_ps((mb ? _cvtsh_ss(mb[g]) : 0.0f) - (float)zero * fb);
         if (kind == 4) {
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
@@ -160,11 +163,11 @@ static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const 
 }
 #define HAVE_TWO_ROWS 1
 #else
-static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K,
+static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
                            int64_t group, const float *x, int m_rows, float *res) {
     for (int m = 0; m < m_rows; m++) res[m] = 0.0f;
     for (int64_t g = 0; g < K / group; g++) {
-        const float s = f16_to_f32(sc[g]), b = mn ? f16_to_f32(mn[g]) : 0.0f;
+        const float s = f16_to_f32(sc[g]), b = (mn ? f16_to_f32(mn[g]) : 0.0f) - (float)zero * s;
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             const int64_t j = k % 32, base = k - j;
             const float code = kind == 4 ? (float)(j < 16 ? q[base / 2 + j] & 15 : q[base / 2 + j - 16] >> 4)
@@ -368,7 +371,8 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         } else {
             const __m512 s = block_scales(sc, g, n, per);
             __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
-            if (kind != 4) mw = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.0f), mw);   /* codes enter as q + 128 */
+            /* q8/q5/q6 codes enter as q + 128; q4 codes carry their offset `zero` (Q4_0: 8) */
+            mw = _mm512_fmadd_ps(s, _mm512_set1_ps(kind != 4 ? -128.0f : -(float)zero), mw);
             for (int m = 0; m < m_rows; m++) {
                 sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
                 acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
@@ -451,13 +455,13 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
 
 /* Specialised per m_rows so the compiler unrolls the row loop and keeps the
  * accumulators in registers. */
-static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K,
+static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
                      int64_t group, const float *x, int m_rows, float *res) {
     switch (m_rows) {
-    case 1: row_dot(kind, q, sc, mn, K, group, x, 1, res); break;
-    case 2: row_dot(kind, q, sc, mn, K, group, x, 2, res); break;
-    case 3: row_dot(kind, q, sc, mn, K, group, x, 3, res); break;
-    default: row_dot(kind, q, sc, mn, K, group, x, 4, res); break;
+    case 1: row_dot(kind, q, sc, mn, zero, K, group, x, 1, res); break;
+    case 2: row_dot(kind, q, sc, mn, zero, K, group, x, 2, res); break;
+    case 3: row_dot(kind, q, sc, mn, zero, K, group, x, 3, res); break;
+    default: row_dot(kind, q, sc, mn, zero, K, group, x, 4, res); break;
     }
 }
 
@@ -523,6 +527,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     (void)act_i8;
 #endif
     const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
+    const int z4 = kind == 4 ? zero : 0;   /* q5/q6 codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
     int failed = 0;
     /* row n's codes (q5/q6: expanded into buf) */
@@ -543,14 +548,15 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
                 if (!ok) continue;
                 if (n + 1 == N) {   /* an odd last row */
                     float res[1];
-                    rows_dot(ck, ROW(n, scratch), sc + n * groups, mn ? mn + n * groups : NULL, K, group, xf, 1, res);
+                    rows_dot(ck, ROW(n, scratch), sc + n * groups, mn ? mn + n * groups : NULL, z4, K, group, xf, 1,
+                             res);
                     store(out, out_bf16, n, res[0]);
                     continue;
                 }
                 float res[2];
                 const uint8_t *qa = ROW(n, scratch), *qb = ROW(n + 1, scratch + K);
                 two_rows_dot1(ck, qa, qb, sc + n * groups, sc + (n + 1) * groups, mn ? mn + n * groups : NULL,
-                              mn ? mn + (n + 1) * groups : NULL, K, group, xf, res);
+                              mn ? mn + (n + 1) * groups : NULL, z4, K, group, xf, res);
                 store(out, out_bf16, n, res[0]);
                 store(out, out_bf16, n + 1, res[1]);
             }
@@ -565,7 +571,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
                 for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
                     float res[MAX_M];
                     const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
-                    rows_dot(ck, q, s, b, K, group, xf + m0 * K, m_rows, res);
+                    rows_dot(ck, q, s, b, z4, K, group, xf + m0 * K, m_rows, res);
                     for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
                 }
             }
@@ -580,7 +586,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
 int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                             int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
                             int num_threads, const uint8_t *qh, int zero) {
-    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);
+    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = kind == 4 ? zero : 0;
     const int64_t groups = K / group;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -599,7 +605,8 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
             if (ck == 4) {   /* the prefill tile path's common case, vectorised */
                 for (int64_t g = 0; g < groups; g++) {
-                    const __m512 sv = _mm512_set1_ps(_cvtsh_ss(s[g])), bv = _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f);
+                    const float sg = _cvtsh_ss(s[g]);
+                    const __m512 sv = _mm512_set1_ps(sg), bv = _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)z4 * sg);
                     for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
                         const __m512 w0 = _mm512_fmadd_ps(
@@ -619,7 +626,7 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
             }
 #endif
             for (int64_t g = 0; g < groups; g++) {
-                const float scale = f16_to_f32(s[g]), bias = b ? f16_to_f32(b[g]) : 0.0f;
+                const float scale = f16_to_f32(s[g]), bias = (b ? f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;
                 const int step = ck == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
                 for (int64_t k = g * group; k < (g + 1) * group; k += step) {
                     float w[32];

@@ -1,6 +1,7 @@
 """GGUF block-quantized tensors -> ``PackedWeight`` without expanding them to floats.
 
-Q4_0/Q4_1 keep their bytes (the q4 layout is their block order), Q5_0/Q5_1
+Q4_0/Q4_1 keep their bytes (the q4 layout is their block order; Q4_0's offset
+of 8 becomes ``zero``, so no minimum is stored), Q5_0/Q5_1
 keep theirs as q5 (nibbles and the 32 high bits of a block are that layout;
 Q5_0's offset of 16 becomes ``zero``), Q8_0 keeps its int8 codes; the scales
 move into their own float16 array. The K-quants are re-laid out once at load:
@@ -47,8 +48,8 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 
 def _q4_0(blocks: np.ndarray, rows: int) -> PackedWeight:
-    d = _f16(blocks, 0)
-    return PackedWeight("q4", 32, _t(blocks[..., 2:18].reshape(rows, -1)), _t(d), _t(-8 * d), "Q4_0")
+    return PackedWeight("q4", 32, _t(blocks[..., 2:18].reshape(rows, -1)), _t(_f16(blocks, 0)), None, "Q4_0",
+                        zero=8)
 
 
 def _q4_1(blocks: np.ndarray, rows: int) -> PackedWeight:

@@ -21,7 +21,7 @@ weights of a row:
   elsewhere) and run the ``q8`` code on them (``expand_codes`` is the reference).
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
-except on q5/q6). Rows are independent, so a row permutation or a
+except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
 concatenation of matrices along the output dimension is the same operation on
 ``qs``, ``qh``, ``scale`` and ``minv``.
 """
@@ -45,7 +45,7 @@ class PackedWeight:
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
     qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes
-    zero: int = 0                # q5/q6: subtracted from each code
+    zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
 
     @property
@@ -82,6 +82,10 @@ def can_concat(parts: list[PackedWeight]) -> bool:
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack matrices of one layout along the output dimension (fused q/k/v, gate/up)."""
+    if not can_concat(parts):
+        raise ValueError("cannot stack weights of different layouts as one: "
+                         + ", ".join(f"{p.source} ({p.kind}, group {p.group}, zero {p.zero}, "
+                                     f"{'with' if p.minv is not None else 'no'} minimum)" for p in parts))
     first = parts[0]
     cat = (lambda get: torch.cat([get(p) for p in parts], dim=0))
     minv = None if first.minv is None else cat(lambda p: p.minv)
@@ -98,7 +102,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
         q = w.qs.view(rows, -1, w.group).float()
     else:
         q = expand_codes(w).view(rows, -1, w.group).float() if w.kind in HIGH_BITS else \
-            _nibbles(w.qs).reshape(rows, -1, w.group).float()                # [out, in / group, group]
+            _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
     out = q * w.scale.float().unsqueeze(-1)
     if w.minv is not None:
         out = out + w.minv.float().unsqueeze(-1)
