@@ -4,10 +4,11 @@
  * A row of K weights is K / 2 nibble bytes (per run of 32: byte j holds weight j
  * low, weight j + 16 high) and K / 32 * 4 * hbits bytes of high bits (per run:
  * hbits little-endian 32-bit planes, bit j of plane p = bit 4 + p of weight j).
- * code = nibble | plane bits << 4, minus `zero`. The kernels expand one row (decode)
- * or the rows of a panel (many rows) into a scratch buffer in L1/L2 and run their
- * q8 code on it: the weights cross the memory bus at 5.5-7 bits each, and the
- * expansion (a few instructions per 32 weights) stays in cache.
+ * code = nibble | plane bits << 4, minus `zero`. quant_expand_row serves the float
+ * decode and tiled paths (a row into an L1 scratch row, then their q8 code); the VNNI
+ * decode path (quant_matmul.c, chunk_codes_hb) and the many-row kernel (quant_gemm.c,
+ * dequant32) expand in registers. Either way the weights cross the memory bus at
+ * 5.5-7 bits each.
  */
 #ifndef PIPESERVE_QUANT_CODES_H
 #define PIPESERVE_QUANT_CODES_H

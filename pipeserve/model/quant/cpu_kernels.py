@@ -27,7 +27,7 @@ float32 activations never take that path (``--quantization none`` and the
 float32 fidelity reference keep their numerics). q8 codes in groups of 16
 (Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) are
 expanded to q8's int8 codes inside the kernels (in registers on the VNNI
-path, into a cached scratch row or panel elsewhere), so every path computes
+and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
 on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py).
 """
 
@@ -59,8 +59,8 @@ class QuantKernels:
             lib = load_kernel("quant_matmul")
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._gemv = lib.pipeserve_quant_gemv
-        # q5/q6's high bits and code offset come last: a build from before those layouts
-        # (benchmarks' --compare) ignores them and still serves q4/q8
+        # q5/q6's high bits and the code offset come last: a build from before them
+        # (benchmarks' --compare) ignores them and still serves q4/q8 weights with zero 0
         self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32, ptr, i32]
         self._gemv.restype = i32
         self._dequant = lib.pipeserve_quant_dequant

@@ -17,8 +17,9 @@ weights of a row:
   subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
   per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
   the kernels expand the codes into ``q8``'s int8 codes where they compute (in
-  registers on the VNNI decode path, a row or a 16-row panel in cache
-  elsewhere) and run the ``q8`` code on them (``expand_codes`` is the reference).
+  registers on the VNNI decode and many-row paths, a scratch row in cache on
+  the float decode and tiled paths) and run the ``q8`` code on them
+  (``expand_codes`` is the reference).
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
 except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
