@@ -60,10 +60,12 @@ def _best(fn, repeats: int) -> float:
 
 
 def _kernels_at(rev: str) -> QuantKernels:
-    """quant_matmul.c (and its header) as of git revision ``rev``, built with the project's flags."""
+    """quant_matmul.c (and the kernel headers) as of git revision ``rev``, built with the project's flags."""
     root = Path(__file__).resolve().parents[1]
     tmp = Path(tempfile.mkdtemp(prefix="quant-gemv-"))
-    for name in ("quant_matmul.c", "vec_math.h"):
+    headers = subprocess.run(["git", "ls-tree", "--name-only", rev, "pipeserve/kernels/"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout.split()
+    for name in ["quant_matmul.c"] + [Path(h).name for h in headers if h.endswith(".h")]:
         text = subprocess.run(["git", "show", f"{rev}:pipeserve/kernels/{name}"], cwd=root, check=True,
                               capture_output=True, text=True).stdout
         (tmp / name).write_text(text)

@@ -22,9 +22,10 @@ import torch
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
-from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, QuantKernels, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
-from pipeserve.model.quant.packed import concat_rows, dequantize, quantize_weight
+from pipeserve.model.quant.packed import (PackedWeight, concat_rows, dequantize, expand_codes, pack_high_codes,
+                                          quantize_weight, to_q8)
 from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
 
@@ -84,14 +85,91 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
             assert (got - reference).abs().max().item() <= tol, ttype.name
 
 
+# Resident bytes per weight in memory over bytes per weight in the file, per kept type:
+# legacy types keep their block's bytes (scales moved to their own array; Q4_0's and
+# Q5_0's offsets are the weight's ``zero``, not a minimum array); Q4_K/Q5_K
+# hold a float16 scale and minimum per 32 weights where the file has 6-bit ones under
+# a float16 per 256 (160 / 144, 192 / 176 bytes per 256), Q6_K a float16 scale per 16
+# where the file has int8 ones (224 / 210).
+RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
+                      T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210}
+
+
 def test_kept_bytes_stay_close_to_the_file(gguf_file):
+    """5/6-bit codes are kept compact (nibbles + high-bit planes), not a byte per code."""
     path, types = gguf_file
     for i, ttype in enumerate(types):
         packed, _ = _read(path, i)
         block, size = gguf.GGML_QUANT_SIZES[ttype]
         file_bytes = ROWS * COLS // block * size
-        limit = 1.12 if ttype in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K) else 1.65   # 5/6-bit codes take a byte
-        assert packed.nbytes <= limit * file_bytes, (ttype.name, packed.nbytes, file_bytes)
+        assert packed.nbytes == round(RESIDENT_OVER_FILE[ttype] * file_bytes), (ttype.name, packed.nbytes, file_bytes)
+        assert packed.nbytes <= 1.12 * file_bytes
+
+
+def test_compact_codes_pack_and_expand_exactly():
+    codes = torch.randint(0, 64, (5, 256), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    for kind, hbits, zero in (("q5", 1, 16), ("q5", 1, 0), ("q6", 2, 32)):
+        q = codes & ((1 << (4 + hbits)) - 1)
+        qs, qh = pack_high_codes(q, hbits)
+        assert qs.shape == (5, 128) and qh.shape == (5, 256 // 32 * 4 * hbits)
+        w = PackedWeight(kind, 32, qs, torch.ones(5, 8, dtype=torch.float16), None, "test", qh, zero)
+        assert torch.equal(expand_codes(w), (q.to(torch.int16) - zero).to(torch.int8)), kind
+        assert torch.equal(dequantize(w), (q.float() - zero)), kind
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
+    """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts give exactly what the same codes
+    a byte each (q8, their old layout) give, on every kernel path: the kernels expand a
+    row (or a panel) into those bytes and run the q8 code."""
+    path, types = gguf_file
+    kernels = cpu_kernels()
+    weights = []
+    for ttype in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K):
+        w = _read(path, types.index(ttype))[0]
+        assert w.kind == ("q6" if ttype == T.Q6_K else "q5"), ttype.name
+        weights.append(w)
+    # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
+    weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
+    for w in weights:
+        ttype = w.source
+        wide = to_q8(w)
+        assert torch.equal(dequantize(w), dequantize(wide)), ttype
+        for rows in (1, 2, 3, GEMV_MAX_ROWS, 64):
+            x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
+            if rows <= GEMV_MAX_ROWS:
+                for i8 in (False, True):
+                    assert torch.equal(kernels.gemv(w, x, int8_act=i8), kernels.gemv(wide, x, int8_act=i8)), \
+                        (ttype, rows, i8)
+            assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype, rows)
+            if kernels.gemm_applies(w, x):
+                assert torch.equal(kernels.gemm(w, x), kernels.gemm(wide, x)), (ttype, rows)
+
+
+@needs_kernel
+def test_portable_build_reads_compact_layouts(gguf_file, tmp_path):
+    """quant_matmul.c built without AVX-512 (the path CPUs without it run) against
+    dequantize-then-matmul, every kept type, decode and tiled shapes."""
+    import ctypes
+    import subprocess
+
+    from pipeserve.kernels.build import _HERE, _compiler
+    lib = tmp_path / "portable.so"
+    subprocess.run([_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    kernels = QuantKernels(ctypes.CDLL(str(lib)))
+    assert kernels.isa == "portable"
+    path, types = gguf_file
+    for i in range(len(types)):
+        w = _read(path, i)[0]
+        for rows in (1, 3, 20):
+            x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows))
+            ref = x @ dequantize(w).t()
+            got = kernels.gemv(w, x) if rows <= GEMV_MAX_ROWS else kernels.tiled(w, x)
+            tol = 1e-5 * (x.abs() @ dequantize(w).abs().t()).max().item()
+            assert (got - ref).abs().max().item() <= tol, (w.source, rows)
 
 
 def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
@@ -154,7 +232,9 @@ def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monke
 
 def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     path, types = gguf_file
-    a, b = _read(path, types.index(T.Q4_0))[0], _read(path, types.index(T.Q4_1))[0]
+    a, b = _read(path, types.index(T.Q4_K))[0], _read(path, types.index(T.Q4_1))[0]
+    with pytest.raises(ValueError, match="different layouts"):   # Q4_0 has a code offset, Q4_1 minimums
+        concat_rows([_read(path, types.index(T.Q4_0))[0], b])
     fused = concat_rows([a, b])
     assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
     emb = QuantEmbedding(fused, torch.bfloat16)
@@ -171,6 +251,17 @@ def _int8_activation_bound(w, x: torch.Tensor) -> torch.Tensor:
     return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
 
 
+def _compact(rows: int, cols: int, kind: str, group: int, zero: int, with_min: bool, seed: int) -> PackedWeight:
+    """A random q5/q6 weight (codes, float16 scales and minimums) of any shape."""
+    gen = torch.Generator().manual_seed(seed)
+    hbits = 1 if kind == "q5" else 2
+    codes = torch.randint(0, 1 << (4 + hbits), (rows, cols), generator=gen).to(torch.uint8)
+    qs, qh = pack_high_codes(codes, hbits)
+    scale = (0.01 * torch.rand(rows, cols // group, generator=gen) + 0.005).half()
+    minv = (0.1 * torch.randn(rows, cols // group, generator=gen)).half() if with_min else None
+    return PackedWeight(kind, group, qs, scale, minv, f"{kind}/{group}", qh, zero)
+
+
 def _int8_cases(gguf_file):
     path, types = gguf_file
     cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
@@ -178,6 +269,8 @@ def _int8_cases(gguf_file):
     # 23 blocks of 32: the VNNI kernel's odd last block and its short last group of 16 blocks
     odd = torch.randn(9, 736, generator=torch.Generator().manual_seed(8))
     return cases + [quantize_weight(odd, 4, 32), quantize_weight(odd, 8, 32),
+                    _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
+                    _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 
@@ -193,9 +286,9 @@ def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows):
         err = (got - ref).abs()
         assert (err <= _int8_activation_bound(w, x)).all(), (w.source, rows, err.max().item())
         uses_int8 = kernels.int8_activations(w, x.bfloat16())
-        if not uses_int8:                                 # no VNNI, or a group of 16 (Q6_K): float path
+        if not uses_int8:                                 # no VNNI: float path
             assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
-        assert uses_int8 == (kernels.isa == "avx512-vnni" and w.group % 32 == 0), w.source
+        assert uses_int8 == (kernels.isa == "avx512-vnni"), w.source   # every kept type, Q6_K's groups of 16 too
 
 
 @needs_kernel

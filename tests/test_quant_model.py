@@ -110,3 +110,23 @@ def test_int8_int4_of_a_safetensors_model(mode, tmp_path):
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < (0.02 if mode == "int8" else 0.2), rel
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= (0.95 if mode == "int8" else 0.6)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_five_bit_gguf_stage_stays_at_its_file_size(qtype, tmp_path):
+    """A stage of a tiny GGUF whose matrices are 5-bit holds about the file's bytes (the
+    codes as nibbles + high-bit planes; a byte per code would be 34 / 22 or 36 / 24 of
+    them), and computes what its dequantized float32 self does."""
+    import gguf
+
+    from tests.checkpoints import write_llama_gguf
+    path = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "m.gguf", qtype)
+    file_tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    source = resolve_model(str(path))
+    kept, dense = _runner(source, "auto", blocks=8), _runner(source, "none", blocks=8)
+    assert any(isinstance(m, QuantLinear) and m.sources == [qtype] for m in kept.model.modules())
+    print(f"{qtype}: resident {kept.weight_bytes} B, file tensors {file_tensor_bytes} B")
+    assert kept.weight_bytes <= 1.01 * file_tensor_bytes, (kept.weight_bytes, file_tensor_bytes)
+    ids = list(range(3, 40))
+    ref, got = _all_logits(dense, ids), _all_logits(kept, ids)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5

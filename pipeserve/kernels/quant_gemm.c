@@ -17,13 +17,16 @@
  *   PyTorch's .to(bfloat16) rounds the float32 dequantized weight (what the
  *   bfloat16 model of --quantization none holds). q4: the 16 values of a group
  *   are computed once into a 32-entry bf16 table and each run of 32 codes is
- *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16.
+ *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16. q5/q6 (compact
+ *   5/6-bit codes, quant_codes.h): each run of 32 codes is expanded in registers
+ *   (nibbles + masked adds of the high-bit planes), then dequantized as q8.
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
- * take (K not a multiple of 32, a q8 group not a multiple of 16 or a q4 group
+ * kind: 4, 8, 5 or 6 (q4, q8, q5, q6); qh and zero: q5/q6's high bits and code offset
+ * (ignored otherwise). Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
+ * take (K not a multiple of 32, a q8/q5/q6 group not a multiple of 16 or a q4 group
  * not a multiple of 32). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
  * "none" and the function returns -2: the caller keeps its portable path
  * (dequantized row tiles and PyTorch's matmul).
@@ -31,6 +34,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "quant_codes.h"
 
 const char *pipeserve_quant_gemm_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -69,28 +74,47 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order). */
+/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6 only. */
 static inline __attribute__((always_inline)) __m512i
-dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int64_t group, int64_t k) {
+dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
+          int64_t group, int64_t k) {
     if (kind == 4) {   /* group is a multiple of 32: one table per run */
         const int64_t g = k / group;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(s[g])),
-                                            _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f));
-        /* table[i] = bf16(i * scale + min), i < 16 (entries 16..31 unused) */
+        const float sg = _cvtsh_ss(s[g]);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
+        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg),
+                                            _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)zero * sg));
+        /* table[i] = bf16(i * scale + min - zero * scale), i < 16 (entries 16..31 unused) */
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
         const __m256i codes = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_and_si128(v, lo4)), _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
         return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
     }
-    /* q8: group is a multiple of 16 (Q6_K has 16) */
+    /* q8, q5, q6: group is a multiple of 16 (Q6_K has 16) */
     const int64_t g0 = k / group, g1 = (k + 16) / group;
-    const __m512 w0 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)))),
+    __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
+    if (kind == 8) {
+        c0 = _mm_loadu_si128((const __m128i *)(q + k));
+        c1 = _mm_loadu_si128((const __m128i *)(q + k + 16));
+    } else {   /* expanded from the run's nibbles and high-bit planes */
+        const int hbits = kind - 4;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
+        c0 = _mm_and_si128(v, lo4);
+        c1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+        for (int p = 0; p < hbits; p++) {
+            uint32_t plane;
+            memcpy(&plane, qh + (k / 32 * hbits + p) * 4, 4);
+            const __m128i add = _mm_set1_epi8((char)(16 << p));
+            c0 = _mm_mask_add_epi8(c0, (__mmask16)plane, c0, add);
+            c1 = _mm_mask_add_epi8(c1, (__mmask16)(plane >> 16), c1, add);
+        }
+        c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
+        c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
+    }
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),
         _mm512_set1_ps(_cvtsh_ss(s[g0])), _mm512_set1_ps(b ? _cvtsh_ss(b[g0]) : 0.0f));
-    const __m512 w1 = _mm512_fmadd_ps(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k + 16)))),
+    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
         _mm512_set1_ps(_cvtsh_ss(s[g1])), _mm512_set1_ps(b ? _cvtsh_ss(b[g1]) : 0.0f));
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
 }
@@ -98,15 +122,15 @@ dequant32(int kind, const uint8_t *q, const uint16_t *s, const uint16_t *b, int6
 /* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
  * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
 static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                          int64_t K, int64_t group, int64_t n0, uint32_t *wp) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL,
-                                        group, k)
+            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero,
+                                        sc + n * groups, mn ? mn + n * groups : NULL, group, k)
                             : _mm512_setzero_si512();
         }
         transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
@@ -160,7 +184,8 @@ static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16
 }
 
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
+                         const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
@@ -171,15 +196,16 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        if (!wp) {
+        const int ok = wp != NULL;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
-            if (!wp) continue;
+            if (!ok) continue;
             const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
-            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp);
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero);
             for (int64_t mb = 0; mb < blocks; mb++)
                 micro_rows(xp + mb * (K / 2) * 16, wp, K, out, N, n0, mb * 16,
                            M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
@@ -193,9 +219,10 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #else
 
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads) {
+                         int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
+                         const uint8_t *qh, int zero) {
     (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)M; (void)out;
-    (void)num_threads;
+    (void)num_threads; (void)qh; (void)zero;
     return -2;
 }
 

@@ -3,7 +3,13 @@
  * Layouts: a row of `K` weights is K / group float16 scales (and minimums)
  * plus codes, either "q4" (16 bytes per 32 weights: weight j in the low
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
- * weight). A weight is scale * q + min.
+ * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
+ * minus a constant `zero`; quant_codes.h). A weight is scale * (q - zero) + min
+ * (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
+ * q5/q6 codes cross the memory bus at their compact size: the integer-activation
+ * path expands each chunk of 64 in registers (chunk_codes_hb) into the bytes a q8
+ * row holds; the float and dequantize paths expand a row into a per-thread
+ * scratch row (in L1) just before using it as q8.
  *
  * pipeserve_quant_gemv: out[M, N] = x[M, K] . W[N, K]^T for a few rows of x
  *   (decode). Each thread takes a contiguous range of output rows and reads
@@ -26,7 +32,10 @@
  *   in chunks of 64 weights (two blocks, 16 int32 lanes); each lane is scaled
  *   by its block's s_w * d (a permute of a 16-block vector of them), the
  *   minimums meet d * sum(x') once per 16 blocks, and the lanes are summed
- *   once per row. Error vs float activations per element: at most d (q8:
+ *   once per row. Groups of 16 (Q6_K) take this path too: each lane of a chunk is one
+ *   group (4 lanes per 16 weights), scaled from two 16-lane vectors of s_w * d, and
+ *   the q8 excess term meets per-half-block activation sums. q5/q6 (compact codes)
+ *   are expanded in registers to the bytes q8 would load. Error vs float activations per element: at most d (q8:
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  */
@@ -36,6 +45,7 @@
 #include <omp.h>
 
 #include "vec_math.h"
+#include "quant_codes.h"
 
 #define MAX_M 4  /* rows of x per pass over the weights (float path) */
 #define GEMV_ROWS 8  /* rows of x per pass on the int8-activation path */
@@ -75,14 +85,15 @@ const char *pipeserve_quant_isa(void) {
 #include <immintrin.h>
 
 static inline __attribute__((always_inline)) void
-row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K, int64_t group,
+row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
         const float *x, int m_rows, float *res) {
     __m512 acc0[MAX_M], acc1[MAX_M];
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot). */
-        const __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[g]));
-        const __m512 b = _mm512_set1_ps(mn ? _cvtsh_ss(mn[g]) : 0.0f);
+        const float sg = _cvtsh_ss(sc[g]);
+        const __m512 s = _mm512_set1_ps(sg);
+        const __m512 b = _mm512_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
         if (kind == 4) {  /* group is a multiple of 32 */
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
@@ -111,13 +122,14 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int6
 /* Decode's common case, one row of x: two weight rows at once, so four FMA
  * chains are in flight instead of two (one chain is bound by FMA latency). */
 static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const uint16_t *sa,
-                          const uint16_t *sb, const uint16_t *ma, const uint16_t *mb, int64_t K,
+                          const uint16_t *sb, const uint16_t *ma, const uint16_t *mb, int zero, int64_t K,
                           int64_t group, const float *x, float *res) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int64_t g = 0; g < K / group; g++) {
-        const __m512 s_a = _mm512_set1_ps(_cvtsh_ss(sa[g])), s_b = _mm512_set1_ps(_cvtsh_ss(sb[g]));
-        const __m512 m_a = _mm512_set1_ps(ma ? _cvtsh_ss(ma[g]) : 0.0f);
-        const __m512 m_b = _mm512_set1_ps(mb ? _cvtsh_ss(mb[g]) : 0.0f);
+        const float fa = _cvtsh_ss(sa[g]), fb = _cvtsh_ss(sb[g]);
+        const __m512 s_a = _mm512_set1_ps(fa), s_b = _mm512_set1_ps(fb);
+        const __m512 m_a = _mm512_set1_ps((ma ? _cvtsh_ss(ma[g]) : 0.0f) - (float)zero * fa);
+        const __m512 m_b = _mm512_set1_ps((mb ? _cvtsh_ss(mb[g]) : 0.0f) - (float)zero * fb);
         if (kind == 4) {
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
@@ -151,11 +163,11 @@ static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const 
 }
 #define HAVE_TWO_ROWS 1
 #else
-static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K,
+static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
                            int64_t group, const float *x, int m_rows, float *res) {
     for (int m = 0; m < m_rows; m++) res[m] = 0.0f;
     for (int64_t g = 0; g < K / group; g++) {
-        const float s = f16_to_f32(sc[g]), b = mn ? f16_to_f32(mn[g]) : 0.0f;
+        const float s = f16_to_f32(sc[g]), b = (mn ? f16_to_f32(mn[g]) : 0.0f) - (float)zero * s;
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             const int64_t j = k % 32, base = k - j;
             const float code = kind == 4 ? (float)(j < 16 ? q[base / 2 + j] & 15 : q[base / 2 + j - 16] >> 4)
@@ -187,6 +199,7 @@ typedef struct {
     int8_t *x1, *x2;    /* q8 weights: two int8 terms */
     int16_t *xw;        /* q4 weights: one int16 term, [M, chunks, 64] */
     float *xd, *xc;
+    float *xc16;        /* q8 codes, groups of 16 (Q6_K): d * (256 * sum q1 + sum q2) per half block, [M, 2 * nbp] */
     int64_t nb, nch, nbp;
 } act_i8;
 
@@ -222,7 +235,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a)
             memset(a->x1 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
             memset(a->x2 + (m * a->nch + a->nch - 1) * CHUNK, 0, CHUNK);
         }
-        for (int64_t b = a->nb; b < a->nbp; b++) a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+        for (int64_t b = a->nb; b < a->nbp; b++) {
+            a->xd[m * a->nbp + b] = a->xc[m * a->nbp + b] = 0.0f;
+            a->xc16[2 * (m * a->nbp + b)] = a->xc16[2 * (m * a->nbp + b) + 1] = 0.0f;
+        }
         for (int64_t b = 0; b < a->nb; b++) {
             const float *xb = x + m * K + b * QB;
             const __m512 u = _mm512_loadu_ps(xb), v = _mm512_loadu_ps(xb + 16);
@@ -243,10 +259,12 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a)
             _mm_storeu_si128((__m128i *)(a->x2 + c + p0), _mm512_cvtepi32_epi8(ju));
             _mm_storeu_si128((__m128i *)(a->x2 + c + p1), _mm512_cvtepi32_epi8(jv));
             const float d = amax / 127.0f / 256.0f;
-            const int32_t s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(iu, iv));
-            const int32_t s2 = _mm512_reduce_add_epi32(_mm512_add_epi32(ju, jv));
+            const float su1 = 256.0f * (float)_mm512_reduce_add_epi32(iu) + (float)_mm512_reduce_add_epi32(ju);
+            const float sv1 = 256.0f * (float)_mm512_reduce_add_epi32(iv) + (float)_mm512_reduce_add_epi32(jv);
             a->xd[m * a->nbp + b] = d;
-            a->xc[m * a->nbp + b] = d * (256.0f * (float)s1 + (float)s2);
+            a->xc[m * a->nbp + b] = d * (su1 + sv1);
+            a->xc16[2 * (m * a->nbp + b)] = d * su1;
+            a->xc16[2 * (m * a->nbp + b) + 1] = d * sv1;
         }
     }
 }
@@ -266,6 +284,26 @@ static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t 
     const __m512i w = half ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + b * 32)))
                            : _mm512_loadu_si512(q + b * 32);
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+}
+
+/* q5/q6: the codes of the chunk starting at block b as 64 unsigned bytes (code - zero + 128),
+ * expanded in registers from 32 nibble bytes and the blocks' high-bit planes (quant_codes.h):
+ * the same bytes chunk_codes8 loads from a q8 row. */
+static inline __attribute__((always_inline)) __m512i
+chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half, int zero) {
+    const int hbits = kind - 4;
+    const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
+                             : _mm256_loadu_si256((const __m256i *)(q + b * 16));
+    /* [low nibbles b, b + 1 | high nibbles b, b + 1] -> weight order [b 0-15, b 16-31, b+1 0-15, b+1 16-31] */
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    __m512i c = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
+    for (int p = 0; p < hbits; p++) {
+        uint32_t lo = 0, hi = 0;
+        memcpy(&lo, qh + (b * hbits + p) * 4, 4);
+        if (!half) memcpy(&hi, qh + ((b + 1) * hbits + p) * 4, 4);
+        c = _mm512_mask_add_epi8(c, (__mmask64)lo | (__mmask64)hi << 32, c, _mm512_set1_epi8((char)(16 << p)));
+    }
+    return _mm512_add_epi8(c, _mm512_set1_epi8((char)(128 - zero)));
 }
 
 /* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
@@ -288,58 +326,90 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
 }
 
 /* One weight row against m_rows quantized rows of x. Per chunk of 64 weights: the codes
- * as 64 unsigned bytes, two vpdpbusd into 16 int32 lanes, then one FMA with each lane's
- * s_w * d_x, taken from a 16-block vector of them by a permute. Minimums (and q8's
- * -128 * s_w) meet the block sums d * sum(x') in one FMA per 16 blocks. Even and odd
- * chunks go to separate accumulators (two FMA chains in flight); all lanes are summed
- * once at the end of the row. kind and m_rows are constants where this is inlined. */
+ * as 64 unsigned bytes (q8: loaded; q5/q6: expanded in registers), two vpdpbusd into 16
+ * int32 lanes (q4: two vpdpwssd), then one FMA with each lane's s_w * d_x, taken from a
+ * 16-block vector of them by a permute. Minimums (and q8's -128 * s_w) meet the block sums
+ * d * sum(x') in one FMA per 16 blocks. Groups of 16 (Q6_K; `per` 0): lane l of a chunk is
+ * group l / 4 of it, so the 32 groups of 16 blocks are two vectors of s_w * d_x, read with
+ * one two-source permute per chunk, and the -128 * s_w term meets the half-block sums.
+ * Even and odd chunks go to separate accumulators (two FMA chains in flight); all lanes
+ * are summed once at the end of the row. kind and m_rows are constants where this is inlined. */
 static inline __attribute__((always_inline)) void
-row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t per,
-           const act_i8 *a, int m_rows, float *res) {
+row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
+           int64_t per, const act_i8 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
-    const __m512i two = _mm512_set1_epi32(2);
-    /* lane -> block within the chunk: lanes 0-7 block b, 8-15 block b + 1 */
-    const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int g16 = per == 0;
+    const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
+    /* lane -> scale within the chunk: lanes 0-7 block b, 8-15 block b + 1; groups of 16: lane / 4 */
+    const __m512i first = g16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                              : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
     __m512 acc[GEMV_ROWS], acc2[GEMV_ROWS];
     for (int m = 0; m < m_rows; m++) acc[m] = acc2[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16) {
         const int n = nb - g < 16 ? (int)(nb - g) : 16;
-        const __m512 s = block_scales(sc, g, n, per);
-        __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
-        if (kind == 8) mw = _mm512_fmadd_ps(s, _mm512_set1_ps(-128.0f), mw);   /* codes enter as q + 128 */
-        __m512 sd[GEMV_ROWS];
-        for (int m = 0; m < m_rows; m++) {
-            sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
-            acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
+        __m512 sd[GEMV_ROWS], sd1[GEMV_ROWS];   /* sd1: groups of 16 only, the run's second 16 groups */
+        if (g16) {
+            const int n0 = 2 * n < 16 ? 2 * n : 16, n1 = 2 * n - n0;
+            const __m512 s0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), sc + 2 * g));
+            const __m512 s1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), sc + 2 * g + 16));
+            __m512 mw0 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), mn + 2 * g))
+                            : _mm512_setzero_ps();
+            __m512 mw1 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), mn + 2 * g + 16))
+                            : _mm512_setzero_ps();
+            mw0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(-128.0f), mw0);   /* codes enter as q + 128 */
+            mw1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(-128.0f), mw1);
+            for (int m = 0; m < m_rows; m++) {
+                const __m512 d = _mm512_loadu_ps(a->xd + m * nbp + g);
+                sd[m] = _mm512_mul_ps(s0, _mm512_permutexvar_ps(dup_lo, d));
+                sd1[m] = _mm512_mul_ps(s1, _mm512_permutexvar_ps(dup_hi, d));
+                const float *xc = a->xc16 + 2 * (m * nbp + g);
+                acc2[m] = _mm512_fmadd_ps(mw0, _mm512_loadu_ps(xc), acc2[m]);
+                acc2[m] = _mm512_fmadd_ps(mw1, _mm512_loadu_ps(xc + 16), acc2[m]);
+            }
+        } else {
+            const __m512 s = block_scales(sc, g, n, per);
+            __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
+            /* q8/q5/q6 codes enter as q + 128; q4 codes carry their offset `zero` (Q4_0: 8) */
+            mw = _mm512_fmadd_ps(s, _mm512_set1_ps(kind != 4 ? -128.0f : -(float)zero), mw);
+            for (int m = 0; m < m_rows; m++) {
+                sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
+                acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
+            }
         }
         __m512i idx = first;
         int64_t b = g;
         /* the dot products of chunk c (blocks c, c + 1; half: c is the row's odd last block)
-         * with row m of x, as 16 float lanes */
+         * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
 #define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
+#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : chunk_codes_hb(kind, q, qh, c, half, zero))
+#define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
-            const __m512i idx2 = _mm512_add_epi32(idx, two);
-            if (kind == 8) w8 = chunk_codes8(q, b, 0);
+            const __m512i idx2 = _mm512_add_epi32(idx, step);
+            if (kind != 4) w8 = CODES(b, 0);
             for (int m = 0; m < m_rows; m++)
-                acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
-            if (kind == 8) w8 = chunk_codes8(q, b + 2, 0);
+                acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), SCALE(m, idx), acc[m]);
+            if (kind != 4) w8 = CODES(b + 2, 0);
             for (int m = 0; m < m_rows; m++)
-                acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), _mm512_permutexvar_ps(idx2, sd[m]), acc2[m]);
-            idx = _mm512_add_epi32(idx2, two);
+                acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), SCALE(m, idx2), acc2[m]);
+            idx = _mm512_add_epi32(idx2, step);
         }
         if (b < g + n) {   /* one more chunk, full or the row's odd last block */
-            if (kind == 8) w8 = chunk_codes8(q, b, b + 1 == nb);
+            if (kind != 4) w8 = CODES(b, b + 1 == nb);
             for (int m = 0; m < m_rows; m++)
-                acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), SCALE(m, idx), acc[m]);
             if (b + 2 < g + n) {   /* and one after it (three chunks left: only in a short last group) */
-                idx = _mm512_add_epi32(idx, two);
-                if (kind == 8) w8 = chunk_codes8(q, b + 2, b + 3 == nb);
+                idx = _mm512_add_epi32(idx, step);
+                if (kind != 4) w8 = CODES(b + 2, b + 3 == nb);
                 for (int m = 0; m < m_rows; m++)
-                    acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), _mm512_permutexvar_ps(idx, sd[m]), acc2[m]);
+                    acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), SCALE(m, idx), acc2[m]);
             }
         }
+#undef SCALE
+#undef CODES
 #undef DOT
     }
     for (int m = 0; m < m_rows; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
@@ -349,17 +419,21 @@ row_dot_i8(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, i
  * while row n is computed. */
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
-        int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+        int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
+        const uint8_t *qh, int zero) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     for (int64_t n = n0; n < n1; n++) {
         if (n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < high_bytes; o += 64)
+                _mm_prefetch((const char *)(qh + (n + PF_ROWS) * high_bytes + o), _MM_HINT_T0);
             _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), _MM_HINT_T0);
             if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
         }
         float res[GEMV_ROWS];
-        row_dot_i8(kind, qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        row_dot_i8(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+                   mn ? mn + n * groups : NULL, per, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) store(out, out_bf16, m * N + n, res[m]);
     }
 }
@@ -368,11 +442,12 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
  * the layout's branches fold away, and nothing is set up again per output row. */
 static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                           int64_t per, int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1,
-                          int64_t N, void *out, int out_bf16) {
-#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break;
+                          int64_t N, void *out, int out_bf16, const uint8_t *qh, int zero) {
+#define CASE(k, r) case r: rows_i8(k, r, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16, qh, zero); break;
 #define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
-                                 default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, out_bf16); break; }
-    if (kind == 4) ALL(4) else ALL(8)
+                                 default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, \
+                                                  out_bf16, qh, zero); break; }
+    switch (kind) { case 4: ALL(4) break; case 5: ALL(5) break; case 6: ALL(6) break; default: ALL(8) break; }
 #undef ALL
 #undef CASE
 }
@@ -380,20 +455,20 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
 
 /* Specialised per m_rows so the compiler unrolls the row loop and keeps the
  * accumulators in registers. */
-static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t K,
+static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
                      int64_t group, const float *x, int m_rows, float *res) {
     switch (m_rows) {
-    case 1: row_dot(kind, q, sc, mn, K, group, x, 1, res); break;
-    case 2: row_dot(kind, q, sc, mn, K, group, x, 2, res); break;
-    case 3: row_dot(kind, q, sc, mn, K, group, x, 3, res); break;
-    default: row_dot(kind, q, sc, mn, K, group, x, 4, res); break;
+    case 1: row_dot(kind, q, sc, mn, zero, K, group, x, 1, res); break;
+    case 2: row_dot(kind, q, sc, mn, zero, K, group, x, 2, res); break;
+    case 3: row_dot(kind, q, sc, mn, zero, K, group, x, 3, res); break;
+    default: row_dot(kind, q, sc, mn, zero, K, group, x, 4, res); break;
     }
 }
 
 /* 1 when pipeserve_quant_gemv honours act_i8 for this layout (else it runs the float path). */
 int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #ifdef HAVE_VNNI
-    return K % QB == 0 && group % QB == 0 && M <= GEMV_ROWS;
+    return K % QB == 0 && (group % QB == 0 || group == 16) && M <= GEMV_ROWS;
 #else
     (void)K; (void)group; (void)M;
     return 0;
@@ -402,141 +477,180 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 
 #ifdef HAVE_VNNI
 static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
-                   int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads) {
-    const int64_t per = group / QB;
+                   int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
+                   const uint8_t *qh, int zero) {
+    const int64_t per = group / QB;   /* 0: groups of 16 */
     act_i8 a;
     a.nb = K / QB;
     a.nch = (a.nb + 1) / 2;
     a.nbp = (a.nb + 15) & ~(int64_t)15;
     /* q8: two int8 terms; q4: one int16 term (the same bytes) */
-    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 2 * sizeof(float) * M * a.nbp);
+    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 4 * sizeof(float) * M * a.nbp);
     if (!buf) return -1;
     a.x1 = buf;
     a.x2 = buf + M * a.nch * CHUNK;
     a.xw = (int16_t *)buf;
     a.xd = (float *)(buf + 2 * M * a.nch * CHUNK);
     a.xc = a.xd + M * a.nbp;
+    a.xc16 = a.xc + M * a.nbp;
     if (kind == 4) quantize_rows16(xf, M, K, &a);
     else quantize_rows(xf, M, K, &a);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16);
+        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16,
+                      qh, zero);
     }
     free(buf);
     return 0;
 }
 #endif
 
-/* kind: 4 or 8; mn may be NULL; act_i8: quantize x to int8 blocks where
+/* kind: 4, 8, 5 or 6 (q4, q8, q5, q6); mn may be NULL; qh and zero: q5/q6's high bits and
+ * code offset (ignored otherwise; last, so callers built against the two-layout
+ * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, or -1 when scratch cannot be allocated. */
 int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                          int64_t N, int64_t K, int64_t group, const void *x, int x_bf16, int64_t M,
-                         void *out, int out_bf16, int act_i8, int num_threads) {
+                         void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 #ifdef HAVE_VNNI
-    if (act_i8 && pipeserve_quant_i8_applies(K, group, M)) {
-        const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads);
+    if (act_i8 && pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0)) {
+        const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
         free(xf);
         return rc;
     }
 #else
     (void)act_i8;
 #endif
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
+    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
+    const int z4 = kind == 4 ? zero : 0;   /* q5/q6 codes leave their expansion with zero subtracted */
+    const int64_t groups = K / group;
+    int failed = 0;
+    /* row n's codes (q5/q6: expanded into buf) */
+#define ROW(n, buf) (ck == 4 ? qs + (n) * (K / 2) : quant_q8_row(kind, qs, qh, zero, K, (n), (buf)))
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t *scratch = compact ? aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64) : NULL;
+        if (compact && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int ok = !compact || scratch;
 #ifdef HAVE_TWO_ROWS
-    if (M == 1) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-        for (int64_t pair = 0; pair < N / 2; pair++) {
-            const int64_t n = 2 * pair;
-            float res[2];
-            two_rows_dot1(kind, qs + n * row_bytes, qs + (n + 1) * row_bytes, sc + n * groups,
-                          sc + (n + 1) * groups, mn ? mn + n * groups : NULL, mn ? mn + (n + 1) * groups : NULL,
-                          K, group, xf, res);
-            store(out, out_bf16, n, res[0]);
-            store(out, out_bf16, n + 1, res[1]);
-        }
-        if (N % 2) {
-            float res[1];
-            rows_dot(kind, qs + (N - 1) * row_bytes, sc + (N - 1) * groups, mn ? mn + (N - 1) * groups : NULL,
-                     K, group, xf, 1, res);
-            store(out, out_bf16, N - 1, res[0]);
-        }
-        free(xf);
-        return 0;
-    }
+        if (M == 1) {
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < (N + 1) / 2; pair++) {
+                const int64_t n = 2 * pair;
+                if (!ok) continue;
+                if (n + 1 == N) {   /* an odd last row */
+                    float res[1];
+                    rows_dot(ck, ROW(n, scratch), sc + n * groups, mn ? mn + n * groups : NULL, z4, K, group, xf, 1,
+                             res);
+                    store(out, out_bf16, n, res[0]);
+                    continue;
+                }
+                float res[2];
+                const uint8_t *qa = ROW(n, scratch), *qb = ROW(n + 1, scratch + K);
+                two_rows_dot1(ck, qa, qb, sc + n * groups, sc + (n + 1) * groups, mn ? mn + n * groups : NULL,
+                              mn ? mn + (n + 1) * groups : NULL, z4, K, group, xf, res);
+                store(out, out_bf16, n, res[0]);
+                store(out, out_bf16, n + 1, res[1]);
+            }
+        } else
 #endif
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *q = qs + n * row_bytes;
-        const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-            float res[MAX_M];
-            const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
-            rows_dot(kind, q, s, b, K, group, xf + m0 * K, m_rows, res);
-            for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
+        {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                if (!ok) continue;
+                const uint8_t *q = ROW(n, scratch);
+                const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+                for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+                    float res[MAX_M];
+                    const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
+                    rows_dot(ck, q, s, b, z4, K, group, xf + m0 * K, m_rows, res);
+                    for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
+                }
+            }
         }
+        free(scratch);
     }
     free(xf);
-    return 0;
+    return failed ? -1 : 0;
 }
 
-void pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
-                             int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
-                             int num_threads) {
-    const int64_t row_bytes = kind == 4 ? K / 2 : K, groups = K / group;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t n = r0; n < r1; n++) {
-        const uint8_t *q = qs + n * row_bytes;
-        const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
-        const int64_t o = (n - r0) * K;
+/* Returns 0, or -1 when scratch cannot be allocated (q5/q6). */
+int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                            int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
+                            int num_threads, const uint8_t *qh, int zero) {
+    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = kind == 4 ? zero : 0;
+    const int64_t groups = K / group;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        int8_t *scratch = compact ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
+        if (compact && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t n = r0; n < r1; n++) {
+            if (compact && !scratch) continue;
+            const uint8_t *q = ROW(n, scratch);
+            const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+            const int64_t o = (n - r0) * K;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-        if (kind == 4) {   /* the prefill tile path's common case, vectorised */
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512 sv = _mm512_set1_ps(_cvtsh_ss(s[g])), bv = _mm512_set1_ps(b ? _cvtsh_ss(b[g]) : 0.0f);
-                for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
-                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
-                    const __m512 w0 = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), sv, bv);
-                    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, bv);
-                    if (out_bf16) {
-                        uint16_t *o16 = (uint16_t *)out + o + k;
-                        _mm256_storeu_si256((__m256i *)o16, (__m256i)_mm512_cvtneps_pbh(w0));
-                        _mm256_storeu_si256((__m256i *)(o16 + 16), (__m256i)_mm512_cvtneps_pbh(w1));
-                    } else {
-                        _mm512_storeu_ps((float *)out + o + k, w0);
-                        _mm512_storeu_ps((float *)out + o + k + 16, w1);
+            if (ck == 4) {   /* the prefill tile path's common case, vectorised */
+                for (int64_t g = 0; g < groups; g++) {
+                    const float sg = _cvtsh_ss(s[g]);
+                    const __m512 sv = _mm512_set1_ps(sg), bv = _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)z4 * sg);
+                    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+                        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+                        const __m512 w0 = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), sv, bv);
+                        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), sv, bv);
+                        if (out_bf16) {
+                            uint16_t *o16 = (uint16_t *)out + o + k;
+                            _mm256_storeu_si256((__m256i *)o16, (__m256i)_mm512_cvtneps_pbh(w0));
+                            _mm256_storeu_si256((__m256i *)(o16 + 16), (__m256i)_mm512_cvtneps_pbh(w1));
+                        } else {
+                            _mm512_storeu_ps((float *)out + o + k, w0);
+                            _mm512_storeu_ps((float *)out + o + k + 16, w1);
+                        }
                     }
                 }
+                continue;
             }
-            continue;
-        }
 #endif
-        for (int64_t g = 0; g < groups; g++) {
-            const float scale = f16_to_f32(s[g]), bias = b ? f16_to_f32(b[g]) : 0.0f;
-            const int step = kind == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
-            for (int64_t k = g * group; k < (g + 1) * group; k += step) {
-                float w[32];
-                if (kind == 4) {
+            for (int64_t g = 0; g < groups; g++) {
+                const float scale = f16_to_f32(s[g]), bias = (b ? f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;
+                const int step = ck == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
+                for (int64_t k = g * group; k < (g + 1) * group; k += step) {
+                    float w[32];
+                    if (ck == 4) {
 #pragma omp simd
-                    for (int j = 0; j < 16; j++) {
-                        w[j] = (float)(q[k / 2 + j] & 15) * scale + bias;
-                        w[j + 16] = (float)(q[k / 2 + j] >> 4) * scale + bias;
+                        for (int j = 0; j < 16; j++) {
+                            w[j] = (float)(q[k / 2 + j] & 15) * scale + bias;
+                            w[j + 16] = (float)(q[k / 2 + j] >> 4) * scale + bias;
+                        }
+                    } else {
+#pragma omp simd
+                        for (int j = 0; j < 16; j++) w[j] = (float)((const int8_t *)q)[k + j] * scale + bias;
                     }
-                } else {
+                    if (out_bf16) {
 #pragma omp simd
-                    for (int j = 0; j < 16; j++) w[j] = (float)((const int8_t *)q)[k + j] * scale + bias;
-                }
-                if (out_bf16) {
-#pragma omp simd
-                    for (int j = 0; j < step; j++) ((uint16_t *)out)[o + k + j] = f32_to_bf16(w[j]);
-                } else {
-                    memcpy((float *)out + o + k, w, sizeof(float) * step);
+                        for (int j = 0; j < step; j++) ((uint16_t *)out)[o + k + j] = f32_to_bf16(w[j]);
+                    } else {
+                        memcpy((float *)out + o + k, w, sizeof(float) * step);
+                    }
                 }
             }
         }
+        free(scratch);
     }
+    return failed ? -1 : 0;
 }
+#undef ROW

@@ -24,7 +24,11 @@ codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes (see
 quant_matmul.c); each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
 float32 activations never take that path (``--quantization none`` and the
-float32 fidelity reference keep their numerics).
+float32 fidelity reference keep their numerics). q8 codes in groups of 16
+(Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) are
+expanded to q8's int8 codes inside the kernels (in registers on the VNNI
+and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
+on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py).
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ class QuantKernels:
             lib = load_kernel("quant_matmul")
         i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
         self._gemv = lib.pipeserve_quant_gemv
-        self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32]
+        # q5/q6's high bits and the code offset come last: a build from before them
+        # (benchmarks' --compare) ignores them and still serves q4/q8 weights with zero 0
+        self._gemv.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, i32, ptr, i32]
         self._gemv.restype = i32
         self._dequant = lib.pipeserve_quant_dequant
-        self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32]
-        self._dequant.restype = None
+        self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32, ptr, i32]
+        self._dequant.restype = i32
         self._i8_applies = lib.pipeserve_quant_i8_applies
         self._i8_applies.argtypes = [i64, i64, i64]
         self._i8_applies.restype = i32
@@ -94,7 +100,8 @@ class QuantKernels:
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
         rc = self._gemm(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
-                        w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads())
+                        w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads(),
+                        _ptr(w.qh), w.zero)
         if rc == -1:
             raise MemoryError("quantized many-row matmul: cannot allocate its scratch")
         if rc != 0:
@@ -102,27 +109,30 @@ class QuantKernels:
         return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
-        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k)."""
-        return x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k or 16)."""
+        return (x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+                and (w.kind != "q4" or w.group % 32 == 0))
 
     def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
         """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
         True/False forces the choice (tests, benchmarks). Decode calls this ~120 times a
         token, so the weight's arguments are built once (``_weight_args``)."""
-        kind, qs, scale, minv, n, k, group = _weight_args(w)
+        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         act_i8 = bf16 if int8_act is None else int(int8_act)
         if self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
-                      act_i8, torch.get_num_threads()):
-            raise MemoryError("quantized matmul: cannot allocate its activation scratch")
+                      act_i8, torch.get_num_threads(), qh, zero):
+            raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
         return out
 
     def dequant_rows(self, w: PackedWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [r0, r1) of the weight, dequantized: [r1 - r0, K]."""
         out = torch.empty(r1 - r0, w.in_features, dtype=dtype)
-        self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
-                      r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
+        if self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
+                         r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(), _ptr(w.qh),
+                         w.zero):
+            raise MemoryError("quantized matmul: cannot allocate its code scratch")
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -135,12 +145,12 @@ class QuantKernels:
 
 
 def _weight_args(w: PackedWeight) -> tuple:
-    """(kind, codes, scales, minimums, out, in, group) as the C functions take them, kept on
-    the weight (its tensors are fixed for its lifetime: ``map`` makes a new PackedWeight)."""
+    """(kind, codes, scales, minimums, out, in, group, high bits, zero) as the C functions take
+    them, kept on the weight (its tensors are fixed for its lifetime: ``map`` makes a new PackedWeight)."""
     args = w.cache.get("c_args")
     if args is None:
         args = w.cache["c_args"] = (_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
-                                    w.in_features, w.group)
+                                    w.in_features, w.group, _ptr(w.qh), w.zero)
     return args
 
 
@@ -159,13 +169,16 @@ def _load_gemm():
         return None, None
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn = lib.pipeserve_quant_gemm
-    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32]
+    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]
     fn.restype = i32
     return fn, isa
 
 
+_KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6}
+
+
 def _kind(w: PackedWeight) -> int:
-    return 4 if w.kind == "q4" else 8
+    return _KINDS[w.kind]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,13 +1,15 @@
 """GGUF block-quantized tensors -> ``PackedWeight`` without expanding them to floats.
 
-Q4_0/Q4_1 keep their bytes (the q4 layout is their block order), Q8_0 keeps
-its int8 codes; the scales move into their own float16 array. Q5_0/Q5_1 and
-the K-quants are re-laid out once at load:
+Q4_0/Q4_1 keep their bytes (the q4 layout is their block order; Q4_0's offset
+of 8 becomes ``zero``, so no minimum is stored), Q5_0/Q5_1
+keep theirs as q5 (nibbles and the 32 high bits of a block are that layout;
+Q5_0's offset of 16 becomes ``zero``), Q8_0 keeps its int8 codes; the scales
+move into their own float16 array. The K-quants are re-laid out once at load:
 
-- Q5_0, Q5_1, Q5_K -> q8 (the 5-bit code in a byte: 8 bits per weight where
-  the file has 5.5-6; the price of one fast kernel instead of three);
 - Q4_K -> q4 with one scale and minimum per 32 weights (d·sc and -dmin·m);
-- Q6_K -> q8 with one scale per 16 weights (d·sc).
+- Q5_K -> q5, the same scales and minimums (6 bits per weight, file 5.5);
+- Q6_K -> q6 with one scale per 16 weights (d·sc) and ``zero`` 32 (7 bits
+  per weight, file 6.5625).
 The K-quants' two-level scales (a float16 times a 6/8-bit integer) are
 multiplied out and rounded to float16: a relative change of at most 2^-11 of
 a scale, far below the quantization step itself.
@@ -19,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from pipeserve.model.quant.packed import PackedWeight, pack_nibbles
+from pipeserve.model.quant.packed import PackedWeight, pack_high_codes, pack_nibbles
 
 T = gguf.GGMLQuantizationType
 KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -46,8 +48,8 @@ def _t(a: np.ndarray) -> torch.Tensor:
 
 
 def _q4_0(blocks: np.ndarray, rows: int) -> PackedWeight:
-    d = _f16(blocks, 0)
-    return PackedWeight("q4", 32, _t(blocks[..., 2:18].reshape(rows, -1)), _t(d), _t(-8 * d), "Q4_0")
+    return PackedWeight("q4", 32, _t(blocks[..., 2:18].reshape(rows, -1)), _t(_f16(blocks, 0)), None, "Q4_0",
+                        zero=8)
 
 
 def _q4_1(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -60,22 +62,14 @@ def _q8_0(blocks: np.ndarray, rows: int) -> PackedWeight:
     return PackedWeight("q8", 32, _t(qs), _t(_f16(blocks, 0)), None, "Q8_0")
 
 
-def _five_bit_codes(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
-    """Q5_0/Q5_1: 16 nibble bytes + 32 high bits per block -> codes 0..31 [rows, blocks, 32]."""
-    low = np.concatenate([qs & 15, qs >> 4], axis=-1)                            # [rows, blocks, 32]
-    bits = np.ascontiguousarray(qh).view(np.uint32)                              # [rows, blocks, 1]
-    high = (bits >> np.arange(32, dtype=np.uint32)) & 1
-    return low | (high.astype(np.uint8) << 4)
-
-
 def _q5_0(blocks: np.ndarray, rows: int) -> PackedWeight:
-    q = _five_bit_codes(blocks[..., 6:22], blocks[..., 2:6]).astype(np.int8) - 16
-    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(_f16(blocks, 0)), None, "Q5_0")
+    return PackedWeight("q5", 32, _t(blocks[..., 6:22].reshape(rows, -1)), _t(_f16(blocks, 0)), None, "Q5_0",
+                        _t(blocks[..., 2:6].reshape(rows, -1)), 16)
 
 
 def _q5_1(blocks: np.ndarray, rows: int) -> PackedWeight:
-    q = _five_bit_codes(blocks[..., 8:24], blocks[..., 4:8]).astype(np.int8)
-    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(_f16(blocks, 0)), _t(_f16(blocks, 2)), "Q5_1")
+    return PackedWeight("q5", 32, _t(blocks[..., 8:24].reshape(rows, -1)), _t(_f16(blocks, 0)), _t(_f16(blocks, 2)),
+                        "Q5_1", _t(blocks[..., 4:8].reshape(rows, -1)))
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,9 +94,9 @@ def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
     low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1              # [rows, blocks, 8, 32]
-    q = (low | (high << 4)).astype(np.int8)
+    qs, qh = pack_high_codes(_t((low | (high << 4)).reshape(rows, -1)), 1)
     scale, minv = _k_scales(blocks)
-    return PackedWeight("q8", 32, _t(q.reshape(rows, -1)), _t(scale), _t(minv), "Q5_K")
+    return PackedWeight("q5", 32, qs, _t(scale), _t(minv), "Q5_K", qh)
 
 
 def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -110,11 +104,11 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
     low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
     high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3)     # [rows, blocks, 2, 4, 32]
-    q = (low | (high << 4)).astype(np.int8) - 32
+    qs, qh = pack_high_codes(_t((low | (high << 4)).reshape(rows, -1)), 2)
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)   # [rows, blocks, 16]
     d = _f16(blocks, 208).astype(np.float32)[..., None]
     scale = (d * sc).astype(np.float16).reshape(rows, -1)
-    return PackedWeight("q8", 16, _t(q.reshape(rows, -1)), _t(scale), None, "Q6_K")
+    return PackedWeight("q6", 16, qs, _t(scale), None, "Q6_K", qh, 32)
 
 
 _REPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,

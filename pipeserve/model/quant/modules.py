@@ -17,12 +17,13 @@ from pipeserve.model.quant.packed import PackedWeight, dequantize
 
 
 class _Packed(nn.Module):
-    """Holds PackedWeights as buffers (``qs{i}``, ``scale{i}``, ``minv{i}``)."""
+    """Holds PackedWeights as buffers (``qs{i}``, ``qh{i}``, ``scale{i}``, ``minv{i}``)."""
 
     def _register(self, parts: list[PackedWeight]) -> None:
-        self._meta = [(p.kind, p.group, p.source, p.minv is not None) for p in parts]
+        self._meta = [(p.kind, p.group, p.source, p.minv is not None, p.zero) for p in parts]
         for i, p in enumerate(parts):
             self.register_buffer(f"qs{i}", p.qs)
+            self.register_buffer(f"qh{i}", p.qh)
             self.register_buffer(f"scale{i}", p.scale)
             self.register_buffer(f"minv{i}", p.minv)
         self._parts: list[PackedWeight] | None = None
@@ -31,8 +32,9 @@ class _Packed(nn.Module):
     def parts(self) -> list[PackedWeight]:
         if self._parts is None:   # built once per placement: forward runs per layer per step
             self._parts = [PackedWeight(kind, group, getattr(self, f"qs{i}"), getattr(self, f"scale{i}"),
-                                        getattr(self, f"minv{i}") if has_min else None, source)
-                           for i, (kind, group, source, has_min) in enumerate(self._meta)]
+                                        getattr(self, f"minv{i}") if has_min else None, source,
+                                        getattr(self, f"qh{i}"), zero)
+                           for i, (kind, group, source, has_min, zero) in enumerate(self._meta)]
         return self._parts
 
     def _apply(self, fn, recurse: bool = True):
@@ -41,7 +43,7 @@ class _Packed(nn.Module):
 
     @property
     def sources(self) -> list[str]:
-        return [source for _, _, source, _ in self._meta]
+        return [meta[2] for meta in self._meta]
 
 
 class QuantLinear(_Packed):

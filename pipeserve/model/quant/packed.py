@@ -1,6 +1,6 @@
-"""Quantized weight matrices in the two layouts the kernels read.
+"""Quantized weight matrices in the layouts the kernels read.
 
-Every kept type is stored as one of two row-major layouts, both with a
+Every kept type is stored in one of four row-major layouts, all with a
 float16 ``scale`` (and optional float16 ``minv``) per group of ``group``
 weights of a row:
 
@@ -9,10 +9,22 @@ weights of a row:
   j + 16 in its high nibble (GGUF's Q4_0/Q4_1 block order, so those bytes are
   copied as they are).
 - ``q8``: 8-bit codes, ``qs`` int8 [out, in].
+- ``q5`` / ``q6``: 5- or 6-bit codes 0..31 / 0..63 stored compactly: the low
+  4 bits as ``q4``'s ``qs``, the high bits in ``qh`` uint8 [out, in / 32 * 4 * hbits]
+  (hbits = 1 / 2): per run of 32 weights, ``hbits`` little-endian 32-bit planes,
+  bit j of plane p being bit 4 + p of weight j's code (GGUF's Q5_0/Q5_1 block
+  order for hbits = 1, so those bytes are copied as they are). ``zero`` is
+  subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
+  per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
+  the kernels expand the codes into ``q8``'s int8 codes where they compute (in
+  registers on the VNNI decode and many-row paths, a scratch row in cache on
+  the float decode and tiled paths) and run the ``q8`` code on them
+  (``expand_codes`` is the reference).
 
-A weight is ``scale * q + minv`` (``minv`` absent: 0). Rows are independent,
-so a row permutation or a concatenation of matrices along the output
-dimension is the same operation on ``qs``, ``scale`` and ``minv``.
+A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
+except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
+concatenation of matrices along the output dimension is the same operation on
+``qs``, ``qh``, ``scale`` and ``minv``.
 """
 
 from __future__ import annotations
@@ -22,16 +34,19 @@ from dataclasses import dataclass, field
 import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
+HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bit-planes above the nibble
 
 
 @dataclass
 class PackedWeight:
-    kind: str                    # "q4" | "q8"
+    kind: str                    # "q4" | "q8" | "q5" | "q6"
     group: int                   # weights per scale
-    qs: torch.Tensor             # q4: uint8 [out, in / 2]; q8: int8 [out, in]
+    qs: torch.Tensor             # q4/q5/q6: uint8 [out, in / 2]; q8: int8 [out, in]
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
+    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes
+    zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
 
     @property
@@ -40,19 +55,21 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.qs.shape[1] * (2 if self.kind == "q4" else 1)
+        return self.qs.shape[1] * (1 if self.kind == "q8" else 2)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every tensor the weight holds (codes, high bits, scales, minimums)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qs, self.scale] + ([] if self.minv is None else [self.minv])
+        return [t for t in (self.qs, self.qh, self.scale, self.minv) if t is not None]
 
     def map(self, fn) -> "PackedWeight":
         """Apply ``fn`` (a row selection, ``.to(device)``, ...) to every tensor."""
-        return PackedWeight(self.kind, self.group, fn(self.qs), fn(self.scale),
-                            None if self.minv is None else fn(self.minv), self.source)
+        opt = (lambda t: None if t is None else fn(t))
+        return PackedWeight(self.kind, self.group, fn(self.qs), fn(self.scale), opt(self.minv), self.source,
+                            opt(self.qh), self.zero)
 
     def rows(self, index: torch.Tensor) -> "PackedWeight":
         return self.map(lambda t: t.index_select(0, index))
@@ -61,31 +78,72 @@ class PackedWeight:
 def can_concat(parts: list[PackedWeight]) -> bool:
     first = parts[0]
     return all(p.kind == first.kind and p.group == first.group and (p.minv is None) == (first.minv is None)
-               and p.in_features == first.in_features for p in parts)
+               and p.zero == first.zero and p.in_features == first.in_features for p in parts)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack matrices of one layout along the output dimension (fused q/k/v, gate/up)."""
+    if not can_concat(parts):
+        raise ValueError("cannot stack weights of different layouts as one: "
+                         + ", ".join(f"{p.source} ({p.kind}, group {p.group}, zero {p.zero}, "
+                                     f"{'with' if p.minv is not None else 'no'} minimum)" for p in parts))
     first = parts[0]
     cat = (lambda get: torch.cat([get(p) for p in parts], dim=0))
     minv = None if first.minv is None else cat(lambda p: p.minv)
+    qh = None if first.qh is None else cat(lambda p: p.qh)
     return PackedWeight(first.kind, first.group, cat(lambda p: p.qs), cat(lambda p: p.scale), minv,
-                        "+".join(sorted({p.source for p in parts})))
+                        "+".join(sorted({p.source for p in parts})), qh, first.zero)
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[out, in] in ``dtype``, computed in float32 on the weight's device (the
     reference the C kernels are tested against, and the CUDA/no-compiler path)."""
     rows = w.out_features
-    if w.kind == "q4":
-        b = w.qs.view(rows, -1, SUB // 2)                                    # [out, in / 32, 16]
-        q = torch.cat([b & 15, b >> 4], dim=-1).reshape(rows, -1, w.group)   # [out, in / group, group]
+    if w.kind == "q8":
+        q = w.qs.view(rows, -1, w.group).float()
     else:
-        q = w.qs.view(rows, -1, w.group)
-    out = q.float() * w.scale.float().unsqueeze(-1)
+        q = expand_codes(w).view(rows, -1, w.group).float() if w.kind in HIGH_BITS else \
+            _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
+    out = q * w.scale.float().unsqueeze(-1)
     if w.minv is not None:
         out = out + w.minv.float().unsqueeze(-1)
     return out.reshape(rows, -1).to(dtype)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """q4 ``qs`` [out, in / 2] -> codes uint8 [out, in] in weight order."""
+    b = qs.view(qs.shape[0], -1, SUB // 2)                                  # [out, in / 32, 16]
+    return torch.cat([b & 15, b >> 4], dim=-1).reshape(qs.shape[0], -1)
+
+
+def expand_codes(w: PackedWeight) -> torch.Tensor:
+    """A q5/q6 weight's codes minus ``zero`` as int8 [out, in]: the ``q8`` codes the
+    kernels expand a row into (``to_q8`` builds the byte-per-code layout from them)."""
+    rows, hbits = w.out_features, HIGH_BITS[w.kind]
+    q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
+    planes = w.qh.view(rows, -1, hbits, 4)                                 # [out, in / 32, hbits, 4 bytes]
+    shifts = torch.arange(8, device=planes.device, dtype=torch.uint8)
+    bits = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1, hbits, SUB).to(torch.int16)
+    for p in range(hbits):
+        q = q | (bits[:, :, p] << (4 + p))
+    return (q - w.zero).to(torch.int8).reshape(rows, -1)
+
+
+def to_q8(w: PackedWeight) -> PackedWeight:
+    """A q5/q6 weight in the byte-per-code ``q8`` layout (the layout they had before the
+    compact one: benchmarks compare the two; tests check the kernels agree)."""
+    return PackedWeight("q8", w.group, expand_codes(w), w.scale, w.minv, w.source)
+
+
+def pack_high_codes(q: torch.Tensor, hbits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [out, in] (0 .. 2^(4 + hbits) - 1) -> q5/q6 (``qs``, ``qh``)."""
+    rows = q.shape[0]
+    runs = q.reshape(rows, -1, SUB)                                            # [out, in / 32, 32]
+    weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 8)
+    planes = [(((runs >> (4 + p)) & 1).to(torch.int32).view(rows, -1, 4, 8) * weights).sum(-1)
+              for p in range(hbits)]                                           # [out, in / 32, 4] each
+    qh = torch.stack(planes, dim=2).to(torch.uint8).reshape(rows, -1)          # [out, in / 32 * 4 * hbits]
+    return pack_nibbles(q & 15), qh.contiguous()
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
