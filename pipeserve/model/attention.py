@@ -245,8 +245,7 @@ class TorchPagedAttention(AttentionBackend):
                 logit_softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)  # internal: built by this backend
         k_cache, v_cache = kv_cache
-        write_rows(k_cache, meta.slot_mapping, k)
-        write_rows(v_cache, meta.slot_mapping, v)
+        k, v = write_rows(k_cache, meta.slot_mapping, k), write_rows(v_cache, meta.slot_mapping, v)
         shape = ScoreShape(scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:

@@ -71,15 +71,18 @@ def dequantize(rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :head_dim].float() * scale).to(out_dtype)
 
 
-def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Store x [n, kv_heads, head_dim] at cache slots [n] (quantizing for an 8-bit cache)."""
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Store x [n, kv_heads, head_dim] at cache slots [n] (quantizing for an 8-bit cache).
+    Returns x as the cache holds it (an 8-bit cache: dequantized, in x's dtype), so that a
+    fresh prompt attending to its own new keys sees what every later read of them sees."""
     kv_heads, row = cache.shape[2], cache.shape[3]
     if not is_quantized(cache.dtype):
         cache.view(-1, kv_heads, row).index_copy_(0, slots, x.to(cache.dtype))
-        return
+        return x
+    rows = quantize(x, cache.dtype)
     # index_copy_ has no float8 kernel on CPU: move the bytes.
-    rows = quantize(x, cache.dtype).view(torch.uint8)
-    cache.view(torch.uint8).view(-1, kv_heads, row).index_copy_(0, slots, rows)
+    cache.view(torch.uint8).view(-1, kv_heads, row).index_copy_(0, slots, rows.view(torch.uint8))
+    return dequantize(rows, x.dtype)
 
 
 def gather_rows(cache: torch.Tensor, index: torch.Tensor, dim0: int, out_dtype: torch.dtype) -> torch.Tensor:
