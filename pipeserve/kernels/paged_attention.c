@@ -508,10 +508,28 @@ static void unscramble(float *acc, int64_t npair) {
     }
 }
 
+/* A tile's 8-bit rows -> bf16 rows (code * scale, rounded to nearest even), head_dim apart. */
+static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *src, int64_t rows, int64_t row_stride,
+                                                                    const int dtype, const int64_t nvec,
+                                                                    uint16_t *dst) {
+    for (int64_t j = 0; j < rows; j++) {
+        const char *row = src + j * row_stride;
+        const __m512 scale = _mm512_set1_ps(row_scale(row, dtype, 16 * nvec));
+        for (int64_t v = 0; v < nvec; v++)
+            _mm256_storeu_si256((__m256i *)(dst + (j * nvec + v) * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(row + 16 * v, dtype), scale)));
+    }
+}
+
+/* dtype DT_BFLOAT16: rows read in place; DT_INT8 / DT_FP8 (a bfloat16 model): each
+ * tile's K and V rows dequantized to bf16 once, for all the group's heads, then the same. */
 static inline __attribute__((always_inline)) void attend_range_bf16dp(
-        const float *restrict q, const key_range *r, const int64_t npair, float *restrict part) {
+        const float *restrict q, const key_range *r, const int dtype, const int64_t npair, float *restrict part) {
     const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_dim * 2, row_stride = r->row_stride;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
+    const int quant = is_8bit(dtype);
+    const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
+    uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
     __m512bh qs[group * npair];
     const __m512 vscale = _mm512_set1_ps(r->scale);
     for (int64_t i = 0; i < group * npair; i++)
@@ -529,12 +547,18 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         prefetch_ahead(r, &pf, rows, head_bytes);
+        const char *keys = r->k + off, *values = r->v + off;
+        if (quant) {
+            dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
+            dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
+            keys = (const char *)kq;
+            values = (const char *)vq;
+        }
         for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * npair), r->k + off, rows, row_stride, DOT_BF16,
+            const __m512 pg = tile_probs((const char *)(qs + g * npair), keys, rows, row_stride, DOT_BF16,
                                          DT_BFLOAT16, 2, npair, NULL, r->softcap, part + g * pstride, head_dim);
             _mm256_storeu_si256((__m256i *)p[g], (__m256i)_mm512_cvtneps_pbh(pg));
         }
-        const char *values = r->v + off;
         for (int64_t g0 = 0; g0 < group; g0 += gmax) {
             const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
             float *a = part + g0 * pstride + PART_HEAD;
@@ -550,14 +574,20 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
 
-#define RANGE_BF16DP(NAME, NPAIR)                                                                       \
+#define RANGE_BF16DP(NAME, DTYPE, NPAIR)                                                                \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
         (void)dtype;                                                                                   \
-        attend_range_bf16dp(q, r, (NPAIR) ? (NPAIR) : head_dim / 32, part);                            \
+        attend_range_bf16dp(q, r, DTYPE, (NPAIR) ? (NPAIR) : head_dim / 32, part);                     \
     }
-RANGE_BF16DP(range_bf16dp_64, 2)
-RANGE_BF16DP(range_bf16dp_128, 4)
-RANGE_BF16DP(range_bf16dp_any, 0)
+RANGE_BF16DP(range_bf16dp_64, DT_BFLOAT16, 2)
+RANGE_BF16DP(range_bf16dp_128, DT_BFLOAT16, 4)
+RANGE_BF16DP(range_bf16dp_any, DT_BFLOAT16, 0)
+RANGE_BF16DP(range_i8dp_64, DT_INT8, 2)
+RANGE_BF16DP(range_i8dp_128, DT_INT8, 4)
+RANGE_BF16DP(range_i8dp_any, DT_INT8, 0)
+RANGE_BF16DP(range_fp8dp_64, DT_FP8, 2)
+RANGE_BF16DP(range_fp8dp_128, DT_FP8, 4)
+RANGE_BF16DP(range_fp8dp_any, DT_FP8, 0)
 #endif
 #endif
 
@@ -569,11 +599,20 @@ static void range_scalar(const float *q, const key_range *r, int dtype, int64_t 
 typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 #endif
 
-/* The fastest item function for this cache dtype and head size on this CPU. */
-static range_fn pick_range(int dtype, int64_t head_dim) {
+/* The fastest item function for this cache dtype and head size on this CPU. bf16_math:
+ * an 8-bit cache may be read through bf16 products (a bfloat16 model; not for float32). */
+static range_fn pick_range(int dtype, int64_t head_dim, int bf16_math) {
 #if defined(__AVX512BF16__)
-    if (dtype == DT_BFLOAT16 && head_dim % 32 == 0 && head_dim <= 256)
-        return head_dim == 64 ? range_bf16dp_64 : head_dim == 128 ? range_bf16dp_128 : range_bf16dp_any;
+    static const range_fn dp[3][3] = {
+        {range_bf16dp_64, range_bf16dp_128, range_bf16dp_any},
+        {range_i8dp_64, range_i8dp_128, range_i8dp_any},
+        {range_fp8dp_64, range_fp8dp_128, range_fp8dp_any},
+    };
+    const int row = dtype == DT_BFLOAT16 ? 0 : bf16_math && dtype == DT_INT8 ? 1 : bf16_math && dtype == DT_FP8 ? 2 : -1;
+    if (row >= 0 && head_dim % 32 == 0 && head_dim <= 256)
+        return dp[row][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+#else
+    (void)bf16_math;
 #endif
 #if defined(__AVX512F__)
     static const range_fn table[5][3] = {
@@ -636,15 +675,16 @@ static void merge_parts(const float *part, int64_t ranges, int64_t range_stride,
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
+ * bf16_math: an 8-bit cache may be read as bf16 (the model is bfloat16).
  * Returns 0, or -1 when a work buffer cannot be allocated. */
 int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int64_t window, float softcap, float *out,
-                           int num_threads) {
+                           int num_threads, int bf16_math) {
     const int64_t group = heads / kv_heads, head_bytes = head_row_bytes(dtype, head_dim);
     const int64_t pstride = PART_HEAD + head_dim;
-    const range_fn fn = pick_range(dtype, head_dim);
+    const range_fn fn = pick_range(dtype, head_dim, bf16_math);
     /* Ranges: sequence b's keys from its window's block on, cut every `span` keys;
      * range c is (sequence range_seq[c], keys range_begin[c] ..). Item = (range, kv head). */
     const int64_t span = split_span(context_lens, batch, window, block_size, num_threads);

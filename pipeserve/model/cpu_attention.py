@@ -40,7 +40,7 @@ class CpuPagedAttention(TorchPagedAttention):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = lib.pipeserve_paged_decode
         self._decode.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
+                                 ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
         self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
@@ -95,7 +95,8 @@ class CpuPagedAttention(TorchPagedAttention):
         rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
                           block_index.data_ptr(), block_index.shape[1], lens.data_ptr(),
                           bsz, heads, k_cache.shape[2], head_dim, k_cache.shape[1], shape.scale,
-                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
+                          int(q.dtype == torch.bfloat16))
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
         return out.to(q.dtype)

@@ -52,6 +52,9 @@ class ModelRunner:
         self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")
+        kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+        log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
+                 str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
