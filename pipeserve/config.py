@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # as pipeserve.model.kv_quant (this module imports no torch)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineConfig:
     # KV cache
     block_size: int = 16
     kv_cache_memory: str | int = "1GiB"       # bytes, or a size string ("512MiB")
+    kv_cache_dtype: str = "auto"              # auto (the model dtype) | int8 | fp8 (8-bit rows + a scale)
     num_gpu_blocks_override: int | None = None
     swap_space: str | int = "1GiB"            # host pool for preemption by swap
     enable_prefix_caching: bool = True
@@ -93,6 +95,8 @@ class EngineConfig:
                  f"must be auto, none, int8 or int4, got {self.quantization!r}")
         _require(self.quantization_group_size >= 32 and self.quantization_group_size % 32 == 0,
                  "quantization_group_size", f"must be a positive multiple of 32, got {self.quantization_group_size}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be auto (the model dtype), int8 or fp8, got {self.kv_cache_dtype!r}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
         self._check_bounds()

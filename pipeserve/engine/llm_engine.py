@@ -19,6 +19,7 @@ from pipeserve.engine.input_processor import PromptType, RequestRejected, make_g
 from pipeserve.engine.output_processor import OutputProcessor
 from pipeserve.engine.recovery import RecoveryLog
 from pipeserve.engine.step_builder import build_step
+from pipeserve.model.kv_quant import cache_dtype, row_bytes
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
@@ -87,10 +88,12 @@ class LLMEngine:
         return partition_for_config(self.config, self.model_config, self.dtype)
 
     def _kv_blocks(self) -> tuple[int, int]:
-        """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·head_dim·bytes per token."""
-        dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+        """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·row bytes per token,
+        a row being head_dim values (8-bit caches: head_dim codes and a float32 scale)."""
+        kv = self._kv_config()
+        row = row_bytes(kv.head_dim, cache_dtype(self.config.kv_cache_dtype, self.dtype))
         most_layers = max(self._layers_per_worker())
-        block_bytes = self.config.block_size * self._kv_config().kv_bytes_per_token(dtype_bytes, most_layers)
+        block_bytes = self.config.block_size * 2 * most_layers * kv.num_kv_heads * row
         num_blocks = self.config.num_gpu_blocks_override or self.config.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} holds no KV block "
@@ -130,7 +133,8 @@ class LLMEngine:
                                  block_size=self.config.block_size,
                                  attention_backend=self.config.attention_backend,
                                  quantization=self.config.quantization,
-                                 quantization_group_size=self.config.quantization_group_size)
+                                 quantization_group_size=self.config.quantization_group_size,
+                                 kv_cache_dtype=self.config.kv_cache_dtype)
             return LocalExecutor(runner)
         from pipeserve.pipeline.executor import PipelineExecutor
         return PipelineExecutor(self.config, self.source, self.model_config, self.partition,

@@ -11,6 +11,8 @@ _HELP = {
     "model": "HF directory, .gguf file, or built-in name (default: smollm2-135m-instruct)",
     "dtype": "auto (= bfloat16) | float32 | bfloat16 | float16",
     "kv_cache_memory": "KV cache budget per stage, e.g. 512MiB, 2GiB",
+    "kv_cache_dtype": "auto (the model dtype; default) | int8 | fp8 (e4m3): 8-bit K/V rows with one float32 "
+                      "scale per token and kv head, about twice the blocks in the same --kv-cache-memory",
     "swap_space": "host memory pool for preemption by swap, e.g. 1GiB",
     "pipeline_parallel_size": "number of pipeline stages (processes)",
     "tensor_parallel_size": "ranks (processes) per pipeline stage, each holding a slice of every layer: "

@@ -29,6 +29,12 @@
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
  *   and unnormalised output, and a last pass merges the ranges of a sequence
  *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
+ * - 8-bit caches (--kv-cache-dtype int8 | fp8, pipeserve/model/kv_quant.py):
+ *   a row is head_dim codes then its float32 scale. Codes are widened to
+ *   float32 in registers (fp8 e4m3 through its float16 bit pattern, which is
+ *   the value / 256, exact); the key's scale multiplies its 16 scores, the
+ *   value's scale its probability before the PV FMAs, so nothing is
+ *   dequantized in memory and the sum of probabilities is untouched.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,7 +43,29 @@
 
 #include "vec_math.h"
 
-enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2 };
+enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2, DT_INT8 = 3, DT_FP8 = 4 };
+
+/* 8-bit caches: each row's codes are followed by a float32 scale. */
+#define SCALE_BYTES 4
+static inline int is_8bit(int dtype) { return dtype == DT_INT8 || dtype == DT_FP8; }
+static inline int64_t elem_bytes(int dtype) { return dtype == DT_FLOAT32 ? 4 : is_8bit(dtype) ? 1 : 2; }
+/* Bytes of one (token, kv head) row. */
+static inline int64_t head_row_bytes(int dtype, int64_t head_dim) {
+    return head_dim * elem_bytes(dtype) + (is_8bit(dtype) ? SCALE_BYTES : 0);
+}
+
+/* fp8 e4m3 bits -> the float16 bits of its value / 256 (exact, subnormals included:
+ * the exponent field moves from 4 to 5 bits with the bias gap 15 - 7 = 8). */
+static inline uint16_t fp8_as_f16_bits(uint8_t b) {
+    return (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+
+/* The scale of an 8-bit row whose codes start at src (fp8: times 256, see fp8_as_f16_bits). */
+static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
+    float s;
+    memcpy(&s, src + head_dim, sizeof s);
+    return dtype == DT_FP8 ? s * 256.0f : s;
+}
 
 /* Keys per tile: one tree reduction (hsum16) scores 16 keys of a head. */
 #define TILE 16
@@ -61,10 +89,24 @@ static inline void load_row(const void *src, int dtype, int64_t n, float *restri
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
-    } else {
+    } else if (dtype == DT_FLOAT16) {
         const _Float16 *s = (const _Float16 *)src;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+    } else if (dtype == DT_INT8) {
+        const int8_t *s = (const int8_t *)src;
+        const float scale = row_scale((const char *)src, dtype, n);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i] * scale;
+    } else {
+        const uint8_t *s = (const uint8_t *)src;
+        const float scale = row_scale((const char *)src, dtype, n);
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t bits = fp8_as_f16_bits(s[i]);
+            _Float16 h;
+            memcpy(&h, &bits, sizeof h);
+            dst[i] = (float)h * scale;
+        }
     }
 }
 
@@ -203,6 +245,13 @@ static inline __attribute__((always_inline)) __m512 load16(const char *src, int 
         return _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
     if (dtype == DT_FLOAT16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    if (dtype == DT_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    if (dtype == DT_FP8) {   /* codes only: the row's scale carries the 256 (fp8_as_f16_bits) */
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        return _mm512_cvtph_ps(h);
+    }
     return _mm512_loadu_ps((const float *)src);
 }
 
@@ -278,17 +327,19 @@ static inline __attribute__((always_inline)) __m512 row_dot(const char *qh, cons
 }
 
 /* Scores of one head against the tile's `rows` keys (lanes past rows: -inf),
- * soft-capped, folded into the head's part (running max and sum, output
+ * times the keys' scales when kscale is given (8-bit caches), soft-capped, folded into the head's part (running max and sum, output
  * rescaled when the max grows). Returns the probabilities exp(s - m), 0 past rows. */
 static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, const char *keys, int64_t rows,
                                                                int64_t row_stride, const int kind, const int dtype,
                                                                const int64_t elem, const int64_t nvec,
-                                                               float softcap, float *part, int64_t acc_len) {
+                                                               const float *kscale, float softcap, float *part,
+                                                               int64_t acc_len) {
     __m512 dots[TILE];
     UNROLL
     for (int j = 0; j < TILE; j++)
         dots[j] = j < rows ? row_dot(qh, keys + j * row_stride, kind, dtype, elem, nvec) : _mm512_setzero_ps();
     __m512 s = hsum16(dots);
+    if (kscale) s = _mm512_mul_ps(s, _mm512_loadu_ps(kscale));
     if (softcap > 0.0f)
         s = _mm512_mul_ps(_mm512_set1_ps(softcap), tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / softcap))));
     const __mmask16 valid = (__mmask16)((1u << rows) - 1u);
@@ -308,13 +359,25 @@ static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, c
     return p;
 }
 
+/* The scales of a tile's 8-bit K and V rows (0 past rows). */
+static inline void tile_scales(const char *keys, const char *values, int64_t rows, int64_t row_stride, int dtype,
+                               int64_t head_dim, float *ks, float *vs) {
+    for (int64_t j = 0; j < TILE; j++) {
+        ks[j] = j < rows ? row_scale(keys + j * row_stride, dtype, head_dim) : 0.0f;
+        vs[j] = j < rows ? row_scale(values + j * row_stride, dtype, head_dim) : 0.0f;
+    }
+}
+
 /* head_dim = 16 * nvec (nvec <= 16), any cache dtype: rows widened to float32,
- * FMAs. Each caller passes constant dtype and nvec. */
+ * FMAs (8-bit rows: scores and probabilities times the rows' scales). Each
+ * caller passes constant dtype and nvec. */
 static inline __attribute__((always_inline)) void attend_range_fma(
         const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nvec,
         float *restrict part) {
     const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_dim * elem, row_stride = r->row_stride;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim), row_stride = r->row_stride;
+    const int quant = is_8bit(dtype);
+    float ks[TILE], vs[TILE];
     __m512 qs[group * nvec];
     for (int64_t i = 0; i < group * nvec; i++)
         qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
@@ -325,10 +388,14 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         prefetch_ahead(r, &pf, rows, head_bytes);
-        for (int64_t g = 0; g < group; g++)
-            _mm512_storeu_ps(p[g], tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
-                                              dtype, elem, nvec, r->softcap, part + g * pstride, head_dim));
         const char *values = r->v + off;
+        if (quant) tile_scales(r->k + off, values, rows, row_stride, dtype, head_dim, ks, vs);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 pg = tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
+                                         dtype, elem, nvec, quant ? ks : NULL, r->softcap, part + g * pstride,
+                                         head_dim);
+            _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
+        }
         for (int64_t g = 0; g < group; g++) {
             float *acc = part + g * pstride + PART_HEAD;
             __m512 a[nvec];
@@ -360,6 +427,12 @@ RANGE_FMA(range_f16_128, DT_FLOAT16, 2, 8)
 RANGE_FMA(range_f32_any, DT_FLOAT32, 4, 0)
 RANGE_FMA(range_bf16_any, DT_BFLOAT16, 2, 0)
 RANGE_FMA(range_f16_any, DT_FLOAT16, 2, 0)
+RANGE_FMA(range_i8_64, DT_INT8, 1, 4)
+RANGE_FMA(range_i8_128, DT_INT8, 1, 8)
+RANGE_FMA(range_i8_any, DT_INT8, 1, 0)
+RANGE_FMA(range_fp8_64, DT_FP8, 1, 4)
+RANGE_FMA(range_fp8_128, DT_FP8, 1, 8)
+RANGE_FMA(range_fp8_any, DT_FP8, 1, 0)
 
 #if defined(__AVX512BF16__)
 /* bfloat16 caches on CPUs with AVX512_BF16: products of bf16 pairs summed in
@@ -435,10 +508,28 @@ static void unscramble(float *acc, int64_t npair) {
     }
 }
 
+/* A tile's 8-bit rows -> bf16 rows (code * scale, rounded to nearest even), head_dim apart. */
+static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *src, int64_t rows, int64_t row_stride,
+                                                                    const int dtype, const int64_t nvec,
+                                                                    uint16_t *dst) {
+    for (int64_t j = 0; j < rows; j++) {
+        const char *row = src + j * row_stride;
+        const __m512 scale = _mm512_set1_ps(row_scale(row, dtype, 16 * nvec));
+        for (int64_t v = 0; v < nvec; v++)
+            _mm256_storeu_si256((__m256i *)(dst + (j * nvec + v) * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(row + 16 * v, dtype), scale)));
+    }
+}
+
+/* dtype DT_BFLOAT16: rows read in place; DT_INT8 / DT_FP8 (a bfloat16 model): each
+ * tile's K and V rows dequantized to bf16 once, for all the group's heads, then the same. */
 static inline __attribute__((always_inline)) void attend_range_bf16dp(
-        const float *restrict q, const key_range *r, const int64_t npair, float *restrict part) {
+        const float *restrict q, const key_range *r, const int dtype, const int64_t npair, float *restrict part) {
     const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_dim * 2, row_stride = r->row_stride;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
+    const int quant = is_8bit(dtype);
+    const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
+    uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
     __m512bh qs[group * npair];
     const __m512 vscale = _mm512_set1_ps(r->scale);
     for (int64_t i = 0; i < group * npair; i++)
@@ -456,12 +547,18 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         prefetch_ahead(r, &pf, rows, head_bytes);
+        const char *keys = r->k + off, *values = r->v + off;
+        if (quant) {
+            dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
+            dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
+            keys = (const char *)kq;
+            values = (const char *)vq;
+        }
         for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * npair), r->k + off, rows, row_stride, DOT_BF16,
-                                         DT_BFLOAT16, 2, npair, r->softcap, part + g * pstride, head_dim);
+            const __m512 pg = tile_probs((const char *)(qs + g * npair), keys, rows, row_stride, DOT_BF16,
+                                         DT_BFLOAT16, 2, npair, NULL, r->softcap, part + g * pstride, head_dim);
             _mm256_storeu_si256((__m256i *)p[g], (__m256i)_mm512_cvtneps_pbh(pg));
         }
-        const char *values = r->v + off;
         for (int64_t g0 = 0; g0 < group; g0 += gmax) {
             const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
             float *a = part + g0 * pstride + PART_HEAD;
@@ -477,14 +574,20 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
 
-#define RANGE_BF16DP(NAME, NPAIR)                                                                       \
+#define RANGE_BF16DP(NAME, DTYPE, NPAIR)                                                                \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
         (void)dtype;                                                                                   \
-        attend_range_bf16dp(q, r, (NPAIR) ? (NPAIR) : head_dim / 32, part);                            \
+        attend_range_bf16dp(q, r, DTYPE, (NPAIR) ? (NPAIR) : head_dim / 32, part);                     \
     }
-RANGE_BF16DP(range_bf16dp_64, 2)
-RANGE_BF16DP(range_bf16dp_128, 4)
-RANGE_BF16DP(range_bf16dp_any, 0)
+RANGE_BF16DP(range_bf16dp_64, DT_BFLOAT16, 2)
+RANGE_BF16DP(range_bf16dp_128, DT_BFLOAT16, 4)
+RANGE_BF16DP(range_bf16dp_any, DT_BFLOAT16, 0)
+RANGE_BF16DP(range_i8dp_64, DT_INT8, 2)
+RANGE_BF16DP(range_i8dp_128, DT_INT8, 4)
+RANGE_BF16DP(range_i8dp_any, DT_INT8, 0)
+RANGE_BF16DP(range_fp8dp_64, DT_FP8, 2)
+RANGE_BF16DP(range_fp8dp_128, DT_FP8, 4)
+RANGE_BF16DP(range_fp8dp_any, DT_FP8, 0)
 #endif
 #endif
 
@@ -496,17 +599,28 @@ static void range_scalar(const float *q, const key_range *r, int dtype, int64_t 
 typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 #endif
 
-/* The fastest item function for this cache dtype and head size on this CPU. */
-static range_fn pick_range(int dtype, int64_t head_dim) {
+/* The fastest item function for this cache dtype and head size on this CPU. bf16_math:
+ * an 8-bit cache may be read through bf16 products (a bfloat16 model; not for float32). */
+static range_fn pick_range(int dtype, int64_t head_dim, int bf16_math) {
 #if defined(__AVX512BF16__)
-    if (dtype == DT_BFLOAT16 && head_dim % 32 == 0 && head_dim <= 256)
-        return head_dim == 64 ? range_bf16dp_64 : head_dim == 128 ? range_bf16dp_128 : range_bf16dp_any;
+    static const range_fn dp[3][3] = {
+        {range_bf16dp_64, range_bf16dp_128, range_bf16dp_any},
+        {range_i8dp_64, range_i8dp_128, range_i8dp_any},
+        {range_fp8dp_64, range_fp8dp_128, range_fp8dp_any},
+    };
+    const int row = dtype == DT_BFLOAT16 ? 0 : bf16_math && dtype == DT_INT8 ? 1 : bf16_math && dtype == DT_FP8 ? 2 : -1;
+    if (row >= 0 && head_dim % 32 == 0 && head_dim <= 256)
+        return dp[row][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
+#else
+    (void)bf16_math;
 #endif
 #if defined(__AVX512F__)
-    static const range_fn table[3][3] = {
+    static const range_fn table[5][3] = {
         {range_f32_64, range_f32_128, range_f32_any},
         {range_bf16_64, range_bf16_128, range_bf16_any},
         {range_f16_64, range_f16_128, range_f16_any},
+        {range_i8_64, range_i8_128, range_i8_any},
+        {range_fp8_64, range_fp8_128, range_fp8_any},
     };
     if (head_dim % 16 == 0 && head_dim <= 256) return table[dtype][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2];
 #endif
@@ -561,15 +675,16 @@ static void merge_parts(const float *part, int64_t ranges, int64_t range_stride,
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
+ * bf16_math: an 8-bit cache may be read as bf16 (the model is bfloat16).
  * Returns 0, or -1 when a work buffer cannot be allocated. */
 int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int64_t window, float softcap, float *out,
-                           int num_threads) {
-    const int64_t group = heads / kv_heads, elem = dtype == DT_FLOAT32 ? 4 : 2;
+                           int num_threads, int bf16_math) {
+    const int64_t group = heads / kv_heads, head_bytes = head_row_bytes(dtype, head_dim);
     const int64_t pstride = PART_HEAD + head_dim;
-    const range_fn fn = pick_range(dtype, head_dim);
+    const range_fn fn = pick_range(dtype, head_dim, bf16_math);
     /* Ranges: sequence b's keys from its window's block on, cut every `span` keys;
      * range c is (sequence range_seq[c], keys range_begin[c] ..). Item = (range, kv head). */
     const int64_t span = split_span(context_lens, batch, window, block_size, num_threads);
@@ -602,7 +717,7 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
             const int64_t base = first - first % block_size + (c - first_range[b]) * span;
             key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
                            base > first ? base : first, span && base + span < ctx ? base + span : ctx,
-                           kvh * head_dim * elem, kv_heads * head_dim * elem, block_size, group, scale, softcap};
+                           kvh * head_bytes, kv_heads * head_bytes, block_size, group, scale, softcap};
             fn(q + (b * heads + kvh * group) * head_dim, &r, dtype, head_dim, parts + item * group * pstride);
         }
 #pragma omp for schedule(static)
@@ -648,19 +763,30 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * staged key u is the key at position base + u).
  * kt: [tiles][head_dim / 2][16] dwords, dword (tile, k, j) = dims 2k, 2k+1 of key 16 tile + j.
  * vi: [tiles][8][head_dim] dwords, dword (tile, j, d) = dim d of keys 16 tile + 2j and + 2j + 1.
- * Keys past ctx are zero (they are always masked; zero keeps NaN out). */
-static void stage_kv_tiles(const char *k_cache, const char *v_cache, const int64_t *table, int64_t base,
+ * Keys past ctx are zero (they are always masked; zero keeps NaN out).
+ * An 8-bit cache's rows are dequantized (code * scale, rounded to bf16) on the way. */
+static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, const int64_t *table, int64_t base,
                            int64_t ctx, int64_t kv_head, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                            uint32_t *restrict kt, uint16_t *restrict vi) {
-    const int64_t pairs = head_dim / 2, tiles = (ctx - base + 15) / 16;
-    const int64_t row_stride = kv_heads * head_dim * 2, block_stride = block_size * row_stride;
-    const int64_t head_offset = kv_head * head_dim * 2;
+    const int64_t pairs = head_dim / 2, tiles = (ctx - base + 15) / 16, head_bytes = head_row_bytes(dtype, head_dim);
+    const int64_t row_stride = kv_heads * head_bytes, block_stride = block_size * row_stride;
+    const int64_t head_offset = kv_head * head_bytes;
     memset(kt, 0, (size_t)(tiles * pairs * 16) * sizeof(uint32_t));
     memset(vi, 0, (size_t)(tiles * 16 * head_dim) * sizeof(uint16_t));
+    uint16_t kq[PF_MAX_NV * 16], vq[PF_MAX_NV * 16];   /* one dequantized row each (8-bit caches) */
+    float row[PF_MAX_NV * 16];
     for (int64_t t = base; t < ctx; t++) {
         const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
         const uint32_t *kr = (const uint32_t *)(k_cache + offset);
         const uint16_t *vr = (const uint16_t *)(v_cache + offset);
+        if (is_8bit(dtype)) {
+            load_row(k_cache + offset, dtype, head_dim, row);
+            for (int64_t d = 0; d < head_dim; d++) kq[d] = f32_to_bf16(row[d]);
+            load_row(v_cache + offset, dtype, head_dim, row);
+            for (int64_t d = 0; d < head_dim; d++) vq[d] = f32_to_bf16(row[d]);
+            kr = (const uint32_t *)kq;
+            vr = vq;
+        }
         const int64_t u = t - base;
         uint32_t *kd = kt + (u / 16) * pairs * 16 + u % 16;
         for (int64_t k = 0; k < pairs; k++) kd[k * 16] = kr[k];
@@ -788,11 +914,12 @@ PREFILL_ROWS(prefill_rows_32, 4, 2)
 PREFILL_ROWS(prefill_rows_256, 1, 16)
 #endif
 
-/* Can pipeserve_paged_prefill run this shape? (bf16 cache, AVX512_BF16 CPU,
- * head_dim 32, 64, 128 or 256.) */
+/* Can pipeserve_paged_prefill run this shape? (bf16 queries; a bf16 or 8-bit cache;
+ * AVX512_BF16 CPU; head_dim 32, 64, 128 or 256.) */
 int pipeserve_prefill_supported(int dtype, int64_t head_dim) {
 #if defined(PREFILL_KERNEL)
-    return dtype == DT_BFLOAT16 && (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
+    return (dtype == DT_BFLOAT16 || is_8bit(dtype)) &&
+           (head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256);
 #else
     (void)dtype;
     (void)head_dim;
@@ -801,17 +928,18 @@ int pipeserve_prefill_supported(int dtype, int64_t head_dim) {
 }
 
 /* q, out: [tokens, heads, head_dim] bfloat16 (the flat batch; only prefill rows are written).
+ * dtype: the cache's (DT_BFLOAT16, DT_INT8 or DT_FP8).
  * Per prefill sequence s: seqs[4 s .. 4 s + 3] = (first row in the batch, q_len, context_len,
  * unused); block_tables: [num_seqs, max_blocks] int64. window: sliding window in tokens
  * (0: none); softcap: logit soft cap (0: none).
  * Returns 0; -1 when scratch memory cannot be allocated; -2 for an unsupported shape. */
-int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache,
+int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache, int dtype,
                             const int64_t *seqs, int64_t num_seqs, const int64_t *block_tables,
                             int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
                             int64_t block_size, float scale, int64_t window, float softcap, uint16_t *out,
                             int num_threads) {
 #if defined(PREFILL_KERNEL)
-    if (!pipeserve_prefill_supported(DT_BFLOAT16, head_dim) || heads % kv_heads != 0) return -2;
+    if (!pipeserve_prefill_supported(dtype, head_dim) || heads % kv_heads != 0) return -2;
     const int64_t group = heads / kv_heads;
     const int R = head_dim == 128 ? 2 : head_dim == 256 ? 1 : 4;
     int64_t max_tiles = 1;
@@ -834,7 +962,7 @@ int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *
             uint32_t *kt = (uint32_t *)work;
             uint16_t *vi = (uint16_t *)(work + (size_t)max_tiles * 16 * head_dim * 2);
             const int64_t base = prefill_base(ctx - q_len, window);
-            stage_kv_tiles((const char *)k_cache, (const char *)v_cache, block_tables + s * max_blocks, base, ctx,
+            stage_kv_tiles((const char *)k_cache, (const char *)v_cache, dtype, block_tables + s * max_blocks, base, ctx,
                            kv_head, kv_heads, head_dim, block_size, kt, vi);
             const uint16_t *qs = q + row * heads * head_dim;
             uint16_t *os = out + row * heads * head_dim;
@@ -859,7 +987,7 @@ int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *
     }
     return failed ? -1 : 0;
 #else
-    (void)q; (void)k_cache; (void)v_cache; (void)seqs; (void)num_seqs; (void)block_tables; (void)max_blocks;
+    (void)q; (void)k_cache; (void)v_cache; (void)dtype; (void)seqs; (void)num_seqs; (void)block_tables; (void)max_blocks;
     (void)heads; (void)kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)window; (void)softcap;
     (void)out; (void)num_threads;
     return -2;

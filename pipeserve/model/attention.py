@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, kv_heads, head_dim]
+from pipeserve.model.kv_quant import gather_rows, write_rows
+
+# (K, V), each [num_blocks, block_size, kv_heads, head_dim] (an 8-bit cache: head_dim + 4, kv_quant.py)
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -242,9 +245,7 @@ class TorchPagedAttention(AttentionBackend):
                 logit_softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)  # internal: built by this backend
         k_cache, v_cache = kv_cache
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k, v = write_rows(k_cache, meta.slot_mapping, k), write_rows(v_cache, meta.slot_mapping, v)
         shape = ScoreShape(scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:
@@ -270,7 +271,7 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, p: Prefill, shape: ScoreShape) -> torch.Tensor:
     """[q_len, heads, D] for one prefill sequence."""
     heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    kv_heads, slots = k_cache.shape[2], k_cache.shape[0] * k_cache.shape[1]
     rows = slice(p.start, p.start + p.q_len)
     mask = None
     if p.fresh:   # its keys are the new ones, in the model dtype
@@ -279,8 +280,8 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask = p.fresh_window_mask(shape.window)
     else:
         key_slots, mask = p.cached_context(shape.window)
-        kb = k_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
-        vb = v_cache.view(-1, kv_heads * head_dim).index_select(0, key_slots).view(-1, kv_heads, head_dim)
+        kb = gather_rows(k_cache, key_slots, slots, q.dtype).view(-1, kv_heads, head_dim)
+        vb = gather_rows(v_cache, key_slots, slots, q.dtype).view(-1, kv_heads, head_dim)
     qb = q[rows].to(kb.dtype).transpose(0, 1).unsqueeze(0)                    # [1, heads, q_len, D]
     kb, vb = kb.transpose(0, 1).unsqueeze(0), vb.to(kb.dtype).transpose(0, 1).unsqueeze(0)
     if shape.softcap is not None:
@@ -321,13 +322,14 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if shape.window is not None:
         g = g.in_window(shape.window)
     bsz, max_blocks = g.block_index.shape
-    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    heads = q.shape[1]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    heads, head_dim = q.shape[1], q.shape[2]
     group, ctx = heads // kv_heads, max_blocks * block_size
     blocks = g.block_index.view(-1)
-    # A 2-D view makes index_select a plain row copy (~3x faster than on the 4-D cache).
-    kb = k_cache.view(k_cache.shape[0], -1).index_select(0, blocks)          # [B * max_blocks, bs*kv*D]
-    vb = v_cache.view(v_cache.shape[0], -1).index_select(0, blocks)
+    # A 2-D view makes index_select a plain row copy (~3x faster than on the 4-D cache);
+    # an 8-bit cache's blocks are dequantized to the model dtype once gathered.
+    kb = gather_rows(k_cache, blocks, k_cache.shape[0], q.dtype)              # [B * max_blocks, bs*kv*D]
+    vb = gather_rows(v_cache, blocks, v_cache.shape[0], q.dtype)
     qb = q.index_select(0, g.query_index).to(kb.dtype)                      # [B, heads, D]
     if kv_heads <= _SHARED_SCORE_KV_HEADS:
         scores = torch.bmm(qb, kb.view(bsz, ctx * kv_heads, head_dim).transpose(1, 2))  # [B, heads, ctx*kv]

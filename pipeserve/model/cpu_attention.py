@@ -27,7 +27,9 @@ from pipeserve.model.attention import (AttentionBackend, DecodeBatch, ScoreShape
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Cache dtypes the C kernels read; int8 / float8_e4m3fn: 8-bit rows with a scale (kv_quant.py).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+KV_8BIT = (torch.int8, torch.float8_e4m3fn)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
@@ -38,10 +40,10 @@ class CpuPagedAttention(TorchPagedAttention):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._decode = lib.pipeserve_paged_decode
         self._decode.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                 ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int]
+                                 ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
         self._decode.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
-        self._prefill.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+        self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                   ctypes.c_float, ptr, ctypes.c_int]
         self._prefill.restype = ctypes.c_int
         self._prefill_supported = lib.pipeserve_prefill_supported
@@ -49,23 +51,26 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill_supported.restype = ctypes.c_int
 
     def prefill_kernel_applies(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Does the C prefill kernel handle this cache dtype and head size on this CPU?"""
+        """Does the C prefill kernel handle this cache dtype and head size on this CPU?
+        (bfloat16 queries: a bfloat16 cache, or an 8-bit one, staged as bfloat16.)"""
         code = _DTYPE_CODES.get(dtype)
         return code is not None and bool(self._prefill_supported(code, head_dim))
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: TorchAttentionMetadata, shape: ScoreShape,
                         out: torch.Tensor) -> None:
-        if not (q.dtype == k_cache.dtype and k_cache.device.type == "cpu" and q.is_contiguous()
+        if not (q.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, *KV_8BIT)
+                and k_cache.device.type == "cpu" and q.is_contiguous()
                 and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and self.prefill_kernel_applies(k_cache.dtype, k_cache.shape[3])):
+                and self.prefill_kernel_applies(k_cache.dtype, q.shape[2])):
             super().attend_prefills(q, k, v, k_cache, v_cache, meta, shape, out)
             return
         args = meta.backend_state.get("prefill")
         if args is None:   # once per step, shared by every layer
             args = meta.backend_state["prefill"] = _prefill_args(meta)
         seqs, tables = args
-        rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seqs.data_ptr(), seqs.shape[0],
+        rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+                           seqs.data_ptr(), seqs.shape[0],
                            tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
                            k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
                            torch.get_num_threads())
@@ -90,7 +95,8 @@ class CpuPagedAttention(TorchPagedAttention):
         rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
                           block_index.data_ptr(), block_index.shape[1], lens.data_ptr(),
                           bsz, heads, k_cache.shape[2], head_dim, k_cache.shape[1], shape.scale,
-                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
+                          int(q.dtype == torch.bfloat16))
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
         return out.to(q.dtype)

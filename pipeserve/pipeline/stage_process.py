@@ -64,7 +64,8 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
                                  block_size=spec.config.block_size,
                                  attention_backend=spec.config.attention_backend,
                                  quantization=spec.config.quantization,
-                                 quantization_group_size=spec.config.quantization_group_size, **extra)
+                                 quantization_group_size=spec.config.quantization_group_size,
+                                 kv_cache_dtype=spec.config.kv_cache_dtype, **extra)
     return runners
 
 

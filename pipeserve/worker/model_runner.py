@@ -15,6 +15,7 @@ import torch
 
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.kv_quant import cache_dtype, row_elements
 from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader import ModelSource, load_model
 from pipeserve.model.quant.load import describe, weight_bytes
@@ -29,14 +30,17 @@ class ModelRunner:
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
                  sampler_seed: int | None = None, attention_backend: str = "auto",
-                 quantization: str = "auto", quantization_group_size: int = 32, tp=None) -> None:
+                 quantization: str = "auto", quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 tp=None) -> None:
         """``tp``: this stage's tensor-parallel group (``pipeserve.model.tensor_parallel``);
         the runner then holds its rank's slices and KV heads, and only TP rank 0 of the
-        last stage samples (the others return an empty ``StepOutput``)."""
+        last stage samples (the others return an empty ``StepOutput``). ``kv_cache_dtype``:
+        ``--kv-cache-dtype`` (auto: the model dtype; int8 / fp8: ``model/kv_quant.py``)."""
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.kv_dtype = cache_dtype(kv_cache_dtype, dtype)   # refuses an unknown name
         self.is_first, self.is_last = is_first, is_last
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
@@ -48,17 +52,23 @@ class ModelRunner:
         self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")
+        kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
+        log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
+                 str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
     def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
         # The model's config: under tensor parallelism, this rank's KV heads only.
-        shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, self.cfg.head_dim)
+        row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
+        shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
-                return zeros_on_huge_pages(shape, self.dtype)
-            t = torch.zeros(shape, dtype=self.dtype, device=device)
+                return zeros_on_huge_pages(shape, self.kv_dtype)
+            # torch.zeros has no float8 kernel on every device: zero the bytes.
+            t = torch.zeros(shape, dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
+                            device=device).view(self.kv_dtype)
             return t.pin_memory() if pin else t
 
         return [(make(), make()) for _ in range(self.model.num_layers)]
@@ -168,7 +178,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     zeroing it makes the faults allocate huge pages. Best effort: elsewhere it
     is plain zeros.
     """
-    t = torch.empty(shape, dtype=dtype)
+    t = torch.empty(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype)   # zero_() has no float8 kernel
     nbytes = t.numel() * t.element_size()
     if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE:
         start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
@@ -179,4 +189,4 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
             libc.madvise(start, end - start, _MADV_HUGEPAGE)
         except (OSError, AttributeError):
             pass
-    return t.zero_()
+    return t.zero_().view(dtype)
