@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # as pipeserve.model.kv_quant (this module imports no torch)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # --kv-cache-dtype; the formats live in pipeserve.model.kv_quant
 
 
 @dataclass(frozen=True)

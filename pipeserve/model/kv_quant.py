@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+from pipeserve.config import KV_CACHE_DTYPES
+
 SCALE_BYTES = 4                       # one float32 per row, after the codes
 _CODES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
