@@ -4,7 +4,9 @@
 which it reorders into its blocked layout on every call. Packing once (what
 torch inductor's freezing pass does: ``mkldnn._reorder_linear_weight``, then
 ``mkldnn._linear_pointwise`` per call) skips that reorder: the same oneDNN
-kernel and bit-identical results, measured 1.04-1.15x at prefill rows and
+kernel and bit-identical results (the bias is added in float32 before rounding,
+as F.linear does for contiguous input; F.linear on non-contiguous N-D input with
+a bias rounds first, so there the results may differ by one bf16 step), measured 1.04-1.15x at prefill rows and
 1.2-2x at 1-64 rows (benchmarks/README.md, "Prefill GEMMs").
 
 The packed copy is made on a layer's first bfloat16 forward and remade when the
