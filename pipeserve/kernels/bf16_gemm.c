@@ -98,6 +98,11 @@ micro(const uint32_t *xb, const uint32_t *wp, int64_t K, const int MR, uint16_t 
 
 static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16_t *out, int64_t N, int64_t n0,
                        int64_t m0, int64_t rows, __mmask16 keep) {
+    if (rows <= 2) {   /* decode: one or two rows, not a block of 4 */
+        if (rows == 1) micro(xb, wp, K, 1, out, N, n0, m0, rows, keep);
+        else micro(xb, wp, K, 2, out, N, n0, m0, rows, keep);
+        return;
+    }
     switch ((rows + 3) / 4) {   /* a constant MR: the row loop unrolls into registers */
     case 1: micro(xb, wp, K, 4, out, N, n0, m0, rows, keep); break;
     case 2: micro(xb, wp, K, 8, out, N, n0, m0, rows, keep); break;
