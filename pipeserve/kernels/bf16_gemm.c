@@ -9,9 +9,10 @@
  *   so the micro-kernel loads one 64-byte k-pair of 16 weight rows and broadcasts the
  *   x pair of each of up to 16 activation rows (16 float32 accumulators, lanes = the
  *   panel's rows). x is packed once per call into 16-row blocks the same way.
- *   Loop order: chunks of x rows sized to stay in L2, then panels (split over the
- *   threads), then the chunk's 16-row blocks, so a panel is read from memory once per
- *   chunk and stays in L1 while the blocks pass over it.
+ *   Loop order: each thread takes a contiguous range of panels; per chunk of x rows
+ *   sized to stay in L2, each of its panels against the chunk's 16-row blocks, so a
+ *   panel is read from memory once per chunk and stays in L1 while the blocks pass
+ *   over it. No barrier between chunks: one per call (what costs on a loaded machine).
  *
  *   Each output is one thread's float32 sum in k order, rounded once: the same for any
  *   thread count; it differs from oneDNN's F.linear only by summation order.
@@ -23,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 const char *pipeserve_bf16_gemm_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -129,14 +131,17 @@ int pipeserve_bf16_gemm(const uint32_t *wp, int64_t N, int64_t K, const uint16_t
     if (!xp) return -1;
     pack_x(x, M, K, xp);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
-        const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
-#pragma omp for schedule(static)
-        for (int64_t pn = 0; pn < panels; pn++) {
-            const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
-            for (int64_t mb = b0; mb < b1; mb++)
-                micro_rows(xp + mb * K2 * 16, wp + pn * K2 * NB, K, out, N, n0, mb * 16,
-                           M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
+    {   /* each thread its own range of panels through every chunk: one barrier per call */
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+            const int64_t b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+            for (int64_t pn = p0; pn < p1; pn++) {
+                const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
+                for (int64_t mb = b0; mb < b1; mb++)
+                    micro_rows(xp + mb * K2 * 16, wp + pn * K2 * NB, K, out, N, n0, mb * 16,
+                               M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
+            }
         }
     }
     free(xp);
