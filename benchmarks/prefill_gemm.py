@@ -10,7 +10,7 @@ independent ``vdpbf16ps`` zmm accumulators in registers: the instruction's
 throughput, nothing else). Shapes: SmolLM2-135M's (hidden 576) and a
 Llama-2-7B-sized layer (hidden 4096, MLP 11008).
 
-One thread. Times are the calling thread's CPU time (``time.thread_time``),
+One thread by default. Times are the calling thread's CPU time (``time.thread_time``),
 best of several rounds: on a shared machine another process's time slices
 then do not count (its cache pollution still does), so GFLOP/s stay close to
 what an idle core gives. ``--wall`` times wall-clock instead. ``--cold`` cycles
@@ -19,7 +19,7 @@ the weights come from memory as in a model's forward; by default the one weight
 stays in cache.
 
     PYTHONPATH=$PWD python benchmarks/prefill_gemm.py [--rows 1,8,32,128,256,512,2048] [--shapes smol,7b]
-        [--cold] [--wall]
+        [--cold] [--wall] [--threads 2]
 """
 
 from __future__ import annotations
@@ -79,14 +79,17 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32,128,256,512,2048")
     ap.add_argument("--shapes", default="smol,7b")
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of thread CPU time")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="intra-op threads; above 1 the clock is the process's CPU time (all threads, "
+                         "OpenMP spin-waits included), so GFLOP/s are per core-second")
     ap.add_argument("--cold", action="store_true", help="weights from memory: cycle through 128 MB of copies")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    clock = time.perf_counter if args.wall else time.thread_time
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.wall else time.thread_time if args.threads == 1 else time.process_time
     if not packed_linear.available():
         raise SystemExit("this torch has no oneDNN packed-linear ops: nothing to compare")
     peak = measure_peak(clock)
-    print(f"threads=1 clock={'wall' if args.wall else 'thread CPU'} weights={'cold' if args.cold else 'in cache'} "
+    print(f"threads={args.threads} clock={'wall' if args.wall else 'CPU'} weights={'cold' if args.cold else 'in cache'} "
           + (f"bf16 peak={peak:.1f} GFLOP/s" if peak else "bf16 peak=n/a"))
     gemm = packed_linear.gemm_kernel()
     print(f"{'model':5} {'matrix':8} {'[out, in]':>13} {'rows':>5} {'F.linear':>9} {'oneDNN-pk':>9} "
