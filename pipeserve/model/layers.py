@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.model import packed_linear
+
 
 class RMSNorm(nn.Module):
     # Fused CPU kernels (pipeserve.model.cpu_ops.CpuElementwise), set by the model
@@ -46,6 +48,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
+    """x @ weight^T + bias. bfloat16 on the CPU runs with the weight packed once
+    (``packed_linear``: our bf16_gemm.c kernel, or oneDNN without its per-call
+    reorder); every other dtype and device is ``F.linear``."""
+
+    prepack = True   # class switch: benchmarks time both paths in one process
+
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -53,8 +61,13 @@ class Linear(nn.Module):
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
+        self.packed = packed_linear.PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepack and packed_linear.applies(x, self.weight):
+            out = self.packed.forward(x, self.weight, self.bias)
+            if out is not None:
+                return out
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,177 @@
+"""bfloat16 CPU linear layers with the weight packed once, not on every call.
+
+``F.linear`` on a bfloat16 CPU weight hands oneDNN the plain [out, in] matrix,
+which it reorders into its blocked layout on every call (a read and a write of
+the whole weight per call). Two ways to pack once, measured side by side
+(benchmarks/README.md, "Prefill GEMMs"):
+
+- ``bf16_gemm.c`` (pipeserve/kernels): our vdpbf16ps kernel over weight panels
+  laid out at the first call; 1.05-1.07x oneDNN-packed at prefill rows and
+  1.25-1.6x at 1-32 rows with the weights coming from memory. Differs from
+  ``F.linear`` by float32 summation order only. Taken for bias-free layers
+  whose input width is a multiple of 32, on AVX512_BF16 CPUs.
+- oneDNN with a packed weight (what torch inductor's freezing does:
+  ``mkldnn._reorder_linear_weight``, then ``mkldnn._linear_pointwise``): the
+  same kernel as ``F.linear`` without the reorder, bit-identical results (the
+  bias added in float32 before rounding, as ``F.linear`` does for contiguous
+  input). Taken for the other layers, and everywhere when the C kernel cannot
+  be built or the CPU lacks AVX512_BF16 (logged once).
+
+``F.linear`` stays for every other dtype (float32 is untouched) and device, and
+when neither packing is possible (logged once). The packed copy is made on a
+layer's first bfloat16 forward and remade when the weight is replaced or changed
+in place (its storage or version counter moves; an inference-mode weight has no
+version counter, so only a new storage is seen). It is a second copy: the plain
+weight stays the parameter that loaders, tensor-parallel slicing and
+``weight_bytes`` read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether this torch has oneDNN and the packed-linear ops (logged once when not)."""
+    ok = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+          and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if not ok:
+        log.info("bfloat16 linear layers: no oneDNN packed-linear ops in this torch")
+    return ok
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """bfloat16 activations and weight on the CPU, outside autograd."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and not x.requires_grad and not weight.requires_grad)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-blocked copy of ``weight`` [out, in] (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ packed^T + bias -> [..., out]; equals ``F.linear`` on the plain weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Bf16Gemm:
+    """``pipeserve/kernels/bf16_gemm.c`` through ctypes; ``KernelBuildError`` when unusable here."""
+
+    def __init__(self) -> None:
+        from pipeserve.kernels.build import KernelBuildError, load_kernel
+        lib = load_kernel("bf16_gemm")
+        lib.pipeserve_bf16_gemm_isa.restype = ctypes.c_char_p
+        self.isa = lib.pipeserve_bf16_gemm_isa().decode()
+        if self.isa == "none":
+            raise KernelBuildError("bf16_gemm.c: this CPU has no AVX512_BF16")
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.pipeserve_bf16_pack.argtypes = [p, i64, i64, p]
+        lib.pipeserve_bf16_gemm.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
+        self.lib = lib
+
+    @staticmethod
+    def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return bias is None and weight.dim() == 2 and weight.shape[1] % 32 == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """Panels of 16 rows (see bf16_gemm.c): int32 pairs, ceil(out / 16) * 16 * in / 2 of them."""
+        n, k = weight.shape
+        w = weight.detach().contiguous()
+        panels = torch.empty((n + 15) // 16 * 16 * k // 2, dtype=torch.int32)
+        self._check(self.lib.pipeserve_bf16_pack(w.data_ptr(), n, k, panels.data_ptr()))
+        return panels
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).contiguous()                                    # [rows, in]
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        self._check(self.lib.pipeserve_bf16_gemm(panels.data_ptr(), n, k, x2.data_ptr(), x2.shape[0],
+                                                 out.data_ptr(), torch.get_num_threads()))
+        return out.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc == -1:
+            raise MemoryError("bf16_gemm.c: cannot allocate its scratch")
+        if rc != 0:
+            raise RuntimeError(f"bf16_gemm.c returned {rc}")
+
+
+@functools.lru_cache(maxsize=None)
+def gemm_kernel() -> Bf16Gemm | None:
+    """The C kernel, or None (why logged once: the layers then use oneDNN's packed weights)."""
+    from pipeserve.kernels.build import KernelBuildError
+    try:
+        kernel = Bf16Gemm()
+    except KernelBuildError as exc:
+        log.warning("bfloat16 linear layers: oneDNN with packed weights (%s)", str(exc).splitlines()[0])
+        return None
+    log.info("bfloat16 linear layers: bf16_gemm.c (%s) with weights packed once", kernel.isa)
+    return kernel
+
+
+def _version(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version
+    except RuntimeError:   # inference tensors do not track versions
+        return None
+
+
+class PackedWeight:
+    """One layer's packed copy, remade when its weight changes; ``forward`` is None where
+    no packing applies (the layer then calls ``F.linear``)."""
+
+    __slots__ = ("packed", "kind", "key", "failed")
+
+    def __init__(self) -> None:
+        self.packed: torch.Tensor | None = None
+        self.kind: str | None = None   # "gemm" (bf16_gemm.c) or "onednn"
+        self.key: tuple | None = None
+        self.failed = False
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if self.failed:
+            return None
+        key = (weight.data_ptr(), _version(weight), tuple(weight.shape), bias is None)
+        if key != self.key and not self._pack(weight, bias, key):
+            return None
+        if self.kind == "gemm":
+            return gemm_kernel()(x, self.packed, weight.shape[0])
+        return linear(x, self.packed, bias)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, key: tuple) -> bool:
+        kernel = gemm_kernel() if Bf16Gemm.takes(weight, bias) else None
+        try:
+            if kernel is not None:
+                self.packed, self.kind = kernel.pack(weight), "gemm"
+            elif available():
+                self.packed, self.kind = pack(weight), "onednn"
+            else:
+                self.failed = True
+                return False
+        except RuntimeError as exc:   # e.g. a oneDNN without bfloat16 support for this CPU
+            self.failed = True
+            _warn_once(weight, exc)
+            return False
+        self.key = key
+        return True
+
+
+_warned: list[str] = []   # the first packing failure of the process is logged, not every layer's
+
+
+def _warn_once(weight: torch.Tensor, exc: Exception) -> None:
+    if _warned:
+        return
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    _warned.append(reason)
+    log.warning("bfloat16 linear layers: F.linear (packing a %s weight failed: %s)", tuple(weight.shape), reason)
