@@ -56,7 +56,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if n == 1 and self.q_norm is None and self.ops is not None and self.ops.applies(qkv):
+            # One decode row: q and k's heads are adjacent in the row, so one fused RoPE call
+            # rotates both (same per-element math as two); its two slices stay contiguous.
+            cos, sin = rope
+            qk = self.ops.rope(qkv[:, :self.q_size + self.kv_size].view(1, self.num_heads + self.num_kv_heads,
+                                                                          self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(1, self.num_kv_heads, self.head_dim)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **self.backend_options)
+            return self.o_proj(out.reshape(1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)      # [n, heads, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
