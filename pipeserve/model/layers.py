@@ -98,11 +98,12 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)                                          # [n, 2 * inter]
+        # .forward, not __call__: no hooks here, ~1.5 us a call saved (LlamaModel.forward)
+        gate_up = self.gate_up_proj.forward(x)                                  # [n, 2 * inter]
         if self.act == "silu" and self.ops is not None and self.ops.applies(gate_up):
-            return self.down_proj(self.ops.silu_mul(gate_up))
+            return self.down_proj.forward(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)                # [n, inter] each
-        return self.down_proj(GATE_ACTIVATIONS[self.act](gate) * up)
+        return self.down_proj.forward(GATE_ACTIVATIONS[self.act](gate) * up)
 
 
 GATE_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -56,7 +56,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj.forward(x)   # .forward: see LlamaModel.forward
+        if n == 1 and self.q_norm is None and self.ops is not None and self.ops.applies(qkv):
+            # One decode row: q and k's heads are adjacent in the row, so one fused RoPE call
+            # rotates both (same per-element math as two); its two slices stay contiguous.
+            cos, sin = rope
+            qk = self.ops.rope(qkv[:, :self.q_size + self.kv_size].view(1, self.num_heads + self.num_kv_heads,
+                                                                          self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(1, self.num_kv_heads, self.head_dim)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **self.backend_options)
+            return self.o_proj.forward(out.reshape(1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)      # [n, heads, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)   # [n, kv_heads, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -65,7 +76,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope, self.ops)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, **self.backend_options)  # [n, heads, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj.forward(out.reshape(n, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,13 +105,13 @@ class LlamaDecoderLayer(nn.Module):
         output and the residual stream before it: each residual add is fused
         with the norm after it."""
         x, residual = self.input_layernorm.add_norm(h, residual)
-        attn = self.self_attn(rope, x, meta, kv_cache)
+        attn = self.self_attn.forward(rope, x, meta, kv_cache)   # .forward: see LlamaModel.forward
         if self.tp is not None:
             attn = self.tp.all_reduce(attn)
         if self.attn_output_norm is not None:
             attn = self.attn_output_norm(attn)
         x, residual = self.post_attention_layernorm.add_norm(attn, residual)
-        out = self.mlp(x)
+        out = self.mlp.forward(x)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         if self.mlp_output_norm is not None:
@@ -171,8 +182,10 @@ class LlamaModel(nn.Module):
             h = input_ids_or_hidden.to(self.dtype)
         ropes = self._ropes(positions, attn_metadata)  # shared by every layer of the step
         residual = None
+        # The decoder's modules carry no hooks, so the hot path calls ``forward`` directly:
+        # nn.Module.__call__ costs ~1.5 us a call, ~210 calls per decode step (measured, 1 thread).
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(ropes[layer.rope_kind], h, residual, attn_metadata, kv)
+            h, residual = layer.forward(ropes[layer.rope_kind], h, residual, attn_metadata, kv)
         return h if residual is None else h + residual
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

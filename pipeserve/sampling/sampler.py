@@ -68,6 +68,10 @@ class Sampler:
             raise ValueError(f"Sampler.sample expects logits [S, V] with S = len(params) = "
                              f"{len(params)}, got shape {tuple(logits.shape)}")
         logits = logits.float()
+        if all(p.num_logprobs is None and is_greedy(p) and not has_penalty(p) and not p.banned_token_ids
+               and p.allowed_token_mask is None for p in params):
+            # Plain greedy (single-stream decode's case): the argmax alone, no logprob work.
+            return [(t, 0.0, []) for t in logits.argmax(dim=-1).tolist()]
         log_norm = _log_norm(logits, params)                              # [S]
         adjusted = self._adjusted_logits(logits, params)                  # [S, V]
         tokens = self._choose_tokens(adjusted, params)                    # [S]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeserve.model.quant.cpu_kernels import cpu_kernels
+from pipeserve.model.quant.cpu_kernels import _DTYPES as _KERNEL_DTYPES, GEMM_MIN_ROWS, cpu_kernels
 from pipeserve.model.quant.packed import PackedWeight, dequantize
 
 
@@ -39,6 +39,7 @@ class _Packed(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         self._parts = None   # .to(...) replaces the buffers
+        self._decode = None
         return super()._apply(fn, recurse)
 
     @property
@@ -54,9 +55,17 @@ class QuantLinear(_Packed):
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
 
+    _decode = None   # (the bound gemv of a single-part weight, or False), built at the first decode call
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out] in x's dtype."""
-        parts = self._parts or self.parts   # runs ~120 times per decode step: the short way first
+        decode = self._decode
+        if decode and x.shape[0] < GEMM_MIN_ROWS and x.is_cpu and x.dtype in _KERNEL_DTYPES and x.is_contiguous():
+            out = decode(x)   # one decode gemv (~120 per step): the weight's C arguments bound once
+            return out if self.bias is None else out + self.bias
+        if decode is None:
+            self._decode = self._bind_decode()
+        parts = self._parts or self.parts
         kernels = cpu_kernels() if x.is_cpu else None
         if kernels is not None and kernels.applies(x):
             out = kernels.matmul(parts[0], x) if len(parts) == 1 else torch.cat(
@@ -65,6 +74,11 @@ class QuantLinear(_Packed):
             outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
+
+    def _bind_decode(self):
+        parts = self.parts
+        kernels = cpu_kernels() if parts[0].qs.is_cpu else None
+        return kernels.decode_fn(parts[0]) if kernels is not None and len(parts) == 1 else False
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.sources)}"
