@@ -26,7 +26,7 @@ from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
-from pipeserve.worker.step import StepOutput
+from pipeserve.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ class LLMEngine:
         self._inflight: dict[int, SchedulerOutput] = {}
         self._dead: str | None = None
         self.recovery = RecoveryLog()
+        self.profiler = None
+        if config.profile:     # timers on this engine's calls; none without --profile
+            from pipeserve.engine.driver_profile import DriverProfiler
+            self.profiler = DriverProfiler()
+            self.profiler.instrument(self)
         # Objects made so far (model, tokenizer, tables) live as long as the
         # engine: take them out of the cyclic collector's scans, as vLLM does.
         gc.freeze()
@@ -127,6 +132,10 @@ class LLMEngine:
                                  attention_backend=self.config.attention_backend,
                                  quantization=self.config.quantization,
                                  quantization_group_size=self.config.quantization_group_size)
+            if self.config.profile:
+                from pipeserve.worker.profiler import StageProfiler
+                runner.profiler = StageProfiler(0)
+                runner.profiler.instrument(runner)
             return LocalExecutor(runner)
         from pipeserve.pipeline.executor import PipelineExecutor
         return PipelineExecutor(self.config, self.source, self.model_config, self.partition,
@@ -219,10 +228,13 @@ class LLMEngine:
             sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
             if sched.is_empty:
                 break
-            step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
-                              self.guides.mask if len(self.guides) else None)
+            step = self._build_step(sched)
             self._inflight[step.step_id] = sched
             self.executor.submit(step)
+
+    def _build_step(self, sched: SchedulerOutput) -> StepInput:
+        return build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
+                          self.guides.mask if len(self.guides) else None)
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
         """Spread the work evenly over the micro-batches in flight.
@@ -373,6 +385,13 @@ class LLMEngine:
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
                 "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats(),
                 "weight_bytes": self.executor.weight_bytes()}
+
+    def profile(self) -> dict | None:
+        """``--profile``: each stage's cumulative ``StageProfile`` and the driver's snapshot
+        (``engine.driver_profile``); None without it."""
+        if self.profiler is None:
+            return None
+        return {"stages": self.executor.profiles(), "driver": self.profiler.snapshot()}
 
     def write_trace(self, path: str) -> list[str]:
         """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""
