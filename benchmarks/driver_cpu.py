@@ -21,6 +21,8 @@ ratio of their medians: on a loaded machine only same-run ratios mean anything.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
 import random
@@ -91,9 +93,13 @@ def run_once(num_prompts: int, max_inflight: int, max_num_seqs: int, cprofile: b
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
+    # As LLM.generate calls it in each tree (an older tree's step takes no argument).
+    step = engine.step
+    if "partial_outputs" in inspect.signature(engine.step).parameters:
+        step = functools.partial(engine.step, partial_outputs=False)
     cpu, wall = time.thread_time(), time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        step()
     cpu, wall = time.thread_time() - cpu - engine.executor.stage_cpu, time.perf_counter() - wall
     if profiler is not None:
         profiler.disable()

@@ -187,8 +187,11 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- the loop ----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Fill the pipeline, wait for at least one micro-batch, return updated requests."""
+    def step(self, partial_outputs: bool = True) -> list[RequestOutput]:
+        """Fill the pipeline, wait for at least one micro-batch, return updated requests.
+
+        ``partial_outputs=False``: return only the requests that finished (an offline
+        caller that reads nothing else skips building an output per token)."""
         if self._dead:
             return self._fail_all(self._dead)
         gpipe = self._gpipe
@@ -206,7 +209,7 @@ class LLMEngine:
             return self._on_pipeline_failure(str(exc))
         updated: dict[str, RequestOutput] = {}
         for result in results:
-            for out in self._process(result):
+            for out in self._process(result, partial_outputs):
                 updated[out.request_id] = out
         if not self.requests and not self._inflight:
             # Just went idle: every block must be free or cached. O(blocks), once per idle spell;
@@ -275,7 +278,7 @@ class LLMEngine:
                        for sched in self._inflight.values())
         return min(budget, lightest + quantum)
 
-    def _process(self, result: StepOutput) -> list[RequestOutput]:
+    def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
         self.scheduler.on_step_done(sched)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
@@ -293,6 +296,8 @@ class LLMEngine:
                 self.guides.drop(seq.seq_id)
                 self.scheduler.finish_seq(seq, reason)
             touched[group.request_id] = group
+        if not partial_outputs:
+            return [self._finish_group(g, reason=None) for g in touched.values() if g.is_finished]
         return [self._output(group) for group in touched.values()]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
