@@ -30,6 +30,7 @@ class DriverProfiler:
         engine.scheduler.schedule = acc.timed(engine.scheduler.schedule, "schedule")
         engine._build_step = acc.timed(engine._build_step, "build_step")
         engine._process = acc.timed(engine._process, "process")
+        engine.executor.wait = acc.timed(engine.executor.wait, "wait")
         submit = acc.timed(engine.executor.submit, "submit")
 
         def counted(step: Any) -> None:

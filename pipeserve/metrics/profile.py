@@ -41,6 +41,7 @@ DRIVER_CLASSES = {
     "schedule": "Scheduler.schedule: admission, KV blocks, preemption",
     "build_step": "turning a schedule into a StepInput",
     "submit": "handing the step to the executor (PP > 1: encode and queue it)",
+    "wait": "waiting for a result (PP > 1: the engine thread polls the result queue)",
     "process": "results back: scheduler bookkeeping, detokenization, stop checks, outputs",
     "driver_other": "the rest of LLMEngine.step and the caller's loop",
 }
