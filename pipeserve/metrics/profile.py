@@ -197,8 +197,8 @@ def format_breakdown(stages: list[dict], driver: dict | None, roofline: Roofline
                          f"{roof:>12}{eff:>8}")
         for name in ("recv_ms", "send_ms", "wait_ms"):
             if name in st:
-                lines.append(f"  {'comm ' + name[:-3]:<18}{st[name]:>9.0f}{st[name] / st['busy_ms'] if st['busy_ms'] else 0:>7.1%}"
-                             "   (outside busy time)")
+                share = st[name] / st["busy_ms"] if st["busy_ms"] else 0.0
+                lines.append(f"  {'comm ' + name[:-3]:<18}{st[name]:>9.0f}{share:>7.1%}   (outside busy time)")
     if driver:
         lines.append(f"driver (engine thread; {driver['steps']} steps): wall {driver['wall_ms']:.0f} ms, "
                      f"CPU {driver['cpu_ms']:.0f} ms = {driver['cpu_ms_per_step']:.2f} ms/step")

@@ -17,6 +17,7 @@ class must do, for its roofline.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -62,8 +63,7 @@ class StageProfiler:
             model.compute_logits = self.acc.timed(model.compute_logits, self._logits_account(model, elem))
         if runner.sampler is not None:
             runner.sampler.sample = self.acc.timed(runner.sampler.sample, "sampling")
-        runner.execute = self.acc.timed(runner.execute, self._execute_account())
-        runner.execute = _before(runner.execute, self._start_step)
+        runner.execute = self._busy(self.acc.timed(runner.execute, self._execute_account()))
 
     def _instrument_backend(self, backend: Any, cfg: Any, runner: Any) -> None:
         if getattr(backend, "_profiled", False):   # one backend serves every layer (and chunk)
@@ -138,7 +138,20 @@ class StageProfiler:
             self.acc.ns["stage_other"] += self_ns
         return account
 
-    def _start_step(self, step: StepInput, *args: Any) -> None:
+    def _busy(self, execute):
+        """``execute`` that first reads its step's shape, and adds its wall time to busy time."""
+        def call(step: StepInput, *args: Any, **kwargs: Any):
+            self._start_step(step)
+            t0 = time.perf_counter_ns()
+            try:
+                return execute(step, *args, **kwargs)
+            finally:
+                self.busy_ns += time.perf_counter_ns() - t0
+
+        call.__wrapped__ = execute      # type: ignore[attr-defined]
+        return call
+
+    def _start_step(self, step: StepInput) -> None:
         """Before each forward: its rows and attention work, for the accounts."""
         prefill = decode = decode_keys = pairs = prefill_keys = 0
         for s in step.seqs:
@@ -156,24 +169,6 @@ class StageProfiler:
         self.prefill_tokens += prefill
         self.decode_tokens += decode
         self.steps += 1
-
-
-def _before(fn, hook):
-    """``fn`` with ``hook(*args)`` called first and its elapsed wall time added to busy time."""
-    import time
-
-    profiler = hook.__self__
-
-    def call(*args, **kwargs):
-        hook(*args)
-        t0 = time.perf_counter_ns()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            profiler.busy_ns += time.perf_counter_ns() - t0
-
-    call.__wrapped__ = fn          # type: ignore[attr-defined]
-    return call
 
 
 def _linears(mlp: nn.Module) -> list[nn.Module]:
