@@ -54,6 +54,7 @@ class EngineConfig:
     max_stage_restarts: int = 3               # pipeline restarts after a stage failure (engine lifetime)
     stage_rejoin_timeout: float = 300.0       # wait for a replacement remote `pipeserve worker`
     trace_file: str | None = None
+    profile: bool = False                     # time each class of work per stage, and the driver (metrics/profile.py)
     # Several hosts
     nnodes: int = 1
     node_rank: int = 0

@@ -88,18 +88,21 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    # The scheduler reads these for every sequence on every step: each is one
+    # expression, not a chain of properties.
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
         """True while more than the last sampled token is still to be computed."""
-        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+        n = len(self.token_ids)
+        return n - self.num_computed_tokens > 1 or n == self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -138,4 +141,7 @@ class SequenceGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:       # n = 1, the common case: no generator per call
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.is_finished for s in seqs)

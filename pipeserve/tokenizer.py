@@ -17,6 +17,7 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
         self.vocab_size: int = len(hf_tokenizer)
+        self._direct_decode = _direct_decoder(hf_tokenizer)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -31,6 +32,9 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``ids``: a list of ints (the detokenizer's windows, twice per generated token)."""
+        if self._direct_decode is not None:
+            return self._direct_decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int], skip_special_tokens: bool = False) -> list[str]:
@@ -49,6 +53,23 @@ class Tokenizer:
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **({"tools": tools} if tools else {}))
         return self.encode(text, add_special_tokens=False)
+
+
+def _direct_decoder(hf_tokenizer: Any):
+    """The Rust tokenizer's own ``decode`` where the Hugging Face wrapper adds nothing to
+    it: a fast tokenizer whose class decodes as the library's fast base class does and
+    that does not clean up spaces afterwards. The wrapper's input conversion and
+    dispatch cost about 4x the decode itself, paid twice per generated token on the
+    driver. None where it adds something (the wrapper's ``decode`` is then used)."""
+    from transformers import PreTrainedTokenizerFast  # heavy import, only where a tokenizer is built
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    cls = type(hf_tokenizer)
+    if (backend is None or not isinstance(hf_tokenizer, PreTrainedTokenizerFast)
+            or getattr(hf_tokenizer, "clean_up_tokenization_spaces", True)
+            or cls.decode is not PreTrainedTokenizerFast.decode or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    return backend.decode
 
 
 def load_tokenizer(source: ModelSource, extra_eos_ids: tuple[int, ...] = ()) -> Tokenizer:

@@ -220,3 +220,29 @@ def test_ignore_eos():
     assert _check(params, 2, 5) is None
     assert _check(params, 9, 5) == StopDecision("stop", 9, 0)
     assert _check(params, 2, 20) == StopDecision("length")
+
+
+def test_tokenizer_direct_decode_equals_the_wrappers(tok) -> None:
+    """pipeserve's Tokenizer decodes through the Rust tokenizer directly (the driver pays
+    a decode twice per token); the text must be the Hugging Face wrapper's, byte for byte."""
+    from pipeserve.tokenizer import Tokenizer
+    ours = Tokenizer(tok)
+    assert ours._direct_decode is not None            # SmolLM2's fast tokenizer takes the direct path
+    rng = random.Random(0)
+    specials = list(tok.all_special_ids)
+    windows = [tok.encode(t, add_special_tokens=False) for t in TEXTS]
+    windows += [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))] + rng.sample(specials, 1)
+                for _ in range(200)]
+    for ids in windows:
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+    class Overridden(type(tok)):                       # a class that decodes its own way keeps it
+        def decode(self, ids, skip_special_tokens=False, **kwargs):
+            return "custom"
+    tok_cls = tok.__class__
+    try:
+        tok.__class__ = Overridden
+        assert Tokenizer(tok)._direct_decode is None and Tokenizer(tok).decode([1, 2]) == "custom"
+    finally:
+        tok.__class__ = tok_cls

@@ -64,6 +64,9 @@ def _add_throughput(kinds) -> None:
     g.add_argument("--num-warmup", type=int, default=2, help="short untimed requests before the run")
     g.add_argument("--gantt-window", type=float, default=2.0,
                    help="seconds of the pipeline timeline, from the middle of the run, in the Gantt chart")
+    g.add_argument("--roofline-hardware", default=None, metavar="FILE",
+                   help="with --profile: the peaks of the roofline from this hardware file (`pipeserve plan "
+                        "--calibrate` writes one); default: a short GEMM and copy measurement at start")
     add_engine_args(p, skip=frozenset({"seed"}))
     p.set_defaults(func=_run_throughput)
 

@@ -14,6 +14,7 @@ from pipeserve.bench.llamacpp_baseline import import_llama_cpp, load_llama, run_
 from pipeserve.bench.offline import (pipeline_timeline, prefix_cache_delta, run_pipeserve, stage_ratios,
                                      warm_up, write_gantt)
 from pipeserve.bench.plots import plot_latency_cdfs
+from pipeserve.bench.profile_report import measure_roofline, profile_result, roofline_from_file
 from pipeserve.bench.stats import RequestRecord, latency_metrics
 from pipeserve.bench.workload import build_requests, dataset_json, result_header, write_json
 from pipeserve.config import EngineConfig
@@ -123,12 +124,18 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
                   args: argparse.Namespace) -> tuple[dict, list[RequestRecord], str | None]:
     """The timed run, its figures, and the path of its Gantt chart (with --plot, PP > 1)."""
     from pipeserve.entrypoints.llm import LLM
+    roofline = None
+    if config.profile:   # measured before the stages start, so they do not compete with it
+        roofline = (roofline_from_file(args.roofline_hardware) if args.roofline_hardware
+                    else measure_roofline())
     llm = LLM(**dataclasses.asdict(config))
     gantt = None
     try:
         warm_up(llm, requests, args.num_warmup)
         before = llm.stats().get("scheduler", {})
+        profile_before = llm.engine.profile()
         records, duration, window = run_pipeserve(llm, requests, args.temperature, args.progress)
+        profile_after = llm.engine.profile()
         stats = llm.stats()
         timeline = pipeline_timeline(llm)
         stages = stage_ratios(timeline, window)
@@ -142,6 +149,9 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
            "stages": stages, "partition": stats.get("partition"),
            "prefix_cache": prefix_cache_delta(before, stats.get("scheduler", {})),
            "scheduler": stats.get("scheduler", {})}
+    if profile_after is not None:
+        run["profile"] = profile_result(profile_before, profile_after, stages, roofline,
+                                        pipeline=timeline is not None)
     return run, records, None if gantt is None else str(gantt)
 
 
@@ -194,6 +204,8 @@ def format_summary(result: dict) -> str:
                          f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}"
                          f"  (steady state: busy {stage.get('steady_busy_ratio', float('nan')):.2f}"
                          f"  bubble {stage.get('steady_bubble_ratio', float('nan')):.2f})")
+        if run.get("profile"):
+            lines.append(run["profile"]["table"])
     if result.get("baseline"):
         b = result["baseline"]
         lines.append(f"pipeserve / transformers (b={b['hf_best_batch_size']}) output tokens/s: "

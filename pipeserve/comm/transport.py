@@ -43,6 +43,7 @@ class Kind(IntEnum):
     LINK_DOWN = 16  # stage -> driver: sending to another stage failed (its rank, reason)
     RESET = 17     # driver -> stage: drop your state, close your links and join again
     LOST = 18      # never sent: the local transport's note that the connection to ``src`` closed
+    PROFILE = 19   # stage -> driver: its cumulative --profile figures (StageProfile), before a TIMELINE
 
 
 @dataclass

@@ -27,7 +27,7 @@ from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
-from pipeserve.worker.step import StepOutput
+from pipeserve.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,11 @@ class LLMEngine:
         self._inflight: dict[int, SchedulerOutput] = {}
         self._dead: str | None = None
         self.recovery = RecoveryLog()
+        self.profiler = None
+        if config.profile:     # timers on this engine's calls; none without --profile
+            from pipeserve.engine.driver_profile import DriverProfiler
+            self.profiler = DriverProfiler()
+            self.profiler.instrument(self)
         # Objects made so far (model, tokenizer, tables) live as long as the
         # engine: take them out of the cyclic collector's scans, as vLLM does.
         gc.freeze()
@@ -135,6 +140,10 @@ class LLMEngine:
                                  quantization=self.config.quantization,
                                  quantization_group_size=self.config.quantization_group_size,
                                  kv_cache_dtype=self.config.kv_cache_dtype)
+            if self.config.profile:
+                from pipeserve.worker.profiler import StageProfiler
+                runner.profiler = StageProfiler(0)
+                runner.profiler.instrument(runner)
             return LocalExecutor(runner)
         from pipeserve.pipeline.executor import PipelineExecutor
         return PipelineExecutor(self.config, self.source, self.model_config, self.partition,
@@ -186,8 +195,11 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- the loop ----------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Fill the pipeline, wait for at least one micro-batch, return updated requests."""
+    def step(self, partial_outputs: bool = True) -> list[RequestOutput]:
+        """Fill the pipeline, wait for at least one micro-batch, return updated requests.
+
+        ``partial_outputs=False``: return only the requests that finished (an offline
+        caller that reads nothing else skips building an output per token)."""
         if self._dead:
             return self._fail_all(self._dead)
         gpipe = self._gpipe
@@ -205,7 +217,7 @@ class LLMEngine:
             return self._on_pipeline_failure(str(exc))
         updated: dict[str, RequestOutput] = {}
         for result in results:
-            for out in self._process(result):
+            for out in self._process(result, partial_outputs):
                 updated[out.request_id] = out
         if not self.requests and not self._inflight:
             # Just went idle: every block must be free or cached. O(blocks), once per idle spell;
@@ -227,10 +239,13 @@ class LLMEngine:
             sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
             if sched.is_empty:
                 break
-            step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
-                              self.guides.mask if len(self.guides) else None)
+            step = self._build_step(sched)
             self._inflight[step.step_id] = sched
             self.executor.submit(step)
+
+    def _build_step(self, sched: SchedulerOutput) -> StepInput:
+        return build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
+                          self.guides.mask if len(self.guides) else None)
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
         """Spread the work evenly over the micro-batches in flight.
@@ -271,7 +286,7 @@ class LLMEngine:
                        for sched in self._inflight.values())
         return min(budget, lightest + quantum)
 
-    def _process(self, result: StepOutput) -> list[RequestOutput]:
+    def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
         self.scheduler.on_step_done(sched)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
@@ -289,6 +304,8 @@ class LLMEngine:
                 self.guides.drop(seq.seq_id)
                 self.scheduler.finish_seq(seq, reason)
             touched[group.request_id] = group
+        if not partial_outputs:
+            return [self._finish_group(g, reason=None) for g in touched.values() if g.is_finished]
         return [self._output(group) for group in touched.values()]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
@@ -381,6 +398,13 @@ class LLMEngine:
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
                 "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats(),
                 "weight_bytes": self.executor.weight_bytes()}
+
+    def profile(self) -> dict | None:
+        """``--profile``: each stage's cumulative ``StageProfile`` and the driver's snapshot
+        (``engine.driver_profile``); None without it."""
+        if self.profiler is None:
+            return None
+        return {"stages": self.executor.profiles(), "driver": self.profiler.snapshot()}
 
     def write_trace(self, path: str) -> list[str]:
         """Chrome trace (and PNG Gantt chart beside it) of the stage timelines; PP > 1 only."""

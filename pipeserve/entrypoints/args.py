@@ -27,6 +27,8 @@ _HELP = {
     "quantization": "auto (GGUF kept in its own types, safetensors in --dtype) | none (dequantize to "
                     "--dtype) | int8 | int4 (weight-only, group-wise, at load)",
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
+    "profile": "time every class of work on each stage (GEMM, attention, elementwise, sampling) and the "
+               "driver's phases; reported by LLM.stats()['profile'] and `bench throughput --profile`",
     "max_stage_restarts": "times the pipeline is relaunched after a stage dies or stalls, replaying every "
                           "request (0: each request ends with an error instead; default: 3)",
     "stage_rejoin_timeout": "seconds to wait for a replacement `pipeserve worker` of a failed remote stage "

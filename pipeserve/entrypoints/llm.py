@@ -73,7 +73,7 @@ class LLM:
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
         bar = _progress(total - len(results)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(partial_outputs=False):   # only finished ones are kept
                 if out.finished:
                     results[out.request_id] = out
                     if bar is not None:

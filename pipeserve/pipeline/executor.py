@@ -77,6 +77,7 @@ class PipelineExecutor(Executor):
         self._inflight: dict[int, float] = {}      # step id -> submit time
         self._done: queue.Queue[StepOutput] = queue.Queue()
         self._flushed: queue.Queue[int] = queue.Queue()
+        self._profiles: dict[int, Any] = {}         # stage -> its latest StageProfile (--profile)
         self._failure: str | None = None
         self._closed = False
         self._last_progress = time.monotonic()
@@ -252,6 +253,8 @@ class PipelineExecutor(Executor):
             with self._lock:
                 self._inflight.pop(output.step_id, None)
                 self._last_progress = time.monotonic()
+        elif kind == Kind.PROFILE:
+            self._profiles[message.src - 1] = obj
         elif kind in (Kind.TIMELINE, Kind.BYE):
             self.timelines.add_intervals(obj)
             if kind == Kind.TIMELINE:
@@ -281,6 +284,13 @@ class PipelineExecutor(Executor):
             self.flush_timeline()
         return {**self.timelines.stats(last_seconds), "healthy": self.healthy,
                 "generation": self.generation, "stage_pids": self.stage_pids}
+
+    def profiles(self) -> list:
+        """Each stage's cumulative ``StageProfile`` (``--profile``; [] without it), fresh
+        when nothing is in flight (the stages send them with their timelines)."""
+        if not self._inflight:
+            self.flush_timeline()
+        return [self._profiles[s] for s in sorted(self._profiles)]
 
     def weight_bytes(self) -> list[int]:
         """Each stage's resident weight bytes, as it reported when it had loaded."""

@@ -20,6 +20,7 @@ from typing import Any
 from pipeserve.comm import messages
 from pipeserve.comm.transport import Kind
 from pipeserve.config import EngineConfig
+from pipeserve.metrics.profile import StageProfile
 from pipeserve.metrics.timeline import Interval
 from pipeserve.model.config import ModelConfig
 from pipeserve.worker.step import StepInput, StepOutput
@@ -114,6 +115,7 @@ class StepEnvelope:
 # What the pipeline's own message kinds carry (``comm`` declares the transport's).
 messages.register_payloads({
     Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.SPEC: SpecWire,
+    Kind.PROFILE: StageProfile,
 })
 
 

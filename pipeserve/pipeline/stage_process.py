@@ -66,6 +66,13 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
                                  quantization=spec.config.quantization,
                                  quantization_group_size=spec.config.quantization_group_size,
                                  kv_cache_dtype=spec.config.kv_cache_dtype, **extra)
+    if spec.config.profile:
+        from pipeserve.worker.profiler import StageProfiler
+        profiler = StageProfiler(stage)           # one per stage: its chunks add up
+        for runner in runners.values():
+            if hasattr(runner, "model"):           # a ModelRunner (not a synthetic stand-in)
+                profiler.instrument(runner)
+                runner.profiler = profiler
     return runners
 
 

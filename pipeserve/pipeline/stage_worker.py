@@ -126,6 +126,9 @@ class StageWorker:
         elif message.kind == Kind.PING:
             self.sender.put(0, Kind.PONG, message.arrived)
         elif message.kind == Kind.FLUSH:
+            profiler = next((r.profiler for r in self.runners.values() if getattr(r, "profiler", None)), None)
+            if profiler is not None:      # --profile: the figures so far, before the TIMELINE that acks
+                self.sender.put(0, Kind.PROFILE, profiler.snapshot())
             self.sender.put(0, Kind.TIMELINE, self.log.drain())
         elif message.kind == Kind.PEERS:
             self._link(message.obj)

@@ -226,6 +226,7 @@ class LeaderRunner:
     def __init__(self, runner, chunk: int, leader: TensorGroupLeader) -> None:
         self.runner, self.chunk, self.leader = runner, chunk, leader
         self.weight_bytes = getattr(runner, "weight_bytes", 0)
+        self.profiler = getattr(runner, "profiler", None)   # --profile: rank 0's figures stand for the stage
 
     def execute(self, step, hidden_states: torch.Tensor | None = None):
         start = time.perf_counter()

@@ -52,6 +52,10 @@ class Executor(ABC):
         """Per-stage timeline figures (busy fraction, bubble ratio, ...)."""
         return {}
 
+    def profiles(self) -> list:
+        """Each stage's cumulative ``metrics.profile.StageProfile`` (``--profile``; [] without it)."""
+        return []
+
     def weight_bytes(self) -> list[int]:
         """Resident weight bytes of each stage (stage order)."""
         return []

@@ -32,6 +32,10 @@ class LocalExecutor(Executor):
         self._done.clear()
         return done
 
+    def profiles(self) -> list:
+        profiler = getattr(self.runner, "profiler", None)
+        return [] if profiler is None else [profiler.snapshot()]
+
     def weight_bytes(self) -> list[int]:
         return [self.runner.weight_bytes]
 
