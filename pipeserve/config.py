@@ -33,6 +33,7 @@ class EngineConfig:
     attention_backend: str = "auto"           # auto | torch | cpu (C decode kernel)
     quantization: str = "auto"                # auto | none | int8 | int4 (weights in memory)
     quantization_group_size: int = 32         # int8/int4: weights per scale (a multiple of 32)
+    prepack_weights: bool = False             # bfloat16 CPU Linear layers keep a second, packed copy
     # Scheduler
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -26,6 +26,7 @@ CPU = torch.device("cpu")
 def random_linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> Linear:
     gen = torch.Generator().manual_seed(seed)
     layer = Linear(n_in, n_out, bias, dtype, CPU)
+    layer.prepack = True
     for p in layer.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return layer
@@ -182,9 +183,32 @@ def test_tensor_parallel_slices_run_packed(tiny_checkpoints):
         assert linears
         with torch.inference_mode():
             for layer in linears:
+                layer.prepack = True
                 x = torch.randn(6, layer.weight.shape[1]).bfloat16()
                 if layer.bias is not None:
                     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
                 else:
                     assert within_bf16_rounding(layer(x), x, layer.weight)
                 assert layer.packed.packed is not None
+
+
+@needs_ops
+def test_prepack_weights_is_off_by_default_and_counted_when_on(tiny_checkpoints):
+    """``--prepack-weights`` packs every bfloat16 Linear at load and LLM.stats() counts the
+    second copy; without it nothing is packed and the stage holds one copy."""
+    from pipeserve import LLM, SamplingParams
+    path = str(tiny_checkpoints("llama_tied_gqa"))
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4)
+    stats, texts = {}, {}
+    for on in (False, True):
+        with LLM(model=path, dtype="bfloat16", kv_cache_memory="16MiB", threads_per_stage=1,
+                 prepack_weights=on) as llm:
+            out = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], params)
+            stats[on] = llm.stats()["weight_bytes"][0]
+            runner = llm.engine.executor.runner
+            linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+            assert all(m.prepack == on and (m.packed.packed is not None) == on for m in linears)
+            packed = sum(m.packed.nbytes for m in linears)
+            texts[on] = len(out[0].outputs[0].token_ids)
+    assert texts == {False: 4, True: 4}
+    assert packed > 0 and stats[True] == stats[False] + packed

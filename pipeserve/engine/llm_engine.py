@@ -139,7 +139,8 @@ class LLMEngine:
                                  attention_backend=self.config.attention_backend,
                                  quantization=self.config.quantization,
                                  quantization_group_size=self.config.quantization_group_size,
-                                 kv_cache_dtype=self.config.kv_cache_dtype)
+                                 kv_cache_dtype=self.config.kv_cache_dtype,
+                                 prepack_weights=self.config.prepack_weights)
             if self.config.profile:
                 from pipeserve.worker.profiler import StageProfiler
                 runner.profiler = StageProfiler(0)

@@ -52,7 +52,7 @@ class Linear(nn.Module):
     (``packed_linear``: our bf16_gemm.c kernel, or oneDNN without its per-call
     reorder); every other dtype and device is ``F.linear``."""
 
-    prepack = True   # class switch: benchmarks time both paths in one process
+    prepack = False  # --prepack-weights sets it per layer (ModelRunner); benchmarks flip the class default
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device: torch.device) -> None:

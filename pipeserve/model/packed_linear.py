@@ -23,7 +23,9 @@ layer's first bfloat16 forward and remade when the weight is replaced or changed
 in place (its storage or version counter moves; an inference-mode weight has no
 version counter, so only a new storage is seen). It is a second copy: the plain
 weight stays the parameter that loaders, tensor-parallel slicing and
-``weight_bytes`` read.
+``weight_bytes`` read, and ``weight_bytes`` counts the packed copy too.
+Off by default (``--prepack-weights``): it doubles a dense bfloat16 stage's
+weight bytes for a few per cent of speed (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ def _version(weight: torch.Tensor) -> int | None:
         return None
 
 
+def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a packed copy was made from: a new storage, version or shape means repack."""
+    return (weight.data_ptr(), _version(weight), tuple(weight.shape), bias is None)
+
+
 class PackedWeight:
     """One layer's packed copy, remade when its weight changes; ``forward`` is None where
     no packing applies (the layer then calls ``F.linear``)."""
@@ -141,12 +148,24 @@ class PackedWeight:
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if self.failed:
             return None
-        key = (weight.data_ptr(), _version(weight), tuple(weight.shape), bias is None)
+        key = _key(weight, bias)
         if key != self.key and not self._pack(weight, bias, key):
             return None
         if self.kind == "gemm":
             return gemm_kernel()(x, self.packed, weight.shape[0])
         return linear(x, self.packed, bias)
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Pack now (at load, so the copy is in the start-up memory figures), not on the
+        first forward; nothing for weights the packed paths do not take."""
+        if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not weight.requires_grad
+                and not self.failed):
+            self._pack(weight, bias, _key(weight, bias))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (0 before packing or where none applies)."""
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, key: tuple) -> bool:
         kernel = gemm_kernel() if Bf16Gemm.takes(weight, bias) else None

@@ -65,7 +65,8 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
                                  attention_backend=spec.config.attention_backend,
                                  quantization=spec.config.quantization,
                                  quantization_group_size=spec.config.quantization_group_size,
-                                 kv_cache_dtype=spec.config.kv_cache_dtype, **extra)
+                                 kv_cache_dtype=spec.config.kv_cache_dtype,
+                                 prepack_weights=spec.config.prepack_weights, **extra)
     if spec.config.profile:
         from pipeserve.worker.profiler import StageProfiler
         profiler = StageProfiler(stage)           # one per stage: its chunks add up

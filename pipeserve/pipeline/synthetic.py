@@ -28,9 +28,10 @@ class SleepRunner:
                  is_first: bool, is_last: bool, dtype: torch.dtype, device: torch.device,
                  num_blocks: int, num_host_blocks: int, block_size: int,
                  attention_backend: str = "auto", quantization: str = "auto",
-                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto") -> None:
+                 quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 prepack_weights: bool = False) -> None:
         # no model: the compute is a sleep
-        del attention_backend, quantization, quantization_group_size, kv_cache_dtype
+        del attention_backend, quantization, quantization_group_size, kv_cache_dtype, prepack_weights
         self.source, self.cfg = source, cfg
         self.layers = end_layer - start_layer
         self.is_first, self.is_last = is_first, is_last

@@ -16,6 +16,7 @@ import torch
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.kv_quant import cache_dtype, row_elements
+from pipeserve.model.layers import Linear
 from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader import ModelSource, load_model
 from pipeserve.model.quant.load import describe, weight_bytes
@@ -31,6 +32,7 @@ class ModelRunner:
                  num_blocks: int, num_host_blocks: int, block_size: int,
                  sampler_seed: int | None = None, attention_backend: str = "auto",
                  quantization: str = "auto", quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
+                 prepack_weights: bool = False,
                  tp=None) -> None:
         """``tp``: this stage's tensor-parallel group (``pipeserve.model.tensor_parallel``);
         the runner then holds its rank's slices and KV heads, and only TP rank 0 of the
@@ -46,6 +48,11 @@ class ModelRunner:
         self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
                                             dtype, self.device, attention_backend, quantization,
                                             quantization_group_size, tp=tp)
+        if prepack_weights:
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.prepack = True
+                    module.packed.prepare(module.weight, module.bias)
         self.weight_bytes = weight_bytes(self.model)
         log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
                  self.weight_bytes / 2**20, describe(self.model))

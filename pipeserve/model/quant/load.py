@@ -83,12 +83,14 @@ def materialize_rest(model: nn.Module, sources: dict[str, list[str]], dtype: tor
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Resident bytes of the stage's parameters and buffers (shared tensors once)."""
+    """Resident bytes of the stage's parameters and buffers (shared tensors once), and
+    of the packed copies of ``--prepack-weights``."""
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *model.buffers()]:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    packed = sum(m.packed.nbytes for m in model.modules() if isinstance(m, Linear))
+    return sum(seen.values()) + packed
 
 
 def describe(model: nn.Module) -> str:
