@@ -2,8 +2,7 @@
  *
  * pipeserve_bf16_gemm: out[M, N] = x[M, K] . W[N, K]^T, x, W and out bfloat16, float32
  *   accumulation, on AVX512_BF16 builds (vdpbf16ps). The same scheme as quant_gemm.c
- *   (whose tile helpers these are; they are duplicated here because that file belongs
- *   to the quantized path) without the dequantizing: the weight is laid out ONCE by
+ *   (the tile helpers both use are bf16_tiles.h) without the dequantizing: the weight is laid out ONCE by
  *   pipeserve_bf16_pack into panels of 16 rows, pair-interleaved and transposed,
  *   wp[n / 16][k / 2][n % 16] = (w[n, k], w[n, k + 1]) as 32 bits (rows past N zero),
  *   so the micro-kernel loads one 64-byte k-pair of 16 weight rows and broadcasts the
@@ -37,81 +36,9 @@ const char *pipeserve_bf16_gemm_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-#define NB 16          /* weight rows per panel: one zmm of 16 float32 outputs */
+#include "bf16_tiles.h"
+
 #define CHUNK_BYTES (512 * 1024)   /* packed x rows per chunk: about a quarter of a 2 MB L2 */
-
-/* r[j] = 16 dwords of row j -> r[c] = column c (16 x 16 transpose of 32-bit elements). */
-static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {   /* b[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3 */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
-        const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-        const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
-        r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
-    }
-}
-
-/* x [M, K] bfloat16 -> xp [ceil(M / 16)][K / 2][16] 32-bit pairs (rows past M zero).
- * One thread: about 1 % of the matmul's time. */
-static void pack_x(const uint16_t *x, int64_t M, int64_t K, uint32_t *xp) {
-    const int64_t K2 = K / 2, blocks = (M + 15) / 16;
-    for (int64_t mb = 0; mb < blocks; mb++) {
-        const int64_t rows = M - mb * 16 < 16 ? M - mb * 16 : 16;
-        const uint32_t *src = (const uint32_t *)(x + mb * 16 * K);
-        uint32_t *dst = xp + mb * K2 * 16;
-        for (int64_t p = 0; p < K2; p += 16) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = i < rows ? _mm512_loadu_si512((const void *)(src + i * K2 + p)) : _mm512_setzero_si512();
-            transpose16(r);
-            for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(dst + (p + c) * 16), r[c]);
-        }
-    }
-}
-
-/* out[m0 + i, n0 .. n0 + cols) for i < MR: the rows of one 16-row block of x against one
- * weight panel, over all of K; accumulator i holds row i (lanes = the panel's 16 rows). */
-static inline __attribute__((always_inline)) void
-micro(const uint32_t *xb, const uint32_t *wp, int64_t K, const int MR, uint16_t *out, int64_t N, int64_t n0,
-      int64_t m0, int64_t rows, __mmask16 keep) {
-    __m512 acc[16];
-    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K / 2; p++) {
-        const __m512bh wv = (__m512bh)_mm512_load_si512((const void *)(wp + p * NB));
-        for (int i = 0; i < MR; i++)
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)xb[p * 16 + i]), wv);
-    }
-    for (int i = 0; i < MR && i < rows; i++)
-        _mm256_mask_storeu_epi16(out + (m0 + i) * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
-}
-
-static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16_t *out, int64_t N, int64_t n0,
-                       int64_t m0, int64_t rows, __mmask16 keep) {
-    if (rows <= 2) {   /* decode: one or two rows, not a block of 4 */
-        if (rows == 1) micro(xb, wp, K, 1, out, N, n0, m0, rows, keep);
-        else micro(xb, wp, K, 2, out, N, n0, m0, rows, keep);
-        return;
-    }
-    switch ((rows + 3) / 4) {   /* a constant MR: the row loop unrolls into registers */
-    case 1: micro(xb, wp, K, 4, out, N, n0, m0, rows, keep); break;
-    case 2: micro(xb, wp, K, 8, out, N, n0, m0, rows, keep); break;
-    case 3: micro(xb, wp, K, 12, out, N, n0, m0, rows, keep); break;
-    default: micro(xb, wp, K, 16, out, N, n0, m0, rows, keep); break;
-    }
-}
 
 /* wp (size ceil(N / 16) * 16 * K bfloat16) <- w [N, K] in panels, see the top. */
 int pipeserve_bf16_pack(const uint16_t *w, int64_t N, int64_t K, uint32_t *wp) {
