@@ -20,7 +20,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 needs_kernel = skip_without_kernel("paged_attention")
 
 
-def _random_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], block_size: int,
+def random_paged_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], block_size: int,
                   kv_heads: int, head_dim: int, dtype: torch.dtype):
     """A KV cache with blocks handed out in random order, and block tables into it."""
     need = [-(-ctx // block_size) for ctx in context_lens]
@@ -38,7 +38,7 @@ def _random_batch(rng: random.Random, query_lens: list[int], context_lens: list[
 def _both_backends(rng: random.Random, query_lens: list[int], context_lens: list[int], heads: int,
                    kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
     """(torch backend output, cpu backend output) for one random step of this shape."""
-    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
+    cache, tables = random_paged_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
     total = sum(query_lens)
     q = torch.randn(total, heads, head_dim).to(dtype)
     k = torch.randn(total, kv_heads, head_dim).to(dtype)
@@ -173,7 +173,7 @@ def reference_attention(q: torch.Tensor, cache, tables: list[list[int]], query_l
 def _attend(backend, rng: random.Random, query_lens, context_lens, heads, kv_heads, head_dim, block_size, dtype,
             window, softcap):
     """(backend output, float64 reference) for one random step."""
-    cache, tables = _random_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
+    cache, tables = random_paged_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
     total = sum(query_lens)
     # Queries 4x the usual spread: scores of several units, so a soft cap of 5 bends them.
     q = (4 * torch.randn(total, heads, head_dim)).to(dtype)

@@ -17,6 +17,7 @@ from pipeserve.model.attention import TorchPagedAttention
 from pipeserve.model.cpu_attention import CpuPagedAttention
 from pipeserve.model.kv_quant import cache_dtype, dequantize, quantize, row_bytes
 from tests.kernels import skip_without_kernel
+from tests.test_cpu_attention import random_paged_batch
 from tests.test_engine_behaviour import random_prompts
 
 needs_kernel = skip_without_kernel("paged_attention")
@@ -47,15 +48,9 @@ def test_rows_hold_codes_then_a_float32_scale():
 def _quantized_step(rng: random.Random, dtype: torch.dtype, model_dtype: torch.dtype, query_lens: list[int],
                     context_lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int):
     """A random 8-bit cache (blocks in random order), its block tables, and the step's q/k/v."""
-    need = [-(-ctx // block_size) for ctx in context_lens]
-    ids = list(range(sum(need) + 3))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for n in need:
-        tables.append(ids[at:at + n])
-        at += n
-    shape = (len(ids), block_size, kv_heads, head_dim)
-    cache = (quantize(torch.randn(shape), dtype), quantize(torch.randn(shape), dtype))
+    (k_cache, v_cache), tables = random_paged_batch(rng, query_lens, context_lens, block_size, kv_heads,
+                                                    head_dim, torch.float32)
+    cache = (quantize(k_cache, dtype), quantize(v_cache, dtype))
     total = sum(query_lens)
     q, k, v = (torch.randn(total, h, head_dim).to(model_dtype) for h in (heads, kv_heads, kv_heads))
     return cache, tables, q, k, v
