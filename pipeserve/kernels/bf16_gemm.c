@@ -25,18 +25,13 @@
 #include <string.h>
 #include <omp.h>
 
+#include "bf16_tiles.h"
+
 const char *pipeserve_bf16_gemm_isa(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-    return "avx512-bf16";
-#else
-    return "none";
-#endif
+    return PIPESERVE_BF16_ISA;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-#include "bf16_tiles.h"
+#ifdef PIPESERVE_BF16_TILES
 
 #define CHUNK_BYTES (512 * 1024)   /* packed x rows per chunk: about a quarter of a 2 MB L2 */
 

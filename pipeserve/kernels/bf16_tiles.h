@@ -1,9 +1,14 @@
 /* The bfloat16 tile machinery shared by quant_gemm.c and bf16_gemm.c (AVX512_BF16
- * builds only; include after <immintrin.h>): 16 x 16 transposes of 32-bit pairs, packing
+ * builds: PIPESERVE_BF16_TILES is defined where they compile, and PIPESERVE_BF16_ISA
+ * names the path either way): 16 x 16 transposes of 32-bit pairs, packing
  * 16-row blocks of bfloat16 rows into k-pair-interleaved form, and the vdpbf16ps
  * micro-kernel of up to 16 activation rows against one 16-row weight panel. */
 #ifndef PIPESERVE_BF16_TILES_H
 #define PIPESERVE_BF16_TILES_H
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define PIPESERVE_BF16_TILES 1
+#define PIPESERVE_BF16_ISA "avx512-bf16"
 
 #include <stdint.h>
 #include <immintrin.h>
@@ -83,5 +88,9 @@ static void micro_rows(const uint32_t *xb, const uint32_t *wp, int64_t K, uint16
     default: micro(xb, wp, K, 16, out, N, n0, m0, rows, keep); break;
     }
 }
+
+#else
+#define PIPESERVE_BF16_ISA "none"
+#endif
 
 #endif

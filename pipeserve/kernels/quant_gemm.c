@@ -37,18 +37,13 @@
 
 #include "quant_codes.h"
 
+#include "bf16_tiles.h"
+
 const char *pipeserve_quant_gemm_isa(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-    return "avx512-bf16";
-#else
-    return "none";
-#endif
+    return PIPESERVE_BF16_ISA;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-#include "bf16_tiles.h"
+#ifdef PIPESERVE_BF16_TILES
 
 /* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6 only. */
 static inline __attribute__((always_inline)) __m512i
