@@ -131,19 +131,24 @@ def finish_gguf(writer) -> None:
     writer.close()
 
 
-def _write_metadata(w, cfg) -> None:
+def write_shape_metadata(w, cfg) -> None:
+    """The model-shape keys every architecture's GGUF carries (block count, widths, heads, eps)."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _write_metadata(w, cfg) -> None:
+    write_shape_metadata(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:   # Qwen3: head_dim is its own key
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.model_type == "llama":  # LlamaModel adds it; Qwen2Model does not
         w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)

@@ -25,7 +25,7 @@ import torch
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.loader.gguf import read_gguf_config
-from tests.checkpoints import _add_tensor, finish_gguf
+from tests.checkpoints import _add_tensor, finish_gguf, write_shape_metadata
 from tests.test_families import _BASE, NEW, WINDOW, hf_greedy, prompts_for, save_random_checkpoint
 from tests.test_loaders import hf_logits, run_stages
 
@@ -88,19 +88,9 @@ def write_family_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     return path
 
 
-def _shape_metadata(w, cfg) -> None:
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-
-
 def _phi3_metadata(w, cfg) -> None:
     rope = cfg.rope_parameters
-    _shape_metadata(w, cfg)
+    write_shape_metadata(w, cfg)
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(cfg.sliding_window or 0)
@@ -114,7 +104,7 @@ def _phi3_metadata(w, cfg) -> None:
 
 
 def _gemma2_metadata(w, cfg) -> None:
-    _shape_metadata(w, cfg)
+    write_shape_metadata(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -124,7 +114,7 @@ def _gemma2_metadata(w, cfg) -> None:
 
 def _gemma3_metadata(w, cfg) -> None:
     full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
-    _shape_metadata(w, cfg)
+    write_shape_metadata(w, cfg)
     w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     w.add_rope_scaling_factor(full["factor"])
     w.add_rope_freq_base(full["rope_theta"])
