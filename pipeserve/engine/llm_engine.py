@@ -39,6 +39,9 @@ class LLMEngine:
         """``executor``: run the steps on this one instead of the stages ``config`` describes
         (no weights are loaded then); calibration uses an executor that answers at once
         to time the driver alone."""
+        if config.dtype == "auto":   # resolved once here, so every stage (and host) computes in one dtype
+            config = config.replace(dtype=config.torch_dtype_name)
+            logger.info("--dtype auto: %s on %s", config.dtype, config.device)
         self.config = config
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()

@@ -9,7 +9,7 @@ from pipeserve.config import EngineConfig
 
 _HELP = {
     "model": "HF directory, .gguf file, or built-in name (default: smollm2-135m-instruct)",
-    "dtype": "auto (= bfloat16) | float32 | bfloat16 | float16",
+    "dtype": "auto (bfloat16 on CUDA and on CPUs with native bfloat16, else float32) | float32 | bfloat16 | float16",
     "kv_cache_memory": "KV cache budget per stage, e.g. 512MiB, 2GiB",
     "kv_cache_dtype": "auto (the model dtype; default) | int8 | fp8 (e4m3): 8-bit K/V rows with one float32 "
                       "scale per token and kv head, about twice the blocks in the same --kv-cache-memory",
