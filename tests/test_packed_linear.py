@@ -19,7 +19,8 @@ from pipeserve.model import packed_linear
 from pipeserve.model.layers import Linear
 
 needs_ops = pytest.mark.skipif(not packed_linear.available(),
-                               reason="this torch has no oneDNN packed-linear ops (Linear keeps F.linear)")
+                               reason="this torch has no oneDNN packed-linear ops, or this CPU no oneDNN bfloat16 path "
+                                      "(AVX512BW/VL/DQ or AVX_NE_CONVERT; Linear keeps F.linear)")
 CPU = torch.device("cpu")
 
 

@@ -41,12 +41,18 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether this torch has oneDNN and the packed-linear ops (logged once when not)."""
+    """Whether this torch has oneDNN's packed-linear ops and this CPU runs its bfloat16 path
+    (AVX512BW/VL/DQ or AVX_NE_CONVERT; an AVX2-only CPU does not); logged once when not."""
     ok = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     if not ok:
         log.info("bfloat16 linear layers: no oneDNN packed-linear ops in this torch")
-    return ok
+        return False
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        log.info("bfloat16 linear layers: this CPU has no oneDNN bfloat16 path (needs AVX512BW/VL/DQ or "
+                 "AVX_NE_CONVERT); F.linear")
+        return False
+    return True
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
