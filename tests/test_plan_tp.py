@@ -88,7 +88,11 @@ def test_tp_costs_follow_the_runtimes_uneven_split():
     one = LayerCosts(cfg, 2)
     assert costs.attention(shape).flops == pytest.approx(one.attention(shape).flops * 6 / 9)
     assert costs.attention(shape).bytes == pytest.approx(one.attention(shape).bytes * 2 / 3)   # 2 of 3 KV heads
-    assert costs.matmuls(shape).flops == pytest.approx(one.matmuls(shape).flops * costs.layer_fraction)
+    # Time is paced per all-reduce segment: rank 0's attention half (6 + 2 heads), then
+    # rank 1's MLP half (864 rows), each the slower rank's; memory is the fuller rank's layer.
+    paced = (h * d * 2 * (6 + 2) + 3 * h * 864) / (costs.attn_params + costs.dense_mlp_params)
+    assert costs.paced_fraction == pytest.approx(paced)
+    assert costs.matmuls(shape).flops == pytest.approx(one.matmuls(shape).flops * paced)
 
 
 @pytest.mark.parametrize("quant", [None, "q4_0", "q8_0", "int4"])

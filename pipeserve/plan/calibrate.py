@@ -342,6 +342,18 @@ def measure_gloo_link(repeats: int = 60, timeout: float = 60.0) -> tuple[float, 
     return bandwidth, latency
 
 
+# Work between two all-reduces in the measurement: the ranks take turns being late by
+# (_AR_LATE - _AR_EARLY), as a step's attention and MLP halves are paced by different ranks
+# under an uneven split; the early rank waits in the collective (spins, then sleeps).
+_AR_EARLY, _AR_LATE = 100e-6, 300e-6
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, created, results) -> None:
     import torch
 
@@ -356,19 +368,24 @@ def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, creat
     samples = []
     for i in range(repeats + 20):
         start = time.perf_counter()
+        _busy(_AR_LATE if (i + rank) % 2 else _AR_EARLY)
         group.all_reduce(x)
         if i >= 20:   # the first calls fault the mapping in
-            samples.append(time.perf_counter() - start)
+            # beyond the late rank's work: what the collective adds to a step's critical path
+            samples.append(time.perf_counter() - start - _AR_LATE)
     if rank == 0:
         results.put(samples)
 
 
 def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float = 60.0) -> tuple[float, float]:
-    """(median, mean) seconds of one TP = 2 all-reduce of a decode's [1, hidden] bfloat16
-    activations through the runtime's own ``SharedMemoryAllReduce`` (``--tp-all-reduce shm``),
-    two rank processes of one thread each calling it back to back. Idle, that is the
-    collective's fixed cost (copy in, publish, meet, sum); under load it grows by the waits
-    for the other rank to be scheduled, so calibrate on an idle host."""
+    """(median, mean) seconds one TP = 2 all-reduce of a decode's [1, hidden] bfloat16
+    activations adds to a step, through the runtime's own ``SharedMemoryAllReduce``
+    (``--tp-all-reduce shm``): two rank processes of one thread each, working between calls
+    with the late rank alternating (``_AR_EARLY``/``_AR_LATE``), as inside a step where the
+    ranks never arrive together: the early one has gone to sleep in the collective and the
+    late one must wake it. The time beyond the late rank's work is the collective's cost
+    (copy in, publish, the wake-up, sum); called back to back, the ranks meet spinning and
+    it looks several times cheaper than in a run. Calibrate on an idle host."""
     import queue
     import tempfile
 

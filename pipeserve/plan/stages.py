@@ -170,16 +170,20 @@ class PipelineCosts:
             return 0.0, 0.0
         layers = self.chunk_layers[chunk]
         rates = self._core_rates(shape.new_tokens)
-        serial = (layers * (self.hw.layer_overhead + 2 * self.allreduce_time(shape))
+        serial = (layers * self.hw.layer_overhead
                   + self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs)
+        # The collectives are timed as the runtime runs them (calibrate.measure_shm_allreduce),
+        # so neither fitted scale of the engine's own work applies to them.
+        collectives = layers * 2 * self.allreduce_time(shape)
         parallel = layers * self.costs.layer_time(shape, *rates)
         if chunk == 0:
             parallel += self.costs.embedding(shape).time(*rates)
-            serial += self.allreduce_time(shape)
+            collectives += self.allreduce_time(shape)
         if chunk == self.num_chunks - 1 and shape.logit_rows:
             parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
-            serial += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
-        return serial * self.work_scale * self.hw.engine_overhead_scale, parallel * self.work_scale
+            collectives += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
+        return (serial * self.work_scale * self.hw.engine_overhead_scale + collectives,
+                parallel * self.work_scale)
 
     def _core_rates(self, tokens: int) -> tuple[float, float]:
         """(FLOP/s, bytes/s) of one thread on one core."""
