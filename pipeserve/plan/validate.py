@@ -219,7 +219,7 @@ def _fit_overhead(runs: list[dict], cfg, hw: Hardware, base: float, jobs: int) -
 
 # engine_overhead_scale candidates (times the file's own), and how the fit reads a run's
 # ratio at one of them from its ratios at 1 and 2 (duration linear in the scale).
-OVERHEAD_GRID = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))      # 0.5 ... 3.0
+OVERHEAD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 61))      # 0.05 ... 3.0
 
 
 def _linear(ratio_1: float | None, ratio_2: float | None, g: float) -> float | None:
