@@ -268,7 +268,7 @@ def write_hardware(hw: Hardware, path: Path) -> None:
 
 
 def heldout(calibration: list[Path], validation: Path, hardware: str, model: str, fitted_out: Path,
-            table_out: Path | None, jobs: int, reference: Path | None = None) -> int:
+            table_out: Path | None, jobs: int, reference: Path | None = None, doc: Path | None = None) -> int:
     _, cfg = load_model(model)
     hw = load_hardware(hardware)
     cal_runs, val_runs = load_runs(calibration), load_runs(validation)
@@ -296,7 +296,7 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
-        f"Held-out predicted / measured: {fitted.validated_ratio_low:.2f}-{fitted.validated_ratio_high:.2f} "
+        f"Held-out predicted / measured: {fitted.validated_ratio_low:.3f}-{fitted.validated_ratio_high:.3f} "
         f"over {fitted.validated_runs} predicted runs; within +-10 %: "
         f"{sum(r['ratio'] is not None and 0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}"
         f"; PP above the core count within +-15 %: "
@@ -308,7 +308,30 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
     if table_out is not None:
         table_out.write_text(text + "\n")
         print(f"wrote {table_out}")
+    if doc is not None:
+        try:
+            replace_section(doc, text)
+        except (OSError, PlanInputError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"updated {doc}")
     return 0
+
+
+# docs/PLANNER.md's held-out table sits between these lines (`--update-doc`).
+DOC_BEGIN = "<!-- validate --heldout: begin -->"
+DOC_END = "<!-- validate --heldout: end -->"
+
+
+def replace_section(doc: Path, text: str) -> None:
+    """Put ``text`` between the lines ``DOC_BEGIN`` and ``DOC_END`` in ``doc`` (each alone on
+    its line, so prose that names them is left alone), in place of what was there."""
+    content = doc.read_text()
+    begin, end = content.find(f"\n{DOC_BEGIN}\n"), content.find(f"\n{DOC_END}\n")
+    if begin < 0 or end < begin:
+        raise PlanInputError(f"{doc} has no {DOC_BEGIN} ... {DOC_END} lines to update between")
+    head = content[:begin + len(DOC_BEGIN) + 2]
+    doc.write_text(f"{head}\n{text}\n\n{content[end + 1:]}")
 
 
 # Tensor parallelism: one request's per-token latency (ms), SmolLM2-135M bfloat16 dense, prompt
@@ -362,7 +385,7 @@ def markdown(table: list[dict]) -> str:
              "| predicted | predicted / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        predicted = (f"{r['predicted']:.1f} | {r['ratio']:.2f}" if r["ratio"] is not None
+        predicted = (f"{r['predicted']:.1f} | {r['ratio']:.3f}" if r["ratio"] is not None
                      else f"not predicted: {r['error']} | -")
         lines.append(f"| {r['label']} | {r['requests']} | {r['pp']} | {r['tp']} | {r['threads'] or 'default'} | "
                      f"{r['schedule']} | {r['partition']} | {r['quantization'] or 'dtype'} | "
@@ -396,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"--heldout: the fitted hardware file (default {DEFAULT_FITTED})")
     parser.add_argument("--table-output", type=Path, default=Path(DEFAULT_TABLE),
                         help=f"--heldout: the tables as Markdown (default {DEFAULT_TABLE})")
+    parser.add_argument("--update-doc", type=Path, default=None, metavar="FILE",
+                        help=f"--heldout: also put the tables in FILE between the lines {DOC_BEGIN} and "
+                             f"{DOC_END} (docs/PLANNER.md)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="simulations run in parallel (default: the CPU count)")
     parser.add_argument("--tp-latency", action="store_true",
@@ -405,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.heldout:
         return heldout(args.calibration_runs, args.heldout_runs, args.hardware or DEFAULT_HARDWARE, args.model,
                        args.fitted_output, args.table_output, args.jobs,
-                       None if args.no_reference else args.reference_runs)
+                       None if args.no_reference else args.reference_runs, args.update_doc)
     if args.hardware is None:
         parser.error("--hardware FILE is required (or --heldout)")
     if args.tp_latency:
