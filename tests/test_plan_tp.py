@@ -129,3 +129,22 @@ def test_quantized_tp_cuts_fall_on_the_formats_blocks():
         for shard in tp_shards(cfg, 3, block):
             assert shard.intermediate[0] % block == 0 and shard.q_heads[0] * cfg.head_dim % block == 0
     assert [s.intermediate for s in tp_shards(cfg, 3, 256)] != [s.intermediate for s in tp_shards(cfg, 3)]
+
+
+def test_collectives_are_not_scaled_by_the_fitted_engine_work():
+    """The fitted engine_work_scale / engine_overhead_scale stretch the engine's own work;
+    the all-reduces are timed as the runtime runs them, so they are added unscaled."""
+    _, cfg = load_model("SmolLM2-135M")
+    hw = load_hardware("cpu-local")
+    scaled = replace(hw, engine_work_scale=2.0, engine_overhead_scale=1.5)
+    shape = BatchShape.decode(8, 200)
+    one, two = PipelineCosts(cfg, hw, [30], 1, tp=2), PipelineCosts(cfg, scaled, [30], 1, tp=2)
+    gather = formulas.tp_allreduce_time(8 * cfg.vocab_size * 4 / 2, 2, hw.intra_node_bandwidth,
+                                        hw.intra_node_latency / 2, hw.tp_allreduce_latency)
+    collectives = one.collectives_time(0, shape)
+    assert collectives == pytest.approx(61 * one.allreduce_time(shape) + gather)
+    serial_one, parallel_one = one.chunk_work(0, shape)
+    serial_two, parallel_two = two.chunk_work(0, shape)
+    assert serial_two - collectives == pytest.approx(3.0 * (serial_one - collectives))
+    assert parallel_two == pytest.approx(2.0 * parallel_one)
+    assert two.chunk_time(0, shape) - collectives == pytest.approx(2.0 * (one.chunk_time(0, shape) - collectives))

@@ -31,9 +31,9 @@ timed on its own code too: each stage's per-micro-batch step (decode, attention
 metadata) and the driver's (schedule, build, process tokens, detokenize), the
 latter with an executor that answers at once so only the driver is timed. Memory bandwidth comes from a large copy, and
 the link from loopback gloo point-to-point between two processes (latency from
-tiny messages, bandwidth from big ones), and the TP collective's fixed cost from the
+tiny messages, bandwidth from big ones), and the TP collective's cost from the
 runtime's own shared-memory all-reduce between two rank processes (a decode's
-activations, back to back: ``tp_allreduce_latency``).
+activations, the ranks arriving apart as inside a step: ``tp_allreduce_latency``).
 """
 
 from __future__ import annotations

@@ -100,14 +100,28 @@ class PipelineCosts:
                                                     self.hw.intra_node_latency / 2, self.hw.tp_allreduce_latency)
 
     def chunk_time(self, chunk: int, shape: BatchShape) -> float:
-        """Forward time of one chunk: its layers, plus the embedding / LM head at the ends."""
+        """Forward time of one chunk: its layers, plus the embedding / LM head at the ends;
+        the fitted work scale applies to the engine's work, not to the collectives (timed
+        as the runtime runs them)."""
         worker = self.worker_of(chunk)
         t = self.chunk_layers[chunk] * self.layer_time(shape, worker) + self.stage_step_time(shape, worker)
         if chunk == 0:
             t += self.embedding_time(shape, worker)
         if chunk == self.num_chunks - 1:
             t += self.head_time(shape, worker)
-        return t * self.work_scale
+        collectives = self.collectives_time(chunk, shape)
+        return (t - collectives) * self.work_scale + collectives
+
+    def collectives_time(self, chunk: int, shape: BatchShape) -> float:
+        """The chunk's TP collectives: 2 all-reduces a layer, the embedding's, the logits gather."""
+        if self.tp == 1 or shape.new_tokens == 0:
+            return 0.0
+        seconds = self.chunk_layers[chunk] * 2 * self.allreduce_time(shape)
+        if chunk == 0:
+            seconds += self.allreduce_time(shape)
+        if chunk == self.num_chunks - 1 and shape.logit_rows:
+            seconds += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
+        return seconds
 
     def stage_step_time(self, shape: BatchShape, worker: int = 0) -> float:
         """A stage's per-micro-batch work outside its layers (step unpickling,
@@ -172,17 +186,14 @@ class PipelineCosts:
         rates = self._core_rates(shape.new_tokens)
         serial = (layers * self.hw.layer_overhead
                   + self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs)
-        # The collectives are timed as the runtime runs them (calibrate.measure_shm_allreduce),
-        # so neither fitted scale of the engine's own work applies to them.
-        collectives = layers * 2 * self.allreduce_time(shape)
         parallel = layers * self.costs.layer_time(shape, *rates)
         if chunk == 0:
             parallel += self.costs.embedding(shape).time(*rates)
-            collectives += self.allreduce_time(shape)
         if chunk == self.num_chunks - 1 and shape.logit_rows:
             parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
-            collectives += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
-        return (serial * self.work_scale * self.hw.engine_overhead_scale + collectives,
+        # The collectives are timed as the runtime runs them (calibrate.measure_shm_allreduce),
+        # so neither fitted scale of the engine's own work applies to them.
+        return (serial * self.work_scale * self.hw.engine_overhead_scale + self.collectives_time(chunk, shape),
                 parallel * self.work_scale)
 
     def _core_rates(self, tokens: int) -> tuple[float, float]:
