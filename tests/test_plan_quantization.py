@@ -30,6 +30,9 @@ def test_bits_per_weight():
     q4km = weight_format("Q4_K_M")
     assert q4km.bits == 4.84 and q4km.head_bits == 6.5625   # mix average; head at Q6_K
     assert weight_format("q8_0").head_bits == 8.5
+    # A Q6_K head needs rows of 256 weights: SmolLM2's 576 falls back to Q8_0 (the built-in file's)
+    assert weight_format("q4_1").head_bytes_for(576) == 8.5 / 8
+    assert weight_format("q4_1").head_bytes_for(4096) == 6.5625 / 8
     assert weight_format("int8").bits == 8.5 and weight_format("int4").bits == 5.0   # group 32, float16 scale (+ min)
     assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
     with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):

@@ -105,7 +105,7 @@ def test_tp_memory_is_the_busiest_ranks_share_at_the_formats_bytes(quant):
     hw = load_hardware("cpu-local")
     two = PipelineCosts(cfg, hw, [30], 1, tp=2, dtype="bfloat16", quantization=quant).costs
     per_weight = weight_format(quant).bytes if quant else 2
-    head = weight_format(quant).head_bytes if quant else 2
+    head = weight_format(quant).head_bytes_for(cfg.hidden_size) if quant else 2
     layer = sum(map(cfg.layer_params, range(cfg.num_layers))) / cfg.num_layers
     want = (30 * layer * per_weight * two.layer_fraction + cfg.embedding_params() * head * 0.5
             + cfg.hidden_size * 2)   # tied: the embedding is the head (head bytes); 49152 rows split 2 ways

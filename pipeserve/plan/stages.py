@@ -39,7 +39,8 @@ class PipelineCosts:
         self.dtype = dtype or hw.dtype
         fmt = None if quantization is None else weight_format(quantization)
         self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
-                                fmt and fmt.bytes, fmt and fmt.head_bytes, fmt.block if fmt else 1)
+                                fmt and fmt.bytes, fmt and fmt.head_bytes_for(model.hidden_size),
+                                fmt.block if fmt else 1)
         nodes = [self.node_of(w) for w in range(num_workers)]
         # With shared compute every rank process on a node (T per worker) gets an equal slice.
         self.share = [nodes.count(n) * tp if hw.shared_compute else 1 for n in nodes]
