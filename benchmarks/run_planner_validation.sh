@@ -2,14 +2,16 @@
 # The planner's held-out validation (issue 18), end to end on this machine: SmolLM2-135M, each
 # run a `pipeserve bench throughput` JSON.
 #   1. `pipeserve plan --calibrate` (the microbenchmarks) -> $HARDWARE;
-#   2. four calibration runs -> benchmarks/results/calibration/ (a 4-request run, whose steps
+#   2. five calibration runs -> benchmarks/results/calibration/ (a 4-request run, whose steps
 #      are mostly per-step serial work, PP = 2 and 3 at a few dozen requests, kept-quantized
-#      weights), nine held-out runs -> benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR);
+#      weights at PP = 1 with 2 threads and at PP = 2 with 1 thread per stage, which tells
+#      their kernels' threading from their cost), nine held-out runs ->
+#      benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR);
 #   3. `python -m pipeserve.plan.validate --heldout`: fit on the calibration runs, predict the
 #      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
 #      benchmarks/results/heldout/VALIDATION.md and in docs/PLANNER.md.
 # About 7 minutes on an IDLE 2-core machine (~3.3 min of timed runs + ~15-20 s of start-up for
-# each of the 13, 20 s of calibration, ~1 min of fitting). Figures from a loaded machine
+# each of the 14, 20 s of calibration, ~1 min of fitting). Figures from a loaded machine
 # validate nothing: check `uptime` first (load average well below 1).
 # Activations in $DTYPE (default: what --dtype auto picks on this CPU: bfloat16 where the CPU
 # multiplies it natively, else float32), for the microbenchmarks and every run alike.
@@ -39,6 +41,7 @@ RUNS=(
   "cal|cal_pp2_n48_mix|-pp 2 --num-prompts 48 --input-len 256 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp3_n32_mix|-pp 3 --num-prompts 32 --input-len 192 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp1_q41_n48_mix|-pp 1 --quantization auto --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "cal|cal_pp2_q41_n24_256x128|-pp 2 --quantization auto --num-prompts 24 --input-len 256 --output-len 128 --range-ratio 0.5"
   "val|pp1_t1_n32_mix|-pp 1 --threads-per-stage 1 --num-prompts 32 --input-len 128 --output-len 64 --range-ratio 0.5"
   "val|pp1_n32_mix|-pp 1 --num-prompts 32 --input-len 256 --output-len 128 --range-ratio 0.5"
   "val|pp2_n48_ref|-pp 2 --num-prompts 48 --input-len 320 --output-len 160 --range-ratio 0.6"

@@ -90,3 +90,16 @@ def test_cli_says_how_many_stages(capsys):
     assert "at least PP=2 x TP=1" in capsys.readouterr().out
     assert main(["--model", "llama-3.1-70b", "--quantization", "q3", "--no-simulate"]) == 2
     assert "unknown --quantization 'q3'" in capsys.readouterr().err
+
+
+def test_kept_quantized_weights_share_the_cores_at_their_own_efficiency():
+    """quantized_parallel_efficiency (fitted where the calibration has kept-quantized runs at
+    one and at several threads) is how a quantized stage's threads share its kernels; 0
+    leaves the dense layer's calibrated efficiency; dense weights always use that one."""
+    from pipeserve.plan.stages import PipelineCosts
+    _, cfg = load_model("SmolLM2-135M")
+    hw = dataclasses.replace(load_hardware("cpu-local"), parallel_efficiency=0.7)
+    fitted = dataclasses.replace(hw, quantized_parallel_efficiency=0.95)
+    assert PipelineCosts(cfg, fitted, [30], 1, quantization="q4_1").cpu_sharing().efficiency == 0.95
+    assert PipelineCosts(cfg, fitted, [30], 1).cpu_sharing().efficiency == 0.7
+    assert PipelineCosts(cfg, hw, [30], 1, quantization="q4_1").cpu_sharing().efficiency == 0.7

@@ -45,6 +45,7 @@ class PipelineCosts:
         # With shared compute every rank process on a node (T per worker) gets an equal slice.
         self.share = [nodes.count(n) * tp if hw.shared_compute else 1 for n in nodes]
         # A stage's work relative to the calibrated layer (both fitted on measured runs).
+        self.quantized = quantization is not None
         self.work_scale = hw.engine_work_scale * (hw.quantized_work_scale if quantization is not None else 1.0)
 
     @property
@@ -174,8 +175,16 @@ class PipelineCosts:
                    for node in nodes]
         # Each TP rank computes its own shard (chunk_work is one rank's), in step with the others.
         return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
-                          threads=tuple(threads), efficiency=self.hw.parallel_efficiency,
+                          threads=tuple(threads), efficiency=self.parallel_efficiency,
                           oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes))
+
+    @property
+    def parallel_efficiency(self) -> float:
+        """How a rank's threads share its kernels: the dense layer's (calibrated), or the
+        kept-quantized kernels' where the hardware file has it (fitted)."""
+        if self.quantized and self.hw.quantized_parallel_efficiency > 0:
+            return self.hw.quantized_parallel_efficiency
+        return self.hw.parallel_efficiency
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
         """One chunk's work on one TP rank, in seconds on one core: (serial part: per-layer dispatch,

@@ -164,8 +164,9 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
-# The two hardware fields fitted on the calibration runs, and the grid of the second.
-FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale")
+# The hardware fields fitted on the calibration runs, and the oversubscription grid.
+FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale",
+          "quantized_parallel_efficiency")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 
 
@@ -179,7 +180,9 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
        small batches in them pull it and the others hardly move); 1 and 2 twice over;
     3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
        scales a prediction by about 1 / scale), refined once (the driver does not scale);
-    4. ``quantized_work_scale``: the same on the kept-quantized runs alone.
+    4. ``quantized_parallel_efficiency``: where the kept-quantized runs include processes of
+       one thread and of several, a grid (``_fit_quantized_efficiency``);
+    5. ``quantized_work_scale``: the closed form of 3 on the kept-quantized runs alone.
     Returns the fitted hardware and every run's row predicted with it."""
     dense = [r for r in runs if r["engine"]["quantization"] is None]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
@@ -193,8 +196,31 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
+        if len({_threads(r, fitted) == 1 for r in quantized}) == 2:
+            fitted = _fit_quantized_efficiency(quantized, cfg, fitted, jobs)
         fitted = _rescale(fitted, "quantized_work_scale", predict_runs(quantized, cfg, fitted, jobs))
     return fitted, predict_runs(runs, cfg, fitted, jobs)
+
+
+def _threads(run: dict, hw: Hardware) -> int:
+    """Threads of each rank process in the run (the engine's default: cores // processes)."""
+    e = run["engine"]
+    return e["threads_per_rank"] or max(1, hw.cores // (e["pp"] * e["tp"]))
+
+
+# quantized_parallel_efficiency candidates
+QUANTIZED_EFFICIENCY_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(15))   # 0.3 ... 1.0
+
+
+def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
+    """The kept-quantized kernels' parallel efficiency, where the calibration runs keep
+    quantized weights both in 1-thread processes and in multi-thread ones: the value on a
+    grid that leaves the smallest spread of their ratios (the per-thread cost is then
+    ``quantized_work_scale``'s, the closed form)."""
+    spreads = {e: _spread([r["ratio"] for r in predict_runs(
+        runs, cfg, dataclasses.replace(hw, quantized_parallel_efficiency=e), jobs)])
+        for e in QUANTIZED_EFFICIENCY_GRID}
+    return dataclasses.replace(hw, quantized_parallel_efficiency=min(QUANTIZED_EFFICIENCY_GRID, key=spreads.get))
 
 
 def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
@@ -292,7 +318,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"Calibration: {hardware} + {len(cal_runs)} runs in {' + '.join(map(str, calibration))} -> fitted "
         f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
         f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
-        f"quantized_work_scale {fitted.quantized_work_scale:.3f} "
+        f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
+        f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's) "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
