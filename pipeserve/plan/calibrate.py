@@ -354,17 +354,17 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, created, results) -> None:
+def _shm_allreduce_worker(rank: int, path: str, hidden: int, dtype: str, repeats: int, created, results) -> None:
     import torch
 
     from pipeserve.model.tensor_parallel import SharedMemoryAllReduce
     torch.set_num_threads(1)
     if rank == 1:
         created.wait(30)
-    group = SharedMemoryAllReduce(path, rank, 2, hidden, torch.bfloat16, create=rank == 0)
+    group = SharedMemoryAllReduce(path, rank, 2, hidden, getattr(torch, dtype), create=rank == 0)
     if rank == 0:
         created.set()
-    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    x = torch.randn(1, hidden, dtype=getattr(torch, dtype))
     samples = []
     for i in range(repeats + 20):
         start = time.perf_counter()
@@ -377,9 +377,10 @@ def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, creat
         results.put(samples)
 
 
-def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float = 60.0) -> tuple[float, float]:
-    """(median, mean) seconds one TP = 2 all-reduce of a decode's [1, hidden] bfloat16
-    activations adds to a step, through the runtime's own ``SharedMemoryAllReduce``
+def measure_shm_allreduce(hidden: int = 576, dtype: str = "bfloat16", repeats: int = 400,
+                          timeout: float = 60.0) -> tuple[float, float]:
+    """(median, mean) seconds one TP = 2 all-reduce of a decode's [1, hidden] activations
+    (in ``dtype``) adds to a step, through the runtime's own ``SharedMemoryAllReduce``
     (``--tp-all-reduce shm``): two rank processes of one thread each, working between calls
     with the late rank alternating (``_AR_EARLY``/``_AR_LATE``), as inside a step where the
     ranks never arrive together: the early one has gone to sleep in the collective and the
@@ -394,7 +395,7 @@ def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float 
     results, created = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
         path = os.path.join(folder, "allreduce")
-        procs = [ctx.Process(target=_shm_allreduce_worker, args=(r, path, hidden, repeats, created, results),
+        procs = [ctx.Process(target=_shm_allreduce_worker, args=(r, path, hidden, dtype, repeats, created, results),
                              daemon=True) for r in (0, 1)]
         try:
             for proc in procs:
@@ -477,7 +478,7 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
     link_bw, link_lat = measure_gloo_link()
     log(f"gloo loopback: latency {link_lat * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s")
     try:
-        median, allreduce = measure_shm_allreduce(model.hidden_size)
+        median, allreduce = measure_shm_allreduce(model.hidden_size, dtype)
         log(f"TP = 2 shared-memory all-reduce of [1, {model.hidden_size}] (the runtime's SharedMemoryAllReduce, "
             f"2 rank processes): mean {allreduce * 1e3:.3f} ms (tp_allreduce_latency), median {median * 1e3:.3f} ms")
     except Exception as exc:   # no /dev/shm or no second process: the documented default
