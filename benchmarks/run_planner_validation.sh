@@ -1,28 +1,47 @@
 #!/usr/bin/env bash
-# Measure the planner's validation runs (issue 18): SmolLM2-135M on this 2-core machine, each
-# a `pipeserve bench throughput` JSON. Five calibration runs go to benchmarks/results/calibration/
-# (measured with today's engine: a 4-request run, whose steps are mostly per-step serial work,
-# PP = 2 and 3 at a few dozen requests, kept-quantized weights), the held-out runs to
-# benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR override them). Then:
-#   python -m pipeserve.plan.validate --heldout
-# About 7 minutes on an IDLE 2-core machine (the planner's own estimate: ~3.3 min of timed
-# runs + ~15-20 s of start-up for each of the 13). Figures from a loaded machine validate nothing: check
-# `uptime` first (load average well below 1).
-# Usage: benchmarks/run_planner_validation.sh [NAME ...]   (no name: every run)
+# The planner's held-out validation (issue 18), end to end on this machine: SmolLM2-135M, each
+# run a `pipeserve bench throughput` JSON.
+#   1. `pipeserve plan --calibrate` (the microbenchmarks) -> $HARDWARE;
+#   2. five calibration runs -> benchmarks/results/calibration/ (a 4-request run, whose steps
+#      are mostly per-step serial work, PP = 2 and 3 at a few dozen requests, kept-quantized
+#      weights at PP = 1 with 2 threads and at PP = 2 with 1 thread per stage, which tells
+#      their kernels' threading from their cost), nine held-out runs ->
+#      benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR);
+#   3. `python -m pipeserve.plan.validate --heldout`: fit on the calibration runs, predict the
+#      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
+#      benchmarks/results/heldout/VALIDATION.md and in docs/PLANNER.md.
+# About 7 minutes on an IDLE 2-core machine (~3.3 min of timed runs + ~15-20 s of start-up for
+# each of the 14, 20 s of calibration, ~1 min of fitting). Figures from a loaded machine
+# validate nothing: check `uptime` first (load average well below 1).
+# Activations in $DTYPE (default: what --dtype auto picks on this CPU: bfloat16 where the CPU
+# multiplies it natively, else float32), for the microbenchmarks and every run alike.
+# Usage: benchmarks/run_planner_validation.sh [NAME ...]   (names: measure only those runs,
+# no calibration, no fit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CAL_DIR=${CAL_DIR:-benchmarks/results/calibration}
 OUT_DIR=${OUT_DIR:-benchmarks/results/heldout}
+HARDWARE=${HARDWARE:-benchmarks/results/cpu-local.yaml}
+DTYPE=${DTYPE:-$(python -c 'from pipeserve.config import auto_dtype; print(auto_dtype("cpu"))')}
 mkdir -p "$CAL_DIR" "$OUT_DIR"
+echo "load average $(cut -d' ' -f1-3 /proc/loadavg); dtype $DTYPE"
 
-# set | name | engine and workload flags (bfloat16 weights unless --quantization auto: the
+if [[ $# -eq 0 ]]; then
+  start=$(date +%s)
+  python -m pipeserve.plan --calibrate --dtype "$DTYPE" --output "$HARDWARE" > "$OUT_DIR/calibrate.log" 2>&1 \
+    || { echo "calibration FAILED (see $OUT_DIR/calibrate.log)"; exit 1; }
+  echo "calibrate -> $HARDWARE: $(( $(date +%s) - start )) s"
+fi
+
+# set | name | engine and workload flags (dense $DTYPE weights unless --quantization auto: the
 # built-in GGUF's Q4_1 blocks kept)
 RUNS=(
   "cal|cal_pp2_n4_128x128|-pp 2 --num-prompts 4 --input-len 128 --output-len 128"
   "cal|cal_pp2_n48_mix|-pp 2 --num-prompts 48 --input-len 256 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp3_n32_mix|-pp 3 --num-prompts 32 --input-len 192 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp1_q41_n48_mix|-pp 1 --quantization auto --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "cal|cal_pp2_q41_n24_256x128|-pp 2 --quantization auto --num-prompts 24 --input-len 256 --output-len 128 --range-ratio 0.5"
   "val|pp1_t1_n32_mix|-pp 1 --threads-per-stage 1 --num-prompts 32 --input-len 128 --output-len 64 --range-ratio 0.5"
   "val|pp1_n32_mix|-pp 1 --num-prompts 32 --input-len 256 --output-len 128 --range-ratio 0.5"
   "val|pp2_n48_ref|-pp 2 --num-prompts 48 --input-len 320 --output-len 160 --range-ratio 0.6"
@@ -47,9 +66,12 @@ for entry in "${RUNS[@]}"; do
   case "$flags" in *--quantization*) quant=() ;; *) quant=(--quantization none) ;; esac
   start=$(date +%s)
   # shellcheck disable=SC2086
-  python -m pipeserve bench throughput --dtype bfloat16 "${quant[@]}" --dataset random --seed 0 \
+  python -m pipeserve bench throughput --dtype "$DTYPE" "${quant[@]}" --dataset random --seed 0 \
       $flags --label "$name" --no-progress --output "$dir/$name.json" > "$dir/$name.log" 2>&1 \
     || { echo "$name FAILED (see $dir/$name.log)"; exit 1; }
   echo "$name: $(( $(date +%s) - start )) s (load average $(cut -d' ' -f1 /proc/loadavg))"
 done
-echo "total: $(( $(date +%s) - begin )) s; next: python -m pipeserve.plan.validate --heldout"
+echo "runs: $(( $(date +%s) - begin )) s"
+[[ $# -gt 0 ]] && exit 0
+python -m pipeserve.plan.validate --heldout --hardware "$HARDWARE" --calibration-runs "$CAL_DIR" \
+    --heldout-runs "$OUT_DIR" --update-doc docs/PLANNER.md

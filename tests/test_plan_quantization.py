@@ -30,6 +30,9 @@ def test_bits_per_weight():
     q4km = weight_format("Q4_K_M")
     assert q4km.bits == 4.84 and q4km.head_bits == 6.5625   # mix average; head at Q6_K
     assert weight_format("q8_0").head_bits == 8.5
+    # A Q6_K head needs rows of 256 weights: SmolLM2's 576 falls back to Q8_0 (the built-in file's)
+    assert weight_format("q4_1").head_bytes_for(576) == 8.5 / 8
+    assert weight_format("q4_1").head_bytes_for(4096) == 6.5625 / 8
     assert weight_format("int8").bits == 8.5 and weight_format("int4").bits == 5.0   # group 32, float16 scale (+ min)
     assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
     with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):
@@ -87,3 +90,16 @@ def test_cli_says_how_many_stages(capsys):
     assert "at least PP=2 x TP=1" in capsys.readouterr().out
     assert main(["--model", "llama-3.1-70b", "--quantization", "q3", "--no-simulate"]) == 2
     assert "unknown --quantization 'q3'" in capsys.readouterr().err
+
+
+def test_kept_quantized_weights_share_the_cores_at_their_own_efficiency():
+    """quantized_parallel_efficiency (fitted where the calibration has kept-quantized runs at
+    one and at several threads) is how a quantized stage's threads share its kernels; 0
+    leaves the dense layer's calibrated efficiency; dense weights always use that one."""
+    from pipeserve.plan.stages import PipelineCosts
+    _, cfg = load_model("SmolLM2-135M")
+    hw = dataclasses.replace(load_hardware("cpu-local"), parallel_efficiency=0.7)
+    fitted = dataclasses.replace(hw, quantized_parallel_efficiency=0.95)
+    assert PipelineCosts(cfg, fitted, [30], 1, quantization="q4_1").cpu_sharing().efficiency == 0.95
+    assert PipelineCosts(cfg, fitted, [30], 1).cpu_sharing().efficiency == 0.7
+    assert PipelineCosts(cfg, hw, [30], 1, quantization="q4_1").cpu_sharing().efficiency == 0.7

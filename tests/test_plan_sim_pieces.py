@@ -103,14 +103,28 @@ def test_the_engine_batcher_preempts_when_blocks_run_out() -> None:
 @pytest.mark.parametrize("p,cores,threads", [(3, 2, 1), (4, 2, 1), (2, 2, 2), (3, 1, 1)])
 def test_p_stages_on_c_cores_all_busy(p: int, cores: int, threads: int) -> None:
     # P micro-batches keep all P stages busy: runnable threads n = P·threads, each gets
-    # C / n of a core (1 + (k·C/n − 1)·e with k threads above a core), so the last stage
-    # returns one micro-batch per w / rate; s sequences each: s · rate / w tokens/s.
+    # C / n of a core; above the cores a stage's threads wait for each other at every op,
+    # so it advances at one thread's share, C / n, whatever its threads (2 stages × 2
+    # threads on 2 cores: half a core each); the last stage returns one micro-batch per
+    # w / rate; s sequences each: s · rate / w tokens/s.
     w, s, steps = 1.0, 4, 300
     costs = SharedCosts(stages=p, parallel=w, cores=cores, threads=threads)
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=p)).run(_at_once([steps] * (s * p)))
-    cpu = threads * min(1.0, cores / (p * threads))
-    rate = cpu if cpu <= 1 else 1 + (cpu - 1) * costs.efficiency
+    rate = min(1.0, cores / (p * threads))
     assert result.summary()["output_tokens_per_s"] == pytest.approx(s * rate / w, rel=0.02)
+
+
+@pytest.mark.parametrize("cores,tpot", [(4, 1 / 1.8), (2, 2.0)])
+def test_threads_above_the_cores_add_nothing(cores: int, tpot: float) -> None:
+    # Two 2-thread stages, both busy (two micro-batches), w of work each per token. On 4
+    # cores every thread has a core: a stage runs at 1 + e = 1.8 cores. On 2 cores the 4
+    # threads are never all running; each op waits for the one left out, so a stage
+    # advances at one thread's share, 2 / 4 of a core: w / 0.5 per token, twice as slow
+    # as two 1-thread stages on the same cores, not (1 + (2·0.5 − 1)·e)⁻¹ = 1.
+    w = 1.0
+    costs = SharedCosts(stages=2, parallel=w, cores=cores, threads=2, efficiency=0.8)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * w * tpot, rel=0.02)
 
 
 def test_oversubscribed_cores_deliver_their_efficiency() -> None:

@@ -88,7 +88,11 @@ def test_tp_costs_follow_the_runtimes_uneven_split():
     one = LayerCosts(cfg, 2)
     assert costs.attention(shape).flops == pytest.approx(one.attention(shape).flops * 6 / 9)
     assert costs.attention(shape).bytes == pytest.approx(one.attention(shape).bytes * 2 / 3)   # 2 of 3 KV heads
-    assert costs.matmuls(shape).flops == pytest.approx(one.matmuls(shape).flops * costs.layer_fraction)
+    # Time is paced per all-reduce segment: rank 0's attention half (6 + 2 heads), then
+    # rank 1's MLP half (864 rows), each the slower rank's; memory is the fuller rank's layer.
+    paced = (h * d * 2 * (6 + 2) + 3 * h * 864) / (costs.attn_params + costs.dense_mlp_params)
+    assert costs.paced_fraction == pytest.approx(paced)
+    assert costs.matmuls(shape).flops == pytest.approx(one.matmuls(shape).flops * paced)
 
 
 @pytest.mark.parametrize("quant", [None, "q4_0", "q8_0", "int4"])
@@ -101,7 +105,7 @@ def test_tp_memory_is_the_busiest_ranks_share_at_the_formats_bytes(quant):
     hw = load_hardware("cpu-local")
     two = PipelineCosts(cfg, hw, [30], 1, tp=2, dtype="bfloat16", quantization=quant).costs
     per_weight = weight_format(quant).bytes if quant else 2
-    head = weight_format(quant).head_bytes if quant else 2
+    head = weight_format(quant).head_bytes_for(cfg.hidden_size) if quant else 2
     layer = sum(map(cfg.layer_params, range(cfg.num_layers))) / cfg.num_layers
     want = (30 * layer * per_weight * two.layer_fraction + cfg.embedding_params() * head * 0.5
             + cfg.hidden_size * 2)   # tied: the embedding is the head (head bytes); 49152 rows split 2 ways
@@ -125,3 +129,22 @@ def test_quantized_tp_cuts_fall_on_the_formats_blocks():
         for shard in tp_shards(cfg, 3, block):
             assert shard.intermediate[0] % block == 0 and shard.q_heads[0] * cfg.head_dim % block == 0
     assert [s.intermediate for s in tp_shards(cfg, 3, 256)] != [s.intermediate for s in tp_shards(cfg, 3)]
+
+
+def test_collectives_are_not_scaled_by_the_fitted_engine_work():
+    """The fitted engine_work_scale / engine_overhead_scale stretch the engine's own work;
+    the all-reduces are timed as the runtime runs them, so they are added unscaled."""
+    _, cfg = load_model("SmolLM2-135M")
+    hw = load_hardware("cpu-local")
+    scaled = replace(hw, engine_work_scale=2.0, engine_overhead_scale=1.5)
+    shape = BatchShape.decode(8, 200)
+    one, two = PipelineCosts(cfg, hw, [30], 1, tp=2), PipelineCosts(cfg, scaled, [30], 1, tp=2)
+    gather = formulas.tp_allreduce_time(8 * cfg.vocab_size * 4 / 2, 2, hw.intra_node_bandwidth,
+                                        hw.intra_node_latency / 2, hw.tp_allreduce_latency)
+    collectives = one.collectives_time(0, shape)
+    assert collectives == pytest.approx(61 * one.allreduce_time(shape) + gather)
+    serial_one, parallel_one = one.chunk_work(0, shape)
+    serial_two, parallel_two = two.chunk_work(0, shape)
+    assert serial_two - collectives == pytest.approx(3.0 * (serial_one - collectives))
+    assert parallel_two == pytest.approx(2.0 * parallel_one)
+    assert two.chunk_time(0, shape) - collectives == pytest.approx(2.0 * (one.chunk_time(0, shape) - collectives))

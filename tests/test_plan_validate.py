@@ -117,3 +117,17 @@ def test_plan_prints_the_validated_error_band_next_to_each_prediction(tmp_path, 
     low, high = row.split()[2].split("-")
     assert float(low.replace(",", "")) == pytest.approx(tokens / 1.08, abs=1) and \
         float(high.replace(",", "")) == pytest.approx(tokens / 0.95, abs=1)
+
+
+def test_update_doc_replaces_only_the_section_between_its_lines(tmp_path):
+    from pipeserve.plan.presets import PlanInputError
+    from pipeserve.plan.validate import DOC_BEGIN, DOC_END, replace_section
+    doc = tmp_path / "PLANNER.md"
+    prose = f"The table goes between `{DOC_BEGIN}` and `{DOC_END}`.\n"
+    doc.write_text(f"# Title\n{prose}\n{DOC_BEGIN}\nold table\n{DOC_END}\n\nAfter.\n")
+    replace_section(doc, "| new | table |")
+    replace_section(doc, "| newer | table |")          # idempotent: the lines stay
+    assert doc.read_text() == f"# Title\n{prose}\n{DOC_BEGIN}\n\n| newer | table |\n\n{DOC_END}\n\nAfter.\n"
+    (tmp_path / "none.md").write_text(prose)
+    with pytest.raises(PlanInputError, match="lines to update between"):
+        replace_section(tmp_path / "none.md", "x")

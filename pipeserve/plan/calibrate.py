@@ -31,9 +31,9 @@ timed on its own code too: each stage's per-micro-batch step (decode, attention
 metadata) and the driver's (schedule, build, process tokens, detokenize), the
 latter with an executor that answers at once so only the driver is timed. Memory bandwidth comes from a large copy, and
 the link from loopback gloo point-to-point between two processes (latency from
-tiny messages, bandwidth from big ones), and the TP collective's fixed cost from the
+tiny messages, bandwidth from big ones), and the TP collective's cost from the
 runtime's own shared-memory all-reduce between two rank processes (a decode's
-activations, back to back: ``tp_allreduce_latency``).
+activations, the ranks arriving apart as inside a step: ``tp_allreduce_latency``).
 """
 
 from __future__ import annotations
@@ -342,33 +342,51 @@ def measure_gloo_link(repeats: int = 60, timeout: float = 60.0) -> tuple[float, 
     return bandwidth, latency
 
 
-def _shm_allreduce_worker(rank: int, path: str, hidden: int, repeats: int, created, results) -> None:
+# Work between two all-reduces in the measurement: the ranks take turns being late by
+# (_AR_LATE - _AR_EARLY), as a step's attention and MLP halves are paced by different ranks
+# under an uneven split; the early rank waits in the collective (spins, then sleeps).
+_AR_EARLY, _AR_LATE = 100e-6, 300e-6
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _shm_allreduce_worker(rank: int, path: str, hidden: int, dtype: str, repeats: int, created, results) -> None:
     import torch
 
     from pipeserve.model.tensor_parallel import SharedMemoryAllReduce
     torch.set_num_threads(1)
     if rank == 1:
         created.wait(30)
-    group = SharedMemoryAllReduce(path, rank, 2, hidden, torch.bfloat16, create=rank == 0)
+    group = SharedMemoryAllReduce(path, rank, 2, hidden, getattr(torch, dtype), create=rank == 0)
     if rank == 0:
         created.set()
-    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    x = torch.randn(1, hidden, dtype=getattr(torch, dtype))
     samples = []
     for i in range(repeats + 20):
         start = time.perf_counter()
+        _busy(_AR_LATE if (i + rank) % 2 else _AR_EARLY)
         group.all_reduce(x)
         if i >= 20:   # the first calls fault the mapping in
-            samples.append(time.perf_counter() - start)
+            # beyond the late rank's work: what the collective adds to a step's critical path
+            samples.append(time.perf_counter() - start - _AR_LATE)
     if rank == 0:
         results.put(samples)
 
 
-def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float = 60.0) -> tuple[float, float]:
-    """(median, mean) seconds of one TP = 2 all-reduce of a decode's [1, hidden] bfloat16
-    activations through the runtime's own ``SharedMemoryAllReduce`` (``--tp-all-reduce shm``),
-    two rank processes of one thread each calling it back to back. Idle, that is the
-    collective's fixed cost (copy in, publish, meet, sum); under load it grows by the waits
-    for the other rank to be scheduled, so calibrate on an idle host."""
+def measure_shm_allreduce(hidden: int = 576, dtype: str = "bfloat16", repeats: int = 400,
+                          timeout: float = 60.0) -> tuple[float, float]:
+    """(median, mean) seconds one TP = 2 all-reduce of a decode's [1, hidden] activations
+    (in ``dtype``) adds to a step, through the runtime's own ``SharedMemoryAllReduce``
+    (``--tp-all-reduce shm``): two rank processes of one thread each, working between calls
+    with the late rank alternating (``_AR_EARLY``/``_AR_LATE``), as inside a step where the
+    ranks never arrive together: the early one has gone to sleep in the collective and the
+    late one must wake it. The time beyond the late rank's work is the collective's cost
+    (copy in, publish, the wake-up, sum); called back to back, the ranks meet spinning and
+    it looks several times cheaper than in a run. Calibrate on an idle host."""
     import queue
     import tempfile
 
@@ -377,7 +395,7 @@ def measure_shm_allreduce(hidden: int = 576, repeats: int = 400, timeout: float 
     results, created = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as folder:
         path = os.path.join(folder, "allreduce")
-        procs = [ctx.Process(target=_shm_allreduce_worker, args=(r, path, hidden, repeats, created, results),
+        procs = [ctx.Process(target=_shm_allreduce_worker, args=(r, path, hidden, dtype, repeats, created, results),
                              daemon=True) for r in (0, 1)]
         try:
             for proc in procs:
@@ -460,7 +478,7 @@ def calibrate(dtype: str = "float32", model: ModelConfig | None = None,
     link_bw, link_lat = measure_gloo_link()
     log(f"gloo loopback: latency {link_lat * 1e6:.1f} us, bandwidth {link_bw / 1e9:.2f} GB/s")
     try:
-        median, allreduce = measure_shm_allreduce(model.hidden_size)
+        median, allreduce = measure_shm_allreduce(model.hidden_size, dtype)
         log(f"TP = 2 shared-memory all-reduce of [1, {model.hidden_size}] (the runtime's SharedMemoryAllReduce, "
             f"2 rank processes): mean {allreduce * 1e3:.3f} ms (tp_allreduce_latency), median {median * 1e3:.3f} ms")
     except Exception as exc:   # no /dev/shm or no second process: the documented default

@@ -76,6 +76,11 @@ class Hardware:
     oversubscription_efficiency: float = 1.0
     quantized_work_scale: float = 1.0
     engine_overhead_scale: float = 1.0
+    # - quantized_parallel_efficiency: parallel_efficiency for kept-quantized weights (their
+    #   kernels dequantize: more arithmetic per byte than the calibrated dense layer, so they
+    #   may share two cores differently); fitted where the calibration holds kept-quantized
+    #   runs at one and at several threads per process, else 0: the dense layer's.
+    quantized_parallel_efficiency: float = 0.0
     # The validation's observed predicted / measured throughput on held-out runs with this
     # file (0 = not validated): `pipeserve plan` prints it next to its predictions.
     validated_ratio_low: float = 0.0
@@ -90,9 +95,11 @@ class Hardware:
         if self.gpus_per_node < 1:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
         if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0 and self.engine_overhead_scale > 0
-                and 0 < self.oversubscription_efficiency <= 1):
+                and 0 < self.oversubscription_efficiency <= 1
+                and 0 <= self.quantized_parallel_efficiency <= 1):
             raise PlanInputError(f"hardware {self.name!r}: engine_work_scale, quantized_work_scale and "
-                                 "engine_overhead_scale must be > 0 and oversubscription_efficiency in (0, 1]")
+                                 "engine_overhead_scale must be > 0, oversubscription_efficiency in (0, 1] "
+                                 "and quantized_parallel_efficiency in [0, 1]")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

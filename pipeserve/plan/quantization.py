@@ -25,6 +25,7 @@ from pipeserve.plan.presets import PlanInputError
 
 GROUP_SIZE = 32    # int8 / int4: the runtime's default --quantization-group-size (float16 scale (+ minimum))
 Q6_K_BITS = 8 * 210 / 256  # 6.5625: llama-quantize's LM head below Q8_0
+Q8_0_BITS = 8 * 34 / 32    # 8.5: its fallback where a row is not a multiple of 256
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,14 @@ class WeightFormat:
     @property
     def head_bytes(self) -> float:
         return self.head_bits / 8
+
+    def head_bytes_for(self, hidden: int) -> float:
+        """Bytes per weight of the LM head of a model with this hidden size: Q6_K's blocks
+        are 256 weights of a row, and llama-quantize stores a head whose rows are not a
+        multiple of 256 at Q8_0 instead (SmolLM2's 576: the built-in Q4_1 file's head)."""
+        if self.head_bits == Q6_K_BITS and hidden % 256:
+            return Q8_0_BITS / 8
+        return self.head_bytes
 
 
 def _block(name: str, block_bytes: int, block_weights: int, head_bits: float | None = None) -> WeightFormat:

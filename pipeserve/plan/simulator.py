@@ -70,10 +70,13 @@ class CpuSharing:
 
     def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
-        runnable threads on ``node``."""
+        runnable threads on ``node``. With more runnable threads than cores, a process's
+        threads are not running together: each op's parallel region ends at a barrier
+        that waits for the thread the scheduler left out, so the parallel part advances
+        at one thread's share (the others' slices go to waiting), not ``threads`` of them."""
         cores = self.cores[node]
         share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
-        if not parallel:
+        if not parallel or runnable > cores:
             return share
         cpu = threads * share
         return cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency

@@ -39,11 +39,13 @@ class PipelineCosts:
         self.dtype = dtype or hw.dtype
         fmt = None if quantization is None else weight_format(quantization)
         self.costs = LayerCosts(model, DTYPE_BYTES[self.dtype], tp, hw.kv_read_amplification,
-                                fmt and fmt.bytes, fmt and fmt.head_bytes, fmt.block if fmt else 1)
+                                fmt and fmt.bytes, fmt and fmt.head_bytes_for(model.hidden_size),
+                                fmt.block if fmt else 1)
         nodes = [self.node_of(w) for w in range(num_workers)]
         # With shared compute every rank process on a node (T per worker) gets an equal slice.
         self.share = [nodes.count(n) * tp if hw.shared_compute else 1 for n in nodes]
         # A stage's work relative to the calibrated layer (both fitted on measured runs).
+        self.quantized = quantization is not None
         self.work_scale = hw.engine_work_scale * (hw.quantized_work_scale if quantization is not None else 1.0)
 
     @property
@@ -100,14 +102,28 @@ class PipelineCosts:
                                                     self.hw.intra_node_latency / 2, self.hw.tp_allreduce_latency)
 
     def chunk_time(self, chunk: int, shape: BatchShape) -> float:
-        """Forward time of one chunk: its layers, plus the embedding / LM head at the ends."""
+        """Forward time of one chunk: its layers, plus the embedding / LM head at the ends;
+        the fitted work scale applies to the engine's work, not to the collectives (timed
+        as the runtime runs them)."""
         worker = self.worker_of(chunk)
         t = self.chunk_layers[chunk] * self.layer_time(shape, worker) + self.stage_step_time(shape, worker)
         if chunk == 0:
             t += self.embedding_time(shape, worker)
         if chunk == self.num_chunks - 1:
             t += self.head_time(shape, worker)
-        return t * self.work_scale
+        collectives = self.collectives_time(chunk, shape)
+        return (t - collectives) * self.work_scale + collectives
+
+    def collectives_time(self, chunk: int, shape: BatchShape) -> float:
+        """The chunk's TP collectives: 2 all-reduces a layer, the embedding's, the logits gather."""
+        if self.tp == 1 or shape.new_tokens == 0:
+            return 0.0
+        seconds = self.chunk_layers[chunk] * 2 * self.allreduce_time(shape)
+        if chunk == 0:
+            seconds += self.allreduce_time(shape)
+        if chunk == self.num_chunks - 1 and shape.logit_rows:
+            seconds += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
+        return seconds
 
     def stage_step_time(self, shape: BatchShape, worker: int = 0) -> float:
         """A stage's per-micro-batch work outside its layers (step unpickling,
@@ -159,8 +175,16 @@ class PipelineCosts:
                    for node in nodes]
         # Each TP rank computes its own shard (chunk_work is one rank's), in step with the others.
         return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
-                          threads=tuple(threads), efficiency=self.hw.parallel_efficiency,
+                          threads=tuple(threads), efficiency=self.parallel_efficiency,
                           oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes))
+
+    @property
+    def parallel_efficiency(self) -> float:
+        """How a rank's threads share its kernels: the dense layer's (calibrated), or the
+        kept-quantized kernels' where the hardware file has it (fitted)."""
+        if self.quantized and self.hw.quantized_parallel_efficiency > 0:
+            return self.hw.quantized_parallel_efficiency
+        return self.hw.parallel_efficiency
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
         """One chunk's work on one TP rank, in seconds on one core: (serial part: per-layer dispatch,
@@ -170,16 +194,17 @@ class PipelineCosts:
             return 0.0, 0.0
         layers = self.chunk_layers[chunk]
         rates = self._core_rates(shape.new_tokens)
-        serial = (layers * (self.hw.layer_overhead + 2 * self.allreduce_time(shape))
+        serial = (layers * self.hw.layer_overhead
                   + self.hw.stage_step_overhead + self.hw.stage_seq_overhead * shape.num_seqs)
         parallel = layers * self.costs.layer_time(shape, *rates)
         if chunk == 0:
             parallel += self.costs.embedding(shape).time(*rates)
-            serial += self.allreduce_time(shape)
         if chunk == self.num_chunks - 1 and shape.logit_rows:
             parallel += self.costs.head(shape).time(*self._core_rates(shape.logit_rows))
-            serial += self.head_time(shape) - self._op_time(self.costs.head(shape), shape.logit_rows, 0)
-        return serial * self.work_scale * self.hw.engine_overhead_scale, parallel * self.work_scale
+        # The collectives are timed as the runtime runs them (calibrate.measure_shm_allreduce),
+        # so neither fitted scale of the engine's own work applies to them.
+        return (serial * self.work_scale * self.hw.engine_overhead_scale + self.collectives_time(chunk, shape),
+                parallel * self.work_scale)
 
     def _core_rates(self, tokens: int) -> tuple[float, float]:
         """(FLOP/s, bytes/s) of one thread on one core."""

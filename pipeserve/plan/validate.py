@@ -164,8 +164,9 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
-# The two hardware fields fitted on the calibration runs, and the grid of the second.
-FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale")
+# The hardware fields fitted on the calibration runs, and the oversubscription grid.
+FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale",
+          "quantized_parallel_efficiency")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 
 
@@ -179,7 +180,9 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
        small batches in them pull it and the others hardly move); 1 and 2 twice over;
     3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
        scales a prediction by about 1 / scale), refined once (the driver does not scale);
-    4. ``quantized_work_scale``: the same on the kept-quantized runs alone.
+    4. ``quantized_parallel_efficiency``: where the kept-quantized runs include processes of
+       one thread and of several, a grid (``_fit_quantized_efficiency``);
+    5. ``quantized_work_scale``: the closed form of 3 on the kept-quantized runs alone.
     Returns the fitted hardware and every run's row predicted with it."""
     dense = [r for r in runs if r["engine"]["quantization"] is None]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
@@ -193,8 +196,31 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
+        if len({_threads(r, fitted) == 1 for r in quantized}) == 2:
+            fitted = _fit_quantized_efficiency(quantized, cfg, fitted, jobs)
         fitted = _rescale(fitted, "quantized_work_scale", predict_runs(quantized, cfg, fitted, jobs))
     return fitted, predict_runs(runs, cfg, fitted, jobs)
+
+
+def _threads(run: dict, hw: Hardware) -> int:
+    """Threads of each rank process in the run (the engine's default: cores // processes)."""
+    e = run["engine"]
+    return e["threads_per_rank"] or max(1, hw.cores // (e["pp"] * e["tp"]))
+
+
+# quantized_parallel_efficiency candidates
+QUANTIZED_EFFICIENCY_GRID = tuple(round(0.3 + 0.05 * i, 2) for i in range(15))   # 0.3 ... 1.0
+
+
+def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
+    """The kept-quantized kernels' parallel efficiency, where the calibration runs keep
+    quantized weights both in 1-thread processes and in multi-thread ones: the value on a
+    grid that leaves the smallest spread of their ratios (the per-thread cost is then
+    ``quantized_work_scale``'s, the closed form)."""
+    spreads = {e: _spread([r["ratio"] for r in predict_runs(
+        runs, cfg, dataclasses.replace(hw, quantized_parallel_efficiency=e), jobs)])
+        for e in QUANTIZED_EFFICIENCY_GRID}
+    return dataclasses.replace(hw, quantized_parallel_efficiency=min(QUANTIZED_EFFICIENCY_GRID, key=spreads.get))
 
 
 def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
@@ -219,7 +245,7 @@ def _fit_overhead(runs: list[dict], cfg, hw: Hardware, base: float, jobs: int) -
 
 # engine_overhead_scale candidates (times the file's own), and how the fit reads a run's
 # ratio at one of them from its ratios at 1 and 2 (duration linear in the scale).
-OVERHEAD_GRID = tuple(round(0.5 + 0.05 * i, 2) for i in range(51))      # 0.5 ... 3.0
+OVERHEAD_GRID = tuple(round(0.05 * i, 2) for i in range(1, 61))      # 0.05 ... 3.0
 
 
 def _linear(ratio_1: float | None, ratio_2: float | None, g: float) -> float | None:
@@ -268,7 +294,7 @@ def write_hardware(hw: Hardware, path: Path) -> None:
 
 
 def heldout(calibration: list[Path], validation: Path, hardware: str, model: str, fitted_out: Path,
-            table_out: Path | None, jobs: int, reference: Path | None = None) -> int:
+            table_out: Path | None, jobs: int, reference: Path | None = None, doc: Path | None = None) -> int:
     _, cfg = load_model(model)
     hw = load_hardware(hardware)
     cal_runs, val_runs = load_runs(calibration), load_runs(validation)
@@ -292,11 +318,12 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"Calibration: {hardware} + {len(cal_runs)} runs in {' + '.join(map(str, calibration))} -> fitted "
         f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
         f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
-        f"quantized_work_scale {fitted.quantized_work_scale:.3f} "
+        f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
+        f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's) "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
-        f"Held-out predicted / measured: {fitted.validated_ratio_low:.2f}-{fitted.validated_ratio_high:.2f} "
+        f"Held-out predicted / measured: {fitted.validated_ratio_low:.3f}-{fitted.validated_ratio_high:.3f} "
         f"over {fitted.validated_runs} predicted runs; within +-10 %: "
         f"{sum(r['ratio'] is not None and 0.9 <= r['ratio'] <= 1.1 for r in val_table)}/{len(val_table)}"
         f"; PP above the core count within +-15 %: "
@@ -308,7 +335,30 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
     if table_out is not None:
         table_out.write_text(text + "\n")
         print(f"wrote {table_out}")
+    if doc is not None:
+        try:
+            replace_section(doc, text)
+        except (OSError, PlanInputError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"updated {doc}")
     return 0
+
+
+# docs/PLANNER.md's held-out table sits between these lines (`--update-doc`).
+DOC_BEGIN = "<!-- validate --heldout: begin -->"
+DOC_END = "<!-- validate --heldout: end -->"
+
+
+def replace_section(doc: Path, text: str) -> None:
+    """Put ``text`` between the lines ``DOC_BEGIN`` and ``DOC_END`` in ``doc`` (each alone on
+    its line, so prose that names them is left alone), in place of what was there."""
+    content = doc.read_text()
+    begin, end = content.find(f"\n{DOC_BEGIN}\n"), content.find(f"\n{DOC_END}\n")
+    if begin < 0 or end < begin:
+        raise PlanInputError(f"{doc} has no {DOC_BEGIN} ... {DOC_END} lines to update between")
+    head = content[:begin + len(DOC_BEGIN) + 2]
+    doc.write_text(f"{head}\n{text}\n\n{content[end + 1:]}")
 
 
 # Tensor parallelism: one request's per-token latency (ms), SmolLM2-135M bfloat16 dense, prompt
@@ -362,7 +412,7 @@ def markdown(table: list[dict]) -> str:
              "| predicted | predicted / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        predicted = (f"{r['predicted']:.1f} | {r['ratio']:.2f}" if r["ratio"] is not None
+        predicted = (f"{r['predicted']:.1f} | {r['ratio']:.3f}" if r["ratio"] is not None
                      else f"not predicted: {r['error']} | -")
         lines.append(f"| {r['label']} | {r['requests']} | {r['pp']} | {r['tp']} | {r['threads'] or 'default'} | "
                      f"{r['schedule']} | {r['partition']} | {r['quantization'] or 'dtype'} | "
@@ -396,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"--heldout: the fitted hardware file (default {DEFAULT_FITTED})")
     parser.add_argument("--table-output", type=Path, default=Path(DEFAULT_TABLE),
                         help=f"--heldout: the tables as Markdown (default {DEFAULT_TABLE})")
+    parser.add_argument("--update-doc", type=Path, default=None, metavar="FILE",
+                        help=f"--heldout: also put the tables in FILE between the lines {DOC_BEGIN} and "
+                             f"{DOC_END} (docs/PLANNER.md)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="simulations run in parallel (default: the CPU count)")
     parser.add_argument("--tp-latency", action="store_true",
@@ -405,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.heldout:
         return heldout(args.calibration_runs, args.heldout_runs, args.hardware or DEFAULT_HARDWARE, args.model,
                        args.fitted_output, args.table_output, args.jobs,
-                       None if args.no_reference else args.reference_runs)
+                       None if args.no_reference else args.reference_runs, args.update_doc)
     if args.hardware is None:
         parser.error("--hardware FILE is required (or --heldout)")
     if args.tp_latency:
