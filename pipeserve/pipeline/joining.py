@@ -49,7 +49,8 @@ def open_stages(config: EngineConfig, spec: PipelineSpec,
         hint = (f"on each other node run `PIPESERVE_CLUSTER_KEY=... pipeserve worker --nnodes {config.nnodes} "
                 f"--node-rank R --master-addr {config.master_addr} --master-port {port}`")
         hellos = join_stages(transport, SpecWire.of(spec), list(range(1, num_stages + 1)), join_timeout,
-                             config.rendezvous_timeout, lambda: check_local_stages(procs), hint, weight_bytes)
+                             config.rendezvous_timeout, lambda: check_local_stages(procs), hint, weight_bytes,
+                             local={stage + 1 for stage in procs})
         send_peers(transport, hellos)
     except BaseException:
         stop_processes(list(procs.values()), grace=0.0)
@@ -60,17 +61,24 @@ def open_stages(config: EngineConfig, spec: PipelineSpec,
 
 def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_timeout: float,
                 load_timeout: float, check: Callable[[], None], hint: str = "",
-                weight_bytes: dict[int, int] | None = None) -> dict[int, Hello]:
+                weight_bytes: dict[int, int] | None = None, local: set[int] = frozenset()) -> dict[int, Hello]:
     """Answer each rank's HELLO with the spec; wait for all READY. ``check`` runs every
     poll and may raise (a local stage process died), ending the wait at once.
-    ``weight_bytes`` (if given) gets each rank's resident weight bytes from its READY."""
+    ``weight_bytes`` (if given) gets each rank's resident weight bytes from its READY.
+    ``local``: ranks this host started; ``check`` watches them, so a slow start (importing
+    torch on a busy machine) gets the loading timeout, and a missing remote host is named
+    alone when the join timeout ends."""
     hellos: dict[int, Hello] = {}
     ready: set[int] = set()
-    deadline = time.monotonic() + join_timeout
+    start = time.monotonic()
+    deadline = start + join_timeout
     while len(ready) < len(ranks):
         check()
-        if time.monotonic() > deadline:
-            _timed_out(ranks, hellos, ready, join_timeout, load_timeout, hint)
+        now = time.monotonic()
+        if now > deadline:
+            remote_missing = [r for r in ranks if r not in hellos and r not in local]
+            if remote_missing or now > start + max(join_timeout, load_timeout):
+                _timed_out(remote_missing or ranks, hellos, ready, join_timeout, load_timeout, hint)
         try:
             message = transport.recv(timeout=POLL_S)
         except TimeoutError:
