@@ -907,6 +907,13 @@ static void merge_parts(const float *part, int64_t ranges, int64_t range_stride,
     for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
 }
 
+/* The step's new K (or V) rows into the cache: row i of src, row_bytes long (all kv heads
+ * of one token, in the cache's dtype), to slot slots[i]. One memcpy per token instead of
+ * index_copy_'s dispatch, which costs more than the copy for a decode's few rows. */
+void pipeserve_write_rows(char *cache, const int64_t *slots, int64_t n, const char *src, int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++) memcpy(cache + slots[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
+}
+
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
