@@ -834,6 +834,18 @@ static void range_scalar(const float *q, const key_range *r, int dtype, int64_t 
 }
 
 
+/* Which decode path this build compiled: "avx512", "avx2" or "portable" (logged, and
+ * checked by the tests that force a build). */
+const char *pipeserve_decode_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(VECTOR_DECODE)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
+
 /* The fastest item function for this cache dtype and head size on this CPU. bf16_math:
  * an 8-bit cache may be read through bf16 products (a bfloat16 model; not for float32). */
 static range_fn pick_range(int dtype, int64_t head_dim, int bf16_math) {

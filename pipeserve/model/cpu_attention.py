@@ -46,6 +46,9 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                   ctypes.c_float, ptr, ctypes.c_int]
         self._prefill.restype = ctypes.c_int
+        isa = lib.pipeserve_decode_isa
+        isa.argtypes, isa.restype = [], ctypes.c_char_p
+        self.isa = isa().decode()   # the decode path compiled here: avx512, avx2 or portable
         self._write_rows = lib.pipeserve_write_rows
         self._write_rows.argtypes = [ptr, ptr, i64, ptr, i64]
         self._write_rows.restype = None
@@ -151,9 +154,11 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if device.type != "cpu":
         raise ValueError(f"--attention-backend cpu runs on CPU devices only, not {device}")
     try:
-        return CpuPagedAttention()
+        backend = CpuPagedAttention()
     except KernelBuildError as exc:
         if name == "cpu":
             raise
         logger.warning("C decode kernel unavailable, using the PyTorch attention backend: %s", exc)
         return TorchPagedAttention()
+    logger.info("attention: C decode kernel (%s path)", backend.isa)
+    return backend
