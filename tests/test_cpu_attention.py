@@ -252,27 +252,37 @@ WINDOW_CONTEXT_LENS = [1, 15, 16, 17, 100, 2, 40, 30, 333, 257]
 WINDOW_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 6e-2}   # bf16: scores of several units, rounded
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+WINDOW_CASES = pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),     # SmolLM2's shape (bf16: the AVX512_BF16 decode and prefill kernels)
     (4, 4, 32, 5),      # MHA, blocks not a multiple of 16: windows start inside blocks and tiles
     (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar decode path, torch prefills
 ])
-def test_window_and_softcap_match_reference(kernel_isa, backend_name, dtype, window, softcap, heads, kv_heads,
-                                            head_dim, block_size):
-    if backend_name == "cpu" and kernel_missing("paged_attention"):
-        pytest.skip(kernel_missing("paged_attention"))
-    if backend_name == "torch" and kernel_isa != "native":
-        pytest.skip("the torch backend does not depend on the kernel build (run once, with native)")
-    backend = cpu_backend_on(kernel_isa) if backend_name == "cpu" else TorchPagedAttention()
+
+
+def _window_and_softcap_check(backend, dtype, window, softcap, heads, kv_heads, head_dim, block_size) -> None:
     rng = random.Random(hash((head_dim, window, softcap)) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
     got, expected = _attend(backend, rng, WINDOW_QUERY_LENS, WINDOW_CONTEXT_LENS, heads, kv_heads, head_dim,
                             block_size, dtype, window, softcap)
     assert got.dtype == dtype
     assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
+@WINDOW_CASES
+def test_window_and_softcap_match_reference_torch(dtype, window, softcap, heads, kv_heads, head_dim, block_size):
+    _window_and_softcap_check(TorchPagedAttention(), dtype, window, softcap, heads, kv_heads, head_dim, block_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
+@WINDOW_CASES
+def test_window_and_softcap_match_reference_cpu(kernel_isa, dtype, window, softcap, heads, kv_heads, head_dim,
+                                                block_size):
+    _window_and_softcap_check(cpu_backend_on(kernel_isa), dtype, window, softcap, heads, kv_heads, head_dim,
+                              block_size)
 
 
 def test_window_and_softcap_change_the_reference():
