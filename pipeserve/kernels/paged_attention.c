@@ -29,6 +29,9 @@
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
  *   and unnormalised output, and a last pass merges the ranges of a sequence
  *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
+ * - Vector paths: AVX-512 (16 lanes; AVX512_BF16 products for bf16 rows), else AVX2 +
+ *   FMA + F16C (8 lanes, the same single pass: attend_range_avx2), else portable C
+ *   (pipeserve_decode_isa says which was compiled).
  * - 8-bit caches (--kv-cache-dtype int8 | fp8, pipeserve/model/kv_quant.py):
  *   a row is head_dim codes then its float32 scale. Codes are widened to
  *   float32 in registers (fp8 e4m3 through its float16 bit pattern, which is
