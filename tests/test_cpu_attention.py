@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,61 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 needs_kernel = skip_without_kernel("paged_attention")
+
+# Builds a test can force on any x86 CPU: the native one, AVX-512 switched off (the
+# AVX2 paths, on a CPU that has them), and no AVX2 (the portable C paths).
+KERNEL_ISAS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx2"]}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+def expected_isa(name: str, native: str) -> str | None:
+    """The path a build forced to ``name`` compiles here (None: this CPU cannot say, skip)."""
+    if name == "native":
+        return native
+    if name == "portable":
+        return "portable"
+    return "avx2" if {"avx2", "fma", "f16c"} <= _cpu_flags() else None
+
+
+def compiler_with_flags(path: Path, flags: list[str]) -> str:
+    """A CC that is the real compiler with ``flags`` appended (after build.py's -march=native)."""
+    real = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
+    path.write_text(f'#!/bin/sh\nif [ "$1" = "--version" ]; then exec {real} --version; fi\n'
+                    f'exec {real} "$@" {" ".join(flags)}\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=list(KERNEL_ISAS))
+def kernel_isa(request, tmp_path_factory):
+    """Runs a test once per build of KERNEL_ISAS (each in its own kernel cache); yields its name."""
+    with pytest.MonkeyPatch.context() as mp:
+        if KERNEL_ISAS[request.param]:
+            folder = tmp_path_factory.mktemp(request.param)
+            mp.setenv("CC", compiler_with_flags(folder / "cc", KERNEL_ISAS[request.param]))
+            mp.setenv("PIPESERVE_CACHE_DIR", str(folder / "cache"))
+        build.forget_loaded()
+        try:
+            yield request.param
+        finally:
+            build.forget_loaded()
+
+
+def cpu_backend_on(isa: str) -> CpuPagedAttention:
+    """The cpu backend of the build ``kernel_isa`` forced, after checking it compiled the path asked for."""
+    backend = CpuPagedAttention()
+    expected = expected_isa(isa, backend.isa)
+    if expected is None:
+        pytest.skip("this CPU has no AVX2 + FMA + F16C: the avx2 build is the portable one (covered there)")
+    assert backend.isa == expected
+    return backend
 
 
 def random_paged_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], block_size: int,
@@ -36,14 +94,15 @@ def random_paged_batch(rng: random.Random, query_lens: list[int], context_lens: 
 
 
 def _both_backends(rng: random.Random, query_lens: list[int], context_lens: list[int], heads: int,
-                   kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype):
+                   kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                   cpu: CpuPagedAttention | None = None):
     """(torch backend output, cpu backend output) for one random step of this shape."""
     cache, tables = random_paged_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim, dtype)
     total = sum(query_lens)
     q = torch.randn(total, heads, head_dim).to(dtype)
     k = torch.randn(total, kv_heads, head_dim).to(dtype)
     v = torch.randn(total, kv_heads, head_dim).to(dtype)
-    ref, cpu = TorchPagedAttention(), CpuPagedAttention()
+    ref, cpu = TorchPagedAttention(), cpu or CpuPagedAttention()
     meta = ref.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
     with torch.inference_mode():
         expected = ref.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, head_dim ** -0.5)
@@ -60,13 +119,14 @@ def _both_backends(rng: random.Random, query_lens: list[int], context_lens: list
     (4, 4, 32, 5),      # MHA, a head_dim with the generic vector path, blocks not a multiple of 16
     (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar path
 ])
-def test_decodes_match_torch_backend(dtype, heads, kv_heads, head_dim, block_size):
+def test_decodes_match_torch_backend(kernel_isa, dtype, heads, kv_heads, head_dim, block_size):
+    cpu = cpu_backend_on(kernel_isa)
     rng = random.Random(hash((str(dtype), heads, head_dim)) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
     # Contexts from 1 token to several blocks, not multiples of the block size.
     context_lens = [1, 2, 15, 16, 17, 33, 100, 257]
     expected, got = _both_backends(rng, [1] * len(context_lens), context_lens, heads, kv_heads, head_dim,
-                                   block_size, dtype)
+                                   block_size, dtype, cpu)
     assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[dtype]
 
 
@@ -192,25 +252,37 @@ WINDOW_CONTEXT_LENS = [1, 15, 16, 17, 100, 2, 40, 30, 333, 257]
 WINDOW_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 6e-2}   # bf16: scores of several units, rounded
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+WINDOW_CASES = pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),     # SmolLM2's shape (bf16: the AVX512_BF16 decode and prefill kernels)
     (4, 4, 32, 5),      # MHA, blocks not a multiple of 16: windows start inside blocks and tiles
     (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar decode path, torch prefills
 ])
-def test_window_and_softcap_match_reference(backend_name, dtype, window, softcap, heads, kv_heads, head_dim,
-                                            block_size):
-    if backend_name == "cpu" and kernel_missing("paged_attention"):
-        pytest.skip(kernel_missing("paged_attention"))
-    backend = CpuPagedAttention() if backend_name == "cpu" else TorchPagedAttention()
+
+
+def _window_and_softcap_check(backend, dtype, window, softcap, heads, kv_heads, head_dim, block_size) -> None:
     rng = random.Random(hash((head_dim, window, softcap)) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
     got, expected = _attend(backend, rng, WINDOW_QUERY_LENS, WINDOW_CONTEXT_LENS, heads, kv_heads, head_dim,
                             block_size, dtype, window, softcap)
     assert got.dtype == dtype
     assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
+@WINDOW_CASES
+def test_window_and_softcap_match_reference_torch(dtype, window, softcap, heads, kv_heads, head_dim, block_size):
+    _window_and_softcap_check(TorchPagedAttention(), dtype, window, softcap, heads, kv_heads, head_dim, block_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0)])
+@WINDOW_CASES
+def test_window_and_softcap_match_reference_cpu(kernel_isa, dtype, window, softcap, heads, kv_heads, head_dim,
+                                                block_size):
+    _window_and_softcap_check(cpu_backend_on(kernel_isa), dtype, window, softcap, heads, kv_heads, head_dim,
+                              block_size)
 
 
 def test_window_and_softcap_change_the_reference():
@@ -238,8 +310,10 @@ def _split_span(context_lens: list[int], window: int | None, block_size: int, th
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (333, None), (None, 5.0)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 5), (6, 2, 24, 16)])
-def test_a_long_decode_split_over_threads_matches_one_thread_and_the_reference(dtype, window, softcap, heads,
-                                                                                kv_heads, head_dim, block_size):
+def test_a_long_decode_split_over_threads_matches_one_thread_and_the_reference(kernel_isa, dtype, window, softcap,
+                                                                                heads, kv_heads, head_dim,
+                                                                                block_size):
+    cpu_backend_on(kernel_isa)
     context_lens = [1500, 3, 40]   # one long request next to short ones: it is cut, they are not
     threads = 4
     span = _split_span(context_lens, window, block_size, threads)
@@ -252,7 +326,7 @@ def test_a_long_decode_split_over_threads_matches_one_thread_and_the_reference(d
         old = torch.get_num_threads()
         torch.set_num_threads(n)
         try:
-            outs[n] = _attend(CpuPagedAttention(), rng, [1] * len(context_lens), context_lens, heads, kv_heads,
+            outs[n] = _attend(cpu_backend_on(kernel_isa), rng, [1] * len(context_lens), context_lens, heads, kv_heads,
                               head_dim, block_size, dtype, window, softcap)
         finally:
             torch.set_num_threads(old)

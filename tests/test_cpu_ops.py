@@ -1,4 +1,5 @@
-"""The fused bfloat16 elementwise kernels against the PyTorch ops they replace."""
+"""The fused elementwise kernels (bfloat16 and float32) against the PyTorch ops they replace,
+on each build the tests can force (native, AVX2, portable: tests.test_cpu_attention.kernel_isa)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import torch.nn.functional as F
 
 from pipeserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _rotate
 from tests.kernels import skip_without_kernel
+from tests.test_cpu_attention import expected_isa, kernel_isa  # noqa: F401 (fixture)
 
 
 needs_kernel = skip_without_kernel("elementwise")
 
 
 @pytest.fixture(scope="module")
-def ops():
+def ops(kernel_isa):
     from pipeserve.model.cpu_ops import CpuElementwise
-    return CpuElementwise()
+    ops = CpuElementwise()
+    expected = expected_isa(kernel_isa, ops.isa)
+    if expected is None:
+        pytest.skip("this CPU has no AVX2 + FMA + F16C: the avx2 build is the portable one (covered there)")
+    assert ops.isa == expected
+    return ops
 
 
 @needs_kernel
@@ -63,14 +70,55 @@ def test_rope_on_a_qkv_slice_matches_torch(ops, heads, head_dim):
 
 
 @needs_kernel
-def test_the_model_uses_them_for_bfloat16_only(ops):
-    mlp = SwiGLU(16, 24, torch.bfloat16, torch.device("cpu"))
+@pytest.mark.parametrize("rows,dim", [(1, 576), (37, 576), (5, 100)])
+def test_float32_add_rmsnorm_sum_exact_and_norm_within_float32_rounding(ops, rows, dim):
+    torch.manual_seed(rows + dim)
+    x, residual = torch.randn(rows, dim) * 3, torch.randn(rows, dim)
+    norm = RMSNorm(dim, 1e-5, torch.float32, torch.device("cpu"))
+    norm.weight.data.copy_(torch.randn(dim))
+    with torch.inference_mode():
+        expected = norm(x + residual)
+        got, got_sum = ops.rmsnorm(x, norm.weight, 1e-5, residual)
+    assert torch.equal(got_sum, x + residual)
+    # Only the order of the sum of squares differs: a few float32 steps at most.
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,inter", [(3, 1536), (20, 40), (1, 7)])
+def test_float32_silu_mul_within_exp_rounding(ops, rows, inter):
+    """exp_f32 (relative error ~2e-7) is not PyTorch's exp: allow a few float32 steps."""
+    torch.manual_seed(inter)
+    gate_up = torch.randn(rows, 2 * inter) * 4
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (2, 128)])
+def test_float32_rope_on_a_qkv_slice_is_exact(ops, heads, head_dim):
+    torch.manual_seed(heads * head_dim)
+    n = 11
+    qkv = torch.randn(n, heads * head_dim + 40)
+    q = qkv[:, :heads * head_dim].view(n, heads, head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))(torch.arange(n) * 97)
+    got = ops.rope(q, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, _rotate(q, cos, sin))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_mlp_with_them_matches_the_mlp_without(ops, dtype):
+    mlp = SwiGLU(16, 24, dtype, torch.device("cpu"))
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape))
-    x = torch.randn(4, 16).bfloat16()
+    x = torch.randn(4, 16).to(dtype)
     with torch.inference_mode():
         plain = mlp(x)
         mlp.ops = ops
         fused = mlp(x)
+    if dtype == torch.bfloat16:
         assert torch.equal(plain, fused)
-        assert not ops.applies(x.float())   # float32 (the token-identity reference) stays on PyTorch
+    else:
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    assert not ops.applies(x.half())   # other dtypes stay on PyTorch

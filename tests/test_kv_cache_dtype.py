@@ -17,7 +17,7 @@ from pipeserve.model.attention import TorchPagedAttention
 from pipeserve.model.cpu_attention import CpuPagedAttention
 from pipeserve.model.kv_quant import cache_dtype, dequantize, quantize, row_bytes
 from tests.kernels import skip_without_kernel
-from tests.test_cpu_attention import random_paged_batch
+from tests.test_cpu_attention import cpu_backend_on, kernel_isa, random_paged_batch  # noqa: F401 (fixture)
 from tests.test_engine_behaviour import random_prompts
 
 needs_kernel = skip_without_kernel("paged_attention")
@@ -70,7 +70,7 @@ def _run(backend, cache, tables, q, k, v, query_lens, context_lens, block_size):
     (4, 4, 32, 5),      # the generic vector path, blocks not a multiple of 16
     (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar path
 ])
-def test_decode_kernel_matches_torch_path_on_8bit_cache(dtype, heads, kv_heads, head_dim, block_size):
+def test_decode_kernel_matches_torch_path_on_8bit_cache(kernel_isa, dtype, heads, kv_heads, head_dim, block_size):
     """float32 queries: both paths read code * scale exactly, the kernel applies the
     scale after the dot product, so they agree to float32 rounding (1e-5)."""
     rng = random.Random(head_dim * 7 + block_size)
@@ -78,7 +78,7 @@ def test_decode_kernel_matches_torch_path_on_8bit_cache(dtype, heads, kv_heads, 
     context_lens = [1, 2, 15, 16, 17, 33, 100, 257]
     step = _quantized_step(rng, dtype, torch.float32, [1] * 8, context_lens, heads, kv_heads, head_dim, block_size)
     expected = _run(TorchPagedAttention(), *step, [1] * 8, context_lens, block_size)
-    got = _run(CpuPagedAttention(), *step, [1] * 8, context_lens, block_size)
+    got = _run(cpu_backend_on(kernel_isa), *step, [1] * 8, context_lens, block_size)
     assert (got - expected).abs().max().item() < 1e-5
 
 

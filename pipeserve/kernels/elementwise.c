@@ -1,12 +1,15 @@
-/* Fused elementwise kernels for bfloat16 activations on CPUs.
+/* Fused elementwise kernels for bfloat16 and float32 activations on CPUs.
  *
  * A decoder layer's small ops (RMSNorm with its float32 statistics, the
  * residual add, RoPE, SiLU times up) are each several PyTorch passes over the
  * activations with a float32 copy in between; here each is one pass per row.
  * Every result is rounded to bfloat16 at the same points as the PyTorch code
  * it replaces (pipeserve.model.layers), so outputs match it up to the order
- * of the float32 sum of squares. Plain C that gcc vectorises (-O3
- * -march=native; `omp simd` allows the reductions to be reordered).
+ * of the float32 sum of squares. The float32 versions are the same math without
+ * the roundings: RMSNorm up to that order too, RoPE exactly, SiLU up to exp's last
+ * bit (exp_f32, not PyTorch's Sleef). Plain C that gcc vectorises (-O3
+ * -march=native; `omp simd` allows the reductions to be reordered), with
+ * explicit AVX-512 / AVX2 for SiLU's exp.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,7 +57,38 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
  * flushes float32 subnormals, |x| < 1.2e-38, to zero, where PyTorch keeps them). */
 static inline __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* f32_to_bf16 of 8 lanes, the bits in the low half of each dword. */
+static inline __m256i bf16_bits8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i quiet = _mm256_srli_epi32(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), 16);   /* NaN */
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+static inline __m256 round_bf16x8(__m256 x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16)); }
+
+static inline void store_bf16x8(uint16_t *p, __m256 x) {
+    const __m256i b = bf16_bits8(x);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 #endif
+
+/* Which explicit SiLU path this build compiled: "avx512", "avx2" or "portable". */
+const char *pipeserve_elementwise_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#else
+    return "portable";
+#endif
+}
 
 /* SwiGLU's activation: gate_up rows are [gate (inter) | up (inter)];
  *   out = bf16(bf16(silu(gate)) * up)   as `F.silu(gate) * up` in bf16. */
@@ -70,6 +104,13 @@ void pipeserve_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t row
             const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(s)), 16));
             _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(sr, load_bf16x16(u + i))));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = load_bf16x8(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 s = round_bf16x8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+            store_bf16x8(o + i, _mm256_mul_ps(s, load_bf16x8(u + i)));
         }
 #endif
 #pragma omp simd
@@ -103,3 +144,77 @@ void pipeserve_rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, int64
         }
     }
 }
+
+/* float32 RMSNorm, optionally after a residual add:
+ *   x = delta ? h + delta : h          (x is written to x_out when delta is given)
+ *   out = w * (x * (1 / sqrt(mean(x^2) + eps)))
+ * as `w * (x * rsqrt(x.pow(2).mean(-1) + eps))` in float32. */
+void pipeserve_rmsnorm_f32(const float *h, const float *delta, float *x_out, const float *w, float *out,
+                           int64_t rows, int64_t dim, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = h + r * dim;
+        float *orow = out + r * dim;
+        if (delta) {
+            const float *hr = xr, *dr = delta + r * dim;
+            float *xo = x_out + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) xo[d] = hr[d] + dr[d];
+            xr = xo;
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < dim; d++) ss += xr[d] * xr[d];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) orow[d] = w[d] * (xr[d] * inv);
+    }
+}
+
+/* float32 SwiGLU activation: out = silu(gate) * up, silu(x) = x / (1 + exp(-x)). */
+void pipeserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 x = _mm512_loadu_ps(g + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (int64_t j = i; j < inter; j++) o[j] = g[j] / (1.0f + exp_f32(-g[j])) * u[j];
+    }
+}
+
+/* float32 rotate-half RoPE, layout as pipeserve_rope_bf16:
+ *   out = x * cos + rotate_half(x) * sin, each product rounded before the sum as the
+ * PyTorch path (so no fused multiply-add here: the result is exact to it). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void pipeserve_rope_f32(const float *x, int64_t stride, float *out, int64_t n, int64_t heads, int64_t head_dim,
+                        const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < n; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xi = x + t * stride + h * head_dim;
+            float *o = out + (t * heads + h) * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                const float x1 = xi[d], x2 = xi[d + half];
+                o[d] = x1 * c[d] + -x2 * s[d];
+                o[d + half] = x2 * c[d + half] + x1 * s[d + half];
+            }
+        }
+    }
+}
+#pragma GCC pop_options

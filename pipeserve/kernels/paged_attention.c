@@ -29,6 +29,9 @@
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
  *   and unnormalised output, and a last pass merges the ranges of a sequence
  *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
+ * - Vector paths: AVX-512 (16 lanes; AVX512_BF16 products for bf16 rows), else AVX2 +
+ *   FMA + F16C (8 lanes, the same single pass: attend_range_avx2), else portable C
+ *   (pipeserve_decode_isa says which was compiled).
  * - 8-bit caches (--kv-cache-dtype int8 | fp8, pipeserve/model/kv_quant.py):
  *   a row is head_dim codes then its float32 scale. Codes are widened to
  *   float32 in registers (fp8 e4m3 through its float16 bit pattern, which is
@@ -80,6 +83,10 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
  * merge and the per-range setup cost about as much as a few keys). */
 #define SPLIT_PER_THREAD 8
 #define SPLIT_MIN_KEYS 128
+/* A step of fewer (key, kv head) rows than this runs on the calling thread: at ~40 ns
+ * a row on one AVX2 core that is under ~80 us, less than a thread team's fork and join
+ * cost once the machine is loaded (the join waits for every thread to be scheduled). */
+#define PARALLEL_MIN_ROWS 2048
 
 /* Row of `n` cache elements -> float32. */
 static inline void load_row(const void *src, int dtype, int64_t n, float *restrict dst) {
@@ -233,35 +240,24 @@ static void attend_range_scalar(const float *restrict q, const key_range *r, int
     }
 }
 
-#if defined(__AVX512F__)
+typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
+
+/* The scales of a tile's 8-bit K and V rows (0 past rows). */
+static inline void tile_scales(const char *keys, const char *values, int64_t rows, int64_t row_stride, int dtype,
+                               int64_t head_dim, float *ks, float *vs) {
+    for (int64_t j = 0; j < TILE; j++) {
+        ks[j] = j < rows ? row_scale(keys + j * row_stride, dtype, head_dim) : 0.0f;
+        vs[j] = j < rows ? row_scale(values + j * row_stride, dtype, head_dim) : 0.0f;
+    }
+}
+
+/* The vector decode paths: AVX-512, or else AVX2 + FMA (+ F16C for float16 and fp8 rows). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define VECTOR_DECODE 1
 #include <immintrin.h>
 
 /* Fully unrolled loops over heads and vectors keep the accumulators in registers. */
 #define UNROLL _Pragma("GCC unroll 16")
-
-/* 16 cache elements -> 16 floats. `dtype` is a constant in each caller. */
-static inline __attribute__((always_inline)) __m512 load16(const char *src, int dtype) {
-    if (dtype == DT_BFLOAT16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
-    if (dtype == DT_FLOAT16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
-    if (dtype == DT_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-    if (dtype == DT_FP8) {   /* codes only: the row's scale carries the 256 (fp8_as_f16_bits) */
-        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-        return _mm512_cvtph_ps(h);
-    }
-    return _mm512_loadu_ps((const float *)src);
-}
-
-/* The max of 16 lanes, in every lane. */
-static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
-    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
-}
 
 /* Ask for the K and V rows (into L2) of the next `rows` keys from pf, which runs
  * PF_AHEAD keys ahead of the tile being computed, and move pf past them. */
@@ -285,6 +281,33 @@ static void prefetch_first(const key_range *r, int64_t head_bytes) {
             _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T0);
             _mm_prefetch(r->v + key_offset(r, u) + b, _MM_HINT_T1);
         }
+}
+#endif
+
+#if defined(__AVX512F__)
+
+/* 16 cache elements -> 16 floats. `dtype` is a constant in each caller. */
+static inline __attribute__((always_inline)) __m512 load16(const char *src, int dtype) {
+    if (dtype == DT_BFLOAT16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+    if (dtype == DT_FLOAT16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    if (dtype == DT_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+    if (dtype == DT_FP8) {   /* codes only: the row's scale carries the 256 (fp8_as_f16_bits) */
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        return _mm512_cvtph_ps(h);
+    }
+    return _mm512_loadu_ps((const float *)src);
+}
+
+/* The max of 16 lanes, in every lane. */
+static inline __attribute__((always_inline)) __m512 max16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
 }
 
 /* Sixteen vectors -> one vector of their sixteen horizontal sums (lane j = sum of d[j]):
@@ -359,15 +382,6 @@ static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, c
     return p;
 }
 
-/* The scales of a tile's 8-bit K and V rows (0 past rows). */
-static inline void tile_scales(const char *keys, const char *values, int64_t rows, int64_t row_stride, int dtype,
-                               int64_t head_dim, float *ks, float *vs) {
-    for (int64_t j = 0; j < TILE; j++) {
-        ks[j] = j < rows ? row_scale(keys + j * row_stride, dtype, head_dim) : 0.0f;
-        vs[j] = j < rows ? row_scale(values + j * row_stride, dtype, head_dim) : 0.0f;
-    }
-}
-
 /* head_dim = 16 * nvec (nvec <= 16), any cache dtype: rows widened to float32,
  * FMAs (8-bit rows: scores and probabilities times the rows' scales). Each
  * caller passes constant dtype and nvec. */
@@ -410,8 +424,6 @@ static inline __attribute__((always_inline)) void attend_range_fma(
         cursor_advance(r, &at, rows);
     }
 }
-
-typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 
 #define RANGE_FMA(NAME, DTYPE, ELEM, NVEC)                                                              \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
@@ -591,13 +603,255 @@ RANGE_BF16DP(range_fp8dp_any, DT_FP8, 0)
 #endif
 #endif
 
+#if !defined(__AVX512F__) && defined(VECTOR_DECODE)
+/* AVX2 + FMA (no AVX-512): the same single pass as attend_range_fma in 8-lane
+ * registers. A chunk is 16 cache elements, widened into two vectors (a, b):
+ * float32, float16 and 8-bit rows as elements 0-7 and 8-15; bfloat16 rows as the
+ * even and the odd elements of one 32-byte load (the low half of each dword
+ * shifted up, the high half masked), which saves the widening shuffles. The
+ * query is laid out the same way (a dot product does not care about the order)
+ * and the output accumulators too, put back in dim order at the end of the range. */
+
+/* One chunk of 16 cache elements -> *a, *b. `dtype` is a constant in each caller. */
+static inline __attribute__((always_inline)) void load_chunk(const char *src, int dtype, __m256 *a, __m256 *b) {
+    if (dtype == DT_BFLOAT16) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)src);
+        *a = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        *b = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else if (dtype == DT_FLOAT16) {
+        *a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+        *b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 16)));
+    } else if (dtype == DT_INT8) {
+        *a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+        *b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8))));
+    } else if (dtype == DT_FP8) {   /* codes only: the row's scale carries the 256 (fp8_as_f16_bits) */
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+        *a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    } else {
+        *a = _mm256_loadu_ps((const float *)src);
+        *b = _mm256_loadu_ps((const float *)src + 8);
+    }
+}
+
+/* Eight vectors -> one vector of their eight horizontal sums (lane j = sum of d[j]). */
+static inline __attribute__((always_inline)) __m256 hsum8(const __m256 d[8]) {
+    const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
+    const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);   /* 128-bit halves: d0..3 | d4..7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* The max of 8 lanes, in every lane. */
+static inline __attribute__((always_inline)) __m256 max8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 0x01));
+    x = _mm256_max_ps(x, _mm256_permute_ps(x, 0x4E));
+    return _mm256_max_ps(x, _mm256_permute_ps(x, 0xB1));
+}
+
+static inline __attribute__((always_inline)) float hsum_lanes(__m256 x) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+/* Scores of one head (q: 2 nchunk vectors) against 8 keys from `keys` (rows past
+ * `rows` are not read; their lanes are garbage, masked by the caller). */
+static inline __attribute__((always_inline)) __m256 scores8(const __m256 *q, const char *keys, int64_t rows,
+                                                            int64_t row_stride, const int dtype, const int64_t elem,
+                                                            const int64_t nchunk) {
+    __m256 dots[8];
+    UNROLL
+    for (int j = 0; j < 8; j++) {
+        dots[j] = _mm256_setzero_ps();
+        if (j < rows) {
+            const char *src = keys + j * row_stride;
+            __m256 a, b, acc_a, acc_b;
+            load_chunk(src, dtype, &a, &b);
+            acc_a = _mm256_mul_ps(q[0], a);
+            acc_b = _mm256_mul_ps(q[1], b);
+            for (int64_t w = 1; w < nchunk; w++) {
+                load_chunk(src + 16 * w * elem, dtype, &a, &b);
+                acc_a = _mm256_fmadd_ps(q[2 * w], a, acc_a);
+                acc_b = _mm256_fmadd_ps(q[2 * w + 1], b, acc_b);
+            }
+            dots[j] = _mm256_add_ps(acc_a, acc_b);
+        }
+    }
+    return hsum8(dots);
+}
+
+/* Scores of one head against the tile's `rows` (<= 16) keys as two vectors, times the
+ * keys' scales (8-bit caches), soft-capped, folded into the head's part (running max
+ * and sum, output rescaled when the max grows); p gets the probabilities exp(s - m),
+ * 0 past rows. */
+static inline __attribute__((always_inline)) void tile_probs8(const __m256 *q, const char *keys, int64_t rows,
+                                                              int64_t row_stride, const int dtype, const int64_t elem,
+                                                              const int64_t nchunk, const float *kscale, float softcap,
+                                                              float *part, int64_t acc_len, float *p) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 s[2], valid[2];
+    UNROLL
+    for (int h = 0; h < 2; h++) {
+        const int64_t n = rows - 8 * h;
+        s[h] = n > 0 ? scores8(q, keys + 8 * h * row_stride, n, row_stride, dtype, elem, nchunk)
+                     : _mm256_setzero_ps();
+        if (kscale) s[h] = _mm256_mul_ps(s[h], _mm256_loadu_ps(kscale + 8 * h));
+        if (softcap > 0.0f)
+            s[h] = _mm256_mul_ps(_mm256_set1_ps(softcap),
+                                 tanh8(_mm256_mul_ps(s[h], _mm256_set1_ps(1.0f / softcap))));
+        valid[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), iota));
+        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[h], valid[h]);
+    }
+    const __m256 m_new = _mm256_max_ps(max8(_mm256_max_ps(s[0], s[1])), _mm256_set1_ps(part[0]));
+    const float m = _mm256_cvtss_f32(m_new);
+    if (m > part[0]) {   /* rescale what was summed so far */
+        const float alpha = exp_f32(part[0] - m);
+        const __m256 va = _mm256_set1_ps(alpha);
+        part[1] *= alpha;
+        for (int64_t d = 0; d < acc_len; d += 8)
+            _mm256_storeu_ps(part + PART_HEAD + d, _mm256_mul_ps(_mm256_loadu_ps(part + PART_HEAD + d), va));
+        part[0] = m;
+    }
+    const __m256 p0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s[0], m_new)));
+    const __m256 p1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s[1], m_new)));
+    part[1] += hsum_lanes(_mm256_add_ps(p0, p1));
+    _mm256_storeu_ps(p, p0);
+    _mm256_storeu_ps(p + 8, p1);
+}
+
+/* Chunks of the output accumulated per pass over a tile's values: 4 chunks = 8
+ * vectors stay in registers next to the loaded row. */
+#define PV_CHUNKS 4
+
+/* acc (one head, dims in chunk order) += sum over the tile's rows of p[i] v_i. */
+static inline __attribute__((always_inline)) void pv_tile8(const char *values, int64_t rows, int64_t row_stride,
+                                                           const float *p, float *acc, const int dtype,
+                                                           const int64_t elem, const int64_t nchunk) {
+    for (int64_t w0 = 0; w0 < nchunk; w0 += PV_CHUNKS) {
+        const int64_t nw = nchunk - w0 < PV_CHUNKS ? nchunk - w0 : PV_CHUNKS;
+        __m256 a[2 * PV_CHUNKS];
+        UNROLL
+        for (int64_t w = 0; w < 2 * PV_CHUNKS; w++)
+            if (w < 2 * nw) a[w] = _mm256_loadu_ps(acc + 16 * w0 + 8 * w);
+        for (int64_t i = 0; i < rows; i++) {
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            const char *src = values + i * row_stride + 16 * w0 * elem;
+            UNROLL
+            for (int64_t w = 0; w < PV_CHUNKS; w++)
+                if (w < nw) {
+                    __m256 x, y;
+                    load_chunk(src + 16 * w * elem, dtype, &x, &y);
+                    a[2 * w] = _mm256_fmadd_ps(pi, x, a[2 * w]);
+                    a[2 * w + 1] = _mm256_fmadd_ps(pi, y, a[2 * w + 1]);
+                }
+        }
+        UNROLL
+        for (int64_t w = 0; w < 2 * PV_CHUNKS; w++)
+            if (w < 2 * nw) _mm256_storeu_ps(acc + 16 * w0 + 8 * w, a[w]);
+    }
+}
+
+/* bfloat16 chunk order (even dims, then odd dims, per 16) <-> dim order. */
+static void bf16_chunk_order(const float *src, float *dst, int64_t head_dim) {
+    for (int64_t c = 0; c < head_dim; c += 16)
+        for (int64_t i = 0; i < 8; i++) {
+            dst[c + i] = src[c + 2 * i];
+            dst[c + 8 + i] = src[c + 2 * i + 1];
+        }
+}
+
+static void bf16_dim_order(float *acc, int64_t head_dim) {
+    for (int64_t c = 0; c < head_dim; c += 16) {
+        float tmp[16];
+        for (int64_t i = 0; i < 8; i++) {
+            tmp[2 * i] = acc[c + i];
+            tmp[2 * i + 1] = acc[c + 8 + i];
+        }
+        memcpy(acc + c, tmp, sizeof tmp);
+    }
+}
+
+/* head_dim = 16 * nchunk (nchunk <= 16), any cache dtype. Each caller passes
+ * constant dtype and nchunk. */
+static inline __attribute__((always_inline)) void attend_range_avx2(
+        const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nchunk,
+        float *restrict part) {
+    const int64_t group = r->group, head_dim = 16 * nchunk, pstride = PART_HEAD + head_dim;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim), row_stride = r->row_stride;
+    const int quant = is_8bit(dtype);
+    float ks[TILE], vs[TILE], p[group][TILE];
+    __m256 qs[group * 2 * nchunk];
+    for (int64_t g = 0; g < group; g++) {
+        float qg[head_dim];
+        if (dtype == DT_BFLOAT16) bf16_chunk_order(q + g * head_dim, qg, head_dim);
+        else memcpy(qg, q + g * head_dim, sizeof qg);
+        for (int64_t i = 0; i < 2 * nchunk; i++)
+            qs[g * 2 * nchunk + i] = _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_set1_ps(r->scale));
+    }
+    start_parts(part, group, head_dim);
+    prefetch_first(r, head_bytes);
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    while (at.t < r->end) {
+        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+        prefetch_ahead(r, &pf, rows, head_bytes);
+        const char *values = r->v + off;
+        if (quant) tile_scales(r->k + off, values, rows, row_stride, dtype, head_dim, ks, vs);
+        for (int64_t g = 0; g < group; g++) {
+            tile_probs8(qs + g * 2 * nchunk, r->k + off, rows, row_stride, dtype, elem, nchunk, quant ? ks : NULL,
+                        r->softcap, part + g * pstride, head_dim, p[g]);
+            if (quant)
+                for (int64_t h = 0; h < TILE; h += 8)
+                    _mm256_storeu_ps(p[g] + h, _mm256_mul_ps(_mm256_loadu_ps(p[g] + h), _mm256_loadu_ps(vs + h)));
+        }
+        for (int64_t g = 0; g < group; g++)
+            pv_tile8(values, rows, row_stride, p[g], part + g * pstride + PART_HEAD, dtype, elem, nchunk);
+        cursor_advance(r, &at, rows);
+    }
+    if (dtype == DT_BFLOAT16)
+        for (int64_t g = 0; g < group; g++) bf16_dim_order(part + g * pstride + PART_HEAD, head_dim);
+}
+
+#define RANGE_AVX2(NAME, DTYPE, ELEM, NCHUNK)                                                           \
+    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+        (void)dtype;                                                                                   \
+        attend_range_avx2(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);               \
+    }
+RANGE_AVX2(range_f32_64, DT_FLOAT32, 4, 4)
+RANGE_AVX2(range_bf16_64, DT_BFLOAT16, 2, 4)
+RANGE_AVX2(range_f16_64, DT_FLOAT16, 2, 4)
+RANGE_AVX2(range_f32_128, DT_FLOAT32, 4, 8)
+RANGE_AVX2(range_bf16_128, DT_BFLOAT16, 2, 8)
+RANGE_AVX2(range_f16_128, DT_FLOAT16, 2, 8)
+RANGE_AVX2(range_f32_any, DT_FLOAT32, 4, 0)
+RANGE_AVX2(range_bf16_any, DT_BFLOAT16, 2, 0)
+RANGE_AVX2(range_f16_any, DT_FLOAT16, 2, 0)
+RANGE_AVX2(range_i8_64, DT_INT8, 1, 4)
+RANGE_AVX2(range_i8_128, DT_INT8, 1, 8)
+RANGE_AVX2(range_i8_any, DT_INT8, 1, 0)
+RANGE_AVX2(range_fp8_64, DT_FP8, 1, 4)
+RANGE_AVX2(range_fp8_128, DT_FP8, 1, 8)
+RANGE_AVX2(range_fp8_any, DT_FP8, 1, 0)
+#endif
+
 static void range_scalar(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
     attend_range_scalar(q, r, dtype, head_dim, part);
 }
 
-#if !defined(__AVX512F__)
-typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
+
+/* Which decode path this build compiled: "avx512", "avx2" or "portable" (logged, and
+ * checked by the tests that force a build). */
+const char *pipeserve_decode_isa(void) {
+#if defined(__AVX512F__)
+    return "avx512";
+#elif defined(VECTOR_DECODE)
+    return "avx2";
+#else
+    return "portable";
 #endif
+}
 
 /* The fastest item function for this cache dtype and head size on this CPU. bf16_math:
  * an 8-bit cache may be read through bf16 products (a bfloat16 model; not for float32). */
@@ -614,7 +868,7 @@ static range_fn pick_range(int dtype, int64_t head_dim, int bf16_math) {
 #else
     (void)bf16_math;
 #endif
-#if defined(__AVX512F__)
+#if defined(VECTOR_DECODE)
     static const range_fn table[5][3] = {
         {range_f32_64, range_f32_128, range_f32_any},
         {range_bf16_64, range_bf16_128, range_bf16_any},
@@ -672,6 +926,13 @@ static void merge_parts(const float *part, int64_t ranges, int64_t range_stride,
     for (int64_t d = 0; d < head_dim; d++) out[d] *= inv;
 }
 
+/* The step's new K (or V) rows into the cache: row i of src, row_bytes long (all kv heads
+ * of one token, in the cache's dtype), to slot slots[i]. One memcpy per token instead of
+ * index_copy_'s dispatch, which costs more than the copy for a decode's few rows. */
+void pipeserve_write_rows(char *cache, const int64_t *slots, int64_t n, const char *src, int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++) memcpy(cache + slots[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
+}
+
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
@@ -685,6 +946,9 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
     const int64_t group = heads / kv_heads, head_bytes = head_row_bytes(dtype, head_dim);
     const int64_t pstride = PART_HEAD + head_dim;
     const range_fn fn = pick_range(dtype, head_dim, bf16_math);
+    int64_t rows = 0;
+    for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
+    if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
     /* Ranges: sequence b's keys from its window's block on, cut every `span` keys;
      * range c is (sequence range_seq[c], keys range_begin[c] ..). Item = (range, kv head). */
     const int64_t span = split_span(context_lens, batch, window, block_size, num_threads);

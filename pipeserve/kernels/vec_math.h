@@ -1,4 +1,5 @@
-/* Math shared by the CPU kernels: exp and bfloat16 conversions.
+/* Math shared by the CPU kernels: exp, tanh and bfloat16 conversions, scalar and
+ * in AVX-512 (16 lanes) and AVX2 + FMA (8 lanes) registers.
  * Included by paged_attention.c and elementwise.c (build.py hashes the headers
  * of this folder into each kernel's cache key). */
 #ifndef PIPESERVE_VEC_MATH_H
@@ -77,6 +78,37 @@ static inline __attribute__((always_inline)) __m512 tanh16(__m512 x) {
     const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
     const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* exp_f32 of 8 lanes (the same polynomial; 2^n built in the exponent field, which
+ * the clamp keeps in range). */
+static inline __attribute__((always_inline)) __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.3888889e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* tanh_f32 of 8 lanes. */
+static inline __attribute__((always_inline)) __m256 tanh8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_or_ps(t, _mm256_and_ps(x, sign));
 }
 #endif
 #endif

@@ -17,6 +17,7 @@ window on the step's metadata.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class DecodeBatch:
     block_size: int
     _bias: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
     _windowed: dict[int, DecodeBatch] = field(default_factory=dict, repr=False)
+    # What a kernel backend derives from these once per step and every layer reuses.
+    backend_state: dict = field(default_factory=dict, repr=False)
 
     def in_window(self, window: int) -> DecodeBatch:
         """The same decodes over only the blocks a sliding window touches: each
@@ -178,6 +181,13 @@ class ScoreShape:
         return scores.div_(self.softcap).tanh_().mul_(self.softcap)
 
 
+@functools.lru_cache(maxsize=64)
+def score_shape(scale: float, window: int | None, softcap: float | None) -> ScoreShape:
+    """``ScoreShape(scale, window, softcap)``, built (and checked) once per distinct layer
+    setting instead of once per layer per step."""
+    return ScoreShape(scale, window, softcap)
+
+
 class AttentionBackend(ABC):
     """A swappable attention kernel. The runner builds metadata once per step
     and every layer calls ``forward`` with it."""
@@ -245,14 +255,22 @@ class TorchPagedAttention(AttentionBackend):
                 logit_softcap: float | None = None) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)  # internal: built by this backend
         k_cache, v_cache = kv_cache
-        k, v = write_rows(k_cache, meta.slot_mapping, k), write_rows(v_cache, meta.slot_mapping, v)
-        shape = ScoreShape(scale, sliding_window, logit_softcap)
+        k, v = self.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        shape = score_shape(scale, sliding_window, logit_softcap)
+        if meta.decodes is not None and not meta.prefills:   # every row is a decode, in batch order
+            return self.attend_decodes(q, k_cache, v_cache, meta.decodes, shape)
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:
             out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, shape)
         if meta.prefills:
             self.attend_prefills(q, k, v, k_cache, v_cache, meta, shape, out)
         return out
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new k/v [n, kv_heads, D] at cache slots [n]; returns them as the cache
+        holds them (``kv_quant.write_rows``). Overridden by kernel backends."""
+        return write_rows(k_cache, slots, k), write_rows(v_cache, slots, v)
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: TorchAttentionMetadata, shape: ScoreShape,

@@ -46,6 +46,12 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                   ctypes.c_float, ptr, ctypes.c_int]
         self._prefill.restype = ctypes.c_int
+        isa = lib.pipeserve_decode_isa
+        isa.argtypes, isa.restype = [], ctypes.c_char_p
+        self.isa = isa().decode()   # the decode path compiled here: avx512, avx2 or portable
+        self._write_rows = lib.pipeserve_write_rows
+        self._write_rows.argtypes = [ptr, ptr, i64, ptr, i64]
+        self._write_rows.restype = None
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
         self._prefill_supported.restype = ctypes.c_int
@@ -78,6 +84,17 @@ class CpuPagedAttention(TorchPagedAttention):
             raise MemoryError("paged prefill kernel could not allocate its scratch"
                               if rc == -1 else f"paged prefill kernel refused the shape (code {rc})")
 
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (k.dtype == k_cache.dtype and k_cache.device.type == "cpu" and k.is_contiguous()
+                and v.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k.shape[1:] == k_cache.shape[2:] and slots.dtype == torch.int64):
+            return super().write_kv(k_cache, v_cache, slots, k, v)   # 8-bit caches quantize first
+        n, row = slots.shape[0], k_cache.shape[2] * k_cache.shape[3] * k.element_size()
+        self._write_rows(k_cache.data_ptr(), slots.data_ptr(), n, k.data_ptr(), row)
+        self._write_rows(v_cache.data_ptr(), slots.data_ptr(), n, v.data_ptr(), row)
+        return k, v
+
     def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -87,19 +104,34 @@ class CpuPagedAttention(TorchPagedAttention):
         if code is None:
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
-        qb = q.index_select(0, g.query_index).float().contiguous()            # [B, heads, D]
-        out = torch.empty_like(qb)
-        bsz, heads, head_dim = qb.shape
-        block_index = g.block_index.contiguous()
-        lens = g.context_lens.contiguous()
-        rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code,
-                          block_index.data_ptr(), block_index.shape[1], lens.data_ptr(),
-                          bsz, heads, k_cache.shape[2], head_dim, k_cache.shape[1], shape.scale,
-                          shape.window or 0, shape.softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
-                          int(q.dtype == torch.bfloat16))
+        step = g.backend_state.get("decode")
+        if step is None:   # once per step, shared by every layer
+            step = g.backend_state["decode"] = _DecodeStep(g)
+        if q.shape[0] == step.batch and q.dtype == torch.float32 and q.is_contiguous():
+            qb = q   # every row a decode, in batch order (query_index is increasing)
+        else:
+            qb = q.index_select(0, g.query_index).float().contiguous()        # [B, heads, D]
+        out = torch.empty(qb.shape, dtype=torch.float32)
+        heads, head_dim = qb.shape[1], qb.shape[2]
+        rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, step.tables_ptr,
+                          step.max_blocks, step.lens_ptr, step.batch, heads, k_cache.shape[2], head_dim,
+                          step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
+                          step.threads, q.dtype == torch.bfloat16)
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
-        return out.to(q.dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+class _DecodeStep:
+    """The decode kernel's arguments that hold for every layer of one step."""
+
+    def __init__(self, g: DecodeBatch) -> None:
+        self.tables = g.block_index.contiguous()        # [B, max_blocks]; kept alive for the pointer
+        self.lens = g.context_lens.contiguous()         # [B]
+        self.tables_ptr, self.lens_ptr = self.tables.data_ptr(), self.lens.data_ptr()
+        self.batch, self.max_blocks = self.tables.shape
+        self.block_size = g.block_size
+        self.threads = torch.get_num_threads()
 
 
 def _prefill_args(meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +154,11 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if device.type != "cpu":
         raise ValueError(f"--attention-backend cpu runs on CPU devices only, not {device}")
     try:
-        return CpuPagedAttention()
+        backend = CpuPagedAttention()
     except KernelBuildError as exc:
         if name == "cpu":
             raise
         logger.warning("C decode kernel unavailable, using the PyTorch attention backend: %s", exc)
         return TorchPagedAttention()
+    logger.info("attention: C decode kernel (%s path)", backend.isa)
+    return backend
