@@ -12,7 +12,7 @@ NUM=${NUM:-64}
 ROUNDS=${ROUNDS:-1}
 mkdir -p "$RESULTS"
 COMMON=(--model smollm2-135m-instruct --quantization none --dataset random --seed 0
-        --threads-per-stage 1 --no-progress --num-warmup 2)
+        --threads-per-stage 1 --no-progress --num-warmup 2 --rendezvous-timeout 600)
 declare -A MIX=(
   # input 128-512, output 64-256: the reference mix
   [reference]="--num-prompts $NUM --input-len 320 --output-len 160 --range-ratio 0.6"
