@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# Issue 3's pipeline benchmark: 256 requests, prompt 128, 128 new tokens, ignore_eos,
-# bfloat16, one thread per stage: PP=1 vs PP=2 (uniform and auto partition).
+# Issue 12's pipeline-scaling rows: PP=2 (1 thread per stage) over PP=1 (1 thread) on three
+# workload mixes and on one request alone, each pair run side by side (the CPU is shared,
+# so compare ratios, not absolute speeds). Dense float32 (--quantization none) keeps the
+# figures independent of the quantized kernels. Extra arguments go to every run
+# (e.g. --pp-partition uniform to compare against the default partition).
+#   NUM=<requests> scales the three mixes (default: 64); ROUNDS=<n> repeats each pair.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=benchmarks/results
-mkdir -p "$RESULTS/plots"
-W=(--model smollm2-135m-instruct --dtype bfloat16 --dataset random --num-prompts 256 --input-len 128
-   --output-len 128 --range-ratio 0 --seed 0 --threads-per-stage 1 --no-progress)
-pipeserve bench throughput "${W[@]}" -pp 1 --label "PP=1, 1 thread" --output $RESULTS/scaling_pp1.json
-pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition uniform --label "PP=2, 1 thread/stage, uniform" \
-  --output $RESULTS/scaling_pp2_uniform.json --plot $RESULTS/plots/scaling_pp2_uniform
-pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition auto --label "PP=2, 1 thread/stage, auto" \
-  --output $RESULTS/scaling_pp2_auto.json --plot $RESULTS/plots/scaling_pp2_auto
-pipeserve bench throughput "${W[@]}" -pp 2 --pp-partition 17,13 --label "PP=2, 1 thread/stage, manual 17,13" \
-  --output $RESULTS/scaling_pp2_manual.json --plot $RESULTS/plots/scaling_pp2_manual
+RESULTS=${RESULTS:-benchmarks/results/pp_scaling}
+NUM=${NUM:-64}
+ROUNDS=${ROUNDS:-1}
+mkdir -p "$RESULTS"
+COMMON=(--model smollm2-135m-instruct --quantization none --dataset random --seed 0
+        --threads-per-stage 1 --no-progress --num-warmup 2 --rendezvous-timeout 600)
+declare -A MIX=(
+  # input 128-512, output 64-256: the reference mix
+  [reference]="--num-prompts $NUM --input-len 320 --output-len 160 --range-ratio 0.6"
+  # long prompts, short answers (input 128-512, output 6-26)
+  [prefill-heavy]="--num-prompts $((NUM * 2)) --input-len 320 --output-len 16 --range-ratio 0.6"
+  # short prompts, long answers (input 26-102, output 103-410)
+  [decode-heavy]="--num-prompts $NUM --input-len 64 --output-len 256 --range-ratio 0.6"
+  # one request alone: prompt 128, 192 tokens (time per token)
+  [single]="--num-prompts 1 --input-len 128 --output-len 192 --range-ratio 0"
+)
+for round in $(seq 1 "$ROUNDS"); do
+  for mix in reference prefill-heavy decode-heavy single; do
+    for pp in 1 2; do
+      # shellcheck disable=SC2086
+      python -m pipeserve bench throughput "${COMMON[@]}" ${MIX[$mix]} -pp $pp "$@" \
+        --label "$mix PP=$pp" --output "$RESULTS/${mix}_pp${pp}_r${round}.json" > "$RESULTS/${mix}_pp${pp}_r${round}.log" 2>&1
+    done
+    python benchmarks/pp_scaling_table.py "$RESULTS" "$mix" "$round"
+  done
+done

@@ -73,7 +73,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks per stage (pipeserve/model/tensor_parallel.py)
     tp_all_reduce: str = "shm"                # shm (shared memory, one host) | gloo
     threads_per_stage: int | None = None      # per rank; default: cores // (P * T)
-    pp_partition: str = "uniform"             # uniform | auto | "a,b,c"
+    pp_partition: str = "balanced"            # balanced | uniform | auto | "a,b,c"
     pp_schedule: str = "async"                # async | gpipe | interleaved
     pp_max_inflight: int | None = None        # default: P
     pp_virtual_stages: int = 1

@@ -11,7 +11,7 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.pipeline.part_costs import PartCosts
 from pipeserve.pipeline.partition import (auto_partition, choose_partition, manual_partition,
                                           parse_stage_speeds, partition_for_config, stage_times,
-                                          uniform_partition)
+                                          shape_costs, uniform_partition)
 
 # SmolLM2-135M-like: the LM head costs about as much as eight decoder layers.
 SMOL = PartCosts(embed=0.01, layer=1.0, head=8.0)
@@ -125,7 +125,7 @@ def test_partition_for_config_manual_and_uniform() -> None:
     assert partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_partition="19,11"), cfg,
                                 None) == [(0, 19), (19, 30)]
     part = partition_for_config(EngineConfig(pipeline_parallel_size=2, pp_schedule="interleaved",
-                                             pp_virtual_stages=2), cfg, None)
+                                             pp_virtual_stages=2, pp_partition="uniform"), cfg, None)
     assert counts(part) == [8, 8, 7, 7]
 
 
@@ -154,7 +154,7 @@ def test_measured_costs_on_smollm2_shapes_favour_a_light_head_stage(caplog) -> N
         part = auto_partition(30, 2, costs)
         log_partition(part, costs, None)
     assert counts(part)[1] < counts(part)[0]
-    assert "predicted chunk times" in caplog.text
+    assert "predicted chunk loads" in caplog.text
 
 
 def test_partition_for_config_auto_measures_and_balances() -> None:
@@ -165,3 +165,42 @@ def test_partition_for_config_auto_measures_and_balances() -> None:
                                 cfg, torch.float32)
     assert part[0][0] == 0 and part[-1][1] == 8 and len(part) == 2
     assert torch.get_num_threads() >= 1
+
+
+def smollm2_like() -> ModelConfig:
+    return ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+                       tie_word_embeddings=True)
+
+
+def test_shape_costs_weigh_the_head_by_the_workload_mix() -> None:
+    cfg = smollm2_like()
+    per_token = cfg.active_layer_params()
+    costs = shape_costs(cfg, 4)
+    # Three tokens (two prompt, one generated) pass each layer per row through the head.
+    assert costs.layer == 3 * per_token
+    assert costs.head / costs.layer == pytest.approx(cfg.head_params() / (3 * per_token))
+    assert shape_costs(cfg, 4, prompt_per_generated=0.0).head / per_token == pytest.approx(
+        cfg.head_params() / per_token)
+    assert costs.layer_bytes == cfg.layer_params() * 4
+
+
+def test_balanced_gives_the_head_stage_fewer_layers() -> None:
+    costs = shape_costs(smollm2_like(), 4)
+    assert counts(choose_partition("balanced", 30, 2, costs=costs)) == [16, 14]
+    assert counts(choose_partition("balanced", 30, 1, costs=costs)) == [30]
+    with pytest.raises(ValueError, match="balanced needs layer costs"):
+        choose_partition("balanced", 30, 2)
+
+
+def test_balanced_is_the_default_and_needs_no_measurement() -> None:
+    config = EngineConfig(pipeline_parallel_size=2)
+    assert config.pp_partition == "balanced"
+    assert counts(partition_for_config(config, smollm2_like(), _Dtype(4))) == [16, 14]
+
+
+class _Dtype:
+    """What ``partition_for_config`` reads of a torch dtype (this file runs without torch)."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize

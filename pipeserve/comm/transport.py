@@ -7,9 +7,10 @@ the driver, from the previous stage, or round the ring from the last one).
 What each ``Kind`` carries is declared in ``pipeserve/comm/messages.py``; the
 implementation is ``pipeserve/comm/tcp.py``.
 
-The runtime calls ``send`` from sender threads and ``recv`` from one
-receiving thread per process, so a stage computes while its last output is
-still on the wire. Liveness is the driver's watchdog's job (process exit
+The runtime calls ``send`` from the thread that has the message when nothing
+is queued before it and the message is small (saving a thread wake-up per
+hop), else from sender threads, so a stage computes while its last large
+output is still on the wire; ``recv`` from one receiving thread per process. Liveness is the driver's watchdog's job (process exit
 codes, a per-step deadline); a closed connection shows up as a ``LOST``
 message from that rank.
 """

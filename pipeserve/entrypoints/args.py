@@ -18,7 +18,8 @@ _HELP = {
     "tensor_parallel_size": "ranks (processes) per pipeline stage, each holding a slice of every layer: "
                             "heads, MLP width, vocabulary (default: 1)",
     "tp_all_reduce": "shm (through shared memory between a stage's ranks, one host; default) | gloo",
-    "pp_partition": "uniform | auto | comma-separated layer counts (e.g. 19,11)",
+    "pp_partition": "balanced (by the model's shapes, LM head included) | uniform | auto (measured) | "
+                    "layer counts per stage (e.g. 19,11)",
     "pp_schedule": "async | gpipe | interleaved",
     "scheduling_policy": "fcfs | priority | fair",
     "preemption_mode": "recompute | swap",
