@@ -92,6 +92,8 @@ def test_planner_partitions_with_the_runtimes_partitioner() -> None:
     hw = load_hardware("cpu-local")
     assert evaluate(smol, hw, PlanRequest(pp=4, partition="uniform")).chunk_layers == [8, 8, 7, 7]
     assert evaluate(smol, hw, PlanRequest(pp=2, partition="20,10")).chunk_layers == [20, 10]
+    # balanced: the engine's default, so a recorded run's "balanced" is planned as it ran
+    assert evaluate(smol, hw, PlanRequest(pp=2, partition="balanced")).chunk_layers == [16, 14]
     with pytest.raises(PlanInputError, match="cannot split 30 layers into 32 pipeline chunks.*--pp or"):
         evaluate(smol, hw, PlanRequest(pp=32, partition="uniform"))
     with pytest.raises(PlanInputError, match="--partition '20,9' sums to 29 layers"):

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from pipeserve.model.config import ModelConfig
-from pipeserve.pipeline.partition import (check_parts, layer_counts, manual_partition, min_max_split,
-                                          uniform_partition)
+from pipeserve.pipeline.partition import (check_parts, choose_partition, layer_counts, manual_partition,
+                                          min_max_split, shape_costs, uniform_partition)
 from pipeserve.plan import formulas
 from pipeserve.plan.hardware import Hardware
 from pipeserve.plan.memory import StageMemory, kv_token_capacity, stage_memory, stage_weight_bytes
@@ -25,7 +25,7 @@ class PlanRequest:
     micro_batches: int | None = None     # K (async in flight) or M (gpipe); None: choose
     schedule: str = "async"
     virtual_stages: int = 1              # V (interleaved)
-    partition: str = "auto"              # auto | uniform | "19,11"
+    partition: str = "auto"              # auto | balanced | uniform | "19,11"
     dtype: str | None = None             # default: the hardware's
     quantization: str | None = None      # weights' format (q4_k_m, int8 ...); None: the dtype
     max_num_seqs: int = 256
@@ -71,6 +71,9 @@ def _chunks(req: PlanRequest, model: ModelConfig, hw: Hardware) -> list[int]:
         check_parts(model.num_layers, parts, flags="--pp or --virtual-stages")
         if req.partition == "uniform":
             return layer_counts(uniform_partition(model.num_layers, parts))
+        if req.partition == "balanced":   # the runtime's default: its own split by the model's shape
+            return layer_counts(choose_partition("balanced", model.num_layers, req.pp, req.virtual_stages,
+                                                 shape_costs(model, 2)))
         if req.partition != "auto":
             return layer_counts(manual_partition(req.partition, model.num_layers, parts, flag="--partition"))
     except ValueError as exc:

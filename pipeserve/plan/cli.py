@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default="throughput")
     p.add_argument("--schedule", choices=SCHEDULES, default="async")
     p.add_argument("--virtual-stages", type=int, default=2, help="V for --schedule interleaved")
-    p.add_argument("--partition", default="auto", help="auto | uniform | comma list (19,11)")
+    p.add_argument("--partition", default="auto", help="auto (balanced by the planner's times) | balanced (the engine's default split) | uniform | comma list (19,11)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "fp8"), default=None)
     p.add_argument("--quantization", default=None, metavar="FORMAT",
                    help=f"weights' storage format ({', '.join(WEIGHT_FORMATS)}); default: the dtype")
