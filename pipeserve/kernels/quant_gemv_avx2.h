@@ -29,7 +29,6 @@
 #define I16_ROWS 8   /* rows of x per pass over the weights */
 #define I16_QB 32    /* activation block */
 #define I16_RUN 8    /* blocks whose scales are read as one vector */
-#define I16_W 2      /* weight rows per pass (with at most 2 rows of x) */
 #ifndef I16_PF_ROWS
 #define I16_PF_ROWS 8
 #endif
@@ -113,153 +112,118 @@ block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t
     }
 }
 
-/* n_w weight rows (rows n, n + 1, ...; row_bytes / high_bytes / groups apart) against
- * m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16). Runs of 8
+/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16). Runs of 8
  * blocks (one group each) read their scales and minimums as one vector: s_w * d per block
  * and row into a stack array (one broadcast per block and row), the minimum term in one
  * FMA per run; the blocks of a shorter last run, or of larger groups, take their scales
  * one at a time. Per block and weight row: the codes once and, per row of x, two vpmaddwd,
- * one conversion and one FMA. Even and odd blocks go to separate accumulators; two weight
- * rows at once (decode's one or two rows of x) double the independent chains and share
- * the activation loads. kind, n_w and m_rows are constants here. */
+ * one conversion and one FMA. Even and odd blocks go to separate accumulators (two FMA
+ * chains; two weight rows at once, for more chains, measured no faster). kind and m_rows
+ * are constants here. */
 static inline __attribute__((always_inline)) void
-rows_dot_i16(int kind, int n_w, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
-             const uint16_t *mn, int64_t per, const act_i16 *a, int m_rows, int64_t row_bytes, int64_t high_bytes,
-             int64_t groups, float res[][I16_ROWS]) {
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
+            int64_t per, const act_i16 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
     const int g16 = per == 0;
     const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
-    __m256 acc[I16_W][I16_ROWS], acc2[I16_W][I16_ROWS], accm[I16_W][I16_ROWS];
-    float mins[I16_W][I16_ROWS];
-    for (int r = 0; r < n_w; r++)
-        for (int m = 0; m < m_rows; m++) {
-            acc[r][m] = acc2[r][m] = accm[r][m] = _mm256_setzero_ps();
-            mins[r][m] = 0.0f;
-        }
-#define QR(r) (q + (r) * row_bytes)
-#define QHR(r) (qh ? qh + (r) * high_bytes : NULL)
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    float mins[I16_ROWS];
+    for (int m = 0; m < m_rows; m++) {
+        acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+        mins[m] = 0.0f;
+    }
     int64_t b0 = 0;
-    if (per <= 1) {
-        for (; b0 + I16_RUN <= nb; b0 += I16_RUN) {
-            float sd[I16_W][I16_ROWS][2 * I16_RUN] __attribute__((aligned(32)));
-            for (int r = 0; r < n_w; r++) {
-                const uint16_t *sr = sc + r * groups, *mr = mn ? mn + r * groups : NULL;
-                if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
-                    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + 2 * b0)));
-                    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + 2 * b0 + 8)));
-                    const __m256 m0 = mr ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + 2 * b0)))
-                                         : _mm256_setzero_ps();
-                    const __m256 m1 = mr ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mr + 2 * b0 + 8)))
-                                         : _mm256_setzero_ps();
-                    const __m256i lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-                    const __m256i hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
-                    for (int m = 0; m < m_rows; m++) {
-                        const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
-                        _mm256_store_ps(sd[r][m], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
-                        _mm256_store_ps(sd[r][m] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
-                        const float *xs = a->sum16 + 2 * (m * nbp + b0);
-                        accm[r][m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[r][m]);
-                        accm[r][m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[r][m]);
-                    }
-                } else {
-                    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + b0)));
-                    const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mr ? _mm256_cvtph_ps(
-                        _mm_loadu_si128((const __m128i *)(mr + b0))) : _mm256_setzero_ps());
-                    for (int m = 0; m < m_rows; m++) {
-                        _mm256_store_ps(sd[r][m], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
-                        accm[r][m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[r][m]);
-                    }
-                }
+    for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
+        float sd[I16_ROWS][2 * I16_RUN] __attribute__((aligned(32)));
+        if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
+            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
+            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+            const __m256 m0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps();
+            const __m256 m1 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps();
+            const __m256i lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+            for (int m = 0; m < m_rows; m++) {
+                const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
+                _mm256_store_ps(sd[m], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
+                _mm256_store_ps(sd[m] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
+                const float *xs = a->sum16 + 2 * (m * nbp + b0);
+                accm[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[m]);
+                accm[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[m]);
             }
-#pragma GCC unroll 8
-            for (int j = 0; j < I16_RUN; j++) {
-                __m256i c0[I16_W], c1[I16_W];
-                for (int r = 0; r < n_w; r++) block_codes_i16(kind, QR(r), QHR(r), zero, b0 + j, &c0[r], &c1[r]);
-                for (int m = 0; m < m_rows; m++) {
-                    const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
-                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x);
-                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-                    for (int r = 0; r < n_w; r++) {
-                        const __m256i p0 = _mm256_madd_epi16(c0[r], x0), p1 = _mm256_madd_epi16(c1[r], x1);
-                        if (g16) {
-                            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&sd[r][m][2 * j]),
-                                                        acc[r][m]);
-                            acc2[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                                         _mm256_broadcast_ss(&sd[r][m][2 * j + 1]), acc2[r][m]);
-                        } else if (j & 1) {
-                            acc2[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                         _mm256_broadcast_ss(&sd[r][m][j]), acc2[r][m]);
-                        } else {
-                            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                        _mm256_broadcast_ss(&sd[r][m][j]), acc[r][m]);
-                        }
-                    }
+        } else {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+            const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps());
+            for (int m = 0; m < m_rows; m++) {
+                _mm256_store_ps(sd[m], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
+                accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
+            }
+        }
+        for (int j = 0; j < I16_RUN; j++) {
+            __m256i c0, c1;
+            block_codes_i16(kind, q, qh, zero, b0 + j, &c0, &c1);
+            for (int m = 0; m < m_rows; m++) {
+                const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
+                const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+                const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+                if (g16) {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&sd[m][2 * j]), acc[m]);
+                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&sd[m][2 * j + 1]), acc2[m]);
+                } else if (j & 1) {
+                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                              _mm256_broadcast_ss(&sd[m][j]), acc2[m]);
+                } else {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                             _mm256_broadcast_ss(&sd[m][j]), acc[m]);
                 }
             }
         }
     }
     for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
+        __m256i c0, c1;
+        block_codes_i16(kind, q, qh, zero, b, &c0, &c1);
         const int64_t g = g16 ? 2 * b : b / per;
-        for (int r = 0; r < n_w; r++) {
-            __m256i c0, c1;
-            block_codes_i16(kind, QR(r), QHR(r), zero, b, &c0, &c1);
-            const uint16_t *sr = sc + r * groups, *mr = mn ? mn + r * groups : NULL;
-            const float s0 = _cvtsh_ss(sr[g]), s1 = g16 ? _cvtsh_ss(sr[g + 1]) : s0;
-            const float w0 = (mr ? _cvtsh_ss(mr[g]) : 0.0f) + zw * s0, w1 = g16 && mr ? _cvtsh_ss(mr[g + 1]) : 0.0f;
-            for (int m = 0; m < m_rows; m++) {
-                const int16_t *x = a->q + m * K + b * I16_QB;
-                const float d = a->d[m * nbp + b];
-                const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
-                const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-                if (g16) {
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0 * d), acc[r][m]);
-                    acc2[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1 * d), acc2[r][m]);
-                    mins[r][m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
-                } else {
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                _mm256_set1_ps(s0 * d), acc[r][m]);
-                    mins[r][m] += w0 * a->sum[m * nbp + b];
-                }
+        const float s0 = _cvtsh_ss(sc[g]), s1 = g16 ? _cvtsh_ss(sc[g + 1]) : s0;
+        const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0, w1 = g16 && mn ? _cvtsh_ss(mn[g + 1]) : 0.0f;
+        for (int m = 0; m < m_rows; m++) {
+            const int16_t *x = a->q + m * K + b * I16_QB;
+            const float d = a->d[m * nbp + b];
+            const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+            const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+            if (g16) {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0 * d), acc[m]);
+                acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1 * d), acc2[m]);
+                mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
+            } else {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0 * d), acc[m]);
+                mins[m] += w0 * a->sum[m * nbp + b];
             }
         }
     }
-#undef QHR
-#undef QR
-    for (int r = 0; r < n_w; r++)
-        for (int m = 0; m < m_rows; m++)
-            res[r][m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][m], acc2[r][m]), accm[r][m])) + mins[r][m];
+    for (int m = 0; m < m_rows; m++)
+        res[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m], acc2[m]), accm[m])) + mins[m];
 }
 
-/* Output rows [n0, n1), n_w at a time (a last odd row alone); the codes (and scales) of
- * the rows I16_PF_ROWS ahead are prefetched while these are computed. */
+/* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched
+ * while row n is computed. */
 static inline __attribute__((always_inline)) void
 rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
          int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = K / group;
-    const int n_w = m_rows <= 2 ? 2 : 1;
-    float res[I16_W][I16_ROWS];
-    int64_t n = n0;
-    for (; n + n_w <= n1; n += n_w) {
-        for (int r = 0; r < n_w; r++) {
-            const int64_t f = n + r + I16_PF_ROWS;
-            if (f >= n1) break;
+    for (int64_t n = n0; n < n1; n++) {
+        const int64_t f = n + I16_PF_ROWS;
+        if (f < n1) {
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
             for (int64_t o = 0; o < high_bytes; o += 64)
                 _mm_prefetch((const char *)(qh + f * high_bytes + o), _MM_HINT_T0);
             _mm_prefetch((const char *)(sc + f * groups), _MM_HINT_T0);
             if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
         }
-        rows_dot_i16(kind, n_w, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
-                     mn ? mn + n * groups : NULL, per, a, m_rows, row_bytes, high_bytes, groups, res);
-        for (int r = 0; r < n_w; r++)
-            for (int m = 0; m < m_rows; m++) out[m * N + n + r] = res[r][m];
-    }
-    if (n < n1) {
-        rows_dot_i16(kind, 1, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
-                     mn ? mn + n * groups : NULL, per, a, m_rows, row_bytes, high_bytes, groups, res);
-        for (int m = 0; m < m_rows; m++) out[m * N + n] = res[0][m];
+        float res[I16_ROWS];
+        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+                    mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
     }
 }
 
