@@ -59,7 +59,7 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _kernels_at(rev: str) -> QuantKernels:
+def kernels_at(rev: str) -> QuantKernels:
     """quant_matmul.c (and the kernel headers) as of git revision ``rev``, built with the project's flags."""
     root = Path(__file__).resolve().parents[1]
     tmp = Path(tempfile.mkdtemp(prefix="quant-gemv-"))
@@ -94,7 +94,7 @@ def main() -> None:
     k = cpu_kernels()
     kernels = {"this tree": k}
     if args.compare:
-        kernels[args.compare] = _kernels_at(args.compare)
+        kernels[args.compare] = kernels_at(args.compare)
     print(f"isa={k.isa}")
     weights = {name: _weight(n, kd, bits) for name, (n, kd, bits) in SHAPES.items()}
     cold = {name: _copies(w, max(2, COLD_BYTES // w.nbytes)) for name, w in weights.items()}

@@ -5,11 +5,11 @@ Documented tolerances (pipeserve/model/quant/cpu_kernels.py): with float32
 activations the kernels differ from ``x @ dequantize(w).T`` only by float32
 summation order; with bfloat16 activations by the bfloat16 rounding of the
 output (and, on the tiled path, of the dequantized weight). The decode
-kernel's integer-activation path (bfloat16 activations, AVX512-VNNI builds)
-writes each activation as d * (256 * q1 + q2) with two int8 codes (q8 weights)
-or as d' * q with one int16 code (q4 weights, d' = max|x| / 32767) and moves it
-by at most d = max|x| / (127 * 256) over its block of 32: see
-``_int8_activation_bound``.
+kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
+d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
+code (q4 weights, d' = max|x| / 32767) and moves it by at most
+d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
+every layout and move it by at most d' / 2: see ``_int8_activation_bound``.
 """
 
 from __future__ import annotations
@@ -148,28 +148,51 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
                 assert torch.equal(kernels.gemm(w, x), kernels.gemm(wide, x)), (ttype, rows)
 
 
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    have = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(f in have for f in flags)
+
+
 @needs_kernel
-def test_portable_build_reads_compact_layouts(gguf_file, tmp_path):
-    """quant_matmul.c built without AVX-512 (the path CPUs without it run) against
-    dequantize-then-matmul, every kept type, decode and tiled shapes."""
+@pytest.mark.parametrize("march,isa", [("x86-64", "portable"), ("haswell", "avx2")])
+def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march, isa):
+    """quant_matmul.c built without AVX-512, as CPUs without it run it: the portable path
+    and the AVX2 + FMA + F16C one (-march=haswell), against dequantize-then-matmul, every
+    kept type, decode (float and integer activations) and tiled shapes, 1 and 2 threads."""
     import ctypes
     import subprocess
 
     from pipeserve.kernels.build import _HERE, _compiler
-    lib = tmp_path / "portable.so"
-    subprocess.run([_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+    if isa == "avx2" and not _cpu_has("avx2", "fma", "f16c"):
+        pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
+    lib = tmp_path / f"{isa}.so"
+    subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
                     str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
     kernels = QuantKernels(ctypes.CDLL(str(lib)))
-    assert kernels.isa == "portable"
-    path, types = gguf_file
-    for i in range(len(types)):
-        w = _read(path, i)[0]
-        for rows in (1, 3, 20):
-            x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows))
-            ref = x @ dequantize(w).t()
-            got = kernels.gemv(w, x) if rows <= GEMV_MAX_ROWS else kernels.tiled(w, x)
-            tol = 1e-5 * (x.abs() @ dequantize(w).abs().t()).max().item()
-            assert (got - ref).abs().max().item() <= tol, (w.source, rows)
+    assert kernels.isa == isa
+    assert kernels.has_integer_activations == (isa == "avx2")
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for w in _int8_cases(gguf_file):
+                for rows in (1, 3, 20):
+                    x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+                    ref = x @ dequantize(w).t()
+                    tol = 1e-5 * (x.abs() @ dequantize(w).abs().t()).max().item()
+                    if rows > GEMV_MAX_ROWS:
+                        assert (kernels.tiled(w, x) - ref).abs().max().item() <= tol, (w.source, rows)
+                        continue
+                    got = kernels.gemv(w, x, int8_act=False)
+                    assert (got - ref).abs().max().item() <= tol, (w.source, rows)
+                    err = (kernels.gemv(w, x, int8_act=True) - ref).abs()
+                    assert (err <= _int8_activation_bound(w, x, isa)).all(), (w.source, rows, n_threads)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
@@ -242,12 +265,14 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     assert torch.equal(emb(ids), dequantize(fused, torch.bfloat16)[ids])
 
 
-def _int8_activation_bound(w, x: torch.Tensor) -> torch.Tensor:
-    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, d = max|x| / (127 * 256)
-    (half a step of q2, or a whole one where q2 saturates at 127), plus float32 slack."""
+def _int8_activation_bound(w, x: torch.Tensor, isa: str) -> torch.Tensor:
+    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack.
+    VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole one where q2 saturates
+    at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
-    step = (blocks.amax(-1) / (127 * 256)).repeat_interleave(32, dim=1)        # [M, K]
+    per_max = 1 / 65534 if isa == "avx2" else 1 / (127 * 256)
+    step = (blocks.amax(-1) * per_max).repeat_interleave(32, dim=1)            # [M, K]
     return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
 
 
@@ -275,31 +300,36 @@ def _int8_cases(gguf_file):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", range(1, GEMV_MAX_ROWS + 1))
-def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows):
+def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows, threads, monkeypatch):
     kernels = cpu_kernels()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)   # what the kernels pass to OpenMP
     for w in _int8_cases(gguf_file):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         x[0, :32] *= 20                                   # one loud block: its step is 20x coarser
         ref = x @ dequantize(w).t()
         got = kernels.gemv(w, x, int8_act=True)           # float32 in and out: no bfloat16 rounding
         err = (got - ref).abs()
-        assert (err <= _int8_activation_bound(w, x)).all(), (w.source, rows, err.max().item())
-        uses_int8 = kernels.int8_activations(w, x.bfloat16())
-        if not uses_int8:                                 # no VNNI: float path
+        assert (err <= _int8_activation_bound(w, x, kernels.isa)).all(), (w.source, rows, err.max().item())
+        uses_int8 = kernels.int8_activations(w, x)
+        if not uses_int8:                                 # neither VNNI nor AVX2: float path
             assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
-        assert uses_int8 == (kernels.isa == "avx512-vnni"), w.source   # every kept type, Q6_K's groups of 16 too
+        # every kept type, Q6_K's groups of 16 too
+        assert uses_int8 == (kernels.isa in ("avx512-vnni", "avx2")) == kernels.has_integer_activations, w.source
 
 
 @needs_kernel
-def test_int8_activations_only_for_bfloat16(gguf_file):
-    """float32 activations (the --quantization none / fidelity reference dtype) keep float dot products."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, dtype):
+    """Both activation dtypes (float32 is what CPUs without native bfloat16 compute in);
+    ``int8_act=False`` keeps float dot products."""
     kernels = cpu_kernels()
     w = _int8_cases(gguf_file)[-1]
-    x = torch.randn(1, w.in_features)
-    assert not kernels.int8_activations(w, x)
-    assert torch.equal(kernels.matmul(w, x), kernels.gemv(w, x, int8_act=False))
-    if kernels.isa != "avx512-vnni":
-        pytest.skip("this CPU/compiler has no AVX512-VNNI: bfloat16 activations stay float too")
-    assert kernels.int8_activations(w, x.bfloat16())
-    assert torch.equal(kernels.matmul(w, x.bfloat16()), kernels.gemv(w, x.bfloat16(), int8_act=True))
+    x = torch.randn(1, w.in_features).to(dtype)
+    assert kernels.int8_activations(w, x) == kernels.has_integer_activations
+    assert torch.equal(kernels.matmul(w, x), kernels.gemv(w, x, int8_act=kernels.has_integer_activations))
+    assert torch.equal(kernels.decode_fn(w)(x), kernels.matmul(w, x))
+    if kernels.has_integer_activations:   # float32 out: bfloat16 rounding would hide the difference
+        xf = x.float()
+        assert not torch.equal(kernels.gemv(w, xf, int8_act=False), kernels.gemv(w, xf, int8_act=True))

@@ -78,11 +78,13 @@ def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
 
 
 def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, monkeypatch):
-    """The decode kernel's int8-activation path (bfloat16 activations, VNNI) over every
-    position: each matmul runs as decode does, in chunks of at most GEMV_MAX_ROWS rows."""
+    """The decode kernel's integer-activation path (VNNI or AVX2) over every position: each
+    matmul runs as decode does, in chunks of at most GEMV_MAX_ROWS rows; in bfloat16 where
+    the CPU computes in it natively (VNNI machines), else in float32 (AVX2 ones)."""
     kernels = cpu_kernels()
-    if kernels is None or kernels.isa != "avx512-vnni":
-        pytest.skip("int8 activations need the C kernel built with AVX512-VNNI")
+    if kernels is None or not kernels.has_integer_activations:
+        pytest.skip("integer activations need the C kernel built with AVX512-VNNI or AVX2 + FMA + F16C")
+    dtype = torch.bfloat16 if kernels.isa == "avx512-vnni" else torch.float32
     source, cfg, ids = smollm2
     dense_logits = _all_logits(_runner(source, "none", cfg), ids)
 
@@ -91,7 +93,7 @@ def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, monkey
         return torch.cat([kernels.gemv(w, x[i:i + GEMV_MAX_ROWS]) for i in range(0, len(x), GEMV_MAX_ROWS)])
 
     monkeypatch.setattr(kernels, "matmul", decode_shaped)
-    kept_logits = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
+    kept_logits = _all_logits(_runner(source, "auto", cfg, dtype=dtype), ids).float()
     agree = (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean().item()
     ppl_kept, ppl_dense = _perplexity(kept_logits, ids), _perplexity(dense_logits, ids)
     print(f"int8 activations: top-1 agreement {agree:.4f}; perplexity kept {ppl_kept:.3f} dense {ppl_dense:.3f}")

@@ -6,8 +6,8 @@
  * hbits little-endian 32-bit planes, bit j of plane p = bit 4 + p of weight j).
  * code = nibble | plane bits << 4, minus `zero`. quant_expand_row serves the float
  * decode and tiled paths (a row into an L1 scratch row, then their q8 code); the VNNI
- * decode path (quant_matmul.c, chunk_codes_hb) and the many-row kernel (quant_gemm.c,
- * dequant32) expand in registers. Either way the weights cross the memory bus at
+ * decode path (quant_matmul.c, chunk_codes_hb), the AVX2 decode path (quant_gemv_avx2.h,
+ * quant_codes32_avx2) and the many-row kernel (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
  * 5.5-7 bits each.
  */
 #ifndef PIPESERVE_QUANT_CODES_H
@@ -44,6 +44,33 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
         }
         _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_sub_epi8(c, z));
     }
+}
+
+#elif defined(__AVX2__)
+#include <immintrin.h>
+
+/* The 32 codes of run r as int8 (code - zero), in weight order: the nibbles (low halves
+ * then high halves of the 16 bytes) plus each plane's bit, spread to a byte per weight
+ * by a byte shuffle (byte j / 8 of the plane to byte j) and a compare with bit j % 8. */
+static inline __attribute__((always_inline)) __m256i
+quant_codes32_avx2(int hbits, const uint8_t *qs, const uint8_t *qh, int zero, int64_t r) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
+    __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                             0x0101010101010101, 0x0000000000000000);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    for (int p = 0; p < hbits; p++) {
+        uint32_t plane;
+        memcpy(&plane, qh + (r * hbits + p) * 4, 4);
+        const __m256i sel = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)plane), spread), bit);
+        c = _mm256_add_epi8(c, _mm256_and_si256(_mm256_cmpeq_epi8(sel, bit), _mm256_set1_epi8((char)(16 << p))));
+    }
+    return _mm256_sub_epi8(c, _mm256_set1_epi8((char)zero));
+}
+
+static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
+    for (int64_t r = 0; r < K / 32; r++)
+        _mm256_storeu_si256((__m256i *)(dst + r * 32), quant_codes32_avx2(kind - 4, qs, qh, zero, r));
 }
 
 #else

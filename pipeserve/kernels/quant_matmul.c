@@ -38,6 +38,9 @@
  *   are expanded in registers to the bytes q8 would load. Error vs float activations per element: at most d (q8:
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
+ * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too, int16 for every
+ *   layout (quant_gemv_avx2.h): error at most max|x| / 65534 of the block per element; their float
+ *   path and the dequantize below use 256-bit vectors.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,6 +51,10 @@
 #include "quant_codes.h"
 
 #define MAX_M 4  /* rows of x per pass over the weights (float path) */
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_I16 1
+#include "quant_gemv_avx2.h"
+#endif
 #define GEMV_ROWS 8  /* rows of x per pass on the int8-activation path */
 
 static inline float f16_to_f32(uint16_t h) {
@@ -75,6 +82,8 @@ const char *pipeserve_quant_isa(void) {
     return "avx512-vnni";
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
     return "avx512";
+#elif defined(HAVE_AVX2_I16)
+    return "avx2";
 #else
     return "portable";
 #endif
@@ -162,6 +171,74 @@ static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const 
     res[1] = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
 }
 #define HAVE_TWO_ROWS 1
+#elif defined(HAVE_AVX2_I16)
+/* Codes to floats 8 at a time: q4 weights k..k+31 from 16 bytes (w[0..3] = weights
+ * k, k+8, k+16, k+24 onwards), q8 weights k..k+15 from 16 bytes (w[0..1]). */
+static inline __attribute__((always_inline)) void
+weights_avx2(int kind, const uint8_t *q, int64_t k, __m256 s, __m256 b, __m256 *w) {
+    if (kind == 4) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + k / 2));
+        const __m256i b0 = _mm256_cvtepu8_epi32(raw), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+        const __m256i lo = _mm256_set1_epi32(15);
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, lo)), s, b);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, lo)), s, b);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), s, b);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), s, b);
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + k));
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s, b);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), s, b);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
+        const float *x, int m_rows, float *res) {
+    __m256 acc0[MAX_M], acc1[MAX_M];
+    const int step = kind == 4 ? 32 : 16, nw = step / 8;   /* a q8 group may be 16 (Q6_K) */
+    for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / group; g++) {
+        const float sg = _cvtsh_ss(sc[g]);
+        const __m256 s = _mm256_set1_ps(sg), b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+        for (int64_t k = g * group; k < (g + 1) * group; k += step) {
+            __m256 w[4];
+            weights_avx2(kind, q, k, s, b, w);
+            for (int m = 0; m < m_rows; m++)
+                for (int i = 0; i < nw; i++) {
+                    __m256 *acc = i & 1 ? &acc1[m] : &acc0[m];
+                    *acc = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(x + m * K + k + 8 * i), *acc);
+                }
+        }
+    }
+    for (int m = 0; m < m_rows; m++) res[m] = hsum8(_mm256_add_ps(acc0[m], acc1[m]));
+}
+
+/* float -> bfloat16, round to nearest even (weights are finite: no NaN case). */
+static inline __m128i bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                             _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    u = _mm256_srli_epi32(u, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+/* One row of codes (q4 nibbles, or int8) dequantized into out[o, o + K). */
+static void dequant_row_avx2(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero,
+                             int64_t K, int64_t group, void *out, int out_bf16, int64_t o) {
+    const int step = kind == 4 ? 32 : 16, nw = step / 8;
+    for (int64_t g = 0; g < K / group; g++) {
+        const float sg = _cvtsh_ss(sc[g]);
+        const __m256 s = _mm256_set1_ps(sg), b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+        for (int64_t k = g * group; k < (g + 1) * group; k += step) {
+            __m256 w[4];
+            weights_avx2(kind, q, k, s, b, w);
+            for (int i = 0; i < nw; i++) {
+                if (out_bf16) _mm_storeu_si128((__m128i *)((uint16_t *)out + o + k + 8 * i), bf16x8(w[i]));
+                else _mm256_storeu_ps((float *)out + o + k + 8 * i, w[i]);
+            }
+        }
+    }
+}
 #else
 static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
                            int64_t group, const float *x, int m_rows, float *res) {
@@ -467,8 +544,10 @@ static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint1
 
 /* 1 when pipeserve_quant_gemv honours act_i8 for this layout (else it runs the float path). */
 int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
-#ifdef HAVE_VNNI
+#if defined(HAVE_VNNI)
     return K % QB == 0 && (group % QB == 0 || group == 16) && M <= GEMV_ROWS;
+#elif defined(HAVE_AVX2_I16)
+    return i16_applies(K, group, M);
 #else
     (void)K; (void)group; (void)M;
     return 0;
@@ -520,6 +599,12 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #ifdef HAVE_VNNI
     if (act_i8 && pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0)) {
         const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
+        free(xf);
+        return rc;
+    }
+#elif defined(HAVE_AVX2_I16)
+    if (act_i8 && i16_applies(K, group, M) && (kind != 4 || group % I16_QB == 0)) {
+        const int rc = gemv_i16(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
         free(xf);
         return rc;
     }
@@ -624,6 +709,9 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
                 }
                 continue;
             }
+#elif defined(HAVE_AVX2_I16)
+            dequant_row_avx2(ck, q, s, b, z4, K, group, out, out_bf16, o);
+            continue;
 #endif
             for (int64_t g = 0; g < groups; g++) {
                 const float scale = f16_to_f32(s[g]), bias = (b ? f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;

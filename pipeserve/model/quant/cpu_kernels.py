@@ -17,14 +17,17 @@ paths; results differ from ``dequantize(w) @ x`` only by summation order
 (and, on the tile path, by the bfloat16 rounding of the dequantized weight
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
 
-Decode with bfloat16 activations on an AVX512-VNNI CPU ("avx512-vnni" in the
-log line) quantizes each activation row per block of 32 and takes integer dot
-products, as llama.cpp does: int16 (one term, step max|x| / 32767) against q4
-codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes (see
-quant_matmul.c); each activation moves by at most half its block's step, so
-``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding).
-float32 activations never take that path (``--quantization none`` and the
-float32 fidelity reference keep their numerics). q8 codes in groups of 16
+Decode on an AVX512-VNNI CPU ("avx512-vnni" in the log line) or an AVX2 + FMA +
+F16C one ("avx2") quantizes each activation row per block of 32 and takes integer
+dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
+against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
+(quant_matmul.c); AVX2: int16 against every layout's codes (quant_gemv_avx2.h).
+Each activation moves by at most half its block's step, so
+``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
+1.5e-5 of the block's largest activation, finer than bfloat16 and far below the
+weights' own quantization error. float32 and bfloat16 activations both take it
+(float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
+``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
 (Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) are
 expanded to q8's int8 codes inside the kernels (in registers on the VNNI
 and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
@@ -71,6 +74,9 @@ class QuantKernels:
         self._i8_applies.restype = i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
+        # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
+        # kernel for the simplest layout it takes (blocks and groups of 32, one row)
+        self.has_integer_activations = bool(self._i8_applies(32, 32, 1))
         self._gemm, self.gemm_isa = _load_gemm()
 
     @staticmethod
@@ -109,18 +115,19 @@ class QuantKernels:
         return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
-        """Whether ``gemv`` quantizes these activations to int8 (bfloat16 x, VNNI, groups of 32k or 16)."""
-        return (x.dtype == torch.bfloat16 and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
+        """Whether ``gemv`` quantizes these activations to integers by default (VNNI or AVX2
+        builds, groups of 32k or 16, at most ``GEMV_MAX_ROWS`` rows)."""
+        return (x.dtype in _DTYPES and bool(self._i8_applies(w.in_features, w.group, x.shape[0]))
                 and (w.kind != "q4" or w.group % 32 == 0))
 
     def gemv(self, w: PackedWeight, x: torch.Tensor, int8_act: bool | None = None) -> torch.Tensor:
-        """``int8_act`` None: int8 activations for bfloat16 x (where the kernel has them);
+        """``int8_act`` None: integer activations where the kernel has them;
         True/False forces the choice (tests, benchmarks). Decode calls this ~120 times a
         token, so the weight's arguments are built once (``_weight_args``)."""
         kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
-        act_i8 = bf16 if int8_act is None else int(int8_act)
+        act_i8 = 1 if int8_act is None else int(int8_act)
         if self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
                       act_i8, torch.get_num_threads(), qh, zero):
             raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
@@ -139,7 +146,7 @@ class QuantKernels:
             rows = x.shape[0]
             out = empty(rows, n, dtype=x.dtype)
             bf16 = int(x.dtype == bf16_dtype)
-            if gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, rows, out.data_ptr(), bf16, bf16,
+            if gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, rows, out.data_ptr(), bf16, 1,
                     threads(), qh, zero):
                 raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
             return out
@@ -214,7 +221,8 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    log.info("quantized weights: C kernel, %s path; many rows: %s", kernels.isa,
+    log.info("quantized weights: C kernel, %s decode path (%s activations); many rows: %s", kernels.isa,
+             "integer" if kernels.has_integer_activations else "float",
              f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
              else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
     return kernels

@@ -1,0 +1,71 @@
+"""The prefill tile path (dequantize a tile of rows, then PyTorch's float32 matmul) vs a dense
+float32 ``F.linear``, where many-row matmuls with quantized weights run on CPUs without
+AVX512_BF16 (AVX2 ones).
+
+For SmolLM2-135M's layer shapes with Q4_1-like (q4) and Q8_0-like (q8) weights: the dense
+matmul, the tiled path at several tile sizes (``TILE_BYTES`` of dequantized weight per
+tile), and the dequantizing alone (the whole matrix, the part the tile path adds), at 64,
+256 and 512 activation rows. Best of repeated calls, side by side in one run: the ratios
+are what to read on a shared machine. ``--compare REV`` also times the dequantizing of
+quant_matmul.c as of git revision REV.
+
+    PYTHONPATH=$PWD python benchmarks/quant_prefill_tiles.py [--threads 2] [--compare REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import pipeserve.model.quant.cpu_kernels as quant_cpu
+from pipeserve.model.quant.packed import quantize_weight
+from quant_gemv_bw import kernels_at
+
+SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+TILES = (256 << 10, 1 << 20, 4 << 20)
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compare", metavar="REV", help="also time dequantizing with quant_matmul.c as of REV")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    k = quant_cpu.cpu_kernels()
+    ref = kernels_at(args.compare) if args.compare else None
+    print(f"threads={args.threads} isa={k.isa}; ms, best of {args.repeats}")
+    tiles = " ".join(f"tile {t >> 10:>4}K" for t in TILES)
+    print(f"{'shape':8} {'kind':4} {'rows':>4} {'dense':>9} {tiles} {'dequant':>9}" + (f" {'@' + args.compare:>9}" if ref else ""))
+    for name, (n, kd) in SHAPES.items():
+        w = torch.randn(n, kd) * 0.05
+        for bits in (4, 8):
+            q = quantize_weight(w, bits, 32)
+            dq = lambda kern=k: kern.dequant_rows(q, 0, n, torch.float32)   # noqa: E731
+            for rows in (64, 256, 512):
+                x = torch.randn(rows, kd)
+                cols = [best_ms(lambda: F.linear(x, w), args.repeats)]
+                for tile in TILES:
+                    quant_cpu.TILE_BYTES = tile
+                    cols.append(best_ms(lambda: k.tiled(q, x), args.repeats))
+                cols.append(best_ms(dq, args.repeats))
+                if ref:
+                    cols.append(best_ms(lambda: dq(ref), args.repeats))
+                print(f"{name:8} q{bits:<3} {rows:>4} " + " ".join(f"{c:9.3f}" for c in cols))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+/* Decode gemv with integer activations for AVX2 + FMA + F16C CPUs (no AVX-512), included
+ * by quant_matmul.c where its AVX-512 paths do not compile.
+ *
+ * Each row of x is quantized once per call to int16 per block of 32, x ~ d * q with
+ * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by
+ * at most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
+ * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16
+ * (q4: nibbles; q8: int8; q5/q6: expanded in registers, quant_codes32_avx2, zero
+ * subtracted) and meet x in two vpmaddwd per block of 32, which give 8 int32 lanes
+ * (|.| < 2^24 for |code| <= 128: exact in float32); each block's lanes are scaled by
+ * s_w * d in one FMA. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q)
+ * once per 8 blocks. Groups of 16 (Q6_K) scale each vpmaddwd separately.
+ *
+ * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
+ * ahead, as the VNNI path does.
+ */
+#ifndef PIPESERVE_QUANT_GEMV_AVX2_H
+#define PIPESERVE_QUANT_GEMV_AVX2_H
+
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_codes.h"
+#include "vec_math.h"
+
+#define I16_ROWS 8   /* rows of x per pass over the weights */
+#define I16_QB 32    /* activation block */
+#define I16_RUN 8    /* blocks whose scales are read as one vector */
+#ifndef I16_PF_ROWS
+#define I16_PF_ROWS 8
+#endif
+
+/* The activations of one call: q [M, K] int16 in x's order; per block (padded with zeros
+ * to a multiple of I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
+typedef struct {
+    int16_t *q;
+    float *d, *sum, *sum16;
+    int64_t K, nb, nbp;
+} act_i16;
+
+static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+static inline int32_t hsum8i(__m256i v) {
+    const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* 8 floats to 8 int16 (rounded to nearest; |v| <= 32767 by construction) and their sum. */
+static inline __m128i round_to_i16(__m256 v, int32_t *sum) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    *sum += hsum8i(i);
+    return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+}
+
+static void quantize_rows_i16(const float *x, int64_t M, const act_i16 *a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = a->nb; b < a->nbp; b++) {
+            a->d[m * a->nbp + b] = a->sum[m * a->nbp + b] = 0.0f;
+            a->sum16[2 * (m * a->nbp + b)] = a->sum16[2 * (m * a->nbp + b) + 1] = 0.0f;
+        }
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *xb = x + m * a->K + b * I16_QB;
+            __m256 v[4];
+            __m256 mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            int16_t *q = a->q + m * a->K + b * I16_QB;
+            int32_t s0 = 0, s1 = 0;
+            _mm_storeu_si128((__m128i *)q, round_to_i16(_mm256_mul_ps(v[0], id), &s0));
+            _mm_storeu_si128((__m128i *)(q + 8), round_to_i16(_mm256_mul_ps(v[1], id), &s0));
+            _mm_storeu_si128((__m128i *)(q + 16), round_to_i16(_mm256_mul_ps(v[2], id), &s1));
+            _mm_storeu_si128((__m128i *)(q + 24), round_to_i16(_mm256_mul_ps(v[3], id), &s1));
+            const float d = amax / 32767.0f;
+            a->d[m * a->nbp + b] = d;
+            a->sum[m * a->nbp + b] = d * (float)(s0 + s1);
+            a->sum16[2 * (m * a->nbp + b)] = d * (float)s0;
+            a->sum16[2 * (m * a->nbp + b) + 1] = d * (float)s1;
+        }
+    }
+}
+
+/* The 32 codes of block b as two vectors of 16 int16 (weights 0-15, 16-31); q4 codes keep
+ * their offset (folded into the minimum term), the others leave with `zero` subtracted. */
+static inline __attribute__((always_inline)) void
+block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t b, __m256i *c0, __m256i *c1) {
+    if (kind == 4) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+        *c0 = _mm256_and_si256(w, _mm256_set1_epi16(15));
+        *c1 = _mm256_srli_epi16(w, 4);
+    } else if (kind == 8) {
+        *c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32)));
+        *c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)));
+    } else {
+        const __m256i c = quant_codes32_avx2(kind - 4, q, qh, zero, b);
+        *c0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(c));
+        *c1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(c, 1));
+    }
+}
+
+/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16). Runs of 8
+ * blocks (one group each) read their scales and minimums as one vector: s_w * d per block
+ * and row into a stack array (one broadcast per block and row), the minimum term in one
+ * FMA per run; the blocks of a shorter last run, or of larger groups, take their scales
+ * one at a time. Per block and weight row: the codes once and, per row of x, two vpmaddwd,
+ * one conversion and one FMA. Even and odd blocks go to separate accumulators (two FMA
+ * chains; two weight rows at once, for more chains, measured no faster). kind and m_rows
+ * are constants here. */
+static inline __attribute__((always_inline)) void
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
+            int64_t per, const act_i16 *a, int m_rows, float *res) {
+    const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
+    const int g16 = per == 0;
+    const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    float mins[I16_ROWS];
+    for (int m = 0; m < m_rows; m++) {
+        acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+        mins[m] = 0.0f;
+    }
+    int64_t b0 = 0;
+    for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
+        float sd[I16_ROWS][2 * I16_RUN] __attribute__((aligned(32)));
+        if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
+            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
+            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+            const __m256 m0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps();
+            const __m256 m1 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps();
+            const __m256i lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+            for (int m = 0; m < m_rows; m++) {
+                const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
+                _mm256_store_ps(sd[m], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
+                _mm256_store_ps(sd[m] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
+                const float *xs = a->sum16 + 2 * (m * nbp + b0);
+                accm[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[m]);
+                accm[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[m]);
+            }
+        } else {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+            const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps());
+            for (int m = 0; m < m_rows; m++) {
+                _mm256_store_ps(sd[m], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
+                accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
+            }
+        }
+        for (int j = 0; j < I16_RUN; j++) {
+            __m256i c0, c1;
+            block_codes_i16(kind, q, qh, zero, b0 + j, &c0, &c1);
+            for (int m = 0; m < m_rows; m++) {
+                const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
+                const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+                const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+                if (g16) {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&sd[m][2 * j]), acc[m]);
+                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&sd[m][2 * j + 1]), acc2[m]);
+                } else if (j & 1) {
+                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                              _mm256_broadcast_ss(&sd[m][j]), acc2[m]);
+                } else {
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                             _mm256_broadcast_ss(&sd[m][j]), acc[m]);
+                }
+            }
+        }
+    }
+    for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
+        __m256i c0, c1;
+        block_codes_i16(kind, q, qh, zero, b, &c0, &c1);
+        const int64_t g = g16 ? 2 * b : b / per;
+        const float s0 = _cvtsh_ss(sc[g]), s1 = g16 ? _cvtsh_ss(sc[g + 1]) : s0;
+        const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0, w1 = g16 && mn ? _cvtsh_ss(mn[g + 1]) : 0.0f;
+        for (int m = 0; m < m_rows; m++) {
+            const int16_t *x = a->q + m * K + b * I16_QB;
+            const float d = a->d[m * nbp + b];
+            const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
+            const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+            if (g16) {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0 * d), acc[m]);
+                acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1 * d), acc2[m]);
+                mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
+            } else {
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0 * d), acc[m]);
+                mins[m] += w0 * a->sum[m * nbp + b];
+            }
+        }
+    }
+    for (int m = 0; m < m_rows; m++)
+        res[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m], acc2[m]), accm[m])) + mins[m];
+}
+
+/* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched
+ * while row n is computed. */
+static inline __attribute__((always_inline)) void
+rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
+         int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
+         int zero) {
+    const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
+    const int64_t groups = K / group;
+    for (int64_t n = n0; n < n1; n++) {
+        const int64_t f = n + I16_PF_ROWS;
+        if (f < n1) {
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < high_bytes; o += 64)
+                _mm_prefetch((const char *)(qh + f * high_bytes + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(sc + f * groups), _MM_HINT_T0);
+            if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
+        }
+        float res[I16_ROWS];
+        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+                    mn ? mn + n * groups : NULL, per, a, m_rows, res);
+        for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
+    }
+}
+
+/* kind and m_rows as constants: the row loop unrolls and the accumulators stay in registers. */
+static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                           int64_t per, int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N,
+                           float *out, const uint8_t *qh, int zero) {
+#define CASE(k, r) case r: rows_i16(k, r, qs, sc, mn, per, group, a, n0, n1, N, out, qh, zero); break;
+#define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
+                                 default: rows_i16(k, I16_ROWS, qs, sc, mn, per, group, a, n0, n1, N, out, qh, \
+                                                   zero); break; }
+    switch (kind) { case 4: ALL(4) break; case 5: ALL(5) break; case 6: ALL(6) break; default: ALL(8) break; }
+#undef ALL
+#undef CASE
+}
+
+/* Whether gemv_i16 takes this layout: blocks of 32, groups of 32k or 16, at most I16_ROWS rows. */
+static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
+    return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16) && M <= I16_ROWS;
+}
+
+/* out [M, N] = xf [M, K] . W^T, float32 or (out_bf16) bfloat16. Returns 0, or -1 when
+ * scratch cannot be allocated. */
+static int gemv_i16(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                    int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
+                    const uint8_t *qh, int zero) {
+    act_i16 a;
+    a.K = K;
+    a.nb = K / I16_QB;
+    a.nbp = (a.nb + I16_RUN - 1) / I16_RUN * I16_RUN;
+    const int64_t act_bytes = sizeof(int16_t) * M * K + 4 * sizeof(float) * M * a.nbp;
+    char *buf = malloc(act_bytes + (out_bf16 ? sizeof(float) * M * N : 0));
+    if (!buf) return -1;
+    float *res = out_bf16 ? (float *)(buf + act_bytes) : (float *)out;
+    a.q = (int16_t *)buf;
+    a.d = (float *)(buf + sizeof(int16_t) * M * K);
+    a.sum = a.d + M * a.nbp;
+    a.sum16 = a.sum + M * a.nbp;
+    quantize_rows_i16(xf, M, &a);
+    const int64_t per = group / I16_QB;   /* 0: groups of 16 */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        rows_range_i16(kind, (int)M, qs, sc, mn, per, group, &a, N * t / T, N * (t + 1) / T, N, res, qh, zero);
+    }
+    if (out_bf16)
+        for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = f32_to_bf16(res[i]);
+    free(buf);
+    return 0;
+}
+
+#endif
