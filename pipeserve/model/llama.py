@@ -236,10 +236,15 @@ class LlamaModel(nn.Module):
 
 
 def _elementwise_ops(dtype: torch.dtype, device: torch.device) -> CpuElementwise | None:
-    """The fused bfloat16 RMSNorm/RoPE/SiLU kernels for a CPU stage (a quantized
-    stage is built on the meta device first), or None; independent of the
-    attention backend."""
-    if dtype != torch.bfloat16 or device.type not in ("cpu", "meta"):
+    """The fused RMSNorm/RoPE/SiLU kernels for a CPU stage (a quantized stage is built
+    on the meta device first), or None; independent of the attention backend.
+    bfloat16 always; float32 only with quantized weights: dense float32 is the fidelity
+    reference and keeps PyTorch's ops, bit for bit as transformers (the C RMSNorm and
+    SiLU round differently by an ulp), while a quantized float32 stage (--dtype auto on
+    a CPU without native bfloat16) spent a tenth of each decode step in these small ops."""
+    if device.type not in ("cpu", "meta"):
+        return None
+    if dtype != torch.bfloat16 and not (dtype == torch.float32 and device.type == "meta"):
         return None
     from pipeserve.model.cpu_ops import cpu_elementwise
     return cpu_elementwise()
