@@ -1,7 +1,10 @@
 """The driver's links to one generation of stages: a sender thread per stage and one receiver.
 
 One sender per stage: a stage that stops reading blocks only its own queue, so
-the others still answer the pings that name the silent one. The receiver hands
+the others still answer the pings that name the silent one. A message whose
+stage has nothing queued goes out at once from the caller's thread (the
+engine's, for a step): a hand-off to the sender thread would cost a thread
+wake-up per step, which a lone request pays on every token. The receiver hands
 every message to ``on_message`` except PONGs, which it keeps for ``ping``.
 A broken link (a stage that died resets its sockets) is reported once through
 ``on_broken``; what it means is the owner's business.
@@ -30,6 +33,9 @@ class Links:
         self._pongs: queue.Queue[tuple[int, float, float]] = queue.Queue()   # (stage, stage time, arrived)
         self._byes: set[int] = set()
         self._sendqs: dict[int, queue.Queue] = {stage: queue.Queue() for stage in range(num_stages)}
+        self._pending = [0] * num_stages          # queued, not yet sent: a direct send must not pass them
+        self._direct = [True] * num_stages       # False once its link broke or the links closed
+        self._lock = threading.Lock()
         senders = [threading.Thread(target=self._send_loop, args=(stage, q), name=f"pp-send-{stage}",
                                     daemon=True) for stage, q in self._sendqs.items()]
         self.receiver = threading.Thread(target=self._recv_loop, name="pp-driver-recv", daemon=True)
@@ -38,7 +44,13 @@ class Links:
             t.start()
 
     def send(self, stage: int, kind: Kind, obj: Any = None) -> None:
-        self._sendqs[stage].put((kind, obj))
+        with self._lock:
+            direct = self._pending[stage] == 0 and self._direct[stage]
+            if not direct:
+                self._pending[stage] += 1
+                self._sendqs[stage].put((kind, obj))
+        if direct:
+            self._send_now(stage, kind, obj)
 
     def ping(self, stages: list[int], timeout: float) -> dict[int, tuple[float, float, float]]:
         """Ping ``stages``; ``{stage: (sent, stage_time, arrived)}`` for those that answer within ``timeout``."""
@@ -60,6 +72,8 @@ class Links:
     def close(self, stop_stages: list[int] = (), kind: Kind = Kind.STOP) -> None:
         """Send ``kind`` (STOP, or RESET) to ``stop_stages`` after what is queued for them,
         then end the senders."""
+        with self._lock:
+            self._direct = [False] * self.num_stages
         for stage, sendq in self._sendqs.items():
             if stage in stop_stages:
                 sendq.put((kind, None))
@@ -77,11 +91,21 @@ class Links:
             if item is None:
                 return
             kind, obj = item
-            try:
-                self.transport.send(stage + 1, kind, obj)
-            except Exception as exc:
-                self._on_broken(f"sending to pipeline stage {stage} failed: {exc}")
+            sent = self._send_now(stage, kind, obj)
+            with self._lock:
+                self._pending[stage] -= 1
+            if not sent:
                 return
+
+    def _send_now(self, stage: int, kind: Kind, obj: Any) -> bool:
+        try:
+            self.transport.send(stage + 1, kind, obj)
+        except Exception as exc:
+            with self._lock:
+                self._direct[stage] = False     # what follows queues up behind the ended sender
+            self._on_broken(f"sending to pipeline stage {stage} failed: {exc}")
+            return False
+        return True
 
     def _recv_loop(self) -> None:
         while len(self._byes) < self.num_stages:

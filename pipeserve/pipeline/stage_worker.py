@@ -49,34 +49,57 @@ class IntervalLog:
 
 
 class Sender(threading.Thread):
-    """Sends queued messages in order. A failed send to a stage is reported to the
-    driver (LINK_DOWN), which decides; a failed send to the driver shows up as LOST."""
+    """Sends messages in order. A failed send to a stage is reported to the
+    driver (LINK_DOWN), which decides; a failed send to the driver shows up as LOST.
+
+    A small message (a decode step's activations, a result) goes out at once from
+    the caller's thread when nothing is queued before it: handing it to this
+    thread would cost a thread wake-up on every hop, which a lone request pays
+    on every token. A large one (a prefill's activations) is queued, so the next
+    micro-batch's compute overlaps its transfer.
+    """
+
+    DIRECT_MAX_BYTES = 256 * 1024
 
     def __init__(self, transport: Transport, log: IntervalLog) -> None:
         super().__init__(name="stage-sender", daemon=True)
         self.transport, self.log = transport, log
         self.queue: queue.Queue = queue.Queue()
+        self._pending = 0                  # queued and not yet sent: a direct send must not pass them
+        self._lock = threading.Lock()
 
     def put(self, dst: int, kind: Kind, obj: Any = None, tensor: torch.Tensor | None = None,
             step_id: int = -1, chunk: int = 0) -> None:
-        self.queue.put((dst, kind, obj, tensor, step_id, chunk))
+        item = (dst, kind, obj, tensor, step_id, chunk)
+        with self._lock:
+            direct = self._pending == 0 and (tensor is None or tensor.nbytes <= self.DIRECT_MAX_BYTES)
+            if not direct:
+                self._pending += 1
+                self.queue.put(item)
+        if direct:
+            self._send(*item)
 
     def run(self) -> None:
         while True:
             item = self.queue.get()
             if item is None:
                 return
-            dst, kind, obj, tensor, step_id, chunk = item
-            start = time.time()
-            try:
-                self.transport.send(dst, kind, obj, tensor)
-            except ConnectionError as exc:
-                logger.error("stage %d: send to rank %d failed: %s", self.log.stage, dst, exc)
-                if dst != 0:
-                    self.put(0, Kind.LINK_DOWN, (dst, str(exc)))
-                continue
-            if kind in (Kind.STEP, Kind.RESULT):
-                self.log.add("send", start, time.time(), step_id, chunk)
+            self._send(*item)
+            with self._lock:
+                self._pending -= 1
+
+    def _send(self, dst: int, kind: Kind, obj: Any, tensor: torch.Tensor | None, step_id: int,
+              chunk: int) -> None:
+        start = time.time()
+        try:
+            self.transport.send(dst, kind, obj, tensor)
+        except ConnectionError as exc:
+            logger.error("stage %d: send to rank %d failed: %s", self.log.stage, dst, exc)
+            if dst != 0:
+                self.put(0, Kind.LINK_DOWN, (dst, str(exc)))
+            return
+        if kind in (Kind.STEP, Kind.RESULT):
+            self.log.add("send", start, time.time(), step_id, chunk)
 
     def close(self) -> None:
         self.queue.put(None)
