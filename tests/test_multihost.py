@@ -68,8 +68,13 @@ def llm_driver_main(addr: str, port: int) -> None:
     second, longer batch runs while the test replaces the other host's worker."""
     from pipeserve import LLM, SamplingParams
     short = SamplingParams(temperature=0.0, max_tokens=8)
-    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    common = dict(model="smollm2-135m-instruct", dtype="float32", threads_per_stage=1, kv_cache_memory="64MiB")
+    # Long enough to be mid-batch when the test kills the worker 1 s in (40 kept-Q4_1 tokens took
+    # under 1 s once the AVX2 kernels landed, and the replacement then waited for a driver that had
+    # gone). Dense weights: a replayed sequence is recomputed by a prefill, and only the dense
+    # float32 path is the token-identical reference (kept weights decode with integer activations).
+    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    common = dict(model="smollm2-135m-instruct", dtype="float32", quantization="none", threads_per_stage=1,
+                  kv_cache_memory="64MiB")
 
     def run(llm, params) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(LLM_PROMPTS, params, use_tqdm=False)]
