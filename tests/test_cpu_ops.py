@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pipeserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _rotate
 from tests.kernels import skip_without_kernel
-from tests.test_cpu_attention import expected_isa, kernel_isa  # noqa: F401 (fixture)
+from tests.test_cpu_attention import check_forced_isa, kernel_isa  # noqa: F401 (fixture)
 
 
 needs_kernel = skip_without_kernel("elementwise")
@@ -19,10 +19,7 @@ needs_kernel = skip_without_kernel("elementwise")
 def ops(kernel_isa):
     from pipeserve.model.cpu_ops import CpuElementwise
     ops = CpuElementwise()
-    expected = expected_isa(kernel_isa, ops.isa)
-    if expected is None:
-        pytest.skip("this CPU has no AVX2 + FMA + F16C: the avx2 build is the portable one (covered there)")
-    assert ops.isa == expected
+    check_forced_isa(kernel_isa, ops.isa)
     return ops
 
 
