@@ -425,27 +425,6 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     }
 }
 
-#define RANGE_FMA(NAME, DTYPE, ELEM, NVEC)                                                              \
-    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
-        (void)dtype;                                                                                   \
-        attend_range_fma(q, r, DTYPE, ELEM, (NVEC) ? (NVEC) : head_dim / 16, part);                    \
-    }
-RANGE_FMA(range_f32_64, DT_FLOAT32, 4, 4)
-RANGE_FMA(range_bf16_64, DT_BFLOAT16, 2, 4)
-RANGE_FMA(range_f16_64, DT_FLOAT16, 2, 4)
-RANGE_FMA(range_f32_128, DT_FLOAT32, 4, 8)
-RANGE_FMA(range_bf16_128, DT_BFLOAT16, 2, 8)
-RANGE_FMA(range_f16_128, DT_FLOAT16, 2, 8)
-RANGE_FMA(range_f32_any, DT_FLOAT32, 4, 0)
-RANGE_FMA(range_bf16_any, DT_BFLOAT16, 2, 0)
-RANGE_FMA(range_f16_any, DT_FLOAT16, 2, 0)
-RANGE_FMA(range_i8_64, DT_INT8, 1, 4)
-RANGE_FMA(range_i8_128, DT_INT8, 1, 8)
-RANGE_FMA(range_i8_any, DT_INT8, 1, 0)
-RANGE_FMA(range_fp8_64, DT_FP8, 1, 4)
-RANGE_FMA(range_fp8_128, DT_FP8, 1, 8)
-RANGE_FMA(range_fp8_any, DT_FP8, 1, 0)
-
 #if defined(__AVX512BF16__)
 /* bfloat16 caches on CPUs with AVX512_BF16: products of bf16 pairs summed in
  * float32 by one instruction (vdpbf16ps), so rows are never widened.
@@ -813,27 +792,35 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
     if (dtype == DT_BFLOAT16)
         for (int64_t g = 0; g < group; g++) bf16_dim_order(part + g * pstride + PART_HEAD, head_dim);
 }
+#endif
 
-#define RANGE_AVX2(NAME, DTYPE, ELEM, NCHUNK)                                                           \
+#if defined(VECTOR_DECODE)
+/* The decode pass, specialised per cache dtype and head size (64, 128, any multiple of 16). */
+#if defined(__AVX512F__)
+#define ATTEND_RANGE attend_range_fma
+#else
+#define ATTEND_RANGE attend_range_avx2
+#endif
+#define RANGE_VEC(NAME, DTYPE, ELEM, NCHUNK)                                                            \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
         (void)dtype;                                                                                   \
-        attend_range_avx2(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);               \
+        ATTEND_RANGE(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);                    \
     }
-RANGE_AVX2(range_f32_64, DT_FLOAT32, 4, 4)
-RANGE_AVX2(range_bf16_64, DT_BFLOAT16, 2, 4)
-RANGE_AVX2(range_f16_64, DT_FLOAT16, 2, 4)
-RANGE_AVX2(range_f32_128, DT_FLOAT32, 4, 8)
-RANGE_AVX2(range_bf16_128, DT_BFLOAT16, 2, 8)
-RANGE_AVX2(range_f16_128, DT_FLOAT16, 2, 8)
-RANGE_AVX2(range_f32_any, DT_FLOAT32, 4, 0)
-RANGE_AVX2(range_bf16_any, DT_BFLOAT16, 2, 0)
-RANGE_AVX2(range_f16_any, DT_FLOAT16, 2, 0)
-RANGE_AVX2(range_i8_64, DT_INT8, 1, 4)
-RANGE_AVX2(range_i8_128, DT_INT8, 1, 8)
-RANGE_AVX2(range_i8_any, DT_INT8, 1, 0)
-RANGE_AVX2(range_fp8_64, DT_FP8, 1, 4)
-RANGE_AVX2(range_fp8_128, DT_FP8, 1, 8)
-RANGE_AVX2(range_fp8_any, DT_FP8, 1, 0)
+RANGE_VEC(range_f32_64, DT_FLOAT32, 4, 4)
+RANGE_VEC(range_bf16_64, DT_BFLOAT16, 2, 4)
+RANGE_VEC(range_f16_64, DT_FLOAT16, 2, 4)
+RANGE_VEC(range_f32_128, DT_FLOAT32, 4, 8)
+RANGE_VEC(range_bf16_128, DT_BFLOAT16, 2, 8)
+RANGE_VEC(range_f16_128, DT_FLOAT16, 2, 8)
+RANGE_VEC(range_f32_any, DT_FLOAT32, 4, 0)
+RANGE_VEC(range_bf16_any, DT_BFLOAT16, 2, 0)
+RANGE_VEC(range_f16_any, DT_FLOAT16, 2, 0)
+RANGE_VEC(range_i8_64, DT_INT8, 1, 4)
+RANGE_VEC(range_i8_128, DT_INT8, 1, 8)
+RANGE_VEC(range_i8_any, DT_INT8, 1, 0)
+RANGE_VEC(range_fp8_64, DT_FP8, 1, 4)
+RANGE_VEC(range_fp8_128, DT_FP8, 1, 8)
+RANGE_VEC(range_fp8_any, DT_FP8, 1, 0)
 #endif
 
 static void range_scalar(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
