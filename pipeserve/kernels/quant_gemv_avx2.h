@@ -240,39 +240,26 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
 #undef CASE
 }
 
-/* Whether gemv_i16 takes this layout: blocks of 32, groups of 32k or 16, at most I16_ROWS rows. */
+/* Whether the integer path takes this layout: blocks of 32, groups of 32k or 16, at most I16_ROWS rows. */
 static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
     return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16) && M <= I16_ROWS;
 }
 
-/* out [M, N] = xf [M, K] . W^T, float32 or (out_bf16) bfloat16. Returns 0, or -1 when
- * scratch cannot be allocated. */
-static int gemv_i16(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
-                    int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
-                    const uint8_t *qh, int zero) {
-    act_i16 a;
-    a.K = K;
-    a.nb = K / I16_QB;
-    a.nbp = (a.nb + I16_RUN - 1) / I16_RUN * I16_RUN;
-    const int64_t act_bytes = sizeof(int16_t) * M * K + 4 * sizeof(float) * M * a.nbp;
-    char *buf = malloc(act_bytes + (out_bf16 ? sizeof(float) * M * N : 0));
-    if (!buf) return -1;
-    float *res = out_bf16 ? (float *)(buf + act_bytes) : (float *)out;
-    a.q = (int16_t *)buf;
-    a.d = (float *)(buf + sizeof(int16_t) * M * K);
-    a.sum = a.d + M * a.nbp;
-    a.sum16 = a.sum + M * a.nbp;
-    quantize_rows_i16(xf, M, &a);
-    const int64_t per = group / I16_QB;   /* 0: groups of 16 */
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
-        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        rows_range_i16(kind, (int)M, qs, sc, mn, per, group, &a, N * t / T, N * (t + 1) / T, N, res, qh, zero);
-    }
-    if (out_bf16)
-        for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = f32_to_bf16(res[i]);
-    free(buf);
-    return 0;
+/* The activation buffer of M rows of K: int16 codes, then per block d, d * sum(q) and the two
+ * half-block sums. i16_act_bind points an act_i16 at one (malloc-aligned) of i16_act_bytes. */
+static inline int64_t i16_act_bytes(int64_t M, int64_t K) {
+    const int64_t nbp = (K / I16_QB + I16_RUN - 1) / I16_RUN * I16_RUN;
+    return (int64_t)sizeof(int16_t) * M * K + 4 * (int64_t)sizeof(float) * M * nbp;
+}
+
+static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
+    a->K = K;
+    a->nb = K / I16_QB;
+    a->nbp = (a->nb + I16_RUN - 1) / I16_RUN * I16_RUN;
+    a->q = (int16_t *)buf;
+    a->d = (float *)((char *)buf + sizeof(int16_t) * M * K);
+    a->sum = a->d + M * a->nbp;
+    a->sum16 = a->sum + M * a->nbp;
 }
 
 #endif

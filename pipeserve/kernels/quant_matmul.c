@@ -555,35 +555,95 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 }
 
 #ifdef HAVE_VNNI
-static int gemv_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
-                   int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
-                   const uint8_t *qh, int zero) {
-    const int64_t per = group / QB;   /* 0: groups of 16 */
+/* The activation buffer of M rows of K (int8 pairs or int16 chunks, then per block d and
+ * the sums); bind_i8 points an act_i8 at one (malloc-aligned) of act_i8_bytes. */
+static int64_t act_i8_bytes(int64_t M, int64_t K) {
+    const int64_t nb = K / QB, nch = (nb + 1) / 2, nbp = (nb + 15) & ~(int64_t)15;
+    return 2 * M * nch * CHUNK + 4 * (int64_t)sizeof(float) * M * nbp;
+}
+
+static void bind_i8(act_i8 *a, void *buf, int64_t M, int64_t K) {
+    a->nb = K / QB;
+    a->nch = (a->nb + 1) / 2;
+    a->nbp = (a->nb + 15) & ~(int64_t)15;
+    a->x1 = (int8_t *)buf;
+    a->x2 = a->x1 + M * a->nch * CHUNK;   /* q8: two int8 terms; q4: one int16 term (the same bytes) */
+    a->xw = (int16_t *)buf;
+    a->xd = (float *)(a->x1 + 2 * M * a->nch * CHUNK);
+    a->xc = a->xd + M * a->nbp;
+    a->xc16 = a->xc + M * a->nbp;
+}
+#endif
+
+/* Decode in two phases, for callers that run their own threads (decode_stage.c) and for
+ * pipeserve_quant_gemv's integer path: pipeserve_quant_prepare quantizes M rows of x once
+ * into a buffer of pipeserve_quant_act_bytes, then any thread computes output rows
+ * [n0, n1) from it with pipeserve_quant_rows (float32 out [M, N]). act_bytes is 0 where
+ * this build has no integer activations for the layout (the float path then runs). */
+int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
+#if defined(HAVE_VNNI)
+    return pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0) ? act_i8_bytes(M, K) : 0;
+#elif defined(HAVE_AVX2_I16)
+    return i16_applies(K, group, M) && (kind != 4 || group % I16_QB == 0) ? i16_act_bytes(M, K) : 0;
+#else
+    (void)kind; (void)K; (void)group; (void)M;
+    return 0;
+#endif
+}
+
+void pipeserve_quant_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
+#if defined(HAVE_VNNI)
     act_i8 a;
-    a.nb = K / QB;
-    a.nch = (a.nb + 1) / 2;
-    a.nbp = (a.nb + 15) & ~(int64_t)15;
-    /* q8: two int8 terms; q4: one int16 term (the same bytes) */
-    int8_t *buf = malloc(2 * M * a.nch * CHUNK + 4 * sizeof(float) * M * a.nbp);
+    bind_i8(&a, act, M, K);
+    if (kind == 4) quantize_rows16(x, M, K, &a);
+    else quantize_rows(x, M, K, &a);
+#elif defined(HAVE_AVX2_I16)
+    (void)kind;
+    act_i16 a;
+    i16_act_bind(&a, act, M, K);
+    quantize_rows_i16(x, M, &a);
+#else
+    (void)kind; (void)K; (void)x; (void)M; (void)act;
+#endif
+}
+
+void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                          int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0,
+                          int64_t n1, float *out) {
+#if defined(HAVE_VNNI)
+    act_i8 a;
+    bind_i8(&a, (void *)act, M, K);
+    rows_range_i8(kind, (int)M, qs, sc, mn, group / QB, K, group, &a, n0, n1, N, out, 0, qh, zero);
+#elif defined(HAVE_AVX2_I16)
+    act_i16 a;
+    i16_act_bind(&a, (void *)act, M, K);
+    rows_range_i16(kind, (int)M, qs, sc, mn, group / I16_QB, group, &a, n0, n1, N, out, qh, zero);
+#else
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
+    (void)M; (void)n0; (void)n1; (void)out;
+#endif
+}
+
+/* out [M, N] = xf [M, K] . W^T through the two phases, threads over contiguous, equal
+ * ranges of output rows (as schedule(static)). Returns 0, or -1 when scratch cannot be had. */
+static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                    int64_t group, const float *xf, int64_t M, void *out, int out_bf16, int num_threads,
+                    const uint8_t *qh, int zero) {
+    const int64_t act = pipeserve_quant_act_bytes(kind, K, group, M);
+    char *buf = malloc(act + (out_bf16 ? sizeof(float) * M * N : 0));
     if (!buf) return -1;
-    a.x1 = buf;
-    a.x2 = buf + M * a.nch * CHUNK;
-    a.xw = (int16_t *)buf;
-    a.xd = (float *)(buf + 2 * M * a.nch * CHUNK);
-    a.xc = a.xd + M * a.nbp;
-    a.xc16 = a.xc + M * a.nbp;
-    if (kind == 4) quantize_rows16(xf, M, K, &a);
-    else quantize_rows(xf, M, K, &a);
+    float *res = out_bf16 ? (float *)(buf + act) : (float *)out;
+    pipeserve_quant_prepare(kind, K, xf, M, buf);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {   /* contiguous, equal row ranges (as schedule(static)), one call per thread */
+    {
         const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-        rows_range_i8(kind, (int)M, qs, sc, mn, per, K, group, &a, N * t / T, N * (t + 1) / T, N, out, out_bf16,
-                      qh, zero);
+        pipeserve_quant_rows(kind, qs, sc, mn, N, K, group, qh, zero, buf, M, N * t / T, N * (t + 1) / T, res);
     }
+    if (out_bf16)
+        for (int64_t i = 0; i < M * N; i++) ((uint16_t *)out)[i] = f32_to_bf16(res[i]);
     free(buf);
     return 0;
 }
-#endif
 
 /* kind: 4, 8, 5 or 6 (q4, q8, q5, q6); mn may be NULL; qh and zero: q5/q6's high bits and
  * code offset (ignored otherwise; last, so callers built against the two-layout
@@ -596,21 +656,11 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-#ifdef HAVE_VNNI
-    if (act_i8 && pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0)) {
-        const int rc = gemv_i8(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
+    if (act_i8 && pipeserve_quant_act_bytes(kind, K, group, M) > 0) {
+        const int rc = gemv_int(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
         free(xf);
         return rc;
     }
-#elif defined(HAVE_AVX2_I16)
-    if (act_i8 && i16_applies(K, group, M) && (kind != 4 || group % I16_QB == 0)) {
-        const int rc = gemv_i16(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
-        free(xf);
-        return rc;
-    }
-#else
-    (void)act_i8;
-#endif
     const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
     const int z4 = kind == 4 ? zero : 0;   /* q5/q6 codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
