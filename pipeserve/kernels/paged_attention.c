@@ -920,6 +920,91 @@ void pipeserve_write_rows(char *cache, const int64_t *slots, int64_t n, const ch
     for (int64_t i = 0; i < n; i++) memcpy(cache + slots[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
 }
 
+/* A decode step's attention in three phases, for pipeserve_paged_decode and for callers that
+ * run their own threads (decode_stage.c): pipeserve_decode_plan cuts the step into work
+ * items (range of keys, kv head); pipeserve_decode_items attends items [i0, i1) into their
+ * partial results; pipeserve_decode_merge combines the partials of (sequence, head) rows
+ * [bh0, bh1) into the output. The plan lives in a caller's buffer of
+ * pipeserve_decode_plan_bytes: the header, then its arrays. */
+typedef struct {
+    int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items;
+    int64_t *first_range;   /* [batch + 1]: sequence b's ranges are first_range[b] .. first_range[b + 1] */
+    int64_t *range_seq;     /* [ranges]: the sequence of each range */
+    float *parts;           /* [items, group, pstride]: each item's partial result per query head */
+} decode_plan;
+
+/* At most this many ranges: the cut (split_span) gives about num_threads * SPLIT_PER_THREAD
+ * spans of whole blocks over the step's keys, plus up to two partial spans per sequence. */
+static int64_t max_ranges(int64_t batch, int num_threads) {
+    return num_threads <= 1 ? batch : 2 * batch + (int64_t)num_threads * SPLIT_PER_THREAD;
+}
+
+int64_t pipeserve_decode_plan_bytes(int64_t batch, int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t ranges = max_ranges(batch, num_threads);
+    return (int64_t)sizeof(decode_plan) + (batch + 1 + ranges) * (int64_t)sizeof(int64_t)
+           + ranges * heads * (PART_HEAD + head_dim) * (int64_t)sizeof(float) + 64;
+}
+
+/* Ranges of keys cut for num_threads threads (no cut for one). Returns the number of items
+ * (-1 only if the cut outgrew max_ranges, which its bound rules out). */
+int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t batch, int64_t heads,
+                              int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                              int num_threads) {
+    decode_plan *p = (decode_plan *)buf;
+    p->batch = batch;
+    p->heads = heads;
+    p->kv_heads = kv_heads;
+    p->group = heads / kv_heads;
+    p->head_dim = head_dim;
+    p->pstride = PART_HEAD + head_dim;
+    p->block_size = block_size;
+    p->window = window;
+    p->first_range = (int64_t *)(p + 1);
+    p->range_seq = p->first_range + batch + 1;
+    p->parts = (float *)(((uintptr_t)(p->range_seq + max_ranges(batch, num_threads)) + 63) & ~(uintptr_t)63);
+    p->span = split_span(context_lens, batch, window, block_size, num_threads);
+    const int64_t most = max_ranges(batch, num_threads);
+    int64_t ranges = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t first = window_start(context_lens[b], window), base = first - first % block_size;
+        p->first_range[b] = ranges;
+        const int64_t n = p->span ? (context_lens[b] - base + p->span - 1) / p->span : 1;
+        if (ranges + n > most) return -1;
+        for (int64_t c = 0; c < n; c++) p->range_seq[ranges++] = b;
+    }
+    p->first_range[batch] = ranges;
+    p->ranges = ranges;
+    p->items = ranges * kv_heads;
+    return p->items;
+}
+
+void pipeserve_decode_items(const void *plan, const float *q, const void *k_cache, const void *v_cache, int dtype,
+                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                            float scale, float softcap, int bf16_math, int64_t i0, int64_t i1) {
+    const decode_plan *p = (const decode_plan *)plan;
+    const int64_t kv_heads = p->kv_heads, group = p->group, head_bytes = head_row_bytes(dtype, p->head_dim);
+    const range_fn fn = pick_range(dtype, p->head_dim, bf16_math);
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t c = item / kv_heads, kvh = item % kv_heads, b = p->range_seq[c];
+        const int64_t ctx = context_lens[b], first = window_start(ctx, p->window);
+        const int64_t base = first - first % p->block_size + (c - p->first_range[b]) * p->span;
+        key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
+                       base > first ? base : first, p->span && base + p->span < ctx ? base + p->span : ctx,
+                       kvh * head_bytes, kv_heads * head_bytes, p->block_size, group, scale, softcap};
+        fn(q + (b * p->heads + kvh * group) * p->head_dim, &r, dtype, p->head_dim, p->parts + item * group * p->pstride);
+    }
+}
+
+void pipeserve_decode_merge(const void *plan, int64_t bh0, int64_t bh1, float *out) {
+    const decode_plan *p = (const decode_plan *)plan;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / p->heads, h = bh % p->heads;
+        const int64_t slot = (p->first_range[b] * p->kv_heads + h / p->group) * p->group + h % p->group;
+        merge_parts(p->parts + slot * p->pstride, p->first_range[b + 1] - p->first_range[b],
+                    p->kv_heads * p->group * p->pstride, p->head_dim, out + bh * p->head_dim);
+    }
+}
+
 /* q: [batch, heads, head_dim] float32; out: the same shape, float32.
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
@@ -930,58 +1015,27 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int64_t window, float softcap, float *out,
                            int num_threads, int bf16_math) {
-    const int64_t group = heads / kv_heads, head_bytes = head_row_bytes(dtype, head_dim);
-    const int64_t pstride = PART_HEAD + head_dim;
-    const range_fn fn = pick_range(dtype, head_dim, bf16_math);
     int64_t rows = 0;
     for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
     if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
-    /* Ranges: sequence b's keys from its window's block on, cut every `span` keys;
-     * range c is (sequence range_seq[c], keys range_begin[c] ..). Item = (range, kv head). */
-    const int64_t span = split_span(context_lens, batch, window, block_size, num_threads);
-    int64_t ranges = 0;
-    int64_t *first_range = (int64_t *)malloc((size_t)(batch + 1) * sizeof(int64_t));
-    if (!first_range) return -1;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t first = window_start(context_lens[b], window), base = first - first % block_size;
-        first_range[b] = ranges;
-        ranges += span ? (context_lens[b] - base + span - 1) / span : 1;
-    }
-    first_range[batch] = ranges;
-    int64_t *range_seq = (int64_t *)malloc((size_t)ranges * sizeof(int64_t));
-    float *parts = (float *)malloc((size_t)(ranges * kv_heads * group * pstride) * sizeof(float));
-    if (!range_seq || !parts) {
-        free(first_range);
-        free(range_seq);
-        free(parts);
+    void *plan = malloc((size_t)pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads));
+    if (!plan) return -1;
+    const int64_t items = pipeserve_decode_plan(plan, context_lens, batch, heads, kv_heads, head_dim, block_size,
+                                                window, num_threads);
+    if (items < 0) {
+        free(plan);
         return -1;
     }
-    for (int64_t b = 0; b < batch; b++)
-        for (int64_t c = first_range[b]; c < first_range[b + 1]; c++) range_seq[c] = b;
-    const int64_t items = ranges * kv_heads;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t c = item / kv_heads, kvh = item % kv_heads, b = range_seq[c];
-            const int64_t ctx = context_lens[b], first = window_start(ctx, window);
-            const int64_t base = first - first % block_size + (c - first_range[b]) * span;
-            key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
-                           base > first ? base : first, span && base + span < ctx ? base + span : ctx,
-                           kvh * head_bytes, kv_heads * head_bytes, block_size, group, scale, softcap};
-            fn(q + (b * heads + kvh * group) * head_dim, &r, dtype, head_dim, parts + item * group * pstride);
-        }
+        for (int64_t item = 0; item < items; item++)
+            pipeserve_decode_items(plan, q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
+                                   softcap, bf16_math, item, item + 1);
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < batch * heads; bh++) {
-            const int64_t b = bh / heads, h = bh % heads;
-            const int64_t slot = (first_range[b] * kv_heads + h / group) * group + h % group;
-            merge_parts(parts + slot * pstride, first_range[b + 1] - first_range[b], kv_heads * group * pstride,
-                        head_dim, out + bh * head_dim);
-        }
+        for (int64_t bh = 0; bh < batch * heads; bh++) pipeserve_decode_merge(plan, bh, bh + 1, out);
     }
-    free(first_range);
-    free(range_seq);
-    free(parts);
+    free(plan);
     return 0;
 }
 
