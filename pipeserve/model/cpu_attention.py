@@ -95,6 +95,15 @@ class CpuPagedAttention(TorchPagedAttention):
         self._write_rows(v_cache.data_ptr(), slots.data_ptr(), n, v.data_ptr(), row)
         return k, v
 
+    @staticmethod
+    def decode_args(g: DecodeBatch) -> _DecodeStep:
+        """The decode kernel's per-step arguments: built once per step, shared by every layer
+        (and by the fused decode stage, pipeserve/model/cpu_decode.py)."""
+        step = g.backend_state.get("decode")
+        if step is None:
+            step = g.backend_state["decode"] = _DecodeStep(g)
+        return step
+
     def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -104,9 +113,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if code is None:
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
-        step = g.backend_state.get("decode")
-        if step is None:   # once per step, shared by every layer
-            step = g.backend_state["decode"] = _DecodeStep(g)
+        step = self.decode_args(g)
         if q.shape[0] == step.batch and q.dtype == torch.float32 and q.is_contiguous():
             qb = q   # every row a decode, in batch order (query_index is increasing)
         else:

@@ -166,6 +166,10 @@ class LlamaModel(nn.Module):
                 if hasattr(type(module), "ops"):
                     module.ops = ops
 
+    # The stage's decode steps in one C call (pipeserve/model/cpu_decode.py): None until the
+    # first CPU forward decides, then the FusedDecode or False.
+    fused_decode = None
+
     @property
     def num_layers(self) -> int:
         return self.end_layer - self.start_layer
@@ -181,6 +185,12 @@ class LlamaModel(nn.Module):
         else:
             h = input_ids_or_hidden.to(self.dtype)
         ropes = self._ropes(positions, attn_metadata)  # shared by every layer of the step
+        fused = self.fused_decode
+        if fused is None and h.device.type == "cpu" and self.layers:   # decided once, with the weights loaded
+            from pipeserve.model.cpu_decode import fused_decode
+            fused = self.fused_decode = fused_decode(self) or False
+        if fused and fused.applies(h, attn_metadata):
+            return fused(h, ropes["global"], attn_metadata, kv_caches)
         residual = None
         # The decoder's modules carry no hooks, so the hot path calls ``forward`` directly:
         # nn.Module.__call__ costs ~1.5 us a call, ~210 calls per decode step (measured, 1 thread).

@@ -1,0 +1,198 @@
+"""A CPU stage's decoder layers for a decode step in one C call (pipeserve/kernels/decode_stage.c).
+
+From Python, a decode layer is ten small kernel calls, each a ctypes call, a
+tensor allocation and, for the matmuls and attention, an OpenMP fork/join: on
+SmolLM2-135M with two threads that was about 6 of a token's 16 ms. The C
+function runs all of a stage's layers in one thread team, with the same kernels
+in the same order (benchmarks/README.md, "Fused decode stage").
+
+It applies to float32 stages whose linear layers keep quantized weights (what
+``--dtype auto`` gives on CPUs without native bfloat16, where single-stream decode
+matters most), with the C attention backend and a float32 KV cache, Llama-shaped
+layers (SwiGLU, plain RMSNorm, no q/k norm; a q/k/v bias, a sliding window and a
+soft cap are taken), no tensor parallelism, and steps of at most
+``GEMV_MAX_ROWS`` decodes; everything else runs the Python layers. With one
+thread the result is bit for bit the Python path's; with more, only the order in
+which the attention's partial softmaxes merge differs. ``PIPESERVE_FUSED_DECODE=0``
+turns it off (side-by-side measurements).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pipeserve.model.attention import AttentionMetadata, KVCache
+
+if TYPE_CHECKING:
+    from pipeserve.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+_p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("rmsnorm", "rope", "silu_mul", "act_bytes", "prepare", "rows",
+                                        "plan_bytes", "plan", "items", "merge")]
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("qs", _p), ("qh", _p), ("sc", _p), ("mn", _p), ("N", _i64), ("K", _i64), ("group", _i64),
+                ("kind", _i32), ("zero", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _QWeight), ("o", _QWeight),
+                ("gate_up", _QWeight), ("down", _QWeight), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p),
+                ("window", _i64), ("softcap", _f32), ("pad", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slots", _p),
+                ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64)]
+
+
+class FusedDecode:
+    """Built by ``fused_decode(model)`` once the weights are loaded; binds the KV caches
+    at the first call and again whenever they move."""
+
+    def __init__(self, model: LlamaModel, run, kernels: _Kernels, weights: list) -> None:
+        self.model, self._run, self._kernels = model, run, kernels
+        self._weights = weights               # per layer: (qkv, o, gate_up, down) PackedWeights
+        self._layers = None                   # the _Layer array, for the caches bound in _bound
+        self._bound: tuple[int, ...] = ()
+        cfg = model.cfg
+        self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
+
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+        from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS
+        decodes = getattr(meta, "decodes", None)
+        return (decodes is not None and not meta.prefills and h.shape[0] <= GEMV_MAX_ROWS
+                and h.dtype == torch.float32)
+
+    def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                 kv_caches: list[KVCache]) -> torch.Tensor:
+        """h [n, hidden] float32, the stage's input (every row a decode) -> its output."""
+        layers = self._bind(kv_caches)
+        out = h.contiguous().clone()
+        cos, sin = (t.contiguous() for t in rope)
+        slots = meta.slot_mapping.contiguous()
+        args = self.model.backend.decode_args(meta.decodes)
+        s = self._step
+        s.rows, s.cos, s.sin, s.slots = out.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        s.block_tables, s.context_lens = args.tables_ptr, args.lens_ptr
+        s.max_blocks, s.block_size = args.max_blocks, args.block_size
+        rc = self._run(ctypes.byref(self._kernels), layers, len(self._weights), ctypes.byref(s), out.data_ptr(),
+                       torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("fused decode stage: cannot allocate its scratch")
+        if rc != 0:
+            raise RuntimeError(f"fused decode stage: the attention plan failed (code {rc})")
+        return out
+
+    def _bind(self, kv_caches: list[KVCache]):
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if key != self._bound:
+            if len(kv_caches) != len(self._weights) or any(
+                    t.dtype != torch.float32 or not t.is_contiguous() for pair in kv_caches for t in pair):
+                raise ValueError("fused decode stage: needs one contiguous float32 (K, V) cache pair per layer")
+            layers = (_Layer * len(self._weights))()
+            for i, (layer, ws, (k_cache, v_cache)) in enumerate(zip(self.model.layers, self._weights, kv_caches)):
+                attn = layer.self_attn
+                bias = attn.qkv_proj.bias
+                layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
+                                   layer.post_attention_layernorm.weight.data_ptr(),
+                                   *(_qweight(w) for w in ws), None if bias is None else bias.data_ptr(),
+                                   k_cache.data_ptr(), v_cache.data_ptr(),
+                                   attn.backend_options.get("sliding_window") or 0,
+                                   attn.backend_options.get("logit_softcap") or 0.0, 0)
+            self._layers, self._bound = layers, key
+        return self._layers
+
+
+def _qweight(w) -> _QWeight:
+    from pipeserve.model.quant.cpu_kernels import _KINDS
+    return _QWeight(w.qs.data_ptr(), None if w.qh is None else w.qh.data_ptr(), w.scale.data_ptr(),
+                    None if w.minv is None else w.minv.data_ptr(), w.out_features, w.in_features, w.group,
+                    _KINDS[w.kind], w.zero)
+
+
+def fused_decode(model: LlamaModel) -> FusedDecode | None:
+    """The fused decode path for this stage, or None (logged once, with the reason)."""
+    from pipeserve.kernels.build import KernelBuildError
+    why = _why_not(model)
+    if why is None:
+        try:
+            built = _build(model)
+        except KernelBuildError as exc:
+            built = f"a kernel is unavailable ({exc})"
+        if isinstance(built, FusedDecode):
+            log.info("decode: fused C stage for layers [%d, %d)", model.start_layer, model.end_layer)
+            return built
+        why = built
+    log.info("decode: Python layers (the fused C stage does not apply: %s)", why)
+    return None
+
+
+def _why_not(model: LlamaModel) -> str | None:
+    from pipeserve.model.cpu_attention import CpuPagedAttention
+    from pipeserve.model.layers import SwiGLU
+    from pipeserve.model.quant.modules import QuantLinear
+    cfg = model.cfg
+    if os.environ.get("PIPESERVE_FUSED_DECODE", "1") == "0":
+        return "PIPESERVE_FUSED_DECODE=0"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"it runs float32 on CPU, this stage is {model.dtype} on {model.device}"
+    if model.tp is not None:
+        return "tensor parallelism"
+    if not isinstance(model.backend, CpuPagedAttention):
+        return "the attention backend is not the C one"
+    if not model.layers:
+        return "the stage has no layers"
+    if cfg.qk_norm or cfg.sandwich_norms or cfg.norm_unit_offset or cfg.rope_local_theta:
+        return "this family's layers (q/k norm, Gemma norms or local RoPE)"
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, SwiGLU) or mlp.act != "silu" or mlp.ops is None or layer.input_layernorm.ops is None:
+            return "a layer without SwiGLU or the fused elementwise kernels"
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not isinstance(linear, QuantLinear) or len(linear.parts) != 1:
+                return "a linear layer whose weights are not one quantized part"
+        if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return "a bias outside q/k/v"
+    return None
+
+
+def _build(model: LlamaModel) -> FusedDecode | str:
+    """The fused stage, or why not (a weight layout without integer activations here)."""
+    from pipeserve.kernels.build import load_kernel
+    from pipeserve.model.quant.cpu_kernels import _KINDS
+    quant, attention, elementwise = (load_kernel(name) for name in ("quant_matmul", "paged_attention",
+                                                                    "elementwise"))
+    addr = lambda lib, name: ctypes.cast(getattr(lib, name), _p).value   # noqa: E731
+    kernels = _Kernels(addr(elementwise, "pipeserve_rmsnorm_f32"), addr(elementwise, "pipeserve_rope_f32"),
+                       addr(elementwise, "pipeserve_silu_mul_f32"), addr(quant, "pipeserve_quant_act_bytes"),
+                       addr(quant, "pipeserve_quant_prepare"), addr(quant, "pipeserve_quant_rows"),
+                       addr(attention, "pipeserve_decode_plan_bytes"), addr(attention, "pipeserve_decode_plan"),
+                       addr(attention, "pipeserve_decode_items"), addr(attention, "pipeserve_decode_merge"))
+    act_bytes = quant.pipeserve_quant_act_bytes
+    act_bytes.argtypes, act_bytes.restype = [ctypes.c_int, _i64, _i64, _i64], _i64
+    weights = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        ws = tuple(linear.parts[0] for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        for w in ws:
+            if act_bytes(_KINDS[w.kind], w.in_features, w.group, 1) <= 0:
+                return (f"no integer-activation decode kernel on this CPU for {w.source} "
+                        f"(group {w.group}, in_features {w.in_features})")
+        weights.append(ws)
+    run = load_kernel("decode_stage").pipeserve_decode_stage
+    run.argtypes, run.restype = [_p, _p, _i64, _p, _p, ctypes.c_int], ctypes.c_int
+    return FusedDecode(model, run, kernels, weights)

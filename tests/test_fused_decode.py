@@ -1,0 +1,150 @@
+"""The fused C decode stage (pipeserve/model/cpu_decode.py) against the Python layers it replaces.
+
+With one thread it must be bit for bit the Python path (same kernels, same order);
+with two, the attention's work is cut over the threads and merged, so logits move
+by float32 rounding only and greedy tokens stay the same. Steps it does not take
+(prefills, more rows than the decode kernel, other dtypes, families, backends) run
+the Python layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipeserve.model.loader import resolve_model
+from pipeserve.worker.model_runner import ModelRunner
+from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+from tests.checkpoints import build_checkpoint
+
+BLOCK = 16
+GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
+
+
+def _runner(source, cfg, quantization="auto", dtype=torch.float32, start=0, end=None, backend="auto",
+            group=32) -> ModelRunner:
+    end = cfg.num_layers if end is None else end
+    return ModelRunner(source, cfg, start_layer=start, end_layer=end, is_first=start == 0,
+                       is_last=end == cfg.num_layers, dtype=dtype, device=torch.device("cpu"), num_blocks=64,
+                       num_host_blocks=0, block_size=BLOCK, quantization=quantization, attention_backend=backend,
+                       quantization_group_size=group)
+
+
+def _decode_logits(runners, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill each prompt (as its own sequence), then ``steps`` greedy decode steps of all of
+    them together through the stages ``runners`` (chained); the logits of every decode step."""
+    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
+
+    def run(step: StepInput) -> torch.Tensor:
+        hidden = None
+        for r in runners[:-1]:
+            hidden = r.execute(step, hidden)
+        return runners[-1].forward_logits(step, hidden)
+
+    last = [int(run(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY)])).argmax()) for i, p in enumerate(prompts)]
+    pos = [len(p) for p in prompts]
+    out = []
+    for s in range(steps):
+        step = StepInput(s + 1, [SeqStep(i, [last[i]], pos[i], tables[i], GREEDY) for i in range(len(prompts))])
+        logits = run(step)
+        out.append(logits)
+        last = [int(t) for t in logits.argmax(-1)]
+        pos = [p + 1 for p in pos]
+    return out
+
+
+def _compare(fused, python, exact: bool) -> float:
+    worst = 0.0
+    for a, b in zip(fused, python, strict=True):
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        worst = max(worst, (a - b).abs().max().item())
+    if exact:
+        assert worst == 0.0
+    else:   # float32 rounding of the attention's merge order, carried through the layers
+        assert worst < 2e-2 * max(b.abs().max().item() for b in python), worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    source = resolve_model("smollm2-135m-instruct")
+    return source, source.load_config()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_kept_q4_1_fused_equals_python_layers(smollm2, threads):
+    """One sequence, then three of different lengths in one step, at one stage and split
+    over two stages (the second stage's input is hidden states)."""
+    source, cfg = smollm2
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = _runner(source, cfg)
+        halves = [_runner(source, cfg, start=0, end=16), _runner(source, cfg, start=16)]
+        prompts = [list(range(1000, 1040)), list(range(2000, 2007)), list(range(3000, 3100))]
+        for stages, batch in (([whole], prompts[:1]), ([whole], prompts), (halves, prompts)):
+            fused = _decode_logits(stages, batch, 6)
+            assert all(r.model.fused_decode for r in stages), "the fused stage should apply here"
+            for r in stages:
+                r.model.fused_decode = False
+            python = _decode_logits(stages, batch, 6)
+            for r in stages:
+                r.model.fused_decode = None   # decided again at the next forward
+            _compare(fused, python, exact=threads == 1)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("kind, mode, window", [("qwen2_bias", "int8", None), ("mistral", "int4", 12),
+                                                ("llama3_rope", "int8", None)])
+def test_tiny_families_fused_equals_python_layers(kind, mode, window, tmp_path):
+    """q/k/v bias (Qwen2), a sliding window shorter than the context (Mistral-style, one KV
+    head), Llama 3 RoPE; eight sequences in one step (the decode kernel's most rows)."""
+    source = resolve_model(str(build_checkpoint(kind, tmp_path)))
+    cfg = source.load_config()
+    if window is not None:
+        cfg = dataclasses.replace(cfg, sliding_window=window)
+    runner = _runner(source, cfg, quantization=mode)
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(8)]
+    fused = _decode_logits([runner], prompts, 10)
+    assert runner.model.fused_decode
+    runner.model.fused_decode = False
+    _compare(fused, _decode_logits([runner], prompts, 10), exact=torch.get_num_threads() == 1)
+
+
+def test_steps_it_does_not_take_run_the_python_layers(smollm2):
+    source, cfg = smollm2
+    runner = _runner(source, cfg)
+    prompts = [list(range(100 + 5 * i, 110 + 5 * i)) for i in range(9)]
+    tables = [list(range(i * 4, (i + 1) * 4)) for i in range(9)]
+    runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))
+    fused = runner.model.fused_decode
+    assert fused
+    calls = []
+    original = fused._run
+    fused._run = lambda *args: calls.append(1) or original(*args)
+    # nine decodes: more rows than the decode kernel takes
+    runner.execute(StepInput(1, [SeqStep(i, [7], len(p), tables[i], GREEDY) for i, p in enumerate(prompts)]))
+    # a decode beside a prefill chunk
+    runner.execute(StepInput(2, [SeqStep(0, [7], 11, tables[0], GREEDY), SeqStep(1, [8, 9], 11, tables[1], GREEDY)]))
+    assert calls == []
+    runner.execute(StepInput(3, [SeqStep(0, [7], 12, tables[0], GREEDY)]))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("setting", ["dense", "bfloat16", "torch-backend", "disabled"])
+def test_stages_it_does_not_apply_to_say_why(setting, tmp_path, monkeypatch, caplog):
+    source = resolve_model(str(build_checkpoint("llama_tied_gqa", tmp_path)))
+    cfg = source.load_config()
+    options = {"dense": dict(quantization="none"), "bfloat16": dict(quantization="int8", dtype=torch.bfloat16),
+               "torch-backend": dict(quantization="int8", backend="torch"),
+               "disabled": dict(quantization="int8")}[setting]
+    if setting == "disabled":
+        monkeypatch.setenv("PIPESERVE_FUSED_DECODE", "0")
+    runner = _runner(source, cfg, **options)
+    with caplog.at_level("INFO", logger="pipeserve.model.cpu_decode"):
+        _decode_logits([runner], [list(range(3, 12))], 1)
+    assert runner.model.fused_decode is False
+    assert "the fused C stage does not apply" in caplog.text
