@@ -24,12 +24,12 @@ GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, 
 
 
 def _runner(source, cfg, quantization="auto", dtype=torch.float32, start=0, end=None, backend="auto",
-            group=32) -> ModelRunner:
+            group=32, kv_cache_dtype="auto") -> ModelRunner:
     end = cfg.num_layers if end is None else end
     return ModelRunner(source, cfg, start_layer=start, end_layer=end, is_first=start == 0,
                        is_last=end == cfg.num_layers, dtype=dtype, device=torch.device("cpu"), num_blocks=64,
                        num_host_blocks=0, block_size=BLOCK, quantization=quantization, attention_backend=backend,
-                       quantization_group_size=group)
+                       quantization_group_size=group, kv_cache_dtype=kv_cache_dtype)
 
 
 def _decode_logits(runners, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
@@ -132,6 +132,17 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     assert calls == []
     runner.execute(StepInput(3, [SeqStep(0, [7], 12, tables[0], GREEDY)]))
     assert calls == [1]
+
+
+def test_an_8bit_kv_cache_runs_the_python_layers(tmp_path):
+    source = resolve_model(str(build_checkpoint("llama_tied_gqa", tmp_path)))
+    cfg = source.load_config()
+    runner = _runner(source, cfg, quantization="int8", kv_cache_dtype="int8")
+    runner.execute(StepInput(0, [SeqStep(0, list(range(3, 12)), 0, [0, 1], GREEDY)]))
+    fused = runner.model.fused_decode
+    assert fused
+    fused._run = lambda *args: pytest.fail("the fused stage ran on an 8-bit cache")
+    runner.execute(StepInput(1, [SeqStep(0, [5], 9, [0, 1], GREEDY)]))
 
 
 @pytest.mark.parametrize("setting", ["dense", "bfloat16", "torch-backend", "disabled"])

@@ -71,11 +71,13 @@ class FusedDecode:
         self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
 
-    def applies(self, h: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
+        """Every row a decode, at most GEMV_MAX_ROWS of them, and a float32 cache (an 8-bit
+        one, ``--kv-cache-dtype int8|fp8``, is written and read by the Python layers)."""
         from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS
         decodes = getattr(meta, "decodes", None)
         return (decodes is not None and not meta.prefills and h.shape[0] <= GEMV_MAX_ROWS
-                and h.dtype == torch.float32)
+                and h.dtype == torch.float32 and kv_caches[0][0].dtype == torch.float32)
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                  kv_caches: list[KVCache]) -> torch.Tensor:

@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
         if fused is None and h.device.type == "cpu" and self.layers:   # decided once, with the weights loaded
             from pipeserve.model.cpu_decode import fused_decode
             fused = self.fused_decode = fused_decode(self) or False
-        if fused and fused.applies(h, attn_metadata):
+        if fused and fused.applies(h, attn_metadata, kv_caches):
             return fused(h, ropes["global"], attn_metadata, kv_caches)
         residual = None
         # The decoder's modules carry no hooks, so the hot path calls ``forward`` directly:
