@@ -69,27 +69,27 @@ def _compare(fused, python, exact: bool) -> float:
 
 @pytest.fixture(scope="module")
 def smollm2():
+    """The built-in GGUF (kept Q4_1) as one stage and as two: loaded once for the module."""
     source = resolve_model("smollm2-135m-instruct")
-    return source, source.load_config()
+    cfg = source.load_config()
+    return _runner(source, cfg), [_runner(source, cfg, start=0, end=16), _runner(source, cfg, start=16)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_smollm2_kept_q4_1_fused_equals_python_layers(smollm2, threads):
     """One sequence, then three of different lengths in one step, at one stage and split
     over two stages (the second stage's input is hidden states)."""
-    source, cfg = smollm2
+    whole, halves = smollm2
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        whole = _runner(source, cfg)
-        halves = [_runner(source, cfg, start=0, end=16), _runner(source, cfg, start=16)]
         prompts = [list(range(1000, 1040)), list(range(2000, 2007)), list(range(3000, 3100))]
         for stages, batch in (([whole], prompts[:1]), ([whole], prompts), (halves, prompts)):
-            fused = _decode_logits(stages, batch, 6)
+            fused = _decode_logits(stages, batch, 4)
             assert all(r.model.fused_decode for r in stages), "the fused stage should apply here"
             for r in stages:
                 r.model.fused_decode = False
-            python = _decode_logits(stages, batch, 6)
+            python = _decode_logits(stages, batch, 4)
             for r in stages:
                 r.model.fused_decode = None   # decided again at the next forward
             _compare(fused, python, exact=threads == 1)
@@ -97,26 +97,33 @@ def test_smollm2_kept_q4_1_fused_equals_python_layers(smollm2, threads):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("kind, mode, window", [("qwen2_bias", "int8", None), ("mistral", "int4", 12),
-                                                ("llama3_rope", "int8", None)])
-def test_tiny_families_fused_equals_python_layers(kind, mode, window, tmp_path):
+@pytest.mark.parametrize("kind, mode, window, dtype", [
+    ("qwen2_bias", "int8", None, torch.float32), ("mistral", "int4", 12, torch.float32),
+    ("llama3_rope", "int8", None, torch.float32), ("qwen2_bias", "int4", 12, torch.bfloat16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, threads, tmp_path):
     """q/k/v bias (Qwen2), a sliding window shorter than the context (Mistral-style, one KV
-    head), Llama 3 RoPE; eight sequences in one step (the decode kernel's most rows)."""
+    head), Llama 3 RoPE, bfloat16 activations and cache; as many sequences in one step as
+    the fused stage takes (float32: the decode kernel's 8 rows; bfloat16: 4)."""
     source = resolve_model(str(build_checkpoint(kind, tmp_path)))
     cfg = source.load_config()
     if window is not None:
         cfg = dataclasses.replace(cfg, sliding_window=window)
-    runner = _runner(source, cfg, quantization=mode)
-    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(8)]
-    fused = _decode_logits([runner], prompts, 10)
-    assert runner.model.fused_decode
-    runner.model.fused_decode = False
-    _compare(fused, _decode_logits([runner], prompts, 10), exact=torch.get_num_threads() == 1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(source, cfg, quantization=mode, dtype=dtype)
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(8 if dtype == torch.float32 else 4)]
+        fused = _decode_logits([runner], prompts, 10)
+        assert runner.model.fused_decode
+        runner.model.fused_decode = False
+        _compare(fused, _decode_logits([runner], prompts, 10), exact=threads == 1)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
-    source, cfg = smollm2
-    runner = _runner(source, cfg)
+    runner = smollm2[0]
     prompts = [list(range(100 + 5 * i, 110 + 5 * i)) for i in range(9)]
     tables = [list(range(i * 4, (i + 1) * 4)) for i in range(9)]
     runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))
@@ -132,6 +139,7 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     assert calls == []
     runner.execute(StepInput(3, [SeqStep(0, [7], 12, tables[0], GREEDY)]))
     assert calls == [1]
+    runner.model.fused_decode = None
 
 
 def test_an_8bit_kv_cache_runs_the_python_layers(tmp_path):
@@ -145,12 +153,11 @@ def test_an_8bit_kv_cache_runs_the_python_layers(tmp_path):
     runner.execute(StepInput(1, [SeqStep(0, [5], 9, [0, 1], GREEDY)]))
 
 
-@pytest.mark.parametrize("setting", ["dense", "bfloat16", "torch-backend", "disabled"])
+@pytest.mark.parametrize("setting", ["dense", "torch-backend", "disabled"])
 def test_stages_it_does_not_apply_to_say_why(setting, tmp_path, monkeypatch, caplog):
     source = resolve_model(str(build_checkpoint("llama_tied_gqa", tmp_path)))
     cfg = source.load_config()
-    options = {"dense": dict(quantization="none"), "bfloat16": dict(quantization="int8", dtype=torch.bfloat16),
-               "torch-backend": dict(quantization="int8", backend="torch"),
+    options = {"dense": dict(quantization="none"), "torch-backend": dict(quantization="int8", backend="torch"),
                "disabled": dict(quantization="int8")}[setting]
     if setting == "disabled":
         monkeypatch.setenv("PIPESERVE_FUSED_DECODE", "0")

@@ -10,9 +10,11 @@
  *
  * It computes what the Python decoder computes, with the same kernels, reached
  * through the function pointers the caller passes (quant_matmul.c's two-phase
- * integer gemv, paged_attention.c's decode phases, elementwise.c's float32 RMSNorm,
- * RoPE and SiLU·up), in the same order: float32 activations, weights kept
- * quantized, a float32 KV cache. Only the split of the attention over the threads
+ * integer gemv, paged_attention.c's decode phases, elementwise.c's RMSNorm, RoPE and
+ * SiLU·up), in the same order: float32 or bfloat16 activations (rounded where the
+ * Python path rounds them: every matmul, norm, RoPE and SiLU output, the attention
+ * output and the bias and residual adds), weights kept quantized, a KV cache in the
+ * activations' dtype. Only the split of the attention over the threads
  * differs (the Python path runs a small step's attention on one thread): with one
  * thread the result is bit for bit the Python path's, with more it differs by the
  * order in which the partial softmaxes are merged.
@@ -26,11 +28,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef void (*rmsnorm_fn)(const float *h, const float *delta, float *x_out, const float *w, float *out,
+#include "vec_math.h"
+
+/* The elementwise kernels of the activations' dtype (float or uint16_t bfloat16 elements). */
+typedef void (*rmsnorm_fn)(const void *h, const void *delta, void *x_out, const void *w, void *out,
                            int64_t rows, int64_t dim, float eps);
-typedef void (*rope_fn)(const float *x, int64_t stride, float *out, int64_t n, int64_t heads, int64_t head_dim,
+typedef void (*rope_fn)(const void *x, int64_t stride, void *out, int64_t n, int64_t heads, int64_t head_dim,
                         const float *cos, const float *sin);
-typedef void (*silu_mul_fn)(const float *gate_up, float *out, int64_t rows, int64_t inter);
+typedef void (*silu_mul_fn)(const void *gate_up, void *out, int64_t rows, int64_t inter);
 typedef int64_t (*act_bytes_fn)(int kind, int64_t K, int64_t group, int64_t M);
 typedef void (*prepare_fn)(int kind, int64_t K, const float *x, int64_t M, void *act);
 typedef void (*rows_fn)(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
@@ -67,10 +72,10 @@ typedef struct {
 } qweight;
 
 typedef struct {
-    const float *input_norm, *post_norm;   /* RMSNorm weights [hidden] */
+    const void *input_norm, *post_norm;    /* RMSNorm weights [hidden] */
     qweight qkv, o, gate_up, down;
-    const float *qkv_bias;                 /* [q + 2 kv] or NULL */
-    char *k_cache, *v_cache;               /* [blocks, block_size, kv_heads, head_dim] float32 */
+    const void *qkv_bias;                  /* [q + 2 kv] or NULL */
+    char *k_cache, *v_cache;               /* [blocks, block_size, kv_heads, head_dim], the activations' dtype */
     int64_t window;                        /* sliding window (0: none) */
     float softcap;                         /* attention logit soft cap (0: none) */
     int32_t pad;
@@ -84,47 +89,97 @@ typedef struct {
     const int64_t *block_tables;           /* [rows, max_blocks] */
     const int64_t *context_lens;           /* [rows] */
     int64_t max_blocks, block_size;
+    int64_t bf16;                          /* activations, weights of the norms and bias, cache: bfloat16 */
 } stage_step;
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int64_t align64(int64_t n) { return (n + 63) & ~(int64_t)63; }
 
-/* Rows [n0, n1) of thread t of T: contiguous, equal ranges (as schedule(static)). */
-static void thread_rows(const stage_kernels *k, const qweight *w, const void *act, int64_t M, float *out, int t,
-                        int T) {
-    k->rows(w->kind, w->qs, w->sc, w->mn, w->N, w->K, w->group, w->qh, w->zero, act, M, w->N * t / T,
-            w->N * (t + 1) / T, out);
+/* Activations in the stage's dtype: e(base, i) is element i of a buffer. */
+typedef struct {
+    int bf16;
+    int64_t es;   /* element size */
+} act_type;
+
+static inline void *e(const act_type *a, void *base, int64_t i) { return (char *)base + i * a->es; }
+
+static void to_f32(const act_type *a, const void *src, float *dst, int64_t n) {
+    if (!a->bf16) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
 }
 
-/* h [rows, hidden]: the stage's input, overwritten with its output. Returns 0, -1 when
- * scratch cannot be allocated, -2 when a layer's attention plan cannot be made. */
+/* Elements [i0, i1) of src rounded to the activations' dtype (a copy for float32). */
+static void from_f32(const act_type *a, const float *src, void *dst, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+        if (a->bf16) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+        else ((float *)dst)[i] = src[i];
+    }
+}
+
+/* x (M rows of w->K) quantized once into act, by one thread: the matmul's first phase. */
+static void prepare(const stage_kernels *k, const act_type *a, const qweight *w, const void *x, int64_t M,
+                    float *xf, void *act) {
+    if (a->bf16) to_f32(a, x, xf, M * w->K);
+    k->prepare(w->kind, w->K, a->bf16 ? xf : (const float *)x, M, act);
+}
+
+/* Thread t of T's output rows of out [M, N] = x W^T (+ bias), contiguous equal ranges as
+ * schedule(static); bfloat16 outputs pass through the float scratch f32 and are rounded
+ * as the gemv rounds them, then the bias is added and rounded as PyTorch adds it. */
+static void thread_rows(const stage_kernels *k, const act_type *a, const qweight *w, const void *bias,
+                        const void *act, int64_t M, void *out, float *f32, int t, int T) {
+    const int64_t N = w->N, n0 = N * t / T, n1 = N * (t + 1) / T;
+    float *res = a->bf16 ? f32 : (float *)out;
+    k->rows(w->kind, w->qs, w->sc, w->mn, N, w->K, w->group, w->qh, w->zero, act, M, n0, n1, res);
+    for (int64_t m = 0; m < M; m++) {
+        if (a->bf16) from_f32(a, res, out, m * N + n0, m * N + n1);
+        if (!bias) continue;
+        for (int64_t n = n0; n < n1; n++) {
+            if (a->bf16) {
+                uint16_t *o = (uint16_t *)out + m * N + n;
+                *o = f32_to_bf16(bf16_to_f32(*o) + bf16_to_f32(((const uint16_t *)bias)[n]));
+            } else {
+                ((float *)out)[m * N + n] += ((const float *)bias)[n];
+            }
+        }
+    }
+}
+
+/* h [rows, hidden] in the activations' dtype: the stage's input, overwritten with its
+ * output. Returns 0, -1 when scratch cannot be allocated, -2 when a layer's attention
+ * plan cannot be made. */
 int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, int64_t num_layers,
-                           const stage_step *s, float *h, int num_threads) {
+                           const stage_step *s, void *h, int num_threads) {
+    const act_type at = {(int)s->bf16, s->bf16 ? 2 : 4}, *a = &at;
     const int64_t M = s->rows, D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
+    const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
     int64_t act = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const qweight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
         for (int i = 0; i < 4; i++) act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, M));
     }
-    /* float scratch: residual, normed x, qkv, rotated q|k, q alone, attention out, o out,
-     * gate|up, silu out (each 64-byte aligned) */
-    const int64_t sizes[9] = {M * s->hidden, M * s->hidden, M * qkv_n, M * (qn + kvn), M * qn, M * qn,
-                              M * s->hidden, M * 2 * s->inter, M * s->inter};
+    /* residual, normed x, qkv, rotated q|k, attention out, o out, gate|up, silu out (the
+     * activations' dtype); the float q, attention out, a matmul's input and output (float) */
+    const int64_t sizes[12] = {M * s->hidden, M * s->hidden, M * qkv_n, M * (qn + kvn), M * qn, M * s->hidden,
+                               M * 2 * s->inter, M * s->inter, M * qn, M * qn, M * widest, M * widest};
     int64_t bytes = align64(act) + align64(k->plan_bytes(M, s->heads, D, num_threads));
-    for (int i = 0; i < 9; i++) bytes += align64(sizes[i] * (int64_t)sizeof(float));
+    for (int i = 0; i < 12; i++) bytes += align64(sizes[i] * (i < 8 ? a->es : (int64_t)sizeof(float)));
     char *buf = aligned_alloc(64, (size_t)bytes);
     if (!buf) return -1;
-    float *f[9];
+    void *f[12];
     char *p = buf;
-    for (int i = 0; i < 9; i++) {
-        f[i] = (float *)p;
-        p += align64(sizes[i] * (int64_t)sizeof(float));
+    for (int i = 0; i < 12; i++) {
+        f[i] = p;
+        p += align64(sizes[i] * (i < 8 ? a->es : (int64_t)sizeof(float)));
     }
-    float *res = f[0], *x = f[1], *qkv = f[2], *qk = f[3], *q = f[4], *attn = f[5], *o = f[6], *gu = f[7],
-          *act_in = f[8];
+    void *res = f[0], *x = f[1], *qkv = f[2], *qk = f[3], *attn = f[4], *o = f[5], *gu = f[6], *act_in = f[7];
+    float *q = f[8], *attn32 = f[9], *xf = f[10], *out32 = f[11];
     void *actbuf = p, *plan = p + align64(act);
-    const int64_t row_bytes = kvn * (int64_t)sizeof(float);
+    const int64_t row_bytes = kvn * a->es;
     int failed = 0;
     int64_t items = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -136,55 +191,62 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             {   /* x, r = rmsnorm(h + r) (the first layer: r = h) */
                 if (l == 0) k->rmsnorm(h, NULL, NULL, L->input_norm, x, M, s->hidden, s->eps);
                 else k->rmsnorm(h, res, res, L->input_norm, x, M, s->hidden, s->eps);
-                if (l == 0) memcpy(res, h, (size_t)(M * s->hidden) * sizeof(float));
-                k->prepare(L->qkv.kind, L->qkv.K, x, M, actbuf);
+                if (l == 0) memcpy(res, h, (size_t)(M * s->hidden * a->es));
+                prepare(k, a, &L->qkv, x, M, xf, actbuf);
             }
-            thread_rows(k, &L->qkv, actbuf, M, qkv, t, T);
-            if (L->qkv_bias) {
-                const int64_t n0 = qkv_n * t / T, n1 = qkv_n * (t + 1) / T;
-                for (int64_t m = 0; m < M; m++)
-                    for (int64_t n = n0; n < n1; n++) qkv[m * qkv_n + n] += L->qkv_bias[n];
-            }
+            thread_rows(k, a, &L->qkv, L->qkv_bias, actbuf, M, qkv, out32, t, T);
 #pragma omp barrier
 #pragma omp single
             {   /* rotate q and k (adjacent in each row) in one call; cache k and v; plan */
                 k->rope(qkv, qkv_n, qk, M, s->heads + s->kv_heads, D, s->cos, s->sin);
                 for (int64_t m = 0; m < M; m++) {
-                    memcpy(q + m * qn, qk + m * (qn + kvn), (size_t)qn * sizeof(float));
-                    memcpy(L->k_cache + s->slots[m] * row_bytes, qk + m * (qn + kvn) + qn, (size_t)row_bytes);
-                    memcpy(L->v_cache + s->slots[m] * row_bytes, qkv + m * qkv_n + qn + kvn, (size_t)row_bytes);
+                    to_f32(a, e(a, qk, m * (qn + kvn)), q + m * qn, qn);
+                    memcpy(L->k_cache + s->slots[m] * row_bytes, e(a, qk, m * (qn + kvn) + qn), (size_t)row_bytes);
+                    memcpy(L->v_cache + s->slots[m] * row_bytes, e(a, qkv, m * qkv_n + qn + kvn), (size_t)row_bytes);
                 }
                 items = k->plan(plan, s->context_lens, M, s->heads, s->kv_heads, D, s->block_size, L->window, T);
                 if (items < 0) failed = 1;
             }
             if (failed) break;
-            k->items(plan, q, L->k_cache, L->v_cache, 0, s->block_tables, s->max_blocks, s->context_lens, s->scale,
-                     L->softcap, 0, items * t / T, items * (t + 1) / T);
+            k->items(plan, q, L->k_cache, L->v_cache, a->bf16, s->block_tables, s->max_blocks, s->context_lens,
+                     s->scale, L->softcap, a->bf16, items * t / T, items * (t + 1) / T);
 #pragma omp barrier
-            k->merge(plan, M * s->heads * t / T, M * s->heads * (t + 1) / T, attn);
+            {
+                const int64_t bh0 = M * s->heads * t / T, bh1 = M * s->heads * (t + 1) / T;
+                k->merge(plan, bh0, bh1, attn32);
+                from_f32(a, attn32, attn, bh0 * D, bh1 * D);
+            }
 #pragma omp barrier
 #pragma omp single
-            k->prepare(L->o.kind, L->o.K, attn, M, actbuf);
-            thread_rows(k, &L->o, actbuf, M, o, t, T);
+            prepare(k, a, &L->o, attn, M, xf, actbuf);
+            thread_rows(k, a, &L->o, NULL, actbuf, M, o, out32, t, T);
 #pragma omp barrier
 #pragma omp single
             {   /* x, r = rmsnorm(o + r) */
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
-                k->prepare(L->gate_up.kind, L->gate_up.K, x, M, actbuf);
+                prepare(k, a, &L->gate_up, x, M, xf, actbuf);
             }
-            thread_rows(k, &L->gate_up, actbuf, M, gu, t, T);
+            thread_rows(k, a, &L->gate_up, NULL, actbuf, M, gu, out32, t, T);
 #pragma omp barrier
 #pragma omp single
             {
                 k->silu_mul(gu, act_in, M, s->inter);
-                k->prepare(L->down.kind, L->down.K, act_in, M, actbuf);
+                prepare(k, a, &L->down, act_in, M, xf, actbuf);
             }
-            thread_rows(k, &L->down, actbuf, M, h, t, T);
+            thread_rows(k, a, &L->down, NULL, actbuf, M, h, out32, t, T);
 #pragma omp barrier
         }
     }
-    if (!failed)
-        for (int64_t i = 0; i < M * s->hidden; i++) h[i] += res[i];
+    if (!failed) {   /* h + r, rounded as PyTorch's add */
+        for (int64_t i = 0; i < M * s->hidden; i++) {
+            if (a->bf16) {
+                uint16_t *hi = (uint16_t *)h + i;
+                *hi = f32_to_bf16(bf16_to_f32(*hi) + bf16_to_f32(((const uint16_t *)res)[i]));
+            } else {
+                ((float *)h)[i] += ((const float *)res)[i];
+            }
+        }
+    }
     free(buf);
     return failed ? -2 : 0;
 }

@@ -6,12 +6,13 @@ SmolLM2-135M with two threads that was about 6 of a token's 16 ms. The C
 function runs all of a stage's layers in one thread team, with the same kernels
 in the same order (benchmarks/README.md, "Fused decode stage").
 
-It applies to float32 stages whose linear layers keep quantized weights (what
-``--dtype auto`` gives on CPUs without native bfloat16, where single-stream decode
-matters most), with the C attention backend and a float32 KV cache, Llama-shaped
+It applies to float32 and bfloat16 CPU stages whose linear layers keep quantized
+weights (float32 is what ``--dtype auto`` gives on CPUs without native bfloat16),
+with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
 layers (SwiGLU, plain RMSNorm, no q/k norm; a q/k/v bias, a sliding window and a
-soft cap are taken), no tensor parallelism, and steps of at most
-``GEMV_MAX_ROWS`` decodes; everything else runs the Python layers. With one
+soft cap are taken), no tensor parallelism, and steps of at most ``GEMV_MAX_ROWS``
+decodes (bfloat16: fewer than ``GEMM_MIN_ROWS``); everything else runs the Python
+layers. With one
 thread the result is bit for bit the Python path's; with more, only the order in
 which the attention's partial softmaxes merge differs. ``PIPESERVE_FUSED_DECODE=0``
 turns it off (side-by-side measurements).
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
+from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel
@@ -55,7 +57,8 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slots", _p),
-                ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64)]
+                ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64),
+                ("bf16", _i64)]
 
 
 class FusedDecode:
@@ -70,18 +73,21 @@ class FusedDecode:
         cfg = model.cfg
         self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
+        self._step.bf16 = int(model.dtype == torch.bfloat16)
+        # The decode gemv's rows: as many as it takes, except that from GEMM_MIN_ROWS the
+        # Python layers give bfloat16 to the many-row kernel where there is one (quant_gemm.c)
+        self.max_rows = GEMM_MIN_ROWS - 1 if self._step.bf16 else GEMV_MAX_ROWS
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
-        """Every row a decode, at most GEMV_MAX_ROWS of them, and a float32 cache (an 8-bit
-        one, ``--kv-cache-dtype int8|fp8``, is written and read by the Python layers)."""
-        from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS
+        """Every row a decode, at most ``max_rows`` of them, and a cache in the stage's dtype
+        (an 8-bit one, ``--kv-cache-dtype int8|fp8``, is written and read by the Python layers)."""
         decodes = getattr(meta, "decodes", None)
-        return (decodes is not None and not meta.prefills and h.shape[0] <= GEMV_MAX_ROWS
-                and h.dtype == torch.float32 and kv_caches[0][0].dtype == torch.float32)
+        return (decodes is not None and not meta.prefills and h.shape[0] <= self.max_rows
+                and h.dtype == self.model.dtype and kv_caches[0][0].dtype == self.model.dtype)
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                  kv_caches: list[KVCache]) -> torch.Tensor:
-        """h [n, hidden] float32, the stage's input (every row a decode) -> its output."""
+        """h [n, hidden] in the stage's dtype, its input (every row a decode) -> its output."""
         layers = self._bind(kv_caches)
         out = h.contiguous().clone()
         cos, sin = (t.contiguous() for t in rope)
@@ -103,8 +109,9 @@ class FusedDecode:
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if key != self._bound:
             if len(kv_caches) != len(self._weights) or any(
-                    t.dtype != torch.float32 or not t.is_contiguous() for pair in kv_caches for t in pair):
-                raise ValueError("fused decode stage: needs one contiguous float32 (K, V) cache pair per layer")
+                    t.dtype != self.model.dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
+                raise ValueError("fused decode stage: needs one contiguous (K, V) cache pair per layer in the "
+                                 "stage's dtype")
             layers = (_Layer * len(self._weights))()
             for i, (layer, ws, (k_cache, v_cache)) in enumerate(zip(self.model.layers, self._weights, kv_caches)):
                 attn = layer.self_attn
@@ -150,8 +157,8 @@ def _why_not(model: LlamaModel) -> str | None:
     cfg = model.cfg
     if os.environ.get("PIPESERVE_FUSED_DECODE", "1") == "0":
         return "PIPESERVE_FUSED_DECODE=0"
-    if model.device.type != "cpu" or model.dtype != torch.float32:
-        return f"it runs float32 on CPU, this stage is {model.dtype} on {model.device}"
+    if model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 or bfloat16 on CPU, this stage is {model.dtype} on {model.device}"
     if model.tp is not None:
         return "tensor parallelism"
     if not isinstance(model.backend, CpuPagedAttention):
@@ -179,8 +186,9 @@ def _build(model: LlamaModel) -> FusedDecode | str:
     quant, attention, elementwise = (load_kernel(name) for name in ("quant_matmul", "paged_attention",
                                                                     "elementwise"))
     addr = lambda lib, name: ctypes.cast(getattr(lib, name), _p).value   # noqa: E731
-    kernels = _Kernels(addr(elementwise, "pipeserve_rmsnorm_f32"), addr(elementwise, "pipeserve_rope_f32"),
-                       addr(elementwise, "pipeserve_silu_mul_f32"), addr(quant, "pipeserve_quant_act_bytes"),
+    suffix = "bf16" if model.dtype == torch.bfloat16 else "f32"
+    kernels = _Kernels(addr(elementwise, f"pipeserve_rmsnorm_{suffix}"), addr(elementwise, f"pipeserve_rope_{suffix}"),
+                       addr(elementwise, f"pipeserve_silu_mul_{suffix}"), addr(quant, "pipeserve_quant_act_bytes"),
                        addr(quant, "pipeserve_quant_prepare"), addr(quant, "pipeserve_quant_rows"),
                        addr(attention, "pipeserve_decode_plan_bytes"), addr(attention, "pipeserve_decode_plan"),
                        addr(attention, "pipeserve_decode_items"), addr(attention, "pipeserve_decode_merge"))
