@@ -127,53 +127,61 @@ block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t
     }
 }
 
-/* Pair p (blocks 2p, 2p + 1 of a run) of q4 codes against m_rows rows of x: the codes spread
- * once, then per row four vpmaddwd give both blocks' sums (block 2p in lanes 0-3), and one
- * conversion and one FMA scale them with (s_w * d of block 2p) x 4 | (of block 2p + 1) x 4,
- * lane IMM of each half of s (the run's scales in the order 0 2 4 6 | 1 3 5 7). */
-#define Q4_PAIR(p, imm, accv)                                                                             \
-    do {                                                                                                  \
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * (p))), lo = _mm256_set1_epi16(15); \
-        const __m256i c0 = _mm256_and_si256(v, lo), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);   \
-        const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo), c3 = _mm256_srli_epi16(v, 12);  \
-        for (int m = 0; m < m_rows; m++) {                                                                \
-            const int16_t *xp = a->qp + m * a->K + (b0 + 2 * (p)) * I16_QB;                               \
-            __m256i t = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)xp));                   \
-            t = _mm256_add_epi32(t, _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(xp + 16)))); \
-            t = _mm256_add_epi32(t, _mm256_madd_epi16(c2, _mm256_loadu_si256((const __m256i *)(xp + 32)))); \
-            t = _mm256_add_epi32(t, _mm256_madd_epi16(c3, _mm256_loadu_si256((const __m256i *)(xp + 48)))); \
-            accv[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_permute_ps(s[m], imm), accv[m]);      \
-        }                                                                                                 \
-    } while (0)
+/* q4 blocks b and b + 1 (codes q2, b even) against m_rows rows of x: the codes spread once,
+ * then per row four vpmaddwd give both blocks' sums (block b in lanes 0-3), and one
+ * conversion and one FMA scale them with sdp = (s_w * d of block b) x 4 | (of b + 1) x 4. */
+static inline __attribute__((always_inline)) void
+q4_pair_i16(const uint8_t *q2, const act_i16 *a, int64_t b, int m_rows, const __m256 *sdp, __m256 *acc) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)q2), lo = _mm256_set1_epi16(15);
+    const __m256i c0 = _mm256_and_si256(v, lo), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+    const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo), c3 = _mm256_srli_epi16(v, 12);
+    for (int m = 0; m < m_rows; m++) {
+        const int16_t *xp = a->qp + m * a->K + b * I16_QB;
+        __m256i t = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)xp));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(c2, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(c3, _mm256_loadu_si256((const __m256i *)(xp + 48))));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sdp[m], acc[m]);
+    }
+}
 
 /* A run of I16_RUN q4 blocks (codes q) as four pairs, against activations in qp's order; sd:
- * s_w * d of the run's blocks per row of x. Per pair, against the one block at a time of the
- * other layouts: no vpmovzxbw (the codes spread in-lane), one conversion and one FMA instead
- * of two, and the scales come from registers, not from broadcasts of a just-stored array
- * (measured 1.25x in the hot loop, 1.1-1.3x on SmolLM2's rows of 576). */
+ * s_w * d of the run's blocks per row of x, reordered 0 2 4 6 | 1 3 5 7 so that an in-lane
+ * vpermilps makes each pair's scales. Per pair, against the one block at a time of the other
+ * layouts: no vpmovzxbw (the codes spread in-lane), one conversion and one FMA instead of two,
+ * and the scales come from registers, not from broadcasts of a just-stored array (measured
+ * 1.25x in the hot loop, 1.1-1.3x on SmolLM2's rows of 576). */
 static inline __attribute__((always_inline)) void
-q4_run_pairs(const uint8_t *q, const act_i16 *a, int64_t b0, int m_rows, const __m256 *sd, __m256 *acc, __m256 *acc2) {
+q4_run_pairs(const uint8_t *q, const act_i16 *a, int64_t b0, int m_rows, int pairs, const __m256 *sd, __m256 *acc,
+             __m256 *acc2) {
     const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m256 s[I16_ROWS];
+    __m256 s[I16_ROWS], t[I16_ROWS];
     for (int m = 0; m < m_rows; m++) s[m] = _mm256_permutevar8x32_ps(sd[m], even_odd);
-    Q4_PAIR(0, 0x00, acc);
-    Q4_PAIR(1, 0x55, acc2);
-    Q4_PAIR(2, 0xaa, acc);
-    Q4_PAIR(3, 0xff, acc2);
+    for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0x00);
+    q4_pair_i16(q, a, b0, m_rows, t, acc);
+    if (pairs < 2) return;
+    for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0x55);
+    q4_pair_i16(q + 32, a, b0 + 2, m_rows, t, acc2);
+    if (pairs < 3) return;
+    for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0xaa);
+    q4_pair_i16(q + 64, a, b0 + 4, m_rows, t, acc);
+    if (pairs < 4) return;
+    for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0xff);
+    q4_pair_i16(q + 96, a, b0 + 6, m_rows, t, acc2);
 }
-#undef Q4_PAIR
 
-/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16). Runs of 8
- * blocks (one group each) read their scales and minimums as one vector: s_w * d per block
- * and row into a stack array (one broadcast per block and row), the minimum term in one
- * FMA per run; the blocks of a shorter last run, or of larger groups, take their scales
- * one at a time. Per block and weight row: the codes once and, per row of x, two vpmaddwd,
+/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
+ * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each) read
+ * their scales and minimums as one vector: s_w * d per block and row into a stack array (one
+ * broadcast per block and row), the minimum term in one FMA per run; the blocks of a shorter
+ * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
+ * scales one at a time. Per block and weight row: the codes once and, per row of x, two vpmaddwd,
  * one conversion and one FMA (q4's runs: per pair of blocks, q4_run_pairs). Even and odd
  * blocks go to separate accumulators (two FMA chains; two or four weight rows at once, for
  * more chains and x loaded once, measured no faster). kind and m_rows are constants here. */
 static inline __attribute__((always_inline)) void
 row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
-            int64_t per, const act_i16 *a, int m_rows, float *res) {
+            int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
     const int g16 = per == 0;
     const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
@@ -212,7 +220,7 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
             }
         }
         if (kind == 4) {
-            q4_run_pairs(q + b0 * 16, a, b0, m_rows, sdv, acc, acc2);
+            q4_run_pairs(q + b0 * 16, a, b0, m_rows, I16_RUN / 2, sdv, acc, acc2);
             continue;
         }
         for (int j = 0; j < I16_RUN; j++) {
@@ -234,6 +242,20 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
                 }
             }
         }
+    }
+    if (kind == 4 && per == 1 && b0 + 2 <= nb && b0 + I16_RUN <= left) {   /* q4: a shorter last run's pairs */
+        const int n = (int)(nb - b0) & ~1;   /* the vector loads read on into the next row: masked */
+        const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)n), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 s = _mm256_cvtph_ps(_mm_and_si128(_mm_loadu_si128((const __m128i *)(sc + b0)), keep));
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(_mm_and_si128(
+            _mm_loadu_si128((const __m128i *)(mn + b0)), keep)) : _mm256_setzero_ps());
+        __m256 sdv[I16_ROWS];
+        for (int m = 0; m < m_rows; m++) {   /* d and the sums are padded with zeros to nbp */
+            sdv[m] = _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0));
+            accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
+        }
+        q4_run_pairs(q + b0 * 16, a, b0, m_rows, n / 2, sdv, acc, acc2);
+        b0 += n;
     }
     for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
         __m256i c0, c1;
@@ -279,7 +301,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
         }
         float res[I16_ROWS];
         row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
-                    mn ? mn + n * groups : NULL, per, a, m_rows, res);
+                    mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
     }
 }
