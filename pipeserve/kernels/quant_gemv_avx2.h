@@ -325,7 +325,8 @@ static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
 }
 
 /* The activation buffer of M rows of K: int16 codes in x's order and in q4's pair order, then
- * per block d, d * sum(q) and the two half-block sums. i16_act_bind points an act_i16 at one (malloc-aligned) of i16_act_bytes. */
+ * per block d, d * sum(q) and the two half-block sums. i16_act_bind points an act_i16 at one
+ * (malloc-aligned) of i16_act_bytes. */
 static inline int64_t i16_act_bytes(int64_t M, int64_t K) {
     const int64_t nbp = (K / I16_QB + I16_RUN - 1) / I16_RUN * I16_RUN;
     return 2 * (int64_t)sizeof(int16_t) * M * K + 4 * (int64_t)sizeof(float) * M * nbp;
