@@ -293,7 +293,9 @@ def _int8_cases(gguf_file):
     w = torch.randn(41, 256, generator=torch.Generator().manual_seed(7))
     # 23 blocks of 32: the VNNI kernel's odd last block and its short last group of 16 blocks
     odd = torch.randn(9, 736, generator=torch.Generator().manual_seed(8))
-    return cases + [quantize_weight(odd, 4, 32), quantize_weight(odd, 8, 32),
+    q4 = quantize_weight(odd, 4, 32)
+    q4_0 = PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)   # as Q4_0: offset, no minimums
+    return cases + [q4, q4_0, quantize_weight(odd, 8, 32),
                     _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
                     _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count

@@ -1,0 +1,154 @@
+"""Cycles per block of 32 weights of the integer decode gemv (pipeserve_quant_rows), this tree
+against another git revision, side by side in one process.
+
+Two measures per SmolLM2-135M shape (Q4_1 layers, the Q8_0 tied head; one activation row):
+- hot: the rows of one thread's share that fit in L2, computed over and over from one
+  quantized x (pipeserve_quant_prepare once), one thread: the kernel's compute alone, in
+  cycles per block at the TSC clock (``--ghz``, /proc/cpuinfo's MHz by default);
+- chain: a whole token's gemvs in layer order (30 x qkv, o, gate_up, down + head) through
+  ``QuantKernels.decode_fn``, on copies of the weights larger than the last-level cache, at
+  each thread count: ms per token, and GB/s of codes + scales (+ minimums).
+The two builds alternate ``--rounds`` times and the best of each is kept, so a busy
+neighbour slows both alike; read the ratio.
+
+    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.quant_gemv_bw import COLD_BYTES, LAYERS, SHAPES, _copies, _weight
+from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
+from pipeserve.model.quant.cpu_kernels import QuantKernels, _weight_args
+
+HOT_BYTES = 256 << 10   # codes + scales a hot run reads: within L2 (512 KB a core here)
+
+
+def lib_at(rev: str) -> ctypes.CDLL:
+    """quant_matmul.c and the kernel headers as of git revision ``rev``, built with the project's flags."""
+    root = Path(__file__).resolve().parents[1]
+    tmp = Path(tempfile.mkdtemp(prefix="gemv-avx2-"))
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "pipeserve/kernels/"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        if name.endswith((".c", ".h")):
+            (tmp / Path(name).name).write_text(subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, check=True,
+                                                              capture_output=True, text=True).stdout)
+    subprocess.run([_compiler(), *_FLAGS, str(tmp / "quant_matmul.c"), "-o", str(tmp / "old.so"), "-lm"], check=True)
+    return ctypes.CDLL(str(tmp / "old.so"))
+
+
+class Rows:
+    """pipeserve_quant_prepare / pipeserve_quant_rows of one build, bound to one weight and x."""
+
+    def __init__(self, lib: ctypes.CDLL, w, x: torch.Tensor) -> None:
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.pipeserve_quant_act_bytes.argtypes = [i32, i64, i64, i64]
+        lib.pipeserve_quant_act_bytes.restype = i64
+        lib.pipeserve_quant_prepare.argtypes = [i32, i64, ptr, i64, ptr]
+        lib.pipeserve_quant_rows.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, ptr, i64, i64, i64, ptr]
+        self.args = _weight_args(w)
+        kind, k = self.args[0], self.args[5]
+        self.act = torch.empty(lib.pipeserve_quant_act_bytes(kind, k, self.args[6], x.shape[0]), dtype=torch.uint8)
+        self.out = torch.empty(x.shape[0], self.args[4])
+        lib.pipeserve_quant_prepare(kind, k, x.data_ptr(), x.shape[0], self.act.data_ptr())
+        self.rows, self.m = lib.pipeserve_quant_rows, x.shape[0]
+
+    def __call__(self, n0: int, n1: int) -> None:
+        kind, qs, sc, mn, n, k, group, qh, zero = self.args
+        self.rows(kind, qs, sc, mn, n, k, group, qh, zero, self.act.data_ptr(), self.m, n0, n1, self.out.data_ptr())
+
+
+def best(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def side_by_side(runs: dict, rounds: int, repeats: int) -> dict:
+    """Best time of each labelled function, the labels alternating ``rounds`` times."""
+    out = {label: float("inf") for label in runs}
+    for _ in range(rounds):
+        for label, fn in runs.items():
+            out[label] = min(out[label], best(fn, repeats))
+    return out
+
+
+def hot(libs: dict, ghz: float, rounds: int) -> None:
+    print(f"hot (in L2, one thread), cycles per block of 32 at {ghz:.3f} GHz:")
+    for name, (n, k, bits) in SHAPES.items():
+        w = _weight(n, k, bits)
+        x = torch.randn(1, k)
+        rows = min(n, HOT_BYTES // (w.nbytes // n))
+        calls = max(1, 2_000_000 // (rows * k))
+        runs = {}
+        for label, lib in libs.items():
+            r = Rows(lib, w, x)
+            runs[label] = lambda r=r: [r(0, rows) for _ in range(calls)]
+        t = side_by_side(runs, rounds, 7)
+        blocks = calls * rows * k / 32
+        cells = "  ".join(f"[{label}] {s * ghz * 1e9 / blocks:5.2f}" for label, s in t.items())
+        print(f"  {name:8} {rows:>5}x{k:<5} q{bits}  {cells}" + _ratio(t))
+
+
+def chain(kernels: dict, threads: int, rounds: int) -> None:
+    torch.set_num_threads(threads)
+    weights = {name: _weight(n, k, bits) for name, (n, k, bits) in SHAPES.items()}
+    cold = {name: _copies(w, max(2, COLD_BYTES // w.nbytes)) for name, w in weights.items()}
+    order = [cold[name][layer % len(cold[name])] for layer in range(LAYERS) for name in ("qkv", "o", "gate_up", "down")]
+    order.append(cold["head"][0])
+    token_bytes = sum(w.nbytes for w in order)
+    xs = {k: torch.randn(1, k) for k in (576, 1536)}
+    runs = {}
+    for label, kern in kernels.items():
+        fns = [(kern.decode_fn(w), xs[w.in_features]) for w in order]
+        runs[label] = lambda fns=fns: [f(x) for f, x in fns]
+    t = side_by_side(runs, rounds, 5)
+    cells = "  ".join(f"[{label}] {s * 1e3:6.2f} ms {token_bytes / s / 1e9:5.1f} GB/s" for label, s in t.items())
+    print(f"chain, {threads} thread(s), {len(order)} gemvs, {token_bytes / 1e6:.1f} MB:  {cells}" + _ratio(t))
+
+
+def _ratio(t: dict) -> str:
+    values = list(t.values())
+    return f"  old/new {values[1] / values[0]:.3f}" if len(values) == 2 else ""
+
+
+def _tsc_ghz() -> float:
+    return float(re.search(r"cpu MHz\s*:\s*([\d.]+)", Path("/proc/cpuinfo").read_text()).group(1)) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", metavar="REV", help="also time the kernels as of this git revision")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ghz", type=float, default=None, help="clock for cycles (default: /proc/cpuinfo)")
+    parser.add_argument("--skip-chain", action="store_true")
+    args = parser.parse_args()
+    libs = {"tree": load_kernel("quant_matmul")}
+    if args.compare:
+        libs[args.compare] = lib_at(args.compare)
+    kernels = {label: QuantKernels(lib) for label, lib in libs.items()}
+    print(f"isa={kernels['tree'].isa}")
+    torch.set_num_threads(1)
+    hot(libs, args.ghz or _tsc_ghz(), args.rounds)
+    if not args.skip_chain:
+        for threads in (int(t) for t in args.threads.split(",")):
+            chain(kernels, threads, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
