@@ -37,15 +37,22 @@ def hf_smollm2(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm2_text():
-    """(source, config, token ids of REFERENCE_TEXT) for the teacher-forced fidelity tests,
-    read once: the GGUF's metadata and tokenizer take seconds each time."""
+def smollm2_tokenizer():
+    """pipeserve's tokenizer of the built-in SmolLM2, built once (from the GGUF: seconds)."""
     from pipeserve.model.loader import resolve_model
     from pipeserve.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_text(smollm2_tokenizer):
+    """(source, config, token ids of REFERENCE_TEXT) for the teacher-forced fidelity tests,
+    read once: the GGUF's metadata takes seconds each time."""
+    from pipeserve.model.loader import resolve_model
     if not REFERENCE_TEXT.is_file():
         pytest.skip(f"the reference text {REFERENCE_TEXT} is not installed with this Python")
     source = resolve_model("smollm2-135m-instruct")
-    return source, source.load_config(), load_tokenizer(source).encode(REFERENCE_TEXT.read_text())
+    return source, source.load_config(), smollm2_tokenizer.encode(REFERENCE_TEXT.read_text())
 
 
 @pytest.fixture(scope="session")
