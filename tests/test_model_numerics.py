@@ -175,16 +175,13 @@ def dense_reference(q, cache, meta, scale) -> torch.Tensor:
 
 # -- the real model --------------------------------------------------------
 @pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM
+def smollm2(hf_smollm2):
     src = resolve_model("smollm2-135m-instruct")
-    hf = AutoModelForCausalLM.from_pretrained(str(src.directory), gguf_file=src.gguf_file,
-                                              dtype=torch.float32).eval()
     # --quantization none: the fidelity reference (transformers dequantizes the GGUF too); kept
     # Q4_1 weights decode with integer activations and are held to top-1 agreement and
     # perplexity instead (test_quant_model.py)
     runner = make_runner(src.path, num_blocks=64, quantization="none")
-    return runner, hf, load_tokenizer(src, runner.cfg.eos_token_ids)
+    return runner, hf_smollm2, load_tokenizer(src, runner.cfg.eos_token_ids)
 
 
 def test_smollm2_logits_and_greedy_32_steps_match_transformers(smollm2):

@@ -61,34 +61,44 @@ def driver_main(addr: str, port: int) -> None:
 
 
 LLM_PROMPTS = ["The capital of France is", "Pipelines split a model into"]
+SHORT = dict(temperature=0.0, max_tokens=8)
+LONG = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+KILL_AFTER_TOKENS = 8      # of LONG's 32: the worker dies with the batch in flight
 
 
 def llm_driver_main(addr: str, port: int) -> None:
-    """The real SmolLM2: PP = 1 here, then PP = 2 with stage 1 on the other host; a
-    second, longer batch runs while the test replaces the other host's worker."""
+    """The real SmolLM2 at PP = 2 with stage 1 on the other host; the test compares its tokens
+    with PP = 1's. A second, longer batch stops at KILL_AFTER_TOKENS tokens, says PHASE2 and
+    waits for a line on stdin: the test replaces the other host's worker in that pause, so
+    the worker dies mid-batch however fast this machine decodes."""
     from pipeserve import LLM, SamplingParams
-    short = SamplingParams(temperature=0.0, max_tokens=8)
-    # Long enough to be mid-batch when the test kills the worker 1 s in (40 kept-Q4_1 tokens took
-    # under 1 s once the AVX2 kernels landed, and the replacement then waited for a driver that had
-    # gone). Dense weights: a replayed sequence is recomputed by a prefill, and only the dense
-    # float32 path is the token-identical reference (kept weights decode with integer activations).
-    long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    common = dict(model="smollm2-135m-instruct", dtype="float32", quantization="none", threads_per_stage=1,
-                  kv_cache_memory="64MiB")
-
-    def run(llm, params) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(LLM_PROMPTS, params, use_tqdm=False)]
-
-    with LLM(**common) as llm:
-        ref_short, ref_long = run(llm, short), run(llm, long)
-    with LLM(**common, pipeline_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
+    # Dense weights: a replayed sequence is recomputed by a prefill, and only the dense float32
+    # path is the token-identical reference (kept weights decode with integer activations).
+    with LLM(model="smollm2-135m-instruct", dtype="float32", quantization="none", threads_per_stage=1,
+             kv_cache_memory="64MiB", pipeline_parallel_size=2, nnodes=2, master_addr=addr, master_port=port,
              rendezvous_timeout=120.0, stage_timeout=60.0, stage_rejoin_timeout=120.0) as llm:
-        pp_short = run(llm, short)
-        print("PHASE2", flush=True)
-        pp_long = run(llm, long)
+        pp_short = [o.outputs[0].token_ids for o in llm.generate(LLM_PROMPTS, SamplingParams(**SHORT))]
+        pp_long = _generate_pausing(llm.engine, SamplingParams(**LONG))
         restarts = llm.engine.recovery.restarts
-    print("RESULT " + json.dumps({"ref": [ref_short, ref_long], "pp": [pp_short, pp_long],
-                                  "restarts": restarts}), flush=True)
+    print("RESULT " + json.dumps({"pp": [pp_short, pp_long], "restarts": restarts}), flush=True)
+
+
+def _generate_pausing(engine, params) -> list[list[int]]:
+    """``LLM.generate``'s loop over LLM_PROMPTS, paused once (PHASE2, then a line on stdin) as
+    soon as a sequence has KILL_AFTER_TOKENS tokens."""
+    for i, prompt in enumerate(LLM_PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    done: dict[str, list[int]] = {}
+    paused = False
+    while engine.has_unfinished_requests():
+        for out in engine.step(partial_outputs=True):
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+            if not paused and len(out.outputs[0].token_ids) >= KILL_AFTER_TOKENS:
+                print("PHASE2", flush=True)
+                sys.stdin.readline()
+                paused = True
+    return [done[str(i)] for i in range(len(LLM_PROMPTS))]
 
 
 # -- namespaces ------------------------------------------------------------------------
@@ -162,8 +172,8 @@ def _env() -> dict:
 
 def _start_driver(ns: TwoNamespaces, port: int, mode: str) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns.a, sys.executable, str(Path(__file__)), mode,
-                             ns.addr_a, str(port)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             ns.addr_a, str(port)], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _start_worker(ns: TwoNamespaces, port: int, stdout=subprocess.PIPE) -> subprocess.Popen:
@@ -210,10 +220,12 @@ def test_two_namespaces_then_shaped_link(namespaces: TwoNamespaces) -> None:
     assert shaped["stats"]["window_s"] > plain["stats"]["window_s"]
 
 
-def test_real_model_across_two_hosts_then_a_replaced_worker(namespaces: TwoNamespaces, tmp_path) -> None:
+def test_real_model_across_two_hosts_then_a_replaced_worker(namespaces: TwoNamespaces, tmp_path,
+                                                            smollm2_dense_llm) -> None:
     """SmolLM2 with stage 1 in the other namespace: greedy tokens equal PP = 1; then the
     other host's worker is SIGKILLed mid-batch and a new ``pipeserve worker`` started
     there: the driver takes it in, replays, and the batch still equals PP = 1."""
+    from pipeserve import SamplingParams
     port = 29535
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
     driver = _start_driver(namespaces, port, "llm")
@@ -222,13 +234,17 @@ def test_real_model_across_two_hosts_then_a_replaced_worker(namespaces: TwoNames
     killer.start()
     lines: list[str] = []
     try:
+        # PP = 1 (the session's dense float32 engine) while the two hosts start.
+        ref = [[o.outputs[0].token_ids for o in smollm2_dense_llm.generate(LLM_PROMPTS, SamplingParams(**p))]
+               for p in (SHORT, LONG)]
         for line in driver.stdout:
             lines.append(line)
-            if line.startswith("PHASE2"):
-                time.sleep(1.0)                       # mid-batch
+            if line.startswith("PHASE2"):             # the driver waits, mid-batch
                 os.killpg(workers[0].pid, signal.SIGKILL)
                 workers[0].wait(timeout=10)
                 workers.append(_start_worker(namespaces, port, stdout=logs[1]))
+                driver.stdin.write("go\n")
+                driver.stdin.flush()
         driver.wait(timeout=60)
         replacement_code = workers[-1].wait(timeout=30)   # it stops with the driver
     finally:
@@ -242,10 +258,9 @@ def test_real_model_across_two_hosts_then_a_replaced_worker(namespaces: TwoNames
     out = "".join(lines)
     assert driver.returncode == 0, out[-4000:] + (tmp_path / "worker1.log").read_text()[-2000:]
     result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT "):])
-    print(f"real SmolLM2 over two namespaces: {result['pp']} (PP=1 {result['ref']}), restarts "
-          f"{result['restarts']}")
-    assert result["pp"][0] == result["ref"][0]
-    assert result["pp"][1] == result["ref"][1]
+    print(f"real SmolLM2 over two namespaces: {result['pp']} (PP=1 {ref}), restarts {result['restarts']}")
+    assert result["pp"][0] == ref[0]
+    assert result["pp"][1] == ref[1]
     assert result["restarts"] >= 1
     assert len(workers) == 2 and replacement_code == 0, (tmp_path / "worker1.log").read_text()[-2000:]
 

@@ -4,8 +4,6 @@ against its dequantized float32 self, and int8/int4 of a tiny safetensors model.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +11,12 @@ import torch
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
-from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
 from tests.checkpoints import build_checkpoint
 
 BLOCK = 16
-POSITIONS = 600
-# Real English prose available offline on every CPython install: its license
-# text (history of the software, then the PSF license).
-TEXT_FILE = Path(os.__file__).parent / "LICENSE.txt"
+POSITIONS = 600     # of the reference text (tests/conftest.py)
 
 
 def _runner(source, quantization: str, cfg=None, blocks: int = 48, dtype=torch.float32) -> ModelRunner:
@@ -47,17 +41,20 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    source = resolve_model("smollm2-135m-instruct")
-    if not TEXT_FILE.is_file():
-        pytest.skip(f"the reference text {TEXT_FILE} is not installed with this Python")
-    tokenizer = load_tokenizer(source)
-    ids = tokenizer.encode(TEXT_FILE.read_text())[:POSITIONS]
-    assert len(ids) == POSITIONS
-    return source, source.load_config(), ids
+def smollm2(smollm2_text):
+    source, cfg, ids = smollm2_text
+    assert len(ids) >= POSITIONS
+    return source, cfg, ids[:POSITIONS]
 
 
-def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
+@pytest.fixture(scope="module")
+def dense_logits(smollm2) -> torch.Tensor:
+    """The dequantized float32 model's teacher-forced logits: the reference both kept paths meet."""
+    source, cfg, ids = smollm2
+    return _all_logits(_runner(source, "none", cfg), ids)
+
+
+def test_kept_smollm2_agrees_with_dequantized_float32(smollm2, dense_logits):
     source, cfg, ids = smollm2
     kept = _runner(source, "auto", cfg)
     assert any(isinstance(m, QuantLinear) for m in kept.model.modules())
@@ -65,10 +62,7 @@ def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
     # Resident weights ≈ the file: ≤ 1.25 x its size (the tied head shares the embedding).
     assert kept.weight_bytes <= 1.25 * source.path.stat().st_size, kept.weight_bytes
     kept_logits = _all_logits(kept, ids)
-    del kept
-    dense = _runner(source, "none", cfg)
-    assert kept_logits.shape == (POSITIONS, dense.cfg.vocab_size)
-    dense_logits = _all_logits(dense, ids)
+    assert kept_logits.shape == (POSITIONS, cfg.vocab_size)
     agree = (kept_logits.argmax(-1) == dense_logits.argmax(-1)).float().mean().item()
     ppl_kept, ppl_dense = _perplexity(kept_logits, ids), _perplexity(dense_logits, ids)
     print(f"top-1 agreement {agree:.4f} over {POSITIONS} positions; perplexity kept {ppl_kept:.3f} "
@@ -77,7 +71,7 @@ def test_kept_smollm2_agrees_with_dequantized_float32(smollm2):
     assert abs(ppl_kept / ppl_dense - 1) <= 0.02, (ppl_kept, ppl_dense)
 
 
-def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, monkeypatch):
+def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, dense_logits, monkeypatch):
     """The decode kernel's integer-activation path (VNNI or AVX2) over every position: each
     matmul runs as decode does, in chunks of at most GEMV_MAX_ROWS rows; in bfloat16 where
     the CPU computes in it natively (VNNI machines), else in float32 (AVX2 ones)."""
@@ -86,7 +80,6 @@ def test_kept_smollm2_decode_kernel_with_int8_activations_agrees(smollm2, monkey
         pytest.skip("integer activations need the C kernel built with AVX512-VNNI or AVX2 + FMA + F16C")
     dtype = torch.bfloat16 if kernels.isa == "avx512-vnni" else torch.float32
     source, cfg, ids = smollm2
-    dense_logits = _all_logits(_runner(source, "none", cfg), ids)
 
     def decode_shaped(w, x):   # [M, K] -> [M, N], through gemv only
         assert kernels.int8_activations(w, x[:GEMV_MAX_ROWS]), (w.source, x.dtype)

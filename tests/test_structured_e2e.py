@@ -41,8 +41,7 @@ ORDER = {"type": "object", "properties": {
         "required": ["sku", "qty"], "additionalProperties": False}},
     "express": {"type": "boolean"}},
     "required": ["id", "status", "items"], "additionalProperties": False}
-TOPICS = ["a nurse", "a painter", "a chef", "a pilot", "a farmer", "an engineer", "a teacher", "a poet",
-          "a student", "a doctor"]
+TOPICS = ["a nurse", "a painter", "a chef", "a pilot", "a farmer"]
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -117,7 +116,7 @@ async def _json_answer(client: openai.AsyncOpenAI, schema: dict, messages: list[
 
 
 def test_json_schema_outputs_validate_streaming_and_not(url):
-    """20 prompts (nested objects, arrays, enums, required fields), each whole and streamed, all at once."""
+    """10 prompts (nested objects, arrays, enums, required fields), each whole and streamed, all at once."""
     async def run():
         client = _async_client(url)
         jobs = _json_jobs()
@@ -125,7 +124,7 @@ def test_json_schema_outputs_validate_streaming_and_not(url):
                                             for stream in (False, True) for schema, messages in jobs])
 
     jobs, answers = asyncio.run(run())
-    assert len(jobs) == 20
+    assert len(jobs) == 10
     for (schema, messages), (text, finish) in zip(jobs * 2, answers):
         assert finish == "stop", (messages, text)
         jsonschema.validate(json.loads(text), schema)

@@ -146,10 +146,8 @@ def test_tool_stream_holds_a_call_and_streams_plain_text():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from pipeserve.model.loader import resolve_model
-    from pipeserve.tokenizer import load_tokenizer
-    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 # A Hermes / Qwen 2.5 style template: renders ``tools`` and each call's arguments as a dict.

@@ -196,22 +196,20 @@ def test_tensor_parallel_kept_quantized_matches_tp1(gguf_files, tiny_checkpoints
     assert two == one
 
 
-def test_smollm2_kept_q4_1_at_tp2_matches_tp1(smollm2_gguf):
+def test_smollm2_kept_q4_1_at_tp2_matches_tp1(smollm2_gguf, smollm2_kept_reference):
     """The built-in Q4_1 GGUF kept quantized: 6 + 3 heads, 672 + 864 MLP rows (all on
     32-weight blocks), the same greedy tokens as one rank (float32 activations; the partial
     sums' order moved none), and TP rank 0 holds about half the resident weight bytes."""
-    from pipeserve import LLM, SamplingParams
+    from pipeserve import LLM
     from tests.test_engine_behaviour import token_lists
-    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=5)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(1, seed=23, vocab=49152)]
-    got, resident = [], []
-    for tp in (1, 2):
-        with LLM(model=str(smollm2_gguf), dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1,
-                 quantization="auto", tensor_parallel_size=tp) as llm:
-            got.append(token_lists(llm.generate(prompts, params, use_tqdm=False)))
-            resident.append(llm.stats()["weight_bytes"][0])
-    assert got[1] == got[0] and len(got[0][0]) == 5
-    assert 0.4 < resident[1] / resident[0] < 0.6, resident
+    from tests.test_pipeline_equivalence import GREEDY
+    prompts, one_rank, one_rank_bytes = smollm2_kept_reference
+    with LLM(model=str(smollm2_gguf), dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1,
+             quantization="auto", tensor_parallel_size=2) as llm:
+        got = token_lists(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+        rank0_bytes = llm.stats()["weight_bytes"][0]
+    assert got == one_rank
+    assert 0.4 < rank0_bytes / one_rank_bytes < 0.6, (rank0_bytes, one_rank_bytes)
 
 
 def test_llm_refuses_a_split_off_the_blocks_before_starting_processes(gguf_files):
