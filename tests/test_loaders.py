@@ -254,3 +254,30 @@ def test_hf_tokenizer_round_trip_and_chat_template(tied):
     tok._tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch, caplog):
+    """The built-in GGUF's tokenizer, converted by transformers on the first load, saved
+    under the cache directory, and read back identical on the next; a damaged saved copy
+    is converted again with a warning."""
+    monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path))
+    source = resolve_model("smollm2-135m-instruct")
+    converted = load_tokenizer(source)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    cached = load_tokenizer(source)
+    text = "Pipelines split <|im_start|>layers<|im_end|> over\tmachines  ünïcode 1234"
+    assert cached.encode(text) == converted.encode(text)
+    ids = converted.encode(text)
+    assert cached.decode(ids, skip_special_tokens=False) == converted.decode(ids, skip_special_tokens=False)
+    assert (cached.eos_token_ids, cached.bos_token_id, cached.vocab_size, cached.chat_template) == (
+        converted.eos_token_ids, converted.bos_token_id, converted.vocab_size, converted.chat_template)
+    assert converted.chat_template and "<|im_start|>" in converted.chat_template
+    (saved / "tokenizer_config.json").write_text("{ not json")
+    with caplog.at_level("WARNING", logger="pipeserve.tokenizer"):
+        again = load_tokenizer(source)
+    assert "converting the GGUF's again" in caplog.text
+    assert again.encode(text) == converted.encode(text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeserve.tokenizer"):   # the damaged copy was replaced
+        assert load_tokenizer(source).encode(text) == converted.encode(text)
+    assert caplog.text == ""

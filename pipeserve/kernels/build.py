@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pipeserve.config import cache_root
+
 _HERE = Path(__file__).resolve().parent
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _BUILD_TIMEOUT_S = 300
@@ -30,8 +32,7 @@ class KernelBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PIPESERVE_CACHE_DIR") or Path.home() / ".cache" / "pipeserve"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str:

@@ -12,6 +12,7 @@ context size rather than per sequence length): there we follow transformers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable
@@ -59,8 +60,22 @@ _EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exp
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
+    """The file's reader, parsed once per process and version of the file: parsing walks
+    every metadata string (seconds for a 49k-token vocabulary), and loading a model asks
+    for it several times (config, chat template, weights). Readers only read; the
+    tensors' data stays memory-mapped."""
+    path = Path(path).resolve()
     try:
-        return gguf.GGUFReader(str(path))
+        stat = path.stat()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
+    return _parsed_gguf(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_gguf(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
     except Exception as exc:  # the package raises bare ValueErrors on bad magic etc.
         raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
 
