@@ -16,13 +16,13 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-@functools.lru_cache(maxsize=1)
 def cache_root() -> Path:
     """Where pipeserve keeps what it builds once per machine (compiled kernels, converted
     tokenizers): ``$PIPESERVE_CACHE_DIR``, default ``~/.cache/pipeserve``."""
     return Path(os.environ.get("PIPESERVE_CACHE_DIR") or Path.home() / ".cache" / "pipeserve")
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (x86 AVX512_BF16 or AMX-BF16, Arm BF16).
     Without it, PyTorch's bfloat16 matmuls convert in software: on an AVX2 EPYC they ran
