@@ -19,6 +19,23 @@ from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
 from tests.checkpoints import build_checkpoint
 
+def _fused_stage_available() -> str | None:
+    """Why the fused stage cannot run on this machine, or None."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    from pipeserve.model.quant.cpu_kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_integer_activations:
+        return "this CPU's decode gemv has no integer activations (portable build): the fused stage does not apply"
+    try:
+        load_kernel("decode_stage")
+    except KernelBuildError as exc:
+        return f"decode_stage.c does not build here: {exc}"
+    return None
+
+
+_WHY_NOT = _fused_stage_available()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
+
 BLOCK = 16
 GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
 
