@@ -21,12 +21,12 @@ import ctypes
 import re
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.quant_gemv_bw import COLD_BYTES, LAYERS, SHAPES, _copies, _weight
+from benchmarks.quant_kernels import timed
 from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
 from pipeserve.model.quant.cpu_kernels import QuantKernels, _weight_args
 
@@ -68,22 +68,12 @@ class Rows:
         self.rows(kind, qs, sc, mn, n, k, group, qh, zero, self.act.data_ptr(), self.m, n0, n1, self.out.data_ptr())
 
 
-def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def side_by_side(runs: dict, rounds: int, repeats: int) -> dict:
     """Best time of each labelled function, the labels alternating ``rounds`` times."""
     out = {label: float("inf") for label in runs}
     for _ in range(rounds):
         for label, fn in runs.items():
-            out[label] = min(out[label], best(fn, repeats))
+            out[label] = min(out[label], timed(fn, repeats) / 1e6)   # seconds
     return out
 
 
