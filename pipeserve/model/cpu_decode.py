@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
-from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS
+from pipeserve.model.quant.cpu_kernels import _KINDS, GEMM_MIN_ROWS, GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel
@@ -127,7 +127,6 @@ class FusedDecode:
 
 
 def _qweight(w) -> _QWeight:
-    from pipeserve.model.quant.cpu_kernels import _KINDS
     return _QWeight(w.qs.data_ptr(), None if w.qh is None else w.qh.data_ptr(), w.scale.data_ptr(),
                     None if w.minv is None else w.minv.data_ptr(), w.out_features, w.in_features, w.group,
                     _KINDS[w.kind], w.zero)
@@ -182,7 +181,6 @@ def _why_not(model: LlamaModel) -> str | None:
 def _build(model: LlamaModel) -> FusedDecode | str:
     """The fused stage, or why not (a weight layout without integer activations here)."""
     from pipeserve.kernels.build import load_kernel
-    from pipeserve.model.quant.cpu_kernels import _KINDS
     quant, attention, elementwise = (load_kernel(name) for name in ("quant_matmul", "paged_attention",
                                                                     "elementwise"))
     addr = lambda lib, name: ctypes.cast(getattr(lib, name), _p).value   # noqa: E731
