@@ -191,6 +191,15 @@ weights_avx2(int kind, const uint8_t *q, int64_t k, __m256 s, __m256 b, __m256 *
     }
 }
 
+/* Group g's scale and offset, broadcast: a weight is code * s + b (b: its minimum, less
+ * `zero` codes' worth of scale). */
+static inline __attribute__((always_inline)) void
+group_scale_avx2(const uint16_t *sc, const uint16_t *mn, int zero, int64_t g, __m256 *s, __m256 *b) {
+    const float sg = _cvtsh_ss(sc[g]);
+    *s = _mm256_set1_ps(sg);
+    *b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+}
+
 static inline __attribute__((always_inline)) void
 row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
         const float *x, int m_rows, float *res) {
@@ -198,8 +207,8 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int 
     const int step = kind == 4 ? 32 : 16, nw = step / 8;   /* a q8 group may be 16 (Q6_K) */
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
-        const float sg = _cvtsh_ss(sc[g]);
-        const __m256 s = _mm256_set1_ps(sg), b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+        __m256 s, b;
+        group_scale_avx2(sc, mn, zero, g, &s, &b);
         for (int64_t k = g * group; k < (g + 1) * group; k += step) {
             __m256 w[4];
             weights_avx2(kind, q, k, s, b, w);
@@ -227,8 +236,8 @@ static void dequant_row_avx2(int kind, const uint8_t *q, const uint16_t *sc, con
                              int64_t K, int64_t group, void *out, int out_bf16, int64_t o) {
     const int step = kind == 4 ? 32 : 16, nw = step / 8;
     for (int64_t g = 0; g < K / group; g++) {
-        const float sg = _cvtsh_ss(sc[g]);
-        const __m256 s = _mm256_set1_ps(sg), b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+        __m256 s, b;
+        group_scale_avx2(sc, mn, zero, g, &s, &b);
         for (int64_t k = g * group; k < (g + 1) * group; k += step) {
             __m256 w[4];
             weights_avx2(kind, q, k, s, b, w);
