@@ -137,10 +137,9 @@ class PipelineExecutor(Executor):
         self.watchdog.stop()
         others = [s for s in range(self.num_stages) if not self.world.local(s)]
         self.links.close(stop_stages=others if kill else [], kind=remote)
+        self.links.join(timeout=0.5)     # let a STOP / RESET leave first
         if kill:
-            self.links.join(timeout=0.5, senders_only=True)   # let the STOP / RESET leave first
             self.world.stop(grace=0.0)
-        self.links.join(timeout=0.5)
 
     def recover(self) -> None:
         """Replace the failed generation with a new one: every local stage is killed and
@@ -315,8 +314,8 @@ class PipelineExecutor(Executor):
         if clean:
             self.watchdog.stop()
             self.links.close(stop_stages=list(range(self.num_stages)))
+            self.links.wait_byes(timeout=5.0)      # their last intervals, before the sockets close
             self.world.stop(grace=5.0)
-            self.links.receiver.join(timeout=2.0)
         self._end_generation(kill=True)
         if self.config.trace_file and self.timelines.has_steps():
             self.write_trace(self.config.trace_file)

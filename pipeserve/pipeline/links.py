@@ -1,10 +1,13 @@
-"""The driver's links to one generation of stages: a sender thread per stage and one receiver.
+"""The driver's links to one generation of stages: a sender thread per stage, and a
+receiver that runs on the transport's reader threads.
 
 One sender per stage: a stage that stops reading blocks only its own queue, so
 the others still answer the pings that name the silent one. A message whose
 stage has nothing queued goes out at once from the caller's thread (the
 engine's, for a step): a hand-off to the sender thread would cost a thread
-wake-up per step, which a lone request pays on every token. The receiver hands
+wake-up per step, which a lone request pays on every token. For the same reason
+messages are received on the thread that read them from the socket (one per
+stage, serialised here), not handed to a receiving thread: the receiver hands
 every message to ``on_message`` except PONGs, which it keeps for ``ping``.
 A broken link (a stage that died resets its sockets) is reported once through
 ``on_broken``; what it means is the owner's business.
@@ -36,12 +39,14 @@ class Links:
         self._pending = [0] * num_stages          # queued, not yet sent: a direct send must not pass them
         self._direct = [True] * num_stages       # False once its link broke or the links closed
         self._lock = threading.Lock()
-        senders = [threading.Thread(target=self._send_loop, args=(stage, q), name=f"pp-send-{stage}",
-                                    daemon=True) for stage, q in self._sendqs.items()]
-        self.receiver = threading.Thread(target=self._recv_loop, name="pp-driver-recv", daemon=True)
-        self.threads = senders + [self.receiver]
+        self._receive_lock = threading.Lock()     # one message at a time, whichever stage it is from
+        self._ended = False                       # broken, or every stage said BYE: ignore the rest
+        self._all_bye = threading.Event()
+        self.threads = [threading.Thread(target=self._send_loop, args=(stage, q), name=f"pp-send-{stage}",
+                                         daemon=True) for stage, q in self._sendqs.items()]
         for t in self.threads:
             t.start()
+        transport.set_receiver(self._receive)
 
     def send(self, stage: int, kind: Kind, obj: Any = None) -> None:
         with self._lock:
@@ -79,10 +84,14 @@ class Links:
                 sendq.put((kind, None))
             sendq.put(None)
 
-    def join(self, timeout: float, senders_only: bool = False) -> None:
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for each sender to end."""
         for thread in self.threads:
-            if not (senders_only and thread is self.receiver):
-                thread.join(timeout=timeout)
+            thread.join(timeout=timeout)
+
+    def wait_byes(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every stage's BYE (their last intervals)."""
+        return self._all_bye.wait(timeout)
 
     # -- threads -------------------------------------------------------------
     def _send_loop(self, stage: int, sendq: queue.Queue) -> None:
@@ -107,23 +116,25 @@ class Links:
             return False
         return True
 
-    def _recv_loop(self) -> None:
-        while len(self._byes) < self.num_stages:
-            try:
-                message = self.transport.recv()
-            except Exception as exc:
-                self._on_broken(f"lost the connection to the pipeline stages: {exc}")
+    def _receive(self, message: Message) -> None:
+        with self._receive_lock:
+            if self._ended:
                 return
             if message.kind == Kind.PONG:
                 self._pongs.put((message.src - 1, message.obj, message.arrived))
-                continue
+                return
             if message.kind == Kind.BYE:
                 self._byes.add(message.src - 1)
             if message.kind == Kind.LOST and message.src - 1 not in self._byes:
+                self._ended = True
                 self._on_broken(f"lost the connection to pipeline stage {message.src - 1}: {message.obj}")
                 return
             if message.kind == Kind.LINK_DOWN:
+                self._ended = True
                 self._on_broken(f"pipeline stage {message.src - 1} cannot reach stage {message.obj[0] - 1}: "
                                 f"{message.obj[1]}")
                 return
             self._on_message(message)
+            if len(self._byes) == self.num_stages:
+                self._ended = True
+                self._all_bye.set()

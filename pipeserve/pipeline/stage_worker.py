@@ -1,10 +1,16 @@
 """One pipeline stage process: receive a micro-batch, run its layers, pass it on.
 
-The stage makes no decisions. Its main thread receives (any source), computes
-and hands the result to a sender thread, then immediately receives the next
-micro-batch: sends overlap the next compute. Every interval it spends is
-recorded (see ``pipeserve.metrics.timeline``) and piggybacks on the next
-message it sends; the last stage's results carry them to the driver.
+The stage makes no decisions. It handles one message at a time, in arrival
+order, and hands large results to a sender thread, so their transfer overlaps
+the next compute. Who handles a message: the transport's reader thread that
+read it, when it is a small step (a decode's activations) and the stage is idle;
+otherwise the main thread, which takes the backlog in order. Waking the main
+thread would cost a thread hand-off on every hop, which one request alone pays
+on every token; a large step (a prefill) goes to the main thread so that the
+reader keeps reading the next one from the socket while this one computes.
+Every interval the stage spends is recorded (see ``pipeserve.metrics.timeline``)
+and piggybacks on the next message it sends; the last stage's results carry
+them to the driver.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind, Message, Transport
 from pipeserve.metrics.timeline import Interval
 from pipeserve.pipeline.spec import PipelineSpec, StepEnvelope
@@ -30,22 +37,43 @@ STOPPED, LOST_DRIVER, RESET = "stopped", "lost the driver", "reset by the driver
 
 
 class IntervalLog:
-    """Intervals not yet shipped to the driver (the main and sender threads both add)."""
+    """Intervals not yet shipped to the driver (the handling and sender threads both add):
+    this stage's own and those an earlier stage's step carried in.
+
+    They ride on the steps and results that go towards the driver, but at most every
+    ``SHIP_EVERY_S`` seconds: encoding and decoding four intervals a hop would add
+    ~60 us to each hop of every token. The driver's FLUSH takes the rest at once."""
+
+    SHIP_EVERY_S = 0.25
 
     def __init__(self, stage: int) -> None:
         self.stage = stage
         self._pending: list[Interval] = []
         self._lock = threading.Lock()
+        self._shipped = time.monotonic()
 
     def add(self, kind: str, start: float, end: float, step_id: int = -1, chunk: int = 0) -> None:
         if end > start:
             with self._lock:
                 self._pending.append(Interval(self.stage, kind, start, end, step_id, chunk))
 
+    def carry(self, intervals: list[Interval]) -> None:
+        if intervals:
+            with self._lock:
+                self._pending.extend(intervals)
+
     def drain(self) -> list[Interval]:
         with self._lock:
             out, self._pending = self._pending, []
+            self._shipped = time.monotonic()
             return out
+
+    def due(self) -> list[Interval]:
+        """What to attach to the message going out now: everything, if the last shipment is
+        ``SHIP_EVERY_S`` old; else nothing."""
+        if time.monotonic() - self._shipped < self.SHIP_EVERY_S:
+            return []
+        return self.drain()
 
 
 class Sender(threading.Thread):
@@ -107,17 +135,26 @@ class Sender(threading.Thread):
 
 
 class StageWorker:
-    def __init__(self, spec: PipelineSpec, stage: int, runners: dict[int, Any], transport: Transport) -> None:
+    def __init__(self, spec: PipelineSpec, stage: int, runners: dict[int, Any], transport: TcpTransport) -> None:
         self.spec, self.stage, self.runners = spec, stage, runners
         self.rank = stage + 1
         self.transport = transport
         self.log = IntervalLog(stage)
         self.sender = Sender(transport, self.log)
-        self.loopback: deque[Message] = deque()   # chunk handoffs to ourselves (P = 1, V > 1)
+        # The messages not yet handled (chunk hand-offs to ourselves, P = 1 and V > 1, go
+        # first), whether one is being handled, and since when none is.
+        self._cv = threading.Condition()
+        self._backlog: deque[Message] = deque()
+        self._busy = False
+        self._idle_since = time.time()
+        self._crash: BaseException | None = None   # raised on a reader thread; re-raised by run()
+        # A CUDA stage computes on its main thread only: the current device and stream are per thread.
+        self._direct = spec.config.device != "cuda"
 
     def run(self) -> str:
         """Serve until the driver says STOP or RESET, or its connection is lost; returns which."""
         self.sender.start()
+        self.transport.set_receiver(self._arrived)
         while True:
             message = self._next_message()
             if message.kind == Kind.STOP:
@@ -126,25 +163,57 @@ class StageWorker:
             if message.src == 0 and message.kind in (Kind.LOST, Kind.RESET):
                 outcome = LOST_DRIVER if message.kind == Kind.LOST else RESET
                 break
-            self._handle(message)
+            try:
+                self._handle(message)
+            finally:
+                self._idle()
+        # still busy: a step arriving from now on waits in the backlog, unhandled
         if outcome == STOPPED:
             self.sender.put(0, Kind.BYE, self.log.drain())
         self.sender.close()
         return outcome
 
+    def _arrived(self, message: Message) -> None:
+        """On a transport reader thread: handle a small step here if the stage is idle, else
+        queue the message for the main thread."""
+        with self._cv:
+            direct = (self._direct and not self._busy and not self._backlog and message.kind == Kind.STEP
+                      and (message.tensor is None or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES))
+            if not direct:
+                self._backlog.append(message)
+                self._cv.notify()
+                return
+            self._busy = True
+        try:
+            self._handle(message)
+        except BaseException as exc:      # the main thread's death, as if it had run the step
+            with self._cv:
+                self._crash = exc
+                self._cv.notify()
+            return
+        self._idle()
+
     def _next_message(self) -> Message:
-        if self.loopback:
-            return self.loopback.popleft()
-        start = time.time()
-        message = self.transport.recv()
-        self.log.add("wait", start, message.arrived)
-        if message.kind == Kind.STEP:
-            env: StepEnvelope = message.obj
-            self.log.add("recv", message.arrived, time.time(), env.step.step_id, env.chunk)
-        return message
+        with self._cv:
+            while self._crash is None and (self._busy or not self._backlog):
+                self._cv.wait()
+            if self._crash is not None:
+                raise self._crash
+            self._busy = True
+            return self._backlog.popleft()
+
+    def _idle(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._idle_since = time.time()
+            if self._backlog:
+                self._cv.notify()
 
     def _handle(self, message: Message) -> None:
+        self.log.add("wait", self._idle_since, message.arrived)
         if message.kind == Kind.STEP:
+            env: StepEnvelope = message.obj
+            self.log.add("recv", max(message.arrived, self._idle_since), time.time(), env.step.step_id, env.chunk)
             self._run_step(message.obj, message.tensor)
         elif message.kind == Kind.PING:
             self.sender.put(0, Kind.PONG, message.arrived)
@@ -183,13 +252,15 @@ class StageWorker:
             self.sender.put(0, Kind.ERROR, (step_id, self.stage, traceback.format_exc()))
             return
         self.log.add("compute", start, time.time(), step_id, chunk)
-        intervals = env.intervals + self.log.drain()
+        self.log.carry(env.intervals)
+        intervals = self.log.due()
         if isinstance(out, StepOutput):
             self.sender.put(0, Kind.RESULT, (out, intervals), step_id=step_id, chunk=chunk)
             return
         nxt = StepEnvelope(env.step, chunk + 1, intervals)
         dst = (chunk + 1) % self.spec.num_stages + 1
         if dst == self.rank:
-            self.loopback.append(Message(self.rank, Kind.STEP, nxt, out, time.time()))
+            with self._cv:              # the next thing this stage handles
+                self._backlog.appendleft(Message(self.rank, Kind.STEP, nxt, out, time.time()))
         else:
             self.sender.put(dst, Kind.STEP, nxt, out, step_id, chunk)

@@ -38,7 +38,9 @@ class SleepRunner:
         self.dtype, self.device = dtype, torch.device(device)
 
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
-        time.sleep(self.source.step_seconds + self.source.seconds_per_token * step.num_tokens)
+        seconds = self.source.step_seconds + self.source.seconds_per_token * step.num_tokens
+        if seconds > 0:      # sleep(0) still yields the core: ~0.1 ms on a busy machine
+            time.sleep(seconds)
         if self.is_first:
             ids = torch.tensor([t for s in step.seqs for t in s.token_ids], dtype=self.dtype)
             hidden = ids[:, None].expand(-1, self.cfg.hidden_size).contiguous()  # [num_tokens, hidden]
