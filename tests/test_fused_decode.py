@@ -183,3 +183,44 @@ def test_stages_it_does_not_apply_to_say_why(setting, tmp_path, monkeypatch, cap
         _decode_logits([runner], [list(range(3, 12))], 1)
     assert runner.model.fused_decode is False
     assert "the fused C stage does not apply" in caplog.text
+
+
+def test_profile_splits_the_fused_stage_by_class(tmp_path):
+    """--profile on a stage whose decodes take the fused path: the one C call's time goes to
+    decode_gemm / decode_attention / kv_write / elementwise by the clock its C code keeps,
+    the gemm FLOPs are exact, and the tokens are the unprofiled ones."""
+    from pipeserve.worker.profiler import StageProfiler
+    source = resolve_model(str(build_checkpoint("llama_tied_gqa", tmp_path)))
+    cfg = source.load_config()
+    prompts, steps = [list(range(3, 20)), list(range(30, 41))], 6
+    tables = [[0, 1], [2, 3]]
+
+    def generate(runner) -> list[list[int]]:
+        out = [runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))]
+        for s in range(steps):
+            last = {t.seq_id: t.token_id for t in out[-1].sampled}
+            out.append(runner.execute(StepInput(s + 1, [SeqStep(i, [last[i]], len(p) + s, tables[i], GREEDY)
+                                                        for i, p in enumerate(prompts)])))
+        return [[t.token_id for t in o.sampled] for o in out]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = _runner(source, cfg, quantization="int8")
+        profiled = _runner(source, cfg, quantization="int8")
+        profiler = StageProfiler(0)
+        profiler.instrument(profiled)
+        assert generate(profiled) == generate(plain)
+    finally:
+        torch.set_num_threads(previous)
+    assert plain.model.fused_decode and profiled.model.fused_decode
+    snap = profiler.snapshot()
+    for name in ("decode_gemm", "decode_attention", "kv_write", "elementwise"):
+        assert snap.ns[name] > 0, name
+    per_token = sum(2 * k * n for k, n in (
+        (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
+        (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))
+    assert snap.flops["decode_gemm"] == pytest.approx(steps * len(prompts) * cfg.num_layers * per_token)
+    assert snap.flops["prefill_gemm"] == pytest.approx(sum(map(len, prompts)) * cfg.num_layers * per_token)
+    # the classes and the runner's own Python add up to the busy time, nothing counted twice
+    assert sum(snap.ns.values()) == pytest.approx(snap.busy_ns, rel=0.02)

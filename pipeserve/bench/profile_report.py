@@ -6,7 +6,7 @@ computes the classes; the stage timelines add the communication: receiving
 a step's frame, the sender thread's time, idle waiting). The roofline's
 peaks come from a hardware file (``--roofline-hardware``, as ``pipeserve plan
 --calibrate`` writes it) or, without one, from a short measurement here: the
-best of a few bfloat16 GEMMs on all cores and a large copy.
+best of a few GEMMs in the run's dtype on all cores and a large copy.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from pipeserve.metrics.profile import Roofline, breakdown, format_breakdown, sub
 GEMM_SHAPE = (512, 2048, 2048)
 
 
-def measure_roofline(repeats: int = 8) -> Roofline:
-    """bf16 GEMM peak and copy bandwidth of this machine, on all its cores (best of ``repeats``)."""
+def measure_roofline(dtype_name: str = "bfloat16", repeats: int = 8) -> Roofline:
+    """GEMM peak in the activations' dtype and copy bandwidth of this machine, on all its
+    cores (best of ``repeats``). The dtype matters: a CPU without native bfloat16 runs a
+    bfloat16 GEMM at a small fraction of its float32 rate."""
     import torch
 
     from pipeserve.plan.calibrate import measure_bandwidth
@@ -31,7 +33,8 @@ def measure_roofline(repeats: int = 8) -> Roofline:
     torch.set_num_threads(cores)
     try:
         m, k, n = GEMM_SHAPE
-        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+        dtype = getattr(torch, dtype_name)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         torch.nn.functional.linear(a, b)
         best = float("inf")
         for _ in range(repeats):
@@ -42,7 +45,7 @@ def measure_roofline(repeats: int = 8) -> Roofline:
     finally:
         torch.set_num_threads(threads)
     return Roofline(2 * m * n * k / best, bandwidth, cores,
-                    f"measured at start: torch bf16 GEMM {m}x{k}x{n}, 256 MiB copy")
+                    f"measured at start: torch {dtype_name} GEMM {m}x{k}x{n}, 256 MiB copy")
 
 
 def roofline_from_file(path: str) -> Roofline:

@@ -127,7 +127,7 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
     roofline = None
     if config.profile:   # measured before the stages start, so they do not compete with it
         roofline = (roofline_from_file(args.roofline_hardware) if args.roofline_hardware
-                    else measure_roofline())
+                    else measure_roofline(config.torch_dtype_name))
     llm = LLM(**dataclasses.asdict(config))
     gantt = None
     try:

@@ -22,11 +22,17 @@
  * The layer: x, r = rmsnorm(h + r); qkv = x Wqkv^T (+ b); q, k = rope(q, k);
  * cache[slot] = k, v; a = attention(q); o = a Wo^T; x, r = rmsnorm(o + r);
  * gu = x Wgu^T; h = (silu(g) * u) Wdown^T. The stage returns h + r.
+ *
+ * --profile: with a step's ``prof`` set, thread 0 adds the wall time between the
+ * team's meeting points to the class of work done there (``PROF_*``: the matmuls
+ * with their activation quantization, the attention with its plan, the KV write,
+ * the row operations), splitting a one-thread block by its parts' clock times.
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "vec_math.h"
 
@@ -90,7 +96,31 @@ typedef struct {
     const int64_t *context_lens;           /* [rows] */
     int64_t max_blocks, block_size;
     int64_t bf16;                          /* activations, weights of the norms and bias, cache: bfloat16 */
+    double *prof;                          /* NULL, or PROF_N nanosecond totals to add to */
 } stage_step;
+
+enum { PROF_GEMM, PROF_ATTENTION, PROF_KV_WRITE, PROF_ROWS, PROF_N };
+
+static double stamp(const double *prof) {
+    if (!prof) return 0.0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+/* Thread 0: the time since *last goes to the classes c[0..n): the first n - 1 their
+ * measured part[i], the last the rest. */
+static void account(double *prof, int t, double *last, const int *c, const double *part, int n) {
+    if (!prof || t) return;
+    const double now = stamp(prof);
+    double rest = now - *last;
+    for (int i = 0; i < n - 1; i++) {
+        prof[c[i]] += part[i];
+        rest -= part[i];
+    }
+    prof[c[n - 1]] += rest > 0 ? rest : 0;
+    *last = now;
+}
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -182,31 +212,45 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     const int64_t row_bytes = kvn * a->es;
     int failed = 0;
     int64_t items = 0;
+    double *prof = s->prof;
+    double part[2];                        /* a one-thread block's measured parts (--profile) */
+    static const int rows_gemm[2] = {PROF_ROWS, PROF_GEMM}, gemm[1] = {PROF_GEMM}, attention[1] = {PROF_ATTENTION},
+                     rope_write_plan[3] = {PROF_ROWS, PROF_KV_WRITE, PROF_ATTENTION};
 #pragma omp parallel num_threads(num_threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        double last = t == 0 ? stamp(prof) : 0.0;
         for (int64_t l = 0; l < num_layers && !failed; l++) {
             const stage_layer *L = &layers[l];
 #pragma omp single
             {   /* x, r = rmsnorm(h + r) (the first layer: r = h) */
+                const double t0 = stamp(prof);
                 if (l == 0) k->rmsnorm(h, NULL, NULL, L->input_norm, x, M, s->hidden, s->eps);
                 else k->rmsnorm(h, res, res, L->input_norm, x, M, s->hidden, s->eps);
                 if (l == 0) memcpy(res, h, (size_t)(M * s->hidden * a->es));
+                part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->qkv, x, M, xf, actbuf);
             }
+            account(prof, t, &last, rows_gemm, part, 2);
             thread_rows(k, a, &L->qkv, L->qkv_bias, actbuf, M, qkv, out32, t, T);
 #pragma omp barrier
+            account(prof, t, &last, gemm, part, 1);
 #pragma omp single
             {   /* rotate q and k (adjacent in each row) in one call; cache k and v; plan */
+                const double t0 = stamp(prof);
                 k->rope(qkv, qkv_n, qk, M, s->heads + s->kv_heads, D, s->cos, s->sin);
+                const double t1 = stamp(prof);
                 for (int64_t m = 0; m < M; m++) {
                     to_f32(a, e(a, qk, m * (qn + kvn)), q + m * qn, qn);
                     memcpy(L->k_cache + s->slots[m] * row_bytes, e(a, qk, m * (qn + kvn) + qn), (size_t)row_bytes);
                     memcpy(L->v_cache + s->slots[m] * row_bytes, e(a, qkv, m * qkv_n + qn + kvn), (size_t)row_bytes);
                 }
+                part[0] = t1 - t0;
+                part[1] = stamp(prof) - t1;
                 items = k->plan(plan, s->context_lens, M, s->heads, s->kv_heads, D, s->block_size, L->window, T);
                 if (items < 0) failed = 1;
             }
+            account(prof, t, &last, rope_write_plan, part, 3);
             if (failed) break;
             k->items(plan, q, L->k_cache, L->v_cache, a->bf16, s->block_tables, s->max_blocks, s->context_lens,
                      s->scale, L->softcap, a->bf16, items * t / T, items * (t + 1) / T);
@@ -217,24 +261,34 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 from_f32(a, attn32, attn, bh0 * D, bh1 * D);
             }
 #pragma omp barrier
+            account(prof, t, &last, attention, part, 1);
 #pragma omp single
             prepare(k, a, &L->o, attn, M, xf, actbuf);
             thread_rows(k, a, &L->o, NULL, actbuf, M, o, out32, t, T);
 #pragma omp barrier
+            account(prof, t, &last, gemm, part, 1);
 #pragma omp single
             {   /* x, r = rmsnorm(o + r) */
+                const double t0 = stamp(prof);
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
+                part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->gate_up, x, M, xf, actbuf);
             }
+            account(prof, t, &last, rows_gemm, part, 2);
             thread_rows(k, a, &L->gate_up, NULL, actbuf, M, gu, out32, t, T);
 #pragma omp barrier
+            account(prof, t, &last, gemm, part, 1);
 #pragma omp single
             {
+                const double t0 = stamp(prof);
                 k->silu_mul(gu, act_in, M, s->inter);
+                part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->down, act_in, M, xf, actbuf);
             }
+            account(prof, t, &last, rows_gemm, part, 2);
             thread_rows(k, a, &L->down, NULL, actbuf, M, h, out32, t, T);
 #pragma omp barrier
+            account(prof, t, &last, gemm, part, 1);
         }
     }
     if (!failed) {   /* h + r, rounded as PyTorch's add */

@@ -128,7 +128,7 @@ class Roofline:
     """Peak rates a class's FLOPs and bytes are held against (per stage: the
     machine's figures times the stage's share of the cores)."""
 
-    gemm_flops: float          # FLOP/s, bf16 GEMM peak of the whole machine
+    gemm_flops: float          # FLOP/s, GEMM peak of the whole machine in the activations' dtype
     mem_bandwidth: float       # bytes/s of the whole machine
     cores: int
     source: str                # where the figures came from
@@ -179,7 +179,7 @@ def format_breakdown(stages: list[dict], driver: dict | None, roofline: Roofline
     """The breakdown as a plain-text table (the bench prints it; the README copies it)."""
     lines = []
     if roofline:
-        lines.append(f"roofline: bf16 GEMM peak {roofline.gemm_flops / 1e9:.0f} GFLOP/s, memory "
+        lines.append(f"roofline: GEMM peak {roofline.gemm_flops / 1e9:.0f} GFLOP/s, memory "
                      f"{roofline.mem_bandwidth / 1e9:.1f} GB/s over {roofline.cores} cores ({roofline.source}); "
                      "a stage gets its threads' share")
     for st in stages:

@@ -58,7 +58,9 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slots", _p),
                 ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64),
-                ("bf16", _i64)]
+                ("bf16", _i64), ("prof", _p)]
+
+PROF_CLASSES = ("gemm", "attention", "kv_write", "rows")   # decode_stage.c's PROF_* order
 
 
 class FusedDecode:
@@ -77,6 +79,8 @@ class FusedDecode:
         # The decode gemv's rows: as many as it takes, except that from GEMM_MIN_ROWS the
         # Python layers give bfloat16 to the many-row kernel where there is one (quant_gemm.c)
         self.max_rows = GEMM_MIN_ROWS - 1 if self._step.bf16 else GEMV_MAX_ROWS
+        # --profile (``enable_profile``): nanoseconds per PROF_CLASSES, added to by each launch
+        self.prof_ns = None
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
         """Every row a decode, at most ``max_rows`` of them, and a cache in the stage's dtype
@@ -97,13 +101,27 @@ class FusedDecode:
         s.rows, s.cos, s.sin, s.slots = out.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         s.block_tables, s.context_lens = args.tables_ptr, args.lens_ptr
         s.max_blocks, s.block_size = args.max_blocks, args.block_size
-        rc = self._run(ctypes.byref(self._kernels), layers, len(self._weights), ctypes.byref(s), out.data_ptr(),
-                       torch.get_num_threads())
+        self.launch(layers, out)
+        return out
+
+    def enable_profile(self) -> None:
+        self.prof_ns = (ctypes.c_double * len(PROF_CLASSES))()
+        self._step.prof = ctypes.addressof(self.prof_ns)
+
+    def take_profile(self) -> dict[str, float]:
+        """Nanoseconds per class since the last take (``enable_profile`` first)."""
+        out = dict(zip(PROF_CLASSES, self.prof_ns))
+        ctypes.memset(self.prof_ns, 0, ctypes.sizeof(self.prof_ns))
+        return out
+
+    def launch(self, layers, out: torch.Tensor) -> None:
+        """The C call (the one --profile times)."""
+        rc = self._run(ctypes.byref(self._kernels), layers, len(self._weights), ctypes.byref(self._step),
+                       out.data_ptr(), torch.get_num_threads())
         if rc == -1:
             raise MemoryError("fused decode stage: cannot allocate its scratch")
         if rc != 0:
             raise RuntimeError(f"fused decode stage: the attention plan failed (code {rc})")
-        return out
 
     def _bind(self, kv_caches: list[KVCache]):
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)

@@ -167,8 +167,9 @@ class LlamaModel(nn.Module):
                     module.ops = ops
 
     # The stage's decode steps in one C call (pipeserve/model/cpu_decode.py): None until the
-    # first CPU forward decides, then the FusedDecode or False.
+    # first CPU forward decides, then the FusedDecode or False; --profile's hook sees it made.
     fused_decode = None
+    on_fused_decode = None
 
     @property
     def num_layers(self) -> int:
@@ -189,6 +190,8 @@ class LlamaModel(nn.Module):
         if fused is None and h.device.type == "cpu" and self.layers:   # decided once, with the weights loaded
             from pipeserve.model.cpu_decode import fused_decode
             fused = self.fused_decode = fused_decode(self) or False
+            if fused and self.on_fused_decode is not None:
+                self.on_fused_decode(fused)
         if fused and fused.applies(h, attn_metadata, kv_caches):
             return fused(h, ropes["global"], attn_metadata, kv_caches)
         residual = None

@@ -6,7 +6,9 @@ the methods that do each class of work with timed wrappers
 and decode rows by the step's row counts), the attention backend's prefill
 and decode halves and its cache write, the norms, the attention and MLP
 modules' own elementwise work (RoPE, SiLU-mul), the LM head and the sampler,
-and ``execute`` itself (what is left is the runner's own Python). Without
+and ``execute`` itself (what is left is the runner's own Python). A fused decode
+stage (``model/cpu_decode.py``, one C call for all the layers) is timed as a
+whole and split by the clock its C code keeps per class when asked. Without
 ``--profile`` nothing is replaced. Each wrapper costs about a microsecond; a
 step of a 30-layer model makes ~400 such calls.
 
@@ -59,6 +61,7 @@ class StageProfiler:
             if hasattr(mlp, "intermediate_size"):
                 mlp.forward = self.acc.timed(mlp.forward, self._rows_account(3 * mlp.intermediate_size * elem))
         self._instrument_backend(model.backend, cfg, runner)
+        model.on_fused_decode = self._fused_instrumenter(model, cfg, elem)
         if model.is_last:
             model.compute_logits = self.acc.timed(model.compute_logits, self._logits_account(model, elem))
         if runner.sampler is not None:
@@ -89,6 +92,43 @@ class StageProfiler:
         backend.attend_decodes = self.acc.timed(backend.attend_decodes, decode)
         backend.attend_prefills = self.acc.timed(backend.attend_prefills, prefill)
         backend.forward = self.acc.timed(backend.forward, write)
+
+    def _fused_instrumenter(self, model: nn.Module, cfg: Any, elem: int):
+        """For the fused decode stage (one C call for all of a step's layers, made at the
+        first forward): the call is timed, and the C code's own per-class clock splits it."""
+        linears = [lin for layer in model.layers
+                   for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_linears(layer.mlp))]
+        shapes = [_in_out(lin) for lin in linears]
+        weight_bytes = sum(t.numel() * t.element_size() for lin in linears for t in (*lin.parameters(),
+                                                                                     *lin.buffers()))
+        nk, k_plus_n = sum(n * k for k, n in shapes), sum(k + n for k, n in shapes)
+        layers = len(model.layers)
+        row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * elem            # one token's K and V
+        flops_per_pair = 4 * cfg.num_heads * cfg.head_dim
+        rows_bytes = (2 * 4 * cfg.hidden_size + 2 * (cfg.q_size + cfg.kv_size)
+                      + 3 * cfg.intermediate_size) * elem                   # norms, RoPE, SiLU-mul per row
+
+        def account(self_ns: int, args: tuple, out: Any) -> None:
+            parts = fused.take_profile()
+            rows, acc = args[1].shape[0], self.acc
+            acc.ns["decode_gemm"] += round(parts["gemm"])
+            acc.ns["decode_attention"] += round(parts["attention"])
+            acc.ns["kv_write"] += round(parts["kv_write"])
+            acc.ns["elementwise"] += max(0, self_ns - round(parts["gemm"] + parts["attention"] + parts["kv_write"]))
+            acc.add("decode_gemm", 2 * rows * nk, weight_bytes + rows * k_plus_n * elem)
+            acc.add("decode_attention", layers * flops_per_pair * self._decode_keys,
+                    layers * row_bytes * self._decode_keys)
+            acc.add("kv_write", 0, layers * 2 * row_bytes * rows)
+            acc.add("elementwise", 0, layers * rows * rows_bytes)
+
+        def instrument(made: Any) -> None:
+            nonlocal fused
+            fused = made
+            fused.enable_profile()
+            fused.launch = self.acc.timed(fused.launch, account)
+
+        fused = None
+        return instrument
 
     # -- accounts ---------------------------------------------------------------
     def _gemm_account(self, linear: nn.Module, elem: int):
