@@ -71,9 +71,12 @@ class Connection:
         kind, obj, dtype, shape = decode_header(header, tensor_len)
         tensor = None
         if dtype is not None:
-            buf = torch.empty(tensor_len, dtype=torch.uint8)
-            _read_into(self.sock, memoryview(buf.numpy()))
-            tensor = buf.view(dtype).reshape(shape)
+            if tensor_len:   # one torch call on a filled buffer: this path runs cold after a compute
+                buf = bytearray(tensor_len)
+                _read_into(self.sock, memoryview(buf))
+                tensor = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+            else:
+                tensor = torch.empty(shape, dtype=dtype)
         return kind, obj, tensor, arrived
 
     def close(self) -> None:

@@ -10,9 +10,11 @@ implementation is ``pipeserve/comm/tcp.py``.
 The runtime calls ``send`` from the thread that has the message when nothing
 is queued before it and the message is small (saving a thread wake-up per
 hop), else from sender threads, so a stage computes while its last large
-output is still on the wire; ``recv`` from one receiving thread per process. Liveness is the driver's watchdog's job (process exit
-codes, a per-step deadline); a closed connection shows up as a ``LOST``
-message from that rank.
+output is still on the wire. It calls ``recv`` only while a generation joins;
+after that the TCP transport hands each message to its owner's function on
+the thread that read it (``TcpTransport.set_receiver``), for the same reason.
+Liveness is the driver's watchdog's job (process exit codes, a per-step
+deadline); a closed connection shows up as a ``LOST`` message from that rank.
 """
 
 from __future__ import annotations
