@@ -25,7 +25,7 @@ from pipeserve.model.quant.packed import quantize_weight
 from quant_gemv_bw import kernels_at
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-TILES = (256 << 10, 1 << 20, 4 << 20)
+TILES = (256 << 10, 1 << 20, 4 << 20, 8 << 20)    # 8 MiB: each of these shapes in one tile
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -59,7 +59,7 @@ def main() -> None:
                 x = torch.randn(rows, kd)
                 cols = [best_ms(lambda: F.linear(x, w), args.repeats)]
                 for tile in TILES:
-                    quant_cpu.TILE_BYTES = tile
+                    quant_cpu.TILE_BYTES, quant_cpu.TILE_MIN_ROWS = tile, 16
                     cols.append(best_ms(lambda: k.tiled(q, x), args.repeats))
                 cols.append(best_ms(dq, args.repeats))
                 if ref:

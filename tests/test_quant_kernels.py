@@ -222,6 +222,26 @@ def test_kernel_matches_dequantize_then_matmul(gguf_file, rows, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_tiles_equal_one(dtype, monkeypatch):
+    """The prefill path over a weight cut into tiles (a 70B layer's case; a SmolLM2 matrix
+    is one tile), an uneven last tile included, equals the weight in one tile, up to the
+    summation order PyTorch's matmul picks for each width (float32 rounding)."""
+    import pipeserve.model.quant.cpu_kernels as quant_cpu
+    w = quantize_weight(torch.randn(100, 64, generator=torch.Generator().manual_seed(5)), 4, 32)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    kernels = cpu_kernels()
+    whole = kernels.tiled(w, x)
+    monkeypatch.setattr(quant_cpu, "TILE_BYTES", 24 * 64 * x.element_size())
+    monkeypatch.setattr(quant_cpu, "TILE_MIN_ROWS", 16)      # tiles of 24 rows: 24, 24, 24, 24, 4
+    tol = 1e-5 * (x.float().abs() @ dequantize(w).abs().t()).max().item()
+    if dtype == torch.bfloat16:
+        tol = 2 * whole.float().abs().max().item() * 2 ** -8       # an output's bfloat16 rounding
+    assert (kernels.tiled(w, x).float() - whole.float()).abs().max().item() <= tol
+    assert torch.equal(whole, x @ dequantize(w, dtype).t())
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
 def test_int8_int4_quantize_within_half_a_step_and_kernel_matches(bits, group):
     # 41 rows, an odd count: the two-row decode loop has a tail.

@@ -11,8 +11,8 @@ with no dequantized tile written to memory or handed to PyTorch; it rounds
 each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
 ``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
 rounding only (tests/test_quant_gemm.py). The log line names the many-row path. The crossover was measured
-(benchmarks/README.md, "Quantized weights"); the tile size (about L2's half)
-is not tuned. Accumulation is float32 on both
+(benchmarks/README.md, "Quantized weights"); the tile size was measured on an
+AVX2 CPU (``TILE_BYTES``). Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order
 (and, on the tile path, by the bfloat16 rounding of the dequantized weight
 when the activations are bfloat16, as a bfloat16 ``F.linear`` would).
@@ -47,7 +47,12 @@ from pipeserve.model.quant.packed import PackedWeight
 log = logging.getLogger(__name__)
 
 GEMV_MAX_ROWS = 8
-TILE_BYTES = 1 << 20   # dequantized tile size (bytes) on the prefill path
+# The prefill path's dequantized tile: a whole SmolLM2 matrix, a few hundred rows of a 70B
+# one. The matmul on a tile wants many output columns more than a tile that fits in L2
+# (AVX2, 512 KiB L2, 64-512 rows: 1 MiB tiles were 1.1-1.6x slower than one tile of the
+# whole weight; benchmarks/README.md, "Many-row tiles on AVX2").
+TILE_BYTES = 8 << 20
+TILE_MIN_ROWS = 256
 # bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
@@ -162,7 +167,9 @@ class QuantKernels:
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-        rows = max(16, TILE_BYTES // (w.in_features * x.element_size()))
+        rows = max(TILE_MIN_ROWS, TILE_BYTES // (w.in_features * x.element_size()))
+        if rows >= w.out_features:     # one tile: no copy of the output into place
+            return x @ self.dequant_rows(w, 0, w.out_features, x.dtype).t()
         out = torch.empty(x.shape[0], w.out_features, dtype=x.dtype)
         for r0 in range(0, w.out_features, rows):
             r1 = min(r0 + rows, w.out_features)
