@@ -355,3 +355,19 @@ def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, d
     if kernels.has_integer_activations:   # float32 out: bfloat16 rounding would hide the difference
         xf = x.float()
         assert not torch.equal(kernels.gemv(w, xf, int8_act=False), kernels.gemv(w, xf, int8_act=True))
+
+
+@needs_kernel
+def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
+    """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where
+    the kernel has integer activations), then the tiles; within the kernels' bound of
+    dequantize-then-matmul either way."""
+    from pipeserve.model.quant.cpu_kernels import GEMV_PASSES_MAX_ROWS
+    kernels = cpu_kernels()
+    w = _int8_cases(gguf_file)[-1]
+    for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1):
+        x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+        passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
+        in_passes = kernels.has_integer_activations and rows <= GEMV_PASSES_MAX_ROWS
+        assert torch.equal(kernels.matmul(w, x), passes if in_passes else kernels.tiled(w, x)), rows
+        _check_matmul(w, x, kernels)

@@ -1,7 +1,8 @@
 """ctypes bindings of pipeserve/kernels/quant_matmul.c and the choice between its two shapes.
 
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
-once and dequantized in registers (``pipeserve_quant_gemv``). Prefill (more
+once and dequantized in registers (``pipeserve_quant_gemv``); with integer
+activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. Prefill (more
 rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
 is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
@@ -53,6 +54,11 @@ GEMV_MAX_ROWS = 8
 # whole weight; benchmarks/README.md, "Many-row tiles on AVX2").
 TILE_BYTES = 8 << 20
 TILE_MIN_ROWS = 256
+# With integer activations, up to this many rows take the gemv in passes of GEMV_MAX_ROWS
+# instead of tiles: each pass reads the quantized bytes, a tile writes and reads float32
+# (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
+# even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
+GEMV_PASSES_MAX_ROWS = 24
 # bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
@@ -93,8 +99,11 @@ class QuantKernels:
         x = x.contiguous()
         if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
             return self.gemm(w, x)
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        rows = x.shape[0]
+        if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
+        if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
+            return torch.cat([self.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
         return self.tiled(w, x)
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
