@@ -52,7 +52,11 @@ def _runner(source, cfg, quantization="auto", dtype=torch.float32, start=0, end=
 def _decode_logits(runners, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
     """Prefill each prompt (as its own sequence), then ``steps`` greedy decode steps of all of
     them together through the stages ``runners`` (chained); the logits of every decode step."""
-    tables = [list(range(i * 8, (i + 1) * 8)) for i in range(len(prompts))]
+    tables, used = [], 0
+    for p in prompts:                       # just the blocks each sequence fills
+        n = -(-(len(p) + steps) // BLOCK)
+        tables.append(list(range(used, used + n)))
+        used += n
 
     def run(step: StepInput) -> torch.Tensor:
         hidden = None
@@ -120,8 +124,8 @@ def test_smollm2_kept_q4_1_fused_equals_python_layers(smollm2, threads):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, threads, tmp_path):
     """q/k/v bias (Qwen2), a sliding window shorter than the context (Mistral-style, one KV
-    head), Llama 3 RoPE, bfloat16 activations and cache; as many sequences in one step as
-    the fused stage takes (float32: the decode kernel's 8 rows; bfloat16: 4)."""
+    head), Llama 3 RoPE, bfloat16 activations and cache; float32 steps of 13 sequences (the
+    gemv in two passes), bfloat16 ones of 4."""
     source = resolve_model(str(build_checkpoint(kind, tmp_path)))
     cfg = source.load_config()
     if window is not None:
@@ -130,7 +134,7 @@ def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, thr
     torch.set_num_threads(threads)
     try:
         runner = _runner(source, cfg, quantization=mode, dtype=dtype)
-        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(8 if dtype == torch.float32 else 4)]
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
         fused = _decode_logits([runner], prompts, 10)
         assert runner.model.fused_decode
         runner.model.fused_decode = False
@@ -140,16 +144,18 @@ def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, thr
 
 
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
+    from pipeserve.model.quant.cpu_kernels import GEMV_PASSES_MAX_ROWS
     runner = smollm2[0]
-    prompts = [list(range(100 + 5 * i, 110 + 5 * i)) for i in range(9)]
-    tables = [list(range(i * 4, (i + 1) * 4)) for i in range(9)]
+    n = GEMV_PASSES_MAX_ROWS + 1
+    prompts = [list(range(100 + 5 * i, 110 + 5 * i)) for i in range(n)]
+    tables = [list(range(i * 2, (i + 1) * 2)) for i in range(n)]
     runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))
     fused = runner.model.fused_decode
     assert fused
     calls = []
     original = fused._run
     fused._run = lambda *args: calls.append(1) or original(*args)
-    # nine decodes: more rows than the decode kernel takes
+    # more decodes than the fused stage takes
     runner.execute(StepInput(1, [SeqStep(i, [7], len(p), tables[i], GREEDY) for i, p in enumerate(prompts)]))
     # a decode beside a prefill chunk
     runner.execute(StepInput(2, [SeqStep(0, [7], 11, tables[0], GREEDY), SeqStep(1, [8, 9], 11, tables[1], GREEDY)]))

@@ -157,6 +157,12 @@ static void prepare(const stage_kernels *k, const act_type *a, const qweight *w,
     k->prepare(w->kind, w->K, a->bf16 ? xf : (const float *)x, M, act);
 }
 
+/* Rows of activations one gemv call takes (cpu_kernels.GEMV_MAX_ROWS): a step of more
+ * decodes multiplies in passes of this many rows, as the Python layers do. */
+#define PASS_ROWS 8
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
 /* Thread t of T's output rows of out [M, N] = x W^T (+ bias), contiguous equal ranges as
  * schedule(static); bfloat16 outputs pass through the float scratch f32 and are rounded
  * as the gemv rounds them, then the bias is added and rounded as PyTorch adds it. */
@@ -179,18 +185,35 @@ static void thread_rows(const stage_kernels *k, const act_type *a, const qweight
     }
 }
 
+/* All T threads: out [M, N] = x W^T (+ bias) in passes of PASS_ROWS rows; the caller has
+ * prepared the first pass's activations (the first min(M, PASS_ROWS) rows of x) in act.
+ * Before a later pass overwrites act, the team meets (every thread is done reading it). */
+static void team_rows(const stage_kernels *k, const act_type *a, const qweight *w, const void *bias,
+                      const void *x, int64_t M, void *out, float *f32, float *xf, void *act, int t, int T) {
+    for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
+        const int64_t mc = min64(PASS_ROWS, M - m0);
+        if (m0 > 0) {
+#pragma omp barrier
+#pragma omp single
+            prepare(k, a, w, e(a, (void *)x, m0 * w->K), mc, xf, act);
+        }
+        thread_rows(k, a, w, bias, act, mc, e(a, out, m0 * w->N), f32, t, T);
+    }
+}
+
 /* h [rows, hidden] in the activations' dtype: the stage's input, overwritten with its
  * output. Returns 0, -1 when scratch cannot be allocated, -2 when a layer's attention
  * plan cannot be made. */
 int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, int64_t num_layers,
                            const stage_step *s, void *h, int num_threads) {
     const act_type at = {(int)s->bf16, s->bf16 ? 2 : 4}, *a = &at;
-    const int64_t M = s->rows, D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
+    const int64_t M = s->rows, P = min64(M, PASS_ROWS), D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
     const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
     int64_t act = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const qweight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
-        for (int i = 0; i < 4; i++) act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, M));
+        for (int i = 0; i < 4; i++)
+            act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, min64(M, PASS_ROWS)));
     }
     /* residual, normed x, qkv, rotated q|k, attention out, o out, gate|up, silu out (the
      * activations' dtype); the float q, attention out, a matmul's input and output (float) */
@@ -229,10 +252,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 else k->rmsnorm(h, res, res, L->input_norm, x, M, s->hidden, s->eps);
                 if (l == 0) memcpy(res, h, (size_t)(M * s->hidden * a->es));
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->qkv, x, M, xf, actbuf);
+                prepare(k, a, &L->qkv, x, P, xf, actbuf);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            thread_rows(k, a, &L->qkv, L->qkv_bias, actbuf, M, qkv, out32, t, T);
+            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, qkv, out32, xf, actbuf, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -263,8 +286,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
 #pragma omp barrier
             account(prof, t, &last, attention, part, 1);
 #pragma omp single
-            prepare(k, a, &L->o, attn, M, xf, actbuf);
-            thread_rows(k, a, &L->o, NULL, actbuf, M, o, out32, t, T);
+            prepare(k, a, &L->o, attn, P, xf, actbuf);
+            team_rows(k, a, &L->o, NULL, attn, M, o, out32, xf, actbuf, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -272,10 +295,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->gate_up, x, M, xf, actbuf);
+                prepare(k, a, &L->gate_up, x, P, xf, actbuf);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            thread_rows(k, a, &L->gate_up, NULL, actbuf, M, gu, out32, t, T);
+            team_rows(k, a, &L->gate_up, NULL, x, M, gu, out32, xf, actbuf, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -283,10 +306,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->silu_mul(gu, act_in, M, s->inter);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->down, act_in, M, xf, actbuf);
+                prepare(k, a, &L->down, act_in, P, xf, actbuf);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            thread_rows(k, a, &L->down, NULL, actbuf, M, h, out32, t, T);
+            team_rows(k, a, &L->down, NULL, act_in, M, h, out32, xf, actbuf, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
         }
