@@ -689,40 +689,60 @@ static inline __attribute__((always_inline)) void key_dots8(const __m256 *q, con
     }
 }
 
-/* One head's scores for the tile's `rows` (<= 16) keys from its key_dots8 vectors (lanes of
- * rows past `rows` are ignored), times the keys' scales (8-bit caches), soft-capped, folded
- * into the head's part (running max and sum, output rescaled when the max grows); p gets the
- * probabilities exp(s - m), 0 past rows. */
-static inline __attribute__((always_inline)) void fold_tile8(const __m256 *dots, int64_t rows, const float *kscale,
-                                                             float softcap, float *part, int64_t acc_len, float *p) {
+/* Every head's probabilities for a tile of `rows` (<= 16) keys, from the key_dots8 vectors
+ * dots [heads][TILE] (lanes past `rows` are ignored): scores times the keys' scales (8-bit
+ * caches: ks [kv_heads][TILE]), soft-capped, folded into each head's part (running max and
+ * sum, output rescaled when the max grows); p [heads][TILE] gets exp(s - m) (times the
+ * values' scales vs, 8-bit caches), 0 past rows. In three passes over the heads, each of
+ * independent heads, so that the out-of-order core overlaps the heads' long chains (a
+ * reduction, then exp) instead of running one head's chain, then the next. */
+static inline __attribute__((always_inline)) void tile_probs8(const __m256 *dots, int64_t heads, int64_t group,
+                                                              int64_t rows, const float *ks, const float *vs,
+                                                              float softcap, float *part, int64_t pstride,
+                                                              float *s, float *p) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 s[2], valid[2];
-    UNROLL
-    for (int h = 0; h < 2; h++) {
-        const int64_t n = rows - 8 * h;
-        s[h] = n > 0 ? hsum8(dots + 8 * h) : _mm256_setzero_ps();
-        if (kscale) s[h] = _mm256_mul_ps(s[h], _mm256_loadu_ps(kscale + 8 * h));
-        if (softcap > 0.0f)
-            s[h] = _mm256_mul_ps(_mm256_set1_ps(softcap),
-                                 tanh8(_mm256_mul_ps(s[h], _mm256_set1_ps(1.0f / softcap))));
-        valid[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), iota));
-        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[h], valid[h]);
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows), iota));
+    const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows - 8), iota));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t h = 0; h < heads; h++) {   /* scores, and the max of each head's part */
+        const __m256 *d = dots + h * TILE;
+        __m256 s0 = hsum8(d), s1 = rows > 8 ? hsum8(d + 8) : _mm256_setzero_ps();
+        if (ks) {
+            s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(ks + (h / group) * TILE));
+            s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(ks + (h / group) * TILE + 8));
+        }
+        if (softcap > 0.0f) {
+            s0 = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh8(_mm256_mul_ps(s0, _mm256_set1_ps(1.0f / softcap))));
+            s1 = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh8(_mm256_mul_ps(s1, _mm256_set1_ps(1.0f / softcap))));
+        }
+        s0 = _mm256_blendv_ps(ninf, s0, valid0);
+        s1 = _mm256_blendv_ps(ninf, s1, valid1);
+        _mm256_storeu_ps(s + h * TILE, s0);
+        _mm256_storeu_ps(s + h * TILE + 8, s1);
+        float *ph = part + h * pstride;
+        const float m = _mm256_cvtss_f32(max8(_mm256_max_ps(s0, s1)));
+        if (m > ph[0]) {   /* rescale what was summed so far */
+            const float alpha = exp_f32(ph[0] - m);
+            const __m256 va = _mm256_set1_ps(alpha);
+            ph[1] *= alpha;
+            for (int64_t d = PART_HEAD; d < pstride; d += 8)
+                _mm256_storeu_ps(ph + d, _mm256_mul_ps(_mm256_loadu_ps(ph + d), va));
+            ph[0] = m;
+        }
     }
-    const __m256 m_new = _mm256_max_ps(max8(_mm256_max_ps(s[0], s[1])), _mm256_set1_ps(part[0]));
-    const float m = _mm256_cvtss_f32(m_new);
-    if (m > part[0]) {   /* rescale what was summed so far */
-        const float alpha = exp_f32(part[0] - m);
-        const __m256 va = _mm256_set1_ps(alpha);
-        part[1] *= alpha;
-        for (int64_t d = 0; d < acc_len; d += 8)
-            _mm256_storeu_ps(part + PART_HEAD + d, _mm256_mul_ps(_mm256_loadu_ps(part + PART_HEAD + d), va));
-        part[0] = m;
+    for (int64_t h = 0; h < heads; h++) {   /* probabilities */
+        float *ph = part + h * pstride;
+        const __m256 m = _mm256_set1_ps(ph[0]);
+        __m256 p0 = _mm256_and_ps(valid0, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + h * TILE), m)));
+        __m256 p1 = _mm256_and_ps(valid1, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + h * TILE + 8), m)));
+        ph[1] += hsum_lanes(_mm256_add_ps(p0, p1));
+        if (vs) {
+            p0 = _mm256_mul_ps(p0, _mm256_loadu_ps(vs + (h / group) * TILE));
+            p1 = _mm256_mul_ps(p1, _mm256_loadu_ps(vs + (h / group) * TILE + 8));
+        }
+        _mm256_storeu_ps(p + h * TILE, p0);
+        _mm256_storeu_ps(p + h * TILE + 8, p1);
     }
-    const __m256 p0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s[0], m_new)));
-    const __m256 p1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s[1], m_new)));
-    part[1] += hsum_lanes(_mm256_add_ps(p0, p1));
-    _mm256_storeu_ps(p, p0);
-    _mm256_storeu_ps(p + 8, p1);
 }
 
 /* Chunks of the output accumulated per pass over a tile's values: 4 chunks = 8
@@ -791,7 +811,7 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
     const int64_t pstride = PART_HEAD + head_dim, head_bytes = head_row_bytes(dtype, head_dim);
     const int64_t row_stride = r->row_stride, nv = 2 * nchunk;
     const int quant = is_8bit(dtype);
-    float ks[TILE], vs[TILE], p[group][TILE];
+    float ks[kv_heads * TILE], vs[kv_heads * TILE], sc[heads * TILE], p[heads * TILE];
     __m256 qs[heads * nv], dots[heads * TILE];
     memset(dots, 0, sizeof dots);   /* a short tile's lanes past its rows are read (and masked) */
     for (int64_t h = 0; h < heads; h++) {
@@ -816,23 +836,21 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
                 key_dots8(qs + kvh * group * nv, r->k + off + j * row_stride + kvh * head_bytes, dtype, elem, nchunk,
                           group, dots + kvh * group * TILE + j);
         }
+        if (quant)
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+                tile_scales(r->k + off + kvh * head_bytes, r->v + off + kvh * head_bytes, rows, row_stride, dtype,
+                            head_dim, ks + kvh * TILE, vs + kvh * TILE);
+        tile_probs8(dots, heads, group, rows, quant ? ks : NULL, quant ? vs : NULL, r->softcap, part, pstride, sc, p);
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
             if (next_rows) {
                 const int64_t j0 = next_rows * kvh / kv_heads, j1 = next_rows * (kvh + 1) / kv_heads;
                 prefetch_rows(r->k + next_off + j0 * row_stride, (j1 - j0) * row_stride);
             }
-            const char *keys = r->k + off + kvh * head_bytes, *values = r->v + off + kvh * head_bytes;
-            float *pk = part + kvh * group * pstride;
-            if (quant) tile_scales(keys, values, rows, row_stride, dtype, head_dim, ks, vs);
+            const char *values = r->v + off + kvh * head_bytes;
             for (int64_t g = 0; g < group; g++) {
-                fold_tile8(dots + (kvh * group + g) * TILE, rows, quant ? ks : NULL, r->softcap, pk + g * pstride,
-                           head_dim, p[g]);
-                if (quant)
-                    for (int64_t i = 0; i < TILE; i += 8)
-                        _mm256_storeu_ps(p[g] + i, _mm256_mul_ps(_mm256_loadu_ps(p[g] + i), _mm256_loadu_ps(vs + i)));
+                const int64_t h = kvh * group + g;
+                pv_tile8(values, rows, row_stride, p + h * TILE, part + h * pstride + PART_HEAD, dtype, elem, nchunk);
             }
-            for (int64_t g = 0; g < group; g++)
-                pv_tile8(values, rows, row_stride, p[g], pk + g * pstride + PART_HEAD, dtype, elem, nchunk);
         }
         at = next;
     }
