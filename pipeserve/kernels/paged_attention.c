@@ -693,9 +693,9 @@ static inline __attribute__((always_inline)) void key_dots8(const __m256 *q, con
  * dots [heads][TILE] (lanes past `rows` are ignored): scores times the keys' scales (8-bit
  * caches: ks [kv_heads][TILE]), soft-capped, folded into each head's part (running max and
  * sum, output rescaled when the max grows); p [heads][TILE] gets exp(s - m) (times the
- * values' scales vs, 8-bit caches), 0 past rows. In three passes over the heads, each of
- * independent heads, so that the out-of-order core overlaps the heads' long chains (a
- * reduction, then exp) instead of running one head's chain, then the next. */
+ * values' scales vs, 8-bit caches), 0 past rows. Two passes over the heads (scores and
+ * max, then probabilities), each over independent heads, so that the out-of-order core
+ * overlaps the heads' long chains (a reduction, then exp). */
 static inline __attribute__((always_inline)) void tile_probs8(const __m256 *dots, int64_t heads, int64_t group,
                                                               int64_t rows, const float *ks, const float *vs,
                                                               float softcap, float *part, int64_t pstride,
