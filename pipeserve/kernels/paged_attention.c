@@ -82,7 +82,7 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 
 /* Keys per tile: one tree reduction (hsum16) scores 16 keys of a head. */
 #define TILE 16
-/* Keys ahead whose rows are prefetched (2 blocks of 16). On the development VM
+/* Keys ahead whose rows the per-kv-head passes (AVX-512) prefetch (2 blocks of 16). On the development VM
  * 16, 32 and 64 measured alike; no prefetch or whole blocks at once were ~2x
  * slower on blocks in random order. */
 #ifndef PF_AHEAD
@@ -255,8 +255,8 @@ static void attend_range_scalar(const float *restrict q, const key_range *r, int
 typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 
 /* The AVX-512 and portable paths walk a range once per kv head (`one` attends r's first kv head). */
-static __attribute__((unused)) void each_kv_head(range_fn one, const float *q, const key_range *r, int dtype,
-                                                 int64_t head_dim, float *part) {
+static void each_kv_head(range_fn one, const float *q, const key_range *r, int dtype, int64_t head_dim,
+                         float *part) {
     key_range head = *r;
     head.kv_heads = 1;
     for (int64_t kvh = 0; kvh < r->kv_heads; kvh++) {
