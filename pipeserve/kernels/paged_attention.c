@@ -14,16 +14,26 @@
  * Decode (one query token per sequence) is a stream over memory: each key and
  * value row is used once per step, so the kernel is built to keep the memory
  * busy rather than to save arithmetic.
- * - Work item = (sequence, kv head, range of keys). The G = heads / kv_heads
- *   query heads that share the kv head are scored against up to 16 keys at
- *   once, folded into a running max and sum (online softmax, as flash
- *   decoding), and the same rows' values are accumulated right away: one pass
- *   over K and V, accumulation in float32 whatever the cache dtype.
- * - Blocks sit anywhere in memory, so the hardware prefetcher (which follows
- *   a stream within a page) loses every block boundary; the loop asks for the
- *   rows PF_AHEAD keys ahead (K and V, into L2) while it works on the current
- *   ones. Measured on the 2-core development VM: reading 6 KiB blocks in random
- *   order went from ~4 to ~9 GB/s on one core with this (benchmarks/README.md).
+ * - Work item = (sequence, range of keys), every kv head. The G = heads / kv_heads
+ *   query heads that share a kv head are scored against up to 16 keys at
+ *   once (a tile, within one block), folded into a running max and sum (online
+ *   softmax, as flash decoding), and the same rows' values are accumulated
+ *   right away: one pass over K and V, accumulation in float32 whatever the
+ *   cache dtype.
+ * - AVX2 path: a tile is done for every kv head before the next, its key rows
+ *   read in address order (all kv heads of a token are one contiguous row), so
+ *   each block of K and V is streamed whole, once. Blocks sit anywhere in
+ *   memory and the hardware prefetcher stops at each one's end, so the loop
+ *   asks for the tile's V rows while it scores its keys, and for the next
+ *   tile's K rows while it sums the values: about two half-tiles (K and V of
+ *   one block) in L1 at a time. Measured on the 2-core development VM (float32,
+ *   SmolLM2's shape, one core): ~42 ns per key and kv head from memory, against
+ *   ~70 for the earlier item = (range, kv head) walk, which read each block in
+ *   three strided passes.
+ * - AVX-512 and portable paths: one pass over the range per kv head, asking for
+ *   the rows PF_AHEAD keys ahead (K and V, into L2) while working on the current
+ *   ones (reading 6 KiB blocks in random order went from ~4 to ~9 GB/s on one
+ *   core with this; benchmarks/README.md).
  * - Split-K: when one sequence holds a large share of the step's keys (a single
  *   long request), its keys are cut into ranges of whole blocks so every thread
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
@@ -72,7 +82,7 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 
 /* Keys per tile: one tree reduction (hsum16) scores 16 keys of a head. */
 #define TILE 16
-/* Keys ahead whose rows are prefetched (2 blocks of 16). On the development VM
+/* Keys ahead whose rows the per-kv-head passes (AVX-512) prefetch (2 blocks of 16). On the development VM
  * 16, 32 and 64 measured alike; no prefetch or whole blocks at once were ~2x
  * slower on blocks in random order. */
 #ifndef PF_AHEAD
@@ -122,14 +132,15 @@ static inline int64_t window_start(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
-/* One work item: keys begin .. end - 1 of one sequence, one kv head. */
+/* One work item: keys begin .. end - 1 of one sequence, every kv head (the per-head
+ * passes of the AVX-512 and portable paths see one kv head: kv_heads 1, head_offset set). */
 typedef struct {
     const char *k, *v;          /* the layer's caches */
     const int64_t *table;       /* the sequence's block table */
     int64_t begin, end;
-    int64_t head_offset;        /* bytes from a row's start to this kv head */
+    int64_t head_offset;        /* bytes from a row's start to the first kv head attended */
     int64_t row_stride;         /* bytes between tokens of a block */
-    int64_t block_size, group;
+    int64_t block_size, kv_heads, group;
     float scale, softcap;
 } key_range;
 
@@ -240,7 +251,19 @@ static void attend_range_scalar(const float *restrict q, const key_range *r, int
     }
 }
 
+/* Attends a range of keys: q [kv_heads * group, head_dim], part [kv_heads * group, PART_HEAD + head_dim]. */
 typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
+
+/* The AVX-512 and portable paths walk a range once per kv head (`one` attends r's first kv head). */
+static void each_kv_head(range_fn one, const float *q, const key_range *r, int dtype, int64_t head_dim,
+                         float *part) {
+    key_range head = *r;
+    head.kv_heads = 1;
+    for (int64_t kvh = 0; kvh < r->kv_heads; kvh++) {
+        head.head_offset = r->head_offset + kvh * head_row_bytes(dtype, head_dim);
+        one(q + kvh * r->group * head_dim, &head, dtype, head_dim, part + kvh * r->group * (PART_HEAD + head_dim));
+    }
+}
 
 /* The scales of a tile's 8-bit K and V rows (0 past rows). */
 static inline void tile_scales(const char *keys, const char *values, int64_t rows, int64_t row_stride, int dtype,
@@ -258,6 +281,10 @@ static inline void tile_scales(const char *keys, const char *values, int64_t row
 
 /* Fully unrolled loops over heads and vectors keep the accumulators in registers. */
 #define UNROLL _Pragma("GCC unroll 16")
+
+#endif
+
+#if defined(__AVX512F__)
 
 /* Ask for the K and V rows (into L2) of the next `rows` keys from pf, which runs
  * PF_AHEAD keys ahead of the tile being computed, and move pf past them. */
@@ -282,10 +309,6 @@ static void prefetch_first(const key_range *r, int64_t head_bytes) {
             _mm_prefetch(r->v + key_offset(r, u) + b, _MM_HINT_T1);
         }
 }
-#endif
-
-#if defined(__AVX512F__)
-
 /* 16 cache elements -> 16 floats. `dtype` is a constant in each caller. */
 static inline __attribute__((always_inline)) __m512 load16(const char *src, int dtype) {
     if (dtype == DT_BFLOAT16)
@@ -566,9 +589,12 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
 }
 
 #define RANGE_BF16DP(NAME, DTYPE, NPAIR)                                                                \
-    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+    static void NAME##_one(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) { \
         (void)dtype;                                                                                   \
         attend_range_bf16dp(q, r, DTYPE, (NPAIR) ? (NPAIR) : head_dim / 32, part);                     \
+    }                                                                                                  \
+    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+        each_kv_head(NAME##_one, q, r, dtype, head_dim, part);                                         \
     }
 RANGE_BF16DP(range_bf16dp_64, DT_BFLOAT16, 2)
 RANGE_BF16DP(range_bf16dp_128, DT_BFLOAT16, 4)
@@ -636,69 +662,87 @@ static inline __attribute__((always_inline)) float hsum_lanes(__m256 x) {
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-/* Scores of one head (q: 2 nchunk vectors) against 8 keys from `keys` (rows past
- * `rows` are not read; their lanes are garbage, masked by the caller). */
-static inline __attribute__((always_inline)) __m256 scores8(const __m256 *q, const char *keys, int64_t rows,
-                                                            int64_t row_stride, const int dtype, const int64_t elem,
-                                                            const int64_t nchunk) {
-    __m256 dots[8];
-    UNROLL
-    for (int j = 0; j < 8; j++) {
-        dots[j] = _mm256_setzero_ps();
-        if (j < rows) {
-            const char *src = keys + j * row_stride;
-            __m256 a, b, acc_a, acc_b;
-            load_chunk(src, dtype, &a, &b);
-            acc_a = _mm256_mul_ps(q[0], a);
-            acc_b = _mm256_mul_ps(q[1], b);
-            for (int64_t w = 1; w < nchunk; w++) {
-                load_chunk(src + 16 * w * elem, dtype, &a, &b);
-                acc_a = _mm256_fmadd_ps(q[2 * w], a, acc_a);
-                acc_b = _mm256_fmadd_ps(q[2 * w + 1], b, acc_b);
-            }
-            dots[j] = _mm256_add_ps(acc_a, acc_b);
+/* One key row of one kv head against the G query heads that share it (q: G x 2 nchunk
+ * vectors): dots[g * TILE] gets a vector whose lanes sum to q_g . k (hsum8 finishes 8 keys
+ * at once). The row is loaded once for all G heads, 4 chunks (8 registers) at a time. */
+static inline __attribute__((always_inline)) void key_dots8(const __m256 *q, const char *src, const int dtype,
+                                                            const int64_t elem, const int64_t nchunk, int64_t group,
+                                                            __m256 *dots) {
+    for (int64_t w0 = 0; w0 < nchunk; w0 += 4) {
+        const int64_t nw = nchunk - w0 < 4 ? nchunk - w0 : 4;
+        __m256 k[8];
+        UNROLL
+        for (int64_t w = 0; w < 4; w++)
+            if (w < nw) load_chunk(src + 16 * (w0 + w) * elem, dtype, &k[2 * w], &k[2 * w + 1]);
+        for (int64_t g = 0; g < group; g++) {
+            const __m256 *qg = q + g * 2 * nchunk + 2 * w0;
+            __m256 a = _mm256_mul_ps(qg[0], k[0]), b = _mm256_mul_ps(qg[1], k[1]);
+            UNROLL
+            for (int64_t w = 1; w < 4; w++)
+                if (w < nw) {
+                    a = _mm256_fmadd_ps(qg[2 * w], k[2 * w], a);
+                    b = _mm256_fmadd_ps(qg[2 * w + 1], k[2 * w + 1], b);
+                }
+            const __m256 d = _mm256_add_ps(a, b);
+            dots[g * TILE] = w0 ? _mm256_add_ps(dots[g * TILE], d) : d;
         }
     }
-    return hsum8(dots);
 }
 
-/* Scores of one head against the tile's `rows` (<= 16) keys as two vectors, times the
- * keys' scales (8-bit caches), soft-capped, folded into the head's part (running max
- * and sum, output rescaled when the max grows); p gets the probabilities exp(s - m),
- * 0 past rows. */
-static inline __attribute__((always_inline)) void tile_probs8(const __m256 *q, const char *keys, int64_t rows,
-                                                              int64_t row_stride, const int dtype, const int64_t elem,
-                                                              const int64_t nchunk, const float *kscale, float softcap,
-                                                              float *part, int64_t acc_len, float *p) {
+/* Every head's probabilities for a tile of `rows` (<= 16) keys, from the key_dots8 vectors
+ * dots [heads][TILE] (lanes past `rows` are ignored): scores times the keys' scales (8-bit
+ * caches: ks [kv_heads][TILE]), soft-capped, folded into each head's part (running max and
+ * sum, output rescaled when the max grows); p [heads][TILE] gets exp(s - m) (times the
+ * values' scales vs, 8-bit caches), 0 past rows. Two passes over the heads (scores and
+ * max, then probabilities), each over independent heads, so that the out-of-order core
+ * overlaps the heads' long chains (a reduction, then exp). */
+static inline __attribute__((always_inline)) void tile_probs8(const __m256 *dots, int64_t heads, int64_t group,
+                                                              int64_t rows, const float *ks, const float *vs,
+                                                              float softcap, float *part, int64_t pstride,
+                                                              float *s, float *p) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 s[2], valid[2];
-    UNROLL
-    for (int h = 0; h < 2; h++) {
-        const int64_t n = rows - 8 * h;
-        s[h] = n > 0 ? scores8(q, keys + 8 * h * row_stride, n, row_stride, dtype, elem, nchunk)
-                     : _mm256_setzero_ps();
-        if (kscale) s[h] = _mm256_mul_ps(s[h], _mm256_loadu_ps(kscale + 8 * h));
-        if (softcap > 0.0f)
-            s[h] = _mm256_mul_ps(_mm256_set1_ps(softcap),
-                                 tanh8(_mm256_mul_ps(s[h], _mm256_set1_ps(1.0f / softcap))));
-        valid[h] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), iota));
-        s[h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[h], valid[h]);
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows), iota));
+    const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)rows - 8), iota));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int64_t h = 0; h < heads; h++) {   /* scores, and the max of each head's part */
+        const __m256 *d = dots + h * TILE;
+        __m256 s0 = hsum8(d), s1 = rows > 8 ? hsum8(d + 8) : _mm256_setzero_ps();
+        if (ks) {
+            s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(ks + (h / group) * TILE));
+            s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(ks + (h / group) * TILE + 8));
+        }
+        if (softcap > 0.0f) {
+            s0 = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh8(_mm256_mul_ps(s0, _mm256_set1_ps(1.0f / softcap))));
+            s1 = _mm256_mul_ps(_mm256_set1_ps(softcap), tanh8(_mm256_mul_ps(s1, _mm256_set1_ps(1.0f / softcap))));
+        }
+        s0 = _mm256_blendv_ps(ninf, s0, valid0);
+        s1 = _mm256_blendv_ps(ninf, s1, valid1);
+        _mm256_storeu_ps(s + h * TILE, s0);
+        _mm256_storeu_ps(s + h * TILE + 8, s1);
+        float *ph = part + h * pstride;
+        const float m = _mm256_cvtss_f32(max8(_mm256_max_ps(s0, s1)));
+        if (m > ph[0]) {   /* rescale what was summed so far */
+            const float alpha = exp_f32(ph[0] - m);
+            const __m256 va = _mm256_set1_ps(alpha);
+            ph[1] *= alpha;
+            for (int64_t d = PART_HEAD; d < pstride; d += 8)
+                _mm256_storeu_ps(ph + d, _mm256_mul_ps(_mm256_loadu_ps(ph + d), va));
+            ph[0] = m;
+        }
     }
-    const __m256 m_new = _mm256_max_ps(max8(_mm256_max_ps(s[0], s[1])), _mm256_set1_ps(part[0]));
-    const float m = _mm256_cvtss_f32(m_new);
-    if (m > part[0]) {   /* rescale what was summed so far */
-        const float alpha = exp_f32(part[0] - m);
-        const __m256 va = _mm256_set1_ps(alpha);
-        part[1] *= alpha;
-        for (int64_t d = 0; d < acc_len; d += 8)
-            _mm256_storeu_ps(part + PART_HEAD + d, _mm256_mul_ps(_mm256_loadu_ps(part + PART_HEAD + d), va));
-        part[0] = m;
+    for (int64_t h = 0; h < heads; h++) {   /* probabilities */
+        float *ph = part + h * pstride;
+        const __m256 m = _mm256_set1_ps(ph[0]);
+        __m256 p0 = _mm256_and_ps(valid0, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + h * TILE), m)));
+        __m256 p1 = _mm256_and_ps(valid1, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + h * TILE + 8), m)));
+        ph[1] += hsum_lanes(_mm256_add_ps(p0, p1));
+        if (vs) {
+            p0 = _mm256_mul_ps(p0, _mm256_loadu_ps(vs + (h / group) * TILE));
+            p1 = _mm256_mul_ps(p1, _mm256_loadu_ps(vs + (h / group) * TILE + 8));
+        }
+        _mm256_storeu_ps(p + h * TILE, p0);
+        _mm256_storeu_ps(p + h * TILE + 8, p1);
     }
-    const __m256 p0 = _mm256_and_ps(valid[0], exp8(_mm256_sub_ps(s[0], m_new)));
-    const __m256 p1 = _mm256_and_ps(valid[1], exp8(_mm256_sub_ps(s[1], m_new)));
-    part[1] += hsum_lanes(_mm256_add_ps(p0, p1));
-    _mm256_storeu_ps(p, p0);
-    _mm256_storeu_ps(p + 8, p1);
 }
 
 /* Chunks of the output accumulated per pass over a tile's values: 4 chunks = 8
@@ -753,59 +797,86 @@ static void bf16_dim_order(float *acc, int64_t head_dim) {
     }
 }
 
-/* head_dim = 16 * nchunk (nchunk <= 16), any cache dtype. Each caller passes
- * constant dtype and nchunk. */
+/* Ask for the lines of bytes from src on. */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *src, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(src + b, _MM_HINT_T0);
+}
+
+/* head_dim = 16 * nchunk (nchunk <= 16), any cache dtype, every kv head of the range
+ * (r->head_offset is 0). Each caller passes constant dtype and nchunk. */
 static inline __attribute__((always_inline)) void attend_range_avx2(
         const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nchunk,
         float *restrict part) {
-    const int64_t group = r->group, head_dim = 16 * nchunk, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_row_bytes(dtype, head_dim), row_stride = r->row_stride;
+    const int64_t group = r->group, kv_heads = r->kv_heads, heads = kv_heads * group, head_dim = 16 * nchunk;
+    const int64_t pstride = PART_HEAD + head_dim, head_bytes = head_row_bytes(dtype, head_dim);
+    const int64_t row_stride = r->row_stride, nv = 2 * nchunk;
     const int quant = is_8bit(dtype);
-    float ks[TILE], vs[TILE], p[group][TILE];
-    __m256 qs[group * 2 * nchunk];
-    for (int64_t g = 0; g < group; g++) {
-        float qg[head_dim];
-        if (dtype == DT_BFLOAT16) bf16_chunk_order(q + g * head_dim, qg, head_dim);
-        else memcpy(qg, q + g * head_dim, sizeof qg);
-        for (int64_t i = 0; i < 2 * nchunk; i++)
-            qs[g * 2 * nchunk + i] = _mm256_mul_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_set1_ps(r->scale));
+    float ks[kv_heads * TILE], vs[kv_heads * TILE], sc[heads * TILE], p[heads * TILE];
+    __m256 qs[heads * nv], dots[heads * TILE];
+    memset(dots, 0, sizeof dots);   /* a short tile's lanes past its rows are read (and masked) */
+    for (int64_t h = 0; h < heads; h++) {
+        float qh[head_dim];
+        if (dtype == DT_BFLOAT16) bf16_chunk_order(q + h * head_dim, qh, head_dim);
+        else memcpy(qh, q + h * head_dim, sizeof qh);
+        for (int64_t i = 0; i < nv; i++)
+            qs[h * nv + i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(r->scale));
     }
-    start_parts(part, group, head_dim);
-    prefetch_first(r, head_bytes);
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    start_parts(part, heads, head_dim);
+    key_cursor at = cursor_at(r, r->begin);
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-        prefetch_ahead(r, &pf, rows, head_bytes);
-        const char *values = r->v + off;
-        if (quant) tile_scales(r->k + off, values, rows, row_stride, dtype, head_dim, ks, vs);
-        for (int64_t g = 0; g < group; g++) {
-            tile_probs8(qs + g * 2 * nchunk, r->k + off, rows, row_stride, dtype, elem, nchunk, quant ? ks : NULL,
-                        r->softcap, part + g * pstride, head_dim, p[g]);
-            if (quant)
-                for (int64_t h = 0; h < TILE; h += 8)
-                    _mm256_storeu_ps(p[g] + h, _mm256_mul_ps(_mm256_loadu_ps(p[g] + h), _mm256_loadu_ps(vs + h)));
+        key_cursor next = at;
+        cursor_advance(r, &next, rows);
+        const int64_t next_rows = next.t < r->end ? cursor_rows(r, &next) : 0;
+        const int64_t next_off = next_rows ? cursor_offset(r, &next) : 0;
+        /* Scores: key rows in address order, every kv head of a row at once. */
+        for (int64_t j = 0; j < rows; j++) {
+            prefetch_rows(r->v + off + j * row_stride, row_stride);
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+                key_dots8(qs + kvh * group * nv, r->k + off + j * row_stride + kvh * head_bytes, dtype, elem, nchunk,
+                          group, dots + kvh * group * TILE + j);
         }
-        for (int64_t g = 0; g < group; g++)
-            pv_tile8(values, rows, row_stride, p[g], part + g * pstride + PART_HEAD, dtype, elem, nchunk);
-        cursor_advance(r, &at, rows);
+        if (quant)
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+                tile_scales(r->k + off + kvh * head_bytes, r->v + off + kvh * head_bytes, rows, row_stride, dtype,
+                            head_dim, ks + kvh * TILE, vs + kvh * TILE);
+        tile_probs8(dots, heads, group, rows, quant ? ks : NULL, quant ? vs : NULL, r->softcap, part, pstride, sc, p);
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+            if (next_rows) {
+                const int64_t j0 = next_rows * kvh / kv_heads, j1 = next_rows * (kvh + 1) / kv_heads;
+                prefetch_rows(r->k + next_off + j0 * row_stride, (j1 - j0) * row_stride);
+            }
+            const char *values = r->v + off + kvh * head_bytes;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kvh * group + g;
+                pv_tile8(values, rows, row_stride, p + h * TILE, part + h * pstride + PART_HEAD, dtype, elem, nchunk);
+            }
+        }
+        at = next;
     }
     if (dtype == DT_BFLOAT16)
-        for (int64_t g = 0; g < group; g++) bf16_dim_order(part + g * pstride + PART_HEAD, head_dim);
+        for (int64_t h = 0; h < heads; h++) bf16_dim_order(part + h * pstride + PART_HEAD, head_dim);
 }
 #endif
 
 #if defined(VECTOR_DECODE)
 /* The decode pass, specialised per cache dtype and head size (64, 128, any multiple of 16). */
 #if defined(__AVX512F__)
-#define ATTEND_RANGE attend_range_fma
+#define RANGE_VEC(NAME, DTYPE, ELEM, NCHUNK)                                                            \
+    static void NAME##_one(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) { \
+        (void)dtype;                                                                                   \
+        attend_range_fma(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);                \
+    }                                                                                                  \
+    static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
+        each_kv_head(NAME##_one, q, r, dtype, head_dim, part);                                         \
+    }
 #else
-#define ATTEND_RANGE attend_range_avx2
-#endif
 #define RANGE_VEC(NAME, DTYPE, ELEM, NCHUNK)                                                            \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
         (void)dtype;                                                                                   \
-        ATTEND_RANGE(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);                    \
+        attend_range_avx2(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);               \
     }
+#endif
 RANGE_VEC(range_f32_64, DT_FLOAT32, 4, 4)
 RANGE_VEC(range_bf16_64, DT_BFLOAT16, 2, 4)
 RANGE_VEC(range_f16_64, DT_FLOAT16, 2, 4)
@@ -823,8 +894,12 @@ RANGE_VEC(range_fp8_128, DT_FP8, 1, 8)
 RANGE_VEC(range_fp8_any, DT_FP8, 1, 0)
 #endif
 
-static void range_scalar(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
+static void range_scalar_one(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
     attend_range_scalar(q, r, dtype, head_dim, part);
+}
+
+static void range_scalar(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {
+    each_kv_head(range_scalar_one, q, r, dtype, head_dim, part);
 }
 
 
@@ -922,7 +997,7 @@ void pipeserve_write_rows(char *cache, const int64_t *slots, int64_t n, const ch
 
 /* A decode step's attention in three phases, for pipeserve_paged_decode and for callers that
  * run their own threads (decode_stage.c): pipeserve_decode_plan cuts the step into work
- * items (range of keys, kv head); pipeserve_decode_items attends items [i0, i1) into their
+ * items (a range of keys of one sequence, every kv head); pipeserve_decode_items attends items [i0, i1) into their
  * partial results; pipeserve_decode_merge combines the partials of (sequence, head) rows
  * [bh0, bh1) into the output. The plan lives in a caller's buffer of
  * pipeserve_decode_plan_bytes: the header, then its arrays. */
@@ -930,7 +1005,7 @@ typedef struct {
     int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items;
     int64_t *first_range;   /* [batch + 1]: sequence b's ranges are first_range[b] .. first_range[b + 1] */
     int64_t *range_seq;     /* [ranges]: the sequence of each range */
-    float *parts;           /* [items, group, pstride]: each item's partial result per query head */
+    float *parts;           /* [items, heads, pstride]: each item's partial result per query head */
 } decode_plan;
 
 /* At most this many ranges: the cut (split_span) gives about num_threads * SPLIT_PER_THREAD
@@ -974,7 +1049,7 @@ int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t ba
     }
     p->first_range[batch] = ranges;
     p->ranges = ranges;
-    p->items = ranges * kv_heads;
+    p->items = ranges;   /* an item is a range of keys, every kv head */
     return p->items;
 }
 
@@ -982,16 +1057,15 @@ void pipeserve_decode_items(const void *plan, const float *q, const void *k_cach
                             const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                             float scale, float softcap, int bf16_math, int64_t i0, int64_t i1) {
     const decode_plan *p = (const decode_plan *)plan;
-    const int64_t kv_heads = p->kv_heads, group = p->group, head_bytes = head_row_bytes(dtype, p->head_dim);
+    const int64_t head_bytes = head_row_bytes(dtype, p->head_dim);
     const range_fn fn = pick_range(dtype, p->head_dim, bf16_math);
-    for (int64_t item = i0; item < i1; item++) {
-        const int64_t c = item / kv_heads, kvh = item % kv_heads, b = p->range_seq[c];
-        const int64_t ctx = context_lens[b], first = window_start(ctx, p->window);
+    for (int64_t c = i0; c < i1; c++) {
+        const int64_t b = p->range_seq[c], ctx = context_lens[b], first = window_start(ctx, p->window);
         const int64_t base = first - first % p->block_size + (c - p->first_range[b]) * p->span;
         key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
                        base > first ? base : first, p->span && base + p->span < ctx ? base + p->span : ctx,
-                       kvh * head_bytes, kv_heads * head_bytes, p->block_size, group, scale, softcap};
-        fn(q + (b * p->heads + kvh * group) * p->head_dim, &r, dtype, p->head_dim, p->parts + item * group * p->pstride);
+                       0, p->kv_heads * head_bytes, p->block_size, p->kv_heads, p->group, scale, softcap};
+        fn(q + b * p->heads * p->head_dim, &r, dtype, p->head_dim, p->parts + c * p->heads * p->pstride);
     }
 }
 
