@@ -7,16 +7,17 @@
  * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16 and
  * meet x in vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four
  * vpmaddwd against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22).
- * The other layouts take a block at a time in "even/odd" order (block_codes_eo): one
- * vector holds the codes of weights 2w | 16 + 2w, the other of 2w + 1 | 17 + 2w (w < 8,
- * the two 128-bit lanes), the order in which q4's nibble words and q8's int16 words hold
- * them, so neither needs a lane-crossing widen; they meet a copy of x in that order in two
- * vpmaddwd, whose sum has 4 weights per int32 lane (|.| < 2^24 for |code| <= 128: exact in
- * float32), the low lane from weights 0-15 and the high lane from 16-31: groups of 16
- * (Q6_K) scale the two lanes apart with no more work than groups of 32. q5/q6 add their
- * high bits in the same registers (block_codes_eo), so a q5/q6 weight gives exactly what
- * its q8 expansion (packed.py, to_q8) gives. Each block's lanes are scaled by s_w * d in
- * one FMA. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8
+ * Groups of 16 (Q6_K; q8 in groups of 16 too) take a block at a time in "even/odd" order
+ * (block_codes_eo): one vector holds the codes of weights 2w | 16 + 2w, the other of
+ * 2w + 1 | 17 + 2w (w < 8, the two 128-bit lanes), the order in which nibble words and q8's
+ * int16 words hold them, so neither needs a lane-crossing widen; they meet a copy of x in
+ * that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| < 2^24 for
+ * |code| <= 128: exact in float32), the low lane from group 2b and the high lane from group
+ * 2b + 1, scaled in one conversion and one FMA. q6 adds its high bits in the same registers.
+ * Groups of 32 (q5, q8) take a block at a time in weight order (block_codes_i16: q5's codes
+ * expanded in bytes, quant_codes32_avx2, then widened), two vpmaddwd, one conversion and one
+ * FMA. Either way a q5/q6 weight gives exactly what its q8 expansion (packed.py, to_q8)
+ * gives. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8
  * blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
