@@ -42,10 +42,10 @@
 #define I16_PF_ROWS 8
 #endif
 
-/* The activations of one call: q [M, K] int16 in x's order; qe the same values in the
- * even/odd order of block_codes_eo (eo_perm_i16), qp in the order q4's pairs of blocks meet
- * them (pair_perm_i16); per block (padded with zeros to a multiple of I16_RUN) d, d * sum(q),
- * and per half block d * sum(q) (groups of 16). */
+/* The activations of one call: q [M, K] int16 in x's order; in one place after it the same
+ * values either in the even/odd order of block_codes_eo (qe, eo_perm_i16) or, for q4, in the
+ * order its pairs of blocks meet them (qp, pair_perm_i16); per block (padded with zeros to a
+ * multiple of I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
 typedef struct {
     int16_t *q, *qe, *qp;
     float *d, *sum, *sum16;
@@ -90,7 +90,9 @@ static inline void eo_perm_i16(const int16_t *x, int16_t *out) {
             for (int w = 0; w < 8; w++) out[h * 16 + l * 8 + w] = x[l * 16 + 2 * w + h];
 }
 
-static void quantize_rows_i16(const float *x, int64_t M, const act_i16 *a) {
+/* x in order, and in the order the layout `kind` reads it: q4's pairs, or the others' even/odd
+ * blocks (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
+static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16 *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = a->nb; b < a->nbp; b++) {
@@ -116,8 +118,8 @@ static void quantize_rows_i16(const float *x, int64_t M, const act_i16 *a) {
             _mm_storeu_si128((__m128i *)(q + 16), round_to_i16(_mm256_mul_ps(v[2], id), &s1));
             _mm_storeu_si128((__m128i *)(q + 24), round_to_i16(_mm256_mul_ps(v[3], id), &s1));
             const float d = amax / 32767.0f;
-            eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
-            if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
+            if (kind != 4) eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
+            else if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
             a->d[m * a->nbp + b] = d;
             a->sum[m * a->nbp + b] = d * (float)(s0 + s1);
             a->sum16[2 * (m * a->nbp + b)] = d * (float)s0;
@@ -458,12 +460,12 @@ static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
     return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16) && M <= I16_ROWS;
 }
 
-/* The activation buffer of M rows of K: int16 codes in x's, in even/odd and in q4's pair order, then
+/* The activation buffer of M rows of K: int16 codes in x's and in even/odd or q4's pair order, then
  * per block d, d * sum(q) and the two half-block sums. i16_act_bind points an act_i16 at one
  * (malloc-aligned) of i16_act_bytes. */
 static inline int64_t i16_act_bytes(int64_t M, int64_t K) {
     const int64_t nbp = (K / I16_QB + I16_RUN - 1) / I16_RUN * I16_RUN;
-    return 3 * (int64_t)sizeof(int16_t) * M * K + 4 * (int64_t)sizeof(float) * M * nbp;
+    return 2 * (int64_t)sizeof(int16_t) * M * K + 4 * (int64_t)sizeof(float) * M * nbp;
 }
 
 static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
@@ -471,8 +473,7 @@ static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
     a->nb = K / I16_QB;
     a->nbp = (a->nb + I16_RUN - 1) / I16_RUN * I16_RUN;
     a->q = (int16_t *)buf;
-    a->qe = a->q + M * K;
-    a->qp = a->qe + M * K;
+    a->qe = a->qp = a->q + M * K;   /* one or the other, by kind */
     a->d = (float *)(a->qp + M * K);
     a->sum = a->d + M * a->nbp;
     a->sum16 = a->sum + M * a->nbp;
