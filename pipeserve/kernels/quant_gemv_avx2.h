@@ -146,7 +146,7 @@ block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t
     }
 }
 
-/* What block_codes_eo needs besides the codes, set up once per weight row from the layout.
+/* What block_codes_eo needs besides the codes, set up once per call from the layout.
  * q5/q6 high bits: bit j of plane p (a little-endian 32-bit word) is bit 4 + p of weight j's
  * code. A byte shuffle of the block's planes puts in int16 lane w the plane byte holding weight
  * 2w's bit (plane 0 in the low byte, plane 1 in the high one); a shift of 0 or 4 per dword
@@ -160,7 +160,15 @@ typedef struct {
     int sub;
 } eo_consts;
 
-static inline int8_t eo_k(int k, int negate) { return (int8_t)(negate ? -k : k); }
+/* One dword of vpmaddubsw weights (k, and plane 1's 2k) for the low and the high word, a
+ * negated plane's negated. */
+static inline int eo_k4(int k, int n0, int n1, int p1) {
+    const int8_t b[4] = {(int8_t)(n0 ? -k : k), (int8_t)(n1 ? -2 * k * p1 : 2 * k * p1),
+                         (int8_t)(n0 ? -k / 4 : k / 4), (int8_t)(n1 ? -k / 2 * p1 : k / 2 * p1)};
+    int v;
+    memcpy(&v, b, 4);
+    return v;
+}
 
 static inline eo_consts eo_setup(int kind, int zero) {
     eo_consts c;
@@ -168,23 +176,9 @@ static inline eo_consts eo_setup(int kind, int zero) {
     const int n0 = fold && kind == 5, n1 = fold && kind == 6, p1 = kind == 6;   /* negated planes; plane 1 */
     c.inv = !fold ? _mm256_setzero_si256()
                   : kind == 5 ? _mm256_set1_epi32(-1) : _mm256_set1_epi64x((int64_t)0xffffffff00000000ull);
-    /* per dword: low word (weights at bit 0 / 1: k 16 / 8), high word (bit 2 / 3: k 4 / 2) */
-    c.ke = _mm256_setr_epi8(eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1),
-                            eo_k(16, n0), eo_k(32 * p1, n1), eo_k(4, n0), eo_k(8 * p1, n1));
-    c.ko = _mm256_setr_epi8(eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1),
-                            eo_k(8, n0), eo_k(16 * p1, n1), eo_k(2, n0), eo_k(4 * p1, n1));
+    /* low word: even weights' bits at 0, odd at 1 (k 16, 8); high word: at 2, 3 (k 4, 2) */
+    c.ke = _mm256_set1_epi32(eo_k4(16, n0, n1, p1));
+    c.ko = _mm256_set1_epi32(eo_k4(8, n0, n1, p1));
     c.sub = (kind == 5 || kind == 6) && !fold && zero != 0;
     c.z = _mm256_set1_epi16((short)(c.sub ? zero : 0));
     return c;
@@ -306,12 +300,11 @@ eo_block_i16(__m256i e, __m256i o, const act_i16 *a, int64_t b, int m_rows, cons
  * chains; two or four weight rows at once, for more chains and x loaded once, measured no
  * faster). kind and m_rows are constants here. */
 static inline __attribute__((always_inline)) void
-row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
-            int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_consts *ec, const uint16_t *sc,
+            const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
-    const int g16 = per == 0;
+    const int g16 = kind != 4 && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
-    const eo_consts ec = eo_setup(kind, zero);
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     float mins[I16_ROWS];
     for (int m = 0; m < m_rows; m++) {
@@ -339,11 +332,12 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
             }
             for (int j = 0; j < I16_RUN; j++) {
                 __m256i e, o;
-                block_codes_eo(kind, q, qh, &ec, b0 + j, &e, &o);
+                block_codes_eo(kind, q, qh, ec, b0 + j, &e, &o);
                 __m256 s[I16_ROWS];
                 for (int m = 0; m < m_rows; m++)
                     s[m] = _mm256_permutevar_ps(j < 4 ? sd0[m] : sd1[m], _mm256_set1_epi32(j & 3));
-                eo_block_i16(e, o, a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
+                if (j & 1) eo_block_i16(e, o, a, b0 + j, m_rows, s, acc2);
+                else eo_block_i16(e, o, a, b0 + j, m_rows, s, acc);
             }
             continue;
         }
@@ -368,8 +362,9 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
                 const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
                 const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x)),
                                                    _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16))));
-                __m256 *ac = j & 1 ? &acc2[m] : &acc[m];
-                *ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&sd[m][j]), *ac);
+                const __m256 f = _mm256_cvtepi32_ps(t), sdj = _mm256_broadcast_ss(&sd[m][j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
             }
         }
     }
@@ -393,14 +388,14 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
         const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0, w1 = g16 && mn ? _cvtsh_ss(mn[g + 1]) : 0.0f;
         if (g16) {
             __m256i e, o;
-            block_codes_eo(kind, q, qh, &ec, b, &e, &o);
+            block_codes_eo(kind, q, qh, ec, b, &e, &o);
             __m256 s[I16_ROWS];
             for (int m = 0; m < m_rows; m++) {
                 const float d = a->d[m * nbp + b];
                 s[m] = _mm256_set_m128(_mm_set1_ps(s1 * d), _mm_set1_ps(s0 * d));
                 mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
             }
-            eo_block_i16(e, o, a, b, m_rows, s, b & 1 ? acc2 : acc);
+            eo_block_i16(e, o, a, b, m_rows, s, acc);
             continue;
         }
         __m256i c0, c1;
@@ -426,6 +421,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = K / group;
+    const eo_consts ec = eo_setup(kind, zero);
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1) {
@@ -436,7 +432,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
             if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
         }
         float res[I16_ROWS];
-        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, &ec, sc + n * groups,
                     mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
     }
