@@ -125,7 +125,7 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
 
 def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
     print(f"hot per GGUF type (in L2, one thread, one row of x), cycles per 32 weights at {ghz:.3f} GHz, "
-          f"GB/s of codes + scales read:")
+          "GB/s of codes + scales read:")
     rng = np.random.default_rng(0)
     for ttype in KINDS:
         for n, k in KIND_SHAPES:
