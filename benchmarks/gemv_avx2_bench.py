@@ -11,7 +11,12 @@ Two measures per SmolLM2-135M shape (Q4_1 layers, the Q8_0 tied head; one activa
 The two builds alternate ``--rounds`` times and the best of each is kept, so a busy
 neighbour slows both alike; read the ratio.
 
-    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2]
+``--kinds`` times the hot measure per kept GGUF type instead (Q4_K, Q6_K, Q5_K, Q5_0, Q5_1,
+Q8_0, repacked from GGUF blocks as the loader does) on SmolLM2's shapes and on rows of 4096
+and 8192 (Llama 3 8B / 70B): cycles per 32 weights and GB/s of codes + scales (+ minimums)
+read from L2, where the q4 pair path sets the pace for the others.
+
+    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds]
 """
 
 from __future__ import annotations
@@ -23,14 +28,21 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 
 from benchmarks.quant_gemv_bw import COLD_BYTES, LAYERS, SHAPES, _copies, _weight
 from benchmarks.quant_kernels import timed
 from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
 from pipeserve.model.quant.cpu_kernels import QuantKernels, _weight_args
+from pipeserve.model.quant.gguf_repack import repack
+from pipeserve.model.quant.packed import PackedWeight
 
 HOT_BYTES = 256 << 10   # codes + scales a hot run reads: within L2 (512 KB a core here)
+T = gguf.GGMLQuantizationType
+KINDS = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.Q8_0)
+KIND_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (8192, 8192))
 
 
 def lib_at(rev: str) -> ctypes.CDLL:
@@ -94,6 +106,45 @@ def hot(libs: dict, ghz: float, rounds: int) -> None:
         print(f"  {name:8} {rows:>5}x{k:<5} q{bits}  {cells}" + _ratio(t))
 
 
+def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWeight:
+    """[n, k] of ``ttype`` through the loader's repack: gguf's quantizer where it has one, else
+    random blocks with modest float16 scales (the kernels' speed does not depend on the codes).
+    A row shorter than a super-block multiple (SmolLM2's 576 for the K-quants) is the first k
+    weights of a longer repacked row: every array of a layout holds a row's groups in order."""
+    block, size = gguf.GGML_QUANT_SIZES[ttype]
+    wide = -(-k // block) * block
+    try:
+        raw = gguf.quants.quantize(rng.standard_normal((n, wide)).astype(np.float32), ttype)
+    except NotImplementedError:
+        raw = rng.integers(0, 256, (n, wide // block, size), dtype=np.uint8)
+        for off in (208,) if ttype == T.Q6_K else (0, 2):   # d (and dmin)
+            raw[..., off:off + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(n, -1, 2)
+    w = repack(ttype, raw.reshape(n, -1))
+    return w.map(lambda t: t[:, :t.shape[1] * k // wide].contiguous()) if wide != k else w
+
+
+def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
+    print(f"hot per GGUF type (in L2, one thread, one row of x), cycles per 32 weights at {ghz:.3f} GHz, "
+          "GB/s of codes + scales read:")
+    rng = np.random.default_rng(0)
+    for ttype in KINDS:
+        for n, k in KIND_SHAPES:
+            probe = gguf_weight(ttype, 1, k, rng)
+            rows = min(n, max(1, HOT_BYTES // probe.nbytes))
+            w = gguf_weight(ttype, rows, k, rng)   # only the rows a hot run reads
+            x = torch.randn(1, k)
+            calls = max(1, 2_000_000 // (rows * k))
+            runs = {}
+            for label, lib in libs.items():
+                r = Rows(lib, w, x)
+                runs[label] = lambda r=r: [r(0, rows) for _ in range(calls)]
+            t = side_by_side(runs, rounds, 7)
+            blocks = calls * rows * k / 32
+            cells = "  ".join(f"[{label}] {s * ghz * 1e9 / blocks:5.2f} {calls * w.nbytes / s / 1e9:5.1f} GB/s"
+                              for label, s in t.items())
+            print(f"  {ttype.name:5} {w.kind} g{w.group:<2} {n:>5}x{k:<5} ({rows:>3} rows)  {cells}" + _ratio(t))
+
+
 def chain(kernels: dict, threads: int, rounds: int) -> None:
     torch.set_num_threads(threads)
     weights = {name: _weight(n, k, bits) for name, (n, k, bits) in SHAPES.items()}
@@ -127,6 +178,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ghz", type=float, default=None, help="clock for cycles (default: /proc/cpuinfo)")
     parser.add_argument("--skip-chain", action="store_true")
+    parser.add_argument("--kinds", action="store_true", help="the hot measure per GGUF type, long rows too")
     args = parser.parse_args()
     libs = {"tree": load_kernel("quant_matmul")}
     if args.compare:
@@ -134,6 +186,9 @@ def main() -> None:
     kernels = {label: QuantKernels(lib) for label, lib in libs.items()}
     print(f"isa={kernels['tree'].isa}")
     torch.set_num_threads(1)
+    if args.kinds:
+        hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds)
+        return
     hot(libs, args.ghz or _tsc_ghz(), args.rounds)
     if not args.skip_chain:
         for threads in (int(t) for t in args.threads.split(",")):

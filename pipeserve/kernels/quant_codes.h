@@ -6,8 +6,9 @@
  * hbits little-endian 32-bit planes, bit j of plane p = bit 4 + p of weight j).
  * code = nibble | plane bits << 4, minus `zero`. quant_expand_row serves the float
  * decode and tiled paths (a row into an L1 scratch row, then their q8 code); the VNNI
- * decode path (quant_matmul.c, chunk_codes_hb), the AVX2 decode path (quant_gemv_avx2.h,
- * quant_codes32_avx2) and the many-row kernel (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
+ * decode path (quant_matmul.c, chunk_codes_hb), the AVX2 decode path (quant_gemv_avx2.h:
+ * quant_codes32_avx2 for groups of 32, block_codes_eo for groups of 16) and the many-row kernel
+ * (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
  * 5.5-7 bits each.
  */
 #ifndef PIPESERVE_QUANT_CODES_H

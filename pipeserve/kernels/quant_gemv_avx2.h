@@ -4,14 +4,21 @@
  * Each row of x is quantized once per call to int16 per block of 32, x ~ d * q with
  * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by
  * at most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
- * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16
- * (q4: nibbles; q8: int8; q5/q6: expanded in registers, quant_codes32_avx2, zero
- * subtracted) and meet x in two vpmaddwd per block of 32, which give 8 int32 lanes
- * (|.| < 2^24 for |code| <= 128: exact in float32); each block's lanes are scaled by
- * s_w * d in one FMA. q4 takes its blocks in pairs instead (q4_run_pairs: four vpmaddwd
- * against a second copy of x in the pair's order, one FMA for both blocks; |.| < 2^22).
- * Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
- * Groups of 16 (Q6_K) scale each vpmaddwd separately.
+ * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16 and
+ * meet x in vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four
+ * vpmaddwd against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22).
+ * Groups of 16 (Q6_K; q8 in groups of 16 too) take a block at a time in "even/odd" order
+ * (block_codes_eo): one vector holds the codes of weights 2w | 16 + 2w, the other of
+ * 2w + 1 | 17 + 2w (w < 8, the two 128-bit lanes), the order in which nibble words and q8's
+ * int16 words hold them, so neither needs a lane-crossing widen; they meet a copy of x in
+ * that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| < 2^24 for
+ * |code| <= 128: exact in float32), the low lane from group 2b and the high lane from group
+ * 2b + 1, scaled in one conversion and one FMA. q6 adds its high bits in the same registers.
+ * Groups of 32 (q5, q8) take a block at a time in weight order (block_codes_i16: q5's codes
+ * expanded in bytes, quant_codes32_avx2, then widened), two vpmaddwd, one conversion and one
+ * FMA. Either way a q5/q6 weight gives exactly what its q8 expansion (packed.py, to_q8)
+ * gives. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8
+ * blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
@@ -35,11 +42,12 @@
 #define I16_PF_ROWS 8
 #endif
 
-/* The activations of one call: q [M, K] int16 in x's order; qp the same values in the order
- * q4's pairs of blocks meet them (pair_perm_i16); per block (padded with zeros to a multiple of
- * I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
+/* The activations of one call: q [M, K] int16 in x's order; in one place after it the same
+ * values either in the even/odd order of block_codes_eo (qe, eo_perm_i16) or, for q4, in the
+ * order its pairs of blocks meet them (qp, pair_perm_i16); per block (padded with zeros to a
+ * multiple of I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
 typedef struct {
-    int16_t *q, *qp;
+    int16_t *q, *qe, *qp;
     float *d, *sum, *sum16;
     int64_t K, nb, nbp;
 } act_i16;
@@ -74,7 +82,17 @@ static inline void pair_perm_i16(const int16_t *x, int16_t *out) {
             for (int w = 0; w < 8; w++) out[v * 16 + l * 8 + w] = x[l * I16_QB + (v & 1) * 16 + 2 * w + (v >> 1)];
 }
 
-static void quantize_rows_i16(const float *x, int64_t M, const act_i16 *a) {
+/* A block of x (int16, in order) as block_codes_eo's two vectors take it: weights 2w then
+ * 16 + 2w, then 2w + 1 then 17 + 2w (w < 8). */
+static inline void eo_perm_i16(const int16_t *x, int16_t *out) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 2; l++)
+            for (int w = 0; w < 8; w++) out[h * 16 + l * 8 + w] = x[l * 16 + 2 * w + h];
+}
+
+/* x in order, and in the order the layout `kind` reads it: q4's pairs, or the others' even/odd
+ * blocks (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
+static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16 *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = a->nb; b < a->nbp; b++) {
@@ -100,7 +118,8 @@ static void quantize_rows_i16(const float *x, int64_t M, const act_i16 *a) {
             _mm_storeu_si128((__m128i *)(q + 16), round_to_i16(_mm256_mul_ps(v[2], id), &s1));
             _mm_storeu_si128((__m128i *)(q + 24), round_to_i16(_mm256_mul_ps(v[3], id), &s1));
             const float d = amax / 32767.0f;
-            if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
+            if (kind != 4) eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
+            else if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
             a->d[m * a->nbp + b] = d;
             a->sum[m * a->nbp + b] = d * (float)(s0 + s1);
             a->sum16[2 * (m * a->nbp + b)] = d * (float)s0;
@@ -125,6 +144,90 @@ block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t
         *c0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(c));
         *c1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(c, 1));
     }
+}
+
+/* What block_codes_eo needs besides the codes, set up once per call from the layout.
+ * q5/q6 high bits: bit j of plane p (a little-endian 32-bit word) is bit 4 + p of weight j's
+ * code. A byte shuffle of the block's planes puts in int16 lane w the plane byte holding weight
+ * 2w's bit (plane 0 in the low byte, plane 1 in the high one); a shift of 0 or 4 per dword
+ * brings that bit to position 0 or 2 and weight 2w + 1's to 1 or 3; one vpand each keeps the
+ * even / odd weights' bits and one vpmaddubsw each weighs them 16 and 32 (k = 16 / 2^pos, an
+ * integer for pos <= 3, hence the shift). Where `zero` is the top plane's weight (Q5_0's 16,
+ * Q6_K's 32) that plane enters inverted with weight -k: 16 * b - 16 = -16 * (1 - b), so the
+ * codes leave with `zero` subtracted at no cost; any other nonzero `zero` is a subtraction. */
+typedef struct {
+    __m256i inv, ke, ko, z;
+    int sub;
+} eo_consts;
+
+/* One dword of vpmaddubsw weights (k, and plane 1's 2k) for the low and the high word, a
+ * negated plane's negated. */
+static inline int eo_k4(int k, int n0, int n1, int p1) {
+    const int8_t b[4] = {(int8_t)(n0 ? -k : k), (int8_t)(n1 ? -2 * k * p1 : 2 * k * p1),
+                         (int8_t)(n0 ? -k / 4 : k / 4), (int8_t)(n1 ? -k / 2 * p1 : k / 2 * p1)};
+    int v;
+    memcpy(&v, b, 4);
+    return v;
+}
+
+static inline eo_consts eo_setup(int kind, int zero) {
+    eo_consts c;
+    const int fold = (kind == 5 || kind == 6) && zero == 8 << (kind - 4);
+    const int n0 = fold && kind == 5, n1 = fold && kind == 6, p1 = kind == 6;   /* negated planes; plane 1 */
+    c.inv = !fold ? _mm256_setzero_si256()
+                  : kind == 5 ? _mm256_set1_epi32(-1) : _mm256_set1_epi64x((int64_t)0xffffffff00000000ull);
+    /* low word: even weights' bits at 0, odd at 1 (k 16, 8); high word: at 2, 3 (k 4, 2) */
+    c.ke = _mm256_set1_epi32(eo_k4(16, n0, n1, p1));
+    c.ko = _mm256_set1_epi32(eo_k4(8, n0, n1, p1));
+    c.sub = (kind == 5 || kind == 6) && !fold && zero != 0;
+    c.z = _mm256_set1_epi16((short)(c.sub ? zero : 0));
+    return c;
+}
+
+/* The 32 codes of block b in even/odd order: *e holds weights 2w | 16 + 2w, *o weights
+ * 2w + 1 | 17 + 2w (int16, w < 8, one per 128-bit lane). q4 codes keep their offset (folded
+ * into the minimum term), the others leave with `zero` subtracted. q4/q5/q6: nibble word w
+ * holds weights 2w, 16 + 2w, 2w + 1, 17 + 2w at bits 0, 4, 8, 12, so a per-lane shift of the
+ * block's 16 bytes (in both lanes) and one vpand give each vector; q8: the int16 words of the
+ * block's 32 bytes, sign-extended low and high bytes. */
+static inline __attribute__((always_inline)) void
+block_codes_eo(int kind, const uint8_t *q, const uint8_t *qh, const eo_consts *c, int64_t b, __m256i *e,
+               __m256i *o) {
+    if (kind == 8) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+        *e = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        *o = _mm256_srai_epi16(v, 8);
+        return;
+    }
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
+    const __m256i lo = _mm256_set1_epi16(15);
+    __m256i ce = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo);
+    __m256i co = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), lo);
+    if (kind == 5 || kind == 6) {
+        __m256i h;
+        if (kind == 5) {
+            uint32_t p;
+            memcpy(&p, qh + b * 4, 4);
+            h = _mm256_set1_epi32((int)p);
+        } else {
+            int64_t p;
+            memcpy(&p, qh + b * 8, 8);
+            h = _mm256_set1_epi64x(p);
+        }
+        const char z = (char)0x80, p1 = kind == 6 ? 4 : z, p3 = kind == 6 ? 6 : z;   /* plane 1's bytes */
+        const __m256i idx = _mm256_setr_epi8(0, p1, 0, p1, 0, p1, 0, p1, 1, p1 + 1, 1, p1 + 1, 1, p1 + 1, 1, p1 + 1,
+                                             2, p3, 2, p3, 2, p3, 2, p3, 3, p3 + 1, 3, p3 + 1, 3, p3 + 1, 3, p3 + 1);
+        const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_xor_si256(h, c->inv), idx),
+                                            _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+        ce = _mm256_add_epi16(ce, _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)), c->ke));
+        co = _mm256_add_epi16(co, _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)), c->ko));
+        if (c->sub) {
+            ce = _mm256_sub_epi16(ce, c->z);
+            co = _mm256_sub_epi16(co, c->z);
+        }
+    }
+    *e = ce;
+    *o = co;
 }
 
 /* q4 blocks b and b + 1 (codes q2, b even) against m_rows rows of x: the codes spread once,
@@ -170,20 +273,37 @@ q4_run_pairs(const uint8_t *q, const act_i16 *a, int64_t b0, int m_rows, int pai
     q4_pair_i16(q + 96, a, b0 + 6, m_rows, t, acc2);
 }
 
-/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
- * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each) read
- * their scales and minimums as one vector: s_w * d per block and row into a stack array (one
- * broadcast per block and row), the minimum term in one FMA per run; the blocks of a shorter
- * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
- * scales one at a time. Per block and weight row: the codes once and, per row of x, two vpmaddwd,
- * one conversion and one FMA (q4's runs: per pair of blocks, q4_run_pairs). Even and odd
- * blocks go to separate accumulators (two FMA chains; two or four weight rows at once, for
- * more chains and x loaded once, measured no faster). kind and m_rows are constants here. */
+/* One block's codes (block_codes_eo) against m_rows rows of x: per row two vpmaddwd, one
+ * conversion and one FMA with that row's scales s (lanes 0-3: weights 0-15, 4-7: 16-31). */
 static inline __attribute__((always_inline)) void
-row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
-            int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
+eo_block_i16(__m256i e, __m256i o, const act_i16 *a, int64_t b, int m_rows, const __m256 *s, __m256 *acc) {
+    for (int m = 0; m < m_rows; m++) {
+        const int16_t *x = a->qe + m * a->K + b * I16_QB;
+        const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(e, _mm256_loadu_si256((const __m256i *)x)),
+                                           _mm256_madd_epi16(o, _mm256_loadu_si256((const __m256i *)(x + 16))));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s[m], acc[m]);
+    }
+}
+
+/* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
+ * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each, or two
+ * of 16) read their scales and minimums as vectors, the minimum term in one FMA per run, and
+ * s_w * d per block and row: q4's pairs (q4_run_pairs) in registers; groups of 32 into a stack
+ * array (one broadcast per block and row); groups of 16 in two registers reordered so that one
+ * in-lane vpermilps gives a block's two groups (g2j x 4 | g2j+1 x 4). The blocks of a shorter
+ * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
+ * scales one at a time. Per block (q4: pair) and weight row the codes once, then per row of x:
+ * q4's pairs q4_pair_i16; groups of 16 eo_block_i16 (the codes in even/odd order); groups of 32
+ * two vpmaddwd of the codes in weight order (block_codes_i16; measured faster there than the
+ * even/odd order: q8 widens straight from memory, q5's one plane costs less in bytes), one
+ * conversion and one FMA. Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
+ * chains; two or four weight rows at once, for more chains and x loaded once, measured no
+ * faster). kind and m_rows are constants here. */
+static inline __attribute__((always_inline)) void
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_consts *ec, const uint16_t *sc,
+            const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
-    const int g16 = per == 0;
+    const int g16 = kind != 4 && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     float mins[I16_ROWS];
@@ -193,31 +313,43 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
     }
     int64_t b0 = 0;
     for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
-        float sd[I16_ROWS][2 * I16_RUN] __attribute__((aligned(32)));
-        __m256 sdv[I16_ROWS];   /* q4: s_w * d in registers, for q4_run_pairs */
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
+            const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
             const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
             const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+            const __m256 s0e = _mm256_permutevar8x32_ps(s0, eo), s1e = _mm256_permutevar8x32_ps(s1, eo);
             const __m256 m0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps();
             const __m256 m1 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps();
-            const __m256i lo = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), hi = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+            const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
+            __m256 sd0[I16_ROWS], sd1[I16_ROWS];   /* blocks 0-3, 4-7: g0 g2 g4 g6 | g1 g3 g5 g7 */
             for (int m = 0; m < m_rows; m++) {
                 const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
-                _mm256_store_ps(sd[m], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
-                _mm256_store_ps(sd[m] + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
+                sd0[m] = _mm256_mul_ps(s0e, _mm256_permutevar8x32_ps(d, lo));
+                sd1[m] = _mm256_mul_ps(s1e, _mm256_permutevar8x32_ps(d, hi));
                 const float *xs = a->sum16 + 2 * (m * nbp + b0);
                 accm[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[m]);
                 accm[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[m]);
             }
-        } else {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
-            const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps());
-            for (int m = 0; m < m_rows; m++) {
-                sdv[m] = _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0));
-                if (kind != 4) _mm256_store_ps(sd[m], sdv[m]);
-                accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
+            for (int j = 0; j < I16_RUN; j++) {
+                __m256i e, o;
+                block_codes_eo(kind, q, qh, ec, b0 + j, &e, &o);
+                __m256 s[I16_ROWS];
+                for (int m = 0; m < m_rows; m++)
+                    s[m] = _mm256_permutevar_ps(j < 4 ? sd0[m] : sd1[m], _mm256_set1_epi32(j & 3));
+                if (j & 1) eo_block_i16(e, o, a, b0 + j, m_rows, s, acc2);
+                else eo_block_i16(e, o, a, b0 + j, m_rows, s, acc);
             }
+            continue;
+        }
+        float sd[I16_ROWS][I16_RUN] __attribute__((aligned(32)));
+        __m256 sdv[I16_ROWS];   /* q4: s_w * d in registers, for q4_run_pairs */
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps());
+        for (int m = 0; m < m_rows; m++) {
+            sdv[m] = _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0));
+            if (kind != 4) _mm256_store_ps(sd[m], sdv[m]);
+            accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
         }
         if (kind == 4) {
             q4_run_pairs(q + b0 * 16, a, b0, m_rows, I16_RUN / 2, sdv, acc, acc2);
@@ -228,18 +360,11 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
             block_codes_i16(kind, q, qh, zero, b0 + j, &c0, &c1);
             for (int m = 0; m < m_rows; m++) {
                 const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
-                const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
-                const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-                if (g16) {
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&sd[m][2 * j]), acc[m]);
-                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&sd[m][2 * j + 1]), acc2[m]);
-                } else if (j & 1) {
-                    acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                              _mm256_broadcast_ss(&sd[m][j]), acc2[m]);
-                } else {
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                             _mm256_broadcast_ss(&sd[m][j]), acc[m]);
-                }
+                const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x)),
+                                                   _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const __m256 f = _mm256_cvtepi32_ps(t), sdj = _mm256_broadcast_ss(&sd[m][j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
             }
         }
     }
@@ -258,24 +383,30 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
         b0 += n;
     }
     for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
-        __m256i c0, c1;
-        block_codes_i16(kind, q, qh, zero, b, &c0, &c1);
         const int64_t g = g16 ? 2 * b : b / per;
         const float s0 = _cvtsh_ss(sc[g]), s1 = g16 ? _cvtsh_ss(sc[g + 1]) : s0;
         const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0, w1 = g16 && mn ? _cvtsh_ss(mn[g + 1]) : 0.0f;
+        if (g16) {
+            __m256i e, o;
+            block_codes_eo(kind, q, qh, ec, b, &e, &o);
+            __m256 s[I16_ROWS];
+            for (int m = 0; m < m_rows; m++) {
+                const float d = a->d[m * nbp + b];
+                s[m] = _mm256_set_m128(_mm_set1_ps(s1 * d), _mm_set1_ps(s0 * d));
+                mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
+            }
+            eo_block_i16(e, o, a, b, m_rows, s, acc);
+            continue;
+        }
+        __m256i c0, c1;
+        block_codes_i16(kind, q, qh, zero, b, &c0, &c1);
         for (int m = 0; m < m_rows; m++) {
             const int16_t *x = a->q + m * K + b * I16_QB;
             const float d = a->d[m * nbp + b];
             const __m256i p0 = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x));
             const __m256i p1 = _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-            if (g16) {
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0 * d), acc[m]);
-                acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1 * d), acc2[m]);
-                mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
-            } else {
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0 * d), acc[m]);
-                mins[m] += w0 * a->sum[m * nbp + b];
-            }
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), _mm256_set1_ps(s0 * d), acc[m]);
+            mins[m] += w0 * a->sum[m * nbp + b];
         }
     }
     for (int m = 0; m < m_rows; m++)
@@ -290,6 +421,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = K / group;
+    const eo_consts ec = eo_setup(kind, zero);
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1) {
@@ -300,7 +432,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
             if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
         }
         float res[I16_ROWS];
-        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
+        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, &ec, sc + n * groups,
                     mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
     }
@@ -324,7 +456,7 @@ static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
     return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16) && M <= I16_ROWS;
 }
 
-/* The activation buffer of M rows of K: int16 codes in x's order and in q4's pair order, then
+/* The activation buffer of M rows of K: int16 codes in x's and in even/odd or q4's pair order, then
  * per block d, d * sum(q) and the two half-block sums. i16_act_bind points an act_i16 at one
  * (malloc-aligned) of i16_act_bytes. */
 static inline int64_t i16_act_bytes(int64_t M, int64_t K) {
@@ -337,7 +469,7 @@ static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
     a->nb = K / I16_QB;
     a->nbp = (a->nb + I16_RUN - 1) / I16_RUN * I16_RUN;
     a->q = (int16_t *)buf;
-    a->qp = a->q + M * K;
+    a->qe = a->qp = a->q + M * K;   /* one or the other, by kind */
     a->d = (float *)(a->qp + M * K);
     a->sum = a->d + M * a->nbp;
     a->sum16 = a->sum + M * a->nbp;

@@ -607,10 +607,9 @@ void pipeserve_quant_prepare(int kind, int64_t K, const float *x, int64_t M, voi
     if (kind == 4) quantize_rows16(x, M, K, &a);
     else quantize_rows(x, M, K, &a);
 #elif defined(HAVE_AVX2_I16)
-    (void)kind;
     act_i16 a;
     i16_act_bind(&a, act, M, K);
-    quantize_rows_i16(x, M, &a);
+    quantize_rows_i16(kind, x, M, &a);
 #else
     (void)kind; (void)K; (void)x; (void)M; (void)act;
 #endif
