@@ -229,7 +229,9 @@ def test_q8_0_gguf_stays_quantized_and_computes_what_it_stores(converted, kind):
     ids, bounds = prompts_for(kind)[2][:24], [0, cfg.num_layers // 2, cfg.num_layers]   # run_stages holds 24
     kept = run_stages(source, bounds, ids)
     dense = run_stages(source, bounds, ids, quantization="none")
-    torch.testing.assert_close(kept, dense, rtol=0, atol=1e-4)
+    # up to the decode kernel's integer activations, which rows of up to
+    # GEMV_PASSES_MAX_ROWS (these 24) take: each moves by at most half its block's step
+    torch.testing.assert_close(kept, dense, rtol=0, atol=5e-4)
     # the quantization itself is Q8_0's: close to transformers on the checkpoint it came from
     assert (dense.argmax(-1) == hf_logits(hf_dir, ids).argmax(-1)).float().mean().item() >= 0.85
     prompts = prompts_for(kind)
