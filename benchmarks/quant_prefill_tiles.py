@@ -4,8 +4,9 @@ AVX512_BF16 (AVX2 ones).
 
 For SmolLM2-135M's layer shapes with Q4_1-like (q4) and Q8_0-like (q8) weights: the dense
 matmul, the tiled path at several tile sizes (``TILE_BYTES`` of dequantized weight per
-tile), and the dequantizing alone (the whole matrix, the part the tile path adds), at 64,
-256 and 512 activation rows. Best of repeated calls, side by side in one run: the ratios
+tile), the dequantizing alone (the whole matrix, the part the tile path adds), and the
+decode kernel in passes of ``GEMV_MAX_ROWS`` rows (what up to ``GEMV_PASSES_MAX_ROWS`` rows
+take where it has integer activations), at 16 to 512 activation rows. Best of repeated calls, side by side in one run: the ratios
 are what to read on a shared machine. ``--compare REV`` also times the dequantizing of
 quant_matmul.c as of git revision REV.
 
@@ -49,19 +50,23 @@ def main() -> None:
     ref = kernels_at(args.compare) if args.compare else None
     print(f"threads={args.threads} isa={k.isa}; ms, best of {args.repeats}")
     tiles = " ".join(f"tile {t >> 10:>4}K" for t in TILES)
-    print(f"{'shape':8} {'kind':4} {'rows':>4} {'dense':>9} {tiles} {'dequant':>9}" + (f" {'@' + args.compare:>9}" if ref else ""))
+    print(f"{'shape':8} {'kind':4} {'rows':>4} {'dense':>9} {tiles} {'dequant':>9} {'gemv x8':>9}"
+          + (f" {'@' + args.compare:>9}" if ref else ""))
     for name, (n, kd) in SHAPES.items():
         w = torch.randn(n, kd) * 0.05
         for bits in (4, 8):
             q = quantize_weight(w, bits, 32)
             dq = lambda kern=k: kern.dequant_rows(q, 0, n, torch.float32)   # noqa: E731
-            for rows in (64, 256, 512):
+            for rows in (16, 24, 32, 64, 256, 512):
                 x = torch.randn(rows, kd)
                 cols = [best_ms(lambda: F.linear(x, w), args.repeats)]
                 for tile in TILES:
                     quant_cpu.TILE_BYTES, quant_cpu.TILE_MIN_ROWS = tile, 16
                     cols.append(best_ms(lambda: k.tiled(q, x), args.repeats))
                 cols.append(best_ms(dq, args.repeats))
+                step = quant_cpu.GEMV_MAX_ROWS       # the decode kernel in passes (rows up to
+                cols.append(best_ms(lambda: [k.gemv(q, x[r:r + step])   # GEMV_PASSES_MAX_ROWS take it)
+                                             for r in range(0, rows, step)], args.repeats))
                 if ref:
                     cols.append(best_ms(lambda: dq(ref), args.repeats))
                 print(f"{name:8} q{bits:<3} {rows:>4} " + " ".join(f"{c:9.3f}" for c in cols))
