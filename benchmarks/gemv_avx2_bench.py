@@ -89,19 +89,21 @@ def side_by_side(runs: dict, rounds: int, repeats: int) -> dict:
     return out
 
 
+def _time_rows(libs: dict, w: PackedWeight, x: torch.Tensor, rows: int, rounds: int):
+    """Each library's best time for enough passes over ``rows`` rows of ``w`` to make ~2M
+    weights: (times by label, passes, blocks of 32 weights in all)."""
+    k = w.in_features
+    calls = max(1, 2_000_000 // (rows * k))
+    runs = {label: (lambda r=Rows(lib, w, x): [r(0, rows) for _ in range(calls)]) for label, lib in libs.items()}
+    return side_by_side(runs, rounds, 7), calls, calls * rows * k / 32
+
+
 def hot(libs: dict, ghz: float, rounds: int) -> None:
     print(f"hot (in L2, one thread), cycles per block of 32 at {ghz:.3f} GHz:")
     for name, (n, k, bits) in SHAPES.items():
         w = _weight(n, k, bits)
-        x = torch.randn(1, k)
         rows = min(n, HOT_BYTES // (w.nbytes // n))
-        calls = max(1, 2_000_000 // (rows * k))
-        runs = {}
-        for label, lib in libs.items():
-            r = Rows(lib, w, x)
-            runs[label] = lambda r=r: [r(0, rows) for _ in range(calls)]
-        t = side_by_side(runs, rounds, 7)
-        blocks = calls * rows * k / 32
+        t, calls, blocks = _time_rows(libs, w, torch.randn(1, k), rows, rounds)
         cells = "  ".join(f"[{label}] {s * ghz * 1e9 / blocks:5.2f}" for label, s in t.items())
         print(f"  {name:8} {rows:>5}x{k:<5} q{bits}  {cells}" + _ratio(t))
 
@@ -132,14 +134,7 @@ def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))
             w = gguf_weight(ttype, rows, k, rng)   # only the rows a hot run reads
-            x = torch.randn(1, k)
-            calls = max(1, 2_000_000 // (rows * k))
-            runs = {}
-            for label, lib in libs.items():
-                r = Rows(lib, w, x)
-                runs[label] = lambda r=r: [r(0, rows) for _ in range(calls)]
-            t = side_by_side(runs, rounds, 7)
-            blocks = calls * rows * k / 32
+            t, calls, blocks = _time_rows(libs, w, torch.randn(1, k), rows, rounds)
             cells = "  ".join(f"[{label}] {s * ghz * 1e9 / blocks:5.2f} {calls * w.nbytes / s / 1e9:5.1f} GB/s"
                               for label, s in t.items())
             print(f"  {ttype.name:5} {w.kind} g{w.group:<2} {n:>5}x{k:<5} ({rows:>3} rows)  {cells}" + _ratio(t))
