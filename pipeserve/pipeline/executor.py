@@ -184,7 +184,7 @@ class PipelineExecutor(Executor):
         results: list[StepOutput] = []
         while True:
             self._raise_if_failed()
-            if not self._inflight and self._done.empty():
+            if self._idle():
                 return results
             # Block until a result or a failure (``_fail`` queues a None to wake us):
             # no polling, which cost the driver a wake-up per 50 ms on the stages' cores.
@@ -203,12 +203,17 @@ class PipelineExecutor(Executor):
         """GPipe: every submitted step's output (in completion order)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         results: list[StepOutput] = []
-        while self._inflight or not self._done.empty():
+        while not self._idle():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if left == 0.0:
                 break
             results.extend(self.wait(left))
         return results
+
+    def _idle(self) -> bool:
+        """Nothing in flight and nothing done (under the lock a result moves under)."""
+        with self._lock:
+            return not self._inflight and self._done.empty()
 
     @property
     def num_inflight(self) -> int:
@@ -249,12 +254,13 @@ class PipelineExecutor(Executor):
             output, intervals = obj
             self.timelines.add_intervals(intervals)
             self.timelines.step_finished(output.step_id, message.arrived)
-            # Queue the output before it stops counting as in flight: wait() must
-            # never see "nothing in flight, nothing done" while it is between the two.
-            self._done.put(output)
+            # One move under the lock: wait() (which looks under it) never sees "nothing in
+            # flight, nothing done" between the two, and whoever gets the output from _done
+            # already sees a free slot (submit would refuse a full pipeline otherwise).
             with self._lock:
                 self._inflight.pop(output.step_id, None)
                 self._last_progress = time.monotonic()
+                self._done.put(output)
         elif kind == Kind.PROFILE:
             self._profiles[message.src - 1] = obj
         elif kind in (Kind.TIMELINE, Kind.BYE):
