@@ -60,7 +60,7 @@ class StageProfiler:
             attn.forward = self.acc.timed(attn.forward, self._rows_account(rope_bytes))
             if hasattr(mlp, "intermediate_size"):
                 mlp.forward = self.acc.timed(mlp.forward, self._rows_account(3 * mlp.intermediate_size * elem))
-        self._instrument_backend(model.backend, cfg, runner)
+        self._instrument_backend(model.backend, cfg, elem)
         model.on_fused_decode = self._fused_instrumenter(model, cfg, elem)
         if model.is_last:
             model.compute_logits = self.acc.timed(model.compute_logits, self._logits_account(model, elem))
@@ -68,13 +68,11 @@ class StageProfiler:
             runner.sampler.sample = self.acc.timed(runner.sampler.sample, "sampling")
         runner.execute = self._busy(self.acc.timed(runner.execute, self._execute_account()))
 
-    def _instrument_backend(self, backend: Any, cfg: Any, runner: Any) -> None:
+    def _instrument_backend(self, backend: Any, cfg: Any, elem: int) -> None:
         if getattr(backend, "_profiled", False):   # one backend serves every layer (and chunk)
             return
         backend._profiled = True
-        kv_elem = torch.tensor([], dtype=runner.dtype).element_size()
-        row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * kv_elem       # one token's K and V
-        flops_per_pair = 4 * cfg.num_heads * cfg.head_dim                # q.k and p.v
+        row_bytes, flops_per_pair = _attention_costs(cfg, elem)
 
         def decode(self_ns: int, args: tuple, out: Any) -> None:
             self.acc.ns["decode_attention"] += self_ns
@@ -99,12 +97,10 @@ class StageProfiler:
         linears = [lin for layer in model.layers
                    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_linears(layer.mlp))]
         shapes = [_in_out(lin) for lin in linears]
-        weight_bytes = sum(t.numel() * t.element_size() for lin in linears for t in (*lin.parameters(),
-                                                                                     *lin.buffers()))
+        weight_bytes = sum(_weight_bytes(lin) for lin in linears)
         nk, k_plus_n = sum(n * k for k, n in shapes), sum(k + n for k, n in shapes)
         layers = len(model.layers)
-        row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * elem            # one token's K and V
-        flops_per_pair = 4 * cfg.num_heads * cfg.head_dim
+        row_bytes, flops_per_pair = _attention_costs(cfg, elem)
         rows_bytes = (2 * 4 * cfg.hidden_size + 2 * (cfg.q_size + cfg.kv_size)
                       + 3 * cfg.intermediate_size) * elem                   # norms, RoPE, SiLU-mul per row
 
@@ -133,7 +129,7 @@ class StageProfiler:
     # -- accounts ---------------------------------------------------------------
     def _gemm_account(self, linear: nn.Module, elem: int):
         k, n = _in_out(linear)
-        weight_bytes = sum(t.numel() * t.element_size() for t in (*linear.parameters(), *linear.buffers()))
+        weight_bytes = _weight_bytes(linear)
 
         def account(self_ns: int, args: tuple, out: Any) -> None:
             rows = args[0].shape[0]
@@ -164,8 +160,7 @@ class StageProfiler:
 
     def _logits_account(self, model: nn.Module, elem: int):
         k, n = _in_out(model.lm_head)
-        weight_bytes = sum(t.numel() * t.element_size()
-                           for t in (*model.lm_head.parameters(), *model.lm_head.buffers()))
+        weight_bytes = _weight_bytes(model.lm_head)
 
         def account(self_ns: int, args: tuple, out: Any) -> None:
             rows = args[0].shape[0]
@@ -217,6 +212,16 @@ def _linears(mlp: nn.Module) -> list[nn.Module]:
     if all(hasattr(mlp, n) for n in names):
         return [getattr(mlp, n) for n in names]
     return [mlp]
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    """Bytes a matmul reads of its weight: parameters and buffers (kept codes, scales) as stored."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def _attention_costs(cfg: Any, elem: int) -> tuple[int, int]:
+    """(bytes of one token's K and V, FLOPs of one query-key pair: q.k and p.v)."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim * elem, 4 * cfg.num_heads * cfg.head_dim
 
 
 def _in_out(linear: nn.Module) -> tuple[int, int]:
