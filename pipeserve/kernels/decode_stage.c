@@ -207,13 +207,13 @@ static void team_rows(const stage_kernels *k, const act_type *a, const qweight *
 int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, int64_t num_layers,
                            const stage_step *s, void *h, int num_threads) {
     const act_type at = {(int)s->bf16, s->bf16 ? 2 : 4}, *a = &at;
-    const int64_t M = s->rows, P = min64(M, PASS_ROWS), D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
+    const int64_t M = s->rows, P = min64(M, PASS_ROWS);   /* rows, rows of one matmul pass */
+    const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
     const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
     int64_t act = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const qweight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
-        for (int i = 0; i < 4; i++)
-            act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, min64(M, PASS_ROWS)));
+        for (int i = 0; i < 4; i++) act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, P));
     }
     /* residual, normed x, qkv, rotated q|k, attention out, o out, gate|up, silu out (the
      * activations' dtype); the float q, attention out, a matmul's input and output (float) */
