@@ -228,3 +228,11 @@ def lazy_builds(root: Path, build) -> Callable[[str], Path]:
             built[kind] = build(kind, root / kind)
         return built[kind]
     return get
+
+
+def layer_matmul_flops(cfg) -> int:
+    """FLOPs of one token through one dense decoder layer's four matmuls (qkv, o, gate_up,
+    down): what --profile's GEMM classes must count, computed here from the shapes alone."""
+    return sum(2 * k * n for k, n in (
+        (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
+        (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))

@@ -17,7 +17,7 @@ import torch
 from pipeserve.model.loader import resolve_model
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import build_checkpoint, layer_matmul_flops
 
 def _fused_stage_available() -> str | None:
     """Why the fused stage cannot run on this machine, or None."""
@@ -223,9 +223,7 @@ def test_profile_splits_the_fused_stage_by_class(tmp_path):
     snap = profiler.snapshot()
     for name in ("decode_gemm", "decode_attention", "kv_write", "elementwise"):
         assert snap.ns[name] > 0, name
-    per_token = sum(2 * k * n for k, n in (
-        (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
-        (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))
+    per_token = layer_matmul_flops(cfg)
     assert snap.flops["decode_gemm"] == pytest.approx(steps * len(prompts) * cfg.num_layers * per_token)
     assert snap.flops["prefill_gemm"] == pytest.approx(sum(map(len, prompts)) * cfg.num_layers * per_token)
     # the classes and the runner's own Python add up to the busy time, nothing counted twice

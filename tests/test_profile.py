@@ -9,7 +9,7 @@ import pytest
 
 from pipeserve.entrypoints.cli import main
 from pipeserve.metrics.profile import DRIVER_CLASSES, STAGE_CLASSES, Accounts
-from tests.checkpoints import build_checkpoint
+from tests.checkpoints import build_checkpoint, layer_matmul_flops
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
 
@@ -60,9 +60,7 @@ def test_profile_changes_no_output_and_counts_gemm_flops_exactly(tiny_model) -> 
     assert outputs[True] == outputs[False]
     stage = after["stages"][0]
     cfg = runner.model.cfg
-    per_token = sum(2 * k * n for k, n in (
-        (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
-        (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))
+    per_token = layer_matmul_flops(cfg)
     assert stage.prefill_tokens == 20 and stage.decode_tokens == 5 and stage.steps == 6
     assert stage.flops["prefill_gemm"] == pytest.approx(20 * cfg.num_layers * per_token)
     assert stage.flops["decode_gemm"] == pytest.approx(5 * cfg.num_layers * per_token)
