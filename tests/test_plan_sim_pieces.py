@@ -168,3 +168,14 @@ def test_tp_ranks_share_the_cores_but_each_runs_its_own_shard() -> None:
         costs.cpu_sharing = lambda sharing=sharing: sharing
         result = PipelineSimulator(costs, SimConfig("async", micro_batches=1)).run(_at_once([5]))
         assert result.summary()["tpot_s"]["p50"] == pytest.approx(tpot)
+
+
+def test_a_serial_part_keeps_one_thread_per_process_runnable() -> None:
+    # Two 2-thread stages, both busy (two micro-batches), each chunk s of serial work only,
+    # on 2 cores. In a serial part only the process's main thread runs (its kernel threads
+    # sleep until the next parallel region): 2 runnable threads, a core each, so a token
+    # costs 2·s; counting all 4 threads would halve each stage's speed (4·s).
+    s = 1.0
+    costs = SharedCosts(stages=2, serial=s, parallel=0.0, cores=2, threads=2)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * s, rel=0.02)

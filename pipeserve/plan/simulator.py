@@ -27,6 +27,7 @@ Time-sharing (a cost model with ``cpu_sharing()``, the CPU host): the stage proc
 and the driver are jobs on a node's C cores, run by processor sharing. A job's work is
 a serial part (one thread: per-op dispatch, per-step bookkeeping, collectives' waits) and
 a parallel part (the kernels, on the process's k threads), both in seconds on one core.
+A process keeps one thread runnable in its serial part and k in its parallel part.
 With n runnable threads on the node each gets f = min(1, C / n) of a core; a serial
 part runs at f, a parallel one at k·f cores' worth, 1 + (k·f − 1)·e above one core
 (e: parallel efficiency). So an idle stage lends its cores to the busy ones, and P
@@ -91,6 +92,11 @@ class _Job:
         threads it keeps busy on the node (all ranks'; default ``threads``)."""
         self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
         self.runnable = runnable or threads
+
+    def busy_threads(self) -> int:
+        """Threads it keeps runnable now: in its serial part one per process (the kernels'
+        other threads wait asleep for the next parallel region), then all of them."""
+        return self.runnable if self.serial <= 0.0 else max(1, self.runnable // self.threads)
 
 
 class CostModel(Protocol):
@@ -321,7 +327,7 @@ class PipelineSimulator:
     def _ps_rates(self) -> list[float]:
         runnable: dict[int, int] = {}
         for job in self.jobs:
-            runnable[job.node] = runnable.get(job.node, 0) + job.runnable
+            runnable[job.node] = runnable.get(job.node, 0) + job.busy_threads()
         return [self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
                 for job in self.jobs]
 
