@@ -25,6 +25,7 @@ import torch
 
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.families import family_fields
+from pipeserve.model.loader.gguf_file import GGUFFile
 from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
 from pipeserve.model.quant.packed import PackedWeight
 
@@ -59,11 +60,10 @@ _EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])")
 _EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
-    """The file's reader, parsed once per process and version of the file: parsing walks
-    every metadata string (seconds for a 49k-token vocabulary), and loading a model asks
-    for it several times (config, chat template, weights). Readers only read; the
-    tensors' data stays memory-mapped."""
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header (``gguf_file.GGUFFile``: metadata decoded when asked for, tensor
+    data memory-mapped), parsed once per process and version of the file, since loading a
+    model asks for it several times (config, chat template, weights)."""
     path = Path(path).resolve()
     try:
         stat = path.stat()
@@ -73,11 +73,8 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_gguf(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as exc:  # the package raises bare ValueErrors on bad magic etc.
-        raise ValueError(f"cannot read {path} as a GGUF file: {exc}") from exc
+def _parsed_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 @dataclass(frozen=True)
@@ -234,7 +231,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
 class _ArchMetadata:
     """Metadata keys of one architecture: gguf's "{arch}.block_count" templates, filled in."""
 
-    def __init__(self, reader: gguf.GGUFReader, arch: str) -> None:
+    def __init__(self, reader: GGUFFile, arch: str) -> None:
         self.reader, self.arch = reader, arch
 
     def get(self, template: str, default=None):
@@ -294,7 +291,7 @@ def _vocab_size(meta: _ArchMetadata, tensors: dict) -> int:
     raise ValueError(f"GGUF file has neither {meta.arch}.vocab_size nor token_embd.weight")
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
+def _field(reader: GGUFFile, key: str, default=None):
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
@@ -438,7 +435,7 @@ def _cut_blocks(raw: np.ndarray, tensor, dim: int, ranges) -> np.ndarray:
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
-    """A ReaderTensor -> float32 array in PyTorch (row-major) shape."""
+    """A file tensor (gguf_file.Tensor) -> float32 array in PyTorch (row-major) shape."""
     if tensor.tensor_type not in SUPPORTED_TYPES:
         raise ValueError(f"tensor {tensor.name!r} has GGUF type {tensor.tensor_type.name}, which pipeserve "
                          f"cannot load (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")
