@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import sys
 
 import torch
@@ -72,7 +73,7 @@ class ModelRunner:
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
-                return zeros_on_huge_pages(shape, self.kv_dtype)
+                return zeros_on_huge_pages(shape, self.kv_dtype, prefault=False)
             # torch.zeros has no float8 kernel on every device: zero the bytes.
             t = torch.zeros(shape, dtype=torch.uint8 if self.kv_dtype.itemsize == 1 else self.kv_dtype,
                             device=device).view(self.kv_dtype)
@@ -176,24 +177,51 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
     """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages.
 
     Decode attention reads KV blocks scattered over the whole cache; with 4 KiB
     pages nearly every block costs a TLB miss. Where transparent huge pages are
     in ``madvise`` mode, advising the (still untouched) allocation before
-    zeroing it makes the faults allocate huge pages. Best effort: elsewhere it
+    touching it makes the faults allocate huge pages. Best effort: elsewhere it
     is plain zeros.
+
+    ``prefault=False`` (the engine's KV cache): the memory is a fresh anonymous
+    mapping, zero by the kernel's guarantee, and is not written here: its pages
+    fault in as blocks are first written, so a stage starts (and a restarted one
+    rejoins) without writing its whole cache first (1 GiB by default, seconds in a
+    VM whose host backs guest memory lazily), and untouched blocks cost no memory.
+    Only for memory that is written before it is read: a read of an untouched page
+    maps the shared zero page, so a benchmark reading cache it never wrote would
+    time the cache, not memory (they keep the default).
     """
-    t = torch.empty(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype)   # zero_() has no float8 kernel
-    nbytes = t.numel() * t.element_size()
-    if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE:
-        start = (t.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
-        end = (t.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(start, end - start, _MADV_HUGEPAGE)
-        except (OSError, AttributeError):
-            pass
+    storage = torch.uint8 if dtype.itemsize == 1 else dtype    # zero_() has no float8 kernel
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * storage.itemsize
+    huge = sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE
+    if not prefault and huge:
+        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE)    # anonymous: zero-filled on first touch
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        offset = -base % _HUGE_PAGE
+        _advise_huge(base + offset, nbytes)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(storage).view(shape).view(dtype)
+    t = torch.empty(shape, dtype=storage)
+    if huge:
+        _advise_huge(t.data_ptr(), nbytes)
     return t.zero_().view(dtype)
+
+
+def _advise_huge(address: int, nbytes: int) -> None:
+    """MADV_HUGEPAGE on the whole 2 MiB pages of [address, address + nbytes); best effort."""
+    start = (address + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+    end = (address + nbytes) & ~(_HUGE_PAGE - 1)
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass

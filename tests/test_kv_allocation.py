@@ -1,0 +1,22 @@
+"""The CPU KV cache's allocation (worker/model_runner.zeros_on_huge_pages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeserve.worker.model_runner import zeros_on_huge_pages
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_zeroed_writable_and_independent(prefault: bool, dtype: torch.dtype) -> None:
+    shape = ((5 << 20) // (16 * 2 * 64 * dtype.itemsize), 16, 2, 64)   # 5 MiB: past two huge pages (advised)
+    a, b = zeros_on_huge_pages(shape, dtype, prefault), zeros_on_huge_pages(shape, dtype, prefault)
+    assert a.shape == shape and a.dtype == dtype and a.is_contiguous()
+    raw = a.view(torch.uint8)
+    assert int(raw.sum()) == 0
+    raw[7].fill_(1)
+    assert int(raw.sum()) == raw[7].numel() and int(b.view(torch.uint8).sum()) == 0
+    if not prefault:   # the engine's cache: a fresh mapping, its rows on 2 MiB boundaries
+        assert a.data_ptr() % (2 << 20) == 0
