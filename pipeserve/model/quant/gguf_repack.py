@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from pipeserve.model.quant.packed import PackedWeight, pack_high_codes, pack_nibbles
+from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
 T = gguf.GGMLQuantizationType
 KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -94,7 +94,7 @@ def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
     low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1              # [rows, blocks, 8, 32]
-    qs, qh = pack_high_codes(_t((low | (high << 4)).reshape(rows, -1)), 1)
+    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1), 1)
     scale, minv = _k_scales(blocks)
     return PackedWeight("q5", 32, qs, _t(scale), _t(minv), "Q5_K", qh)
 
@@ -104,7 +104,7 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
     low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
     high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3)     # [rows, blocks, 2, 4, 32]
-    qs, qh = pack_high_codes(_t((low | (high << 4)).reshape(rows, -1)), 2)
+    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1), 2)
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)   # [rows, blocks, 16]
     d = _f16(blocks, 208).astype(np.float32)[..., None]
     scale = (d * sc).astype(np.float16).reshape(rows, -1)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
@@ -137,13 +138,19 @@ def to_q8(w: PackedWeight) -> PackedWeight:
 
 def pack_high_codes(q: torch.Tensor, hbits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """codes uint8 [out, in] (0 .. 2^(4 + hbits) - 1) -> q5/q6 (``qs``, ``qh``)."""
-    rows = q.shape[0]
-    runs = q.reshape(rows, -1, SUB)                                            # [out, in / 32, 32]
-    weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 8)
-    planes = [(((runs >> (4 + p)) & 1).to(torch.int32).view(rows, -1, 4, 8) * weights).sum(-1)
-              for p in range(hbits)]                                           # [out, in / 32, 4] each
-    qh = torch.stack(planes, dim=2).to(torch.uint8).reshape(rows, -1)          # [out, in / 32 * 4 * hbits]
-    return pack_nibbles(q & 15), qh.contiguous()
+    high = q.numpy() >> 4
+    return pack_nibbles(q & 15), pack_planes(high, hbits)
+
+
+def pack_planes(high: np.ndarray, hbits: int) -> torch.Tensor:
+    """The codes' bits above the nibble, uint8 [out, in] (0 .. 2^hbits - 1) -> ``qh``
+    [out, in / 32 * 4 * hbits]: per run of 32 weights, ``hbits`` little-endian 32-bit planes
+    (np.packbits in little bit order puts weight j at bit j % 8 of byte j // 8, so bit j
+    of the word). A loader's hot path: a 70B model's Q5_K/Q6_K tensors go through it."""
+    rows = high.shape[0]
+    runs = high.reshape(rows, -1, 1, SUB)                                      # [out, in / 32, 1, 32]
+    bits = (runs >> np.arange(hbits, dtype=np.uint8).reshape(hbits, 1)) & 1    # [out, in / 32, hbits, 32]
+    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(rows, -1))
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
