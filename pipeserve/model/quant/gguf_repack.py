@@ -83,10 +83,14 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
-    qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32)                # 4 chunks of 32 bytes
-    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15     # [rows, blocks, 4, 2, 32]
+    # 4 chunks of 32 bytes: chunk c holds run 2c in its low nibbles and run 2c + 1 in its high
+    # ones, weight j of a run in byte j. q4 holds weights j and j + 16 of a run in byte j, so
+    # each run's bytes are its nibbles from bytes j and j + 16, moved without widening.
+    qs = blocks[..., 16:144].reshape(rows, -1, 4, 2, 16)
+    lo, hi = qs[..., 0, :], qs[..., 1, :]                               # bytes j, j + 16 of each chunk
+    runs = np.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], axis=3)   # [rows, blocks, 4, 2, 16]
     scale, minv = _k_scales(blocks)
-    return PackedWeight("q4", 32, pack_nibbles(_t(q.reshape(rows, -1))), _t(scale), _t(minv), "Q4_K")
+    return PackedWeight("q4", 32, _t(runs.reshape(rows, -1)), _t(scale), _t(minv), "Q4_K")
 
 
 def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
