@@ -98,11 +98,12 @@ def save_tiny_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
+def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32", split_max_tensors: int = 0) -> Path:
     """Convert a tiny HF Llama or Qwen2 checkpoint to GGUF the way llama.cpp's
     convert_hf_to_gguf.py does, all matrices in ``qtype``: llama's q/k rows
     (and biases) permuted to its rotary layout and llama3 scaling written as
-    ``rope_freqs``; qwen2's rows left as they are."""
+    ``rope_freqs``; qwen2's rows left as they are. ``split_max_tensors``: split
+    as gguf-split does, at most that many tensors a file; returns the first part."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -112,7 +113,7 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(file)))
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, cfg)
     if arch == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
@@ -120,7 +121,7 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
         name, array = _gguf_tensor(hf_name, tensor.float().numpy(), cfg)
         _add_tensor(writer, name, array, qtype)
     finish_gguf(writer)
-    return path
+    return writer.format_shard_names(Path(path))[0] if split_max_tensors else path
 
 
 def finish_gguf(writer) -> None:

@@ -7,6 +7,7 @@ import struct
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from pipeserve.model.loader.gguf_file import GGUFFile
 from tests.checkpoints import build_checkpoint, write_llama_gguf
@@ -92,3 +93,28 @@ def test_bad_files_are_refused_with_a_reason(tmp_path) -> None:
         GGUFFile(str(big))
     with pytest.raises(ValueError, match="cannot read"):
         GGUFFile(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_1"])
+def test_a_split_model_loads_as_the_whole_file(tmp_path, qtype: str) -> None:
+    # gguf-split's layout, written by the gguf package: metadata in part 1, tensors spread over
+    # the parts. Opened from its first part it is the same model as the single file.
+    from pipeserve.model.loader import resolve_model
+    from tests.test_loaders import run_stages
+    hf = build_checkpoint("llama_tied_gqa", tmp_path / "hf")
+    whole = write_llama_gguf(hf, tmp_path / "whole.gguf", qtype)
+    first = write_llama_gguf(hf, tmp_path / "split.gguf", qtype, split_max_tensors=5)
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert first == parts[0] and len(parts) > 2
+    one, split = GGUFFile(str(whole)), GGUFFile(str(first))
+    assert sorted(t.name for t in split.tensors) == sorted(t.name for t in one.tensors)
+    ids, layers = list(range(3, 20)), resolve_model(str(whole)).load_config().num_layers
+    for quantization in ("none", "auto"):
+        ref = run_stages(resolve_model(str(whole)), [0, layers // 2, layers], ids, quantization=quantization)
+        got = run_stages(resolve_model(str(first)), [0, layers // 2, layers], ids, quantization=quantization)
+        assert torch.equal(ref, got), quantization
+    with pytest.raises(ValueError, match="pass its first part"):
+        GGUFFile(str(parts[1]))
+    parts[-1].unlink()
+    with pytest.raises(ValueError, match=f"part {len(parts)} .* is missing"):
+        GGUFFile(str(first))

@@ -12,11 +12,14 @@ as ``gguf.GGUFReader`` shapes it (element arrays for float/integer types, the ra
 of each row for quantized ones), so the rest of the loader reads it unchanged.
 
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3,
-little-endian; a byte-swapped file is refused with a clear error).
+little-endian; a byte-swapped file is refused with a clear error). Models split into several
+files by llama.cpp's gguf-split open from their first part.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from typing import Any, NamedTuple
 
@@ -24,6 +27,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 MAGIC = 0x46554747                     # b"GGUF" read as a little-endian uint32
+SPLIT_NO, SPLIT_COUNT = "split.no", "split.count"          # gguf-split's keys (0-based part number)
+_SPLIT_NAME = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf", re.IGNORECASE)
 DEFAULT_ALIGNMENT = 32
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _SCALARS = {                           # value type -> (struct format, numpy dtype)
@@ -83,9 +88,13 @@ class Tensor(NamedTuple):
 
 class GGUFFile:
     """The parsed header of ``path``: ``get_field(key)`` and ``tensors``; ValueError when the
-    file is not a GGUF this reader understands."""
+    file is not a GGUF this reader understands.
 
-    def __init__(self, path: str) -> None:
+    A model split by llama.cpp's gguf-split (``NAME-00001-of-00003.gguf``: the metadata in
+    the first part, each part its own tensor table and data) opens from its first part:
+    ``tensors`` are then every part's, each viewing its own file."""
+
+    def __init__(self, path: str, part_of_split: bool = False) -> None:
         self.path = path
         try:
             self._map = np.memmap(path, dtype=np.uint8, mode="r")
@@ -96,6 +105,34 @@ class GGUFFile:
             self.fields, self.tensors = self._parse()
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is truncated or not a GGUF file ({exc})") from None
+        count = self.fields.get(SPLIT_COUNT)
+        if count is not None and count.contents() > 1 and not part_of_split:
+            self.parts = self._open_parts(int(count.contents()))
+            self.tensors = [t for part in [self, *self.parts] for t in part.tensors]
+            names = [t.name for t in self.tensors]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{path}: a tensor appears in two parts of the split model")
+
+    def _open_parts(self, count: int) -> list["GGUFFile"]:
+        """The other parts of a split model, by gguf-split's naming, checked against their metadata."""
+        match = _SPLIT_NAME.fullmatch(os.path.basename(self.path))
+        number = self.fields.get(SPLIT_NO)
+        if match is None or int(match.group(3)) != count or (number is not None and number.contents() != 0):
+            raise ValueError(f"{self.path} is part of a model split in {count} files (gguf-split); pass its first "
+                             f"part, named like NAME-00001-of-{count:05d}.gguf")
+        parts = []
+        for i in range(2, count + 1):
+            name = os.path.join(os.path.dirname(self.path), f"{match.group(1)}-{i:05d}-of-{count:05d}.gguf")
+            if not os.path.exists(name):
+                raise ValueError(f"{self.path} is part 1 of {count} of a split model, but part {i} ({name}) is "
+                                 "missing: every part must sit beside the first")
+            part = GGUFFile(name, part_of_split=True)
+            got = part.get_field(SPLIT_NO)
+            if got is None or got.contents() != i - 1:
+                raise ValueError(f"{name} is not part {i} of {count} of {self.path}'s model (split.no "
+                                 f"{None if got is None else got.contents()})")
+            parts.append(part)
+        return parts
 
     def get_field(self, key: str) -> Field | None:
         return self.fields.get(key)
