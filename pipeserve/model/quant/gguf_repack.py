@@ -17,12 +17,17 @@ a scale, far below the quantization step itself.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+
 import gguf
 import numpy as np
 import torch
 
 from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
+log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
 KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 
@@ -82,7 +87,49 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float16).reshape(rows, -1), minv.astype(np.float16).reshape(rows, -1)
 
 
+@functools.lru_cache(maxsize=1)
+def _c_repack() -> ctypes.CDLL | None:
+    """kernels/gguf_repack.c (the K-quants in one pass, bit for bit the numpy path below), or
+    None: the numpy path, with the reason logged once."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    try:
+        lib = load_kernel("gguf_repack")
+    except KernelBuildError as exc:
+        log.warning("GGUF K-quant repack in numpy (slower loads): %s", str(exc).splitlines()[0])
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p]
+    lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p]
+    lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p]
+    return lib
+
+
+def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
+    """The K-quant ``kind`` repacked by the C kernel, or None where it is not available."""
+    lib = _c_repack()
+    if lib is None:
+        return None
+    n = blocks.shape[1] * rows                                   # blocks of 256 weights
+    qs = torch.empty(rows, n // rows * 128, dtype=torch.uint8)
+    scale = torch.empty(rows, n // rows * (16 if kind == "Q6_K" else 8), dtype=torch.float16)
+    src = np.ascontiguousarray(blocks).ctypes.data
+    if kind == "Q6_K":
+        qh = torch.empty(rows, n // rows * 64, dtype=torch.uint8)
+        lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr())
+        return PackedWeight("q6", 16, qs, scale, None, "Q6_K", qh, 32)
+    minv = torch.empty_like(scale)
+    if kind == "Q5_K":
+        qh = torch.empty(rows, n // rows * 32, dtype=torch.uint8)
+        lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr())
+        return PackedWeight("q5", 32, qs, scale, minv, "Q5_K", qh)
+    lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr())
+    return PackedWeight("q4", 32, qs, scale, minv, "Q4_K")
+
+
 def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    fast = _c_k_quant("Q4_K", blocks, rows)
+    if fast is not None:
+        return fast
     # 4 chunks of 32 bytes: chunk c holds run 2c in its low nibbles and run 2c + 1 in its high
     # ones, weight j of a run in byte j. q4 holds weights j and j + 16 of a run in byte j, so
     # each run's bytes are its nibbles from bytes j and j + 16, moved without widening.
@@ -94,6 +141,9 @@ def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
 
 
 def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    fast = _c_k_quant("Q5_K", blocks, rows)
+    if fast is not None:
+        return fast
     qh = blocks[..., 16:48].reshape(rows, -1, 1, 32)
     qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
     low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
@@ -104,6 +154,9 @@ def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
 
 
 def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
+    fast = _c_k_quant("Q6_K", blocks, rows)
+    if fast is not None:
+        return fast
     ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64)
     qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
     low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 2, 4, 32)

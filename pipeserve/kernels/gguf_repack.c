@@ -1,0 +1,144 @@
+/* GGUF K-quant blocks -> the kept layouts (model/quant/gguf_repack.py says what each is), one
+ * pass over the file's bytes. The numpy path there does the same in a dozen passes over
+ * strided views and byte-per-code temporaries, ~110 MB/s of file bytes; a 70B Q4_K_M stage
+ * (13 GB) spent minutes in it at start-up and at every restart. Bit for bit the numpy path:
+ * the same codes, and scales d * sc (and -dmin * m) multiplied in float32 and rounded to
+ * float16 to nearest even, as numpy's astype rounds.
+ *
+ * Each function takes `blocks` blocks of one row after another (rows * blocks_per_row) and
+ * writes, per block of 256 weights: qs 128 bytes (q4 nibbles: byte j of a run of 32 holds
+ * weights j and j + 16), qh (q5: 4 bytes a run, q6: 8), and the scales (and minimums).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {   /* subnormal: normalise */
+            int e = -1;
+            uint32_t m = mant;
+            do {
+                e++;
+                m <<= 1;
+            } while (!(m & 1024));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 1023) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float32 -> float16, round to nearest even; overflow to infinity, NaN stays NaN. */
+static uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return sign | (ax > 0x7f800000u ? 0x7e00 : 0x7c00);
+    if (ax >= 0x477ff000u) return sign | 0x7c00;   /* rounds to 65520 or more: infinity */
+    if (ax < 0x38800000u) {                          /* below 2^-14: a subnormal half (or 0), mant * 2^-24 */
+        float a;
+        memcpy(&a, &ax, 4);
+        return sign | (uint16_t)nearbyintf(a * 16777216.0f);   /* exact scaling, then to nearest even */
+    }
+    const uint32_t m = ax - 0x38000000u;             /* exponent bias 127 -> 15 */
+    uint32_t v = m >> 13;
+    const uint32_t r = m & 0x1fff;
+    if (r > 0x1000 || (r == 0x1000 && (v & 1))) v++;   /* a carry into the exponent is right */
+    return sign | (uint16_t)v;
+}
+
+static uint16_t read_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Q4_K / Q5_K: sub-block j's 6-bit scale and minimum (llama.cpp's get_scale_min_k4). */
+static void scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void k_scales(const uint8_t *b, uint16_t *scale, uint16_t *minv) {
+    const float d = half_to_float(read_u16(b)), dmin = half_to_float(read_u16(b + 2));
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min(b + 4, j, &sc, &m);
+        scale[j] = float_to_half(d * (float)sc);
+        minv[j] = float_to_half(-dmin * (float)m);
+    }
+}
+
+/* Run r's 16 nibble bytes from its 32 codes (0..15). */
+static void nibbles(const uint8_t *codes, uint8_t *out) {
+    for (int j = 0; j < 16; j++) out[j] = (uint8_t)(codes[j] | (codes[j + 16] << 4));
+}
+
+void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint16_t *scale, uint16_t *minv) {
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = in + i * 144, *q = b + 16;
+        uint8_t *o = qs + i * 128;
+        for (int c = 0; c < 4; c++) {   /* chunk c: run 2c in the low nibbles, 2c + 1 in the high */
+            const uint8_t *lo = q + 32 * c, *hi = lo + 16;
+            for (int j = 0; j < 16; j++) {
+                o[32 * c + j] = (uint8_t)((lo[j] & 15) | ((hi[j] & 15) << 4));
+                o[32 * c + 16 + j] = (uint8_t)((lo[j] >> 4) | (hi[j] & 0xF0));
+            }
+        }
+        k_scales(b, scale + i * 8, minv + i * 8);
+    }
+}
+
+void pipeserve_repack_q5_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale,
+                           uint16_t *minv) {
+    uint8_t codes[32];
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = in + i * 176, *h = b + 16, *q = b + 48;
+        for (int r = 0; r < 8; r++) {   /* run r: chunk r / 2's nibbles r % 2, bit r of qh */
+            const uint8_t *chunk = q + 32 * (r / 2);
+            uint32_t plane = 0;
+            for (int w = 0; w < 32; w++) {
+                codes[w] = (uint8_t)((chunk[w] >> (4 * (r % 2))) & 15);
+                plane |= (uint32_t)((h[w] >> r) & 1) << w;
+            }
+            nibbles(codes, qs + i * 128 + 16 * r);
+            memcpy(qh + i * 32 + 4 * r, &plane, 4);   /* little-endian: bit w is weight w */
+        }
+        k_scales(b, scale + i * 8, minv + i * 8);
+    }
+}
+
+void pipeserve_repack_q6_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale) {
+    uint8_t codes[32];
+    for (int64_t i = 0; i < blocks; i++) {
+        const uint8_t *b = in + i * 210;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int r = 0; r < 8; r++) {   /* run r = 4 h + k: ql half h, bytes 32 (k % 2), nibble k / 2; qh >> 2k */
+            const int h = r / 4, k = r % 4;
+            const uint8_t *ql = b + 64 * h + 32 * (k % 2), *hb = b + 128 + 32 * h;
+            uint32_t planes[2] = {0, 0};
+            for (int w = 0; w < 32; w++) {
+                codes[w] = (uint8_t)((ql[w] >> (4 * (k / 2))) & 15);
+                const int high = (hb[w] >> (2 * k)) & 3;
+                planes[0] |= (uint32_t)(high & 1) << w;
+                planes[1] |= (uint32_t)(high >> 1) << w;
+            }
+            nibbles(codes, qs + i * 128 + 16 * r);
+            memcpy(qh + i * 64 + 8 * r, planes, 8);
+        }
+        const float d = half_to_float(read_u16(b + 208));
+        for (int j = 0; j < 16; j++) scale[i * 16 + j] = float_to_half(d * (float)sc[j]);
+    }
+}
