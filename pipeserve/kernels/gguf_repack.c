@@ -5,8 +5,8 @@
  * the same codes, and scales d * sc (and -dmin * m) multiplied in float32 and rounded to
  * float16 to nearest even, as numpy's astype rounds.
  *
- * Each function takes `blocks` blocks of one row after another (rows * blocks_per_row) and
- * writes, per block of 256 weights: qs 128 bytes (q4 nibbles: byte j of a run of 32 holds
+ * Each function takes `blocks` blocks of one row after another (rows * blocks_per_row), shared
+ * over `num_threads` threads (the stage's), and writes, per block of 256 weights: qs 128 bytes (q4 nibbles: byte j of a run of 32 holds
  * weights j and j + 16), qh (q5: 4 bytes a run, q6: 8), and the scales (and minimums).
  */
 #include <math.h>
@@ -86,7 +86,9 @@ static void nibbles(const uint8_t *codes, uint8_t *out) {
     for (int j = 0; j < 16; j++) out[j] = (uint8_t)(codes[j] | (codes[j + 16] << 4));
 }
 
-void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint16_t *scale, uint16_t *minv) {
+void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint16_t *scale, uint16_t *minv,
+                           int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = in + i * 144, *q = b + 16;
         uint8_t *o = qs + i * 128;
@@ -102,9 +104,10 @@ void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint1
 }
 
 void pipeserve_repack_q5_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale,
-                           uint16_t *minv) {
-    uint8_t codes[32];
+                           uint16_t *minv, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
+        uint8_t codes[32];
         const uint8_t *b = in + i * 176, *h = b + 16, *q = b + 48;
         for (int r = 0; r < 8; r++) {   /* run r: chunk r / 2's nibbles r % 2, bit r of qh */
             const uint8_t *chunk = q + 32 * (r / 2);
@@ -120,9 +123,11 @@ void pipeserve_repack_q5_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8
     }
 }
 
-void pipeserve_repack_q6_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale) {
-    uint8_t codes[32];
+void pipeserve_repack_q6_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale,
+                           int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
+        uint8_t codes[32];
         const uint8_t *b = in + i * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
         for (int r = 0; r < 8; r++) {   /* run r = 4 h + k: ql half h, bytes 32 (k % 2), nibble k / 2; qh >> 2k */

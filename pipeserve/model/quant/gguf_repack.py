@@ -98,31 +98,34 @@ def _c_repack() -> ctypes.CDLL | None:
         log.warning("GGUF K-quant repack in numpy (slower loads): %s", str(exc).splitlines()[0])
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p]
-    lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p]
-    lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p]
+    lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p, ctypes.c_int]
+    lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
+    lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p, ctypes.c_int]
     return lib
 
 
 def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
-    """The K-quant ``kind`` repacked by the C kernel, or None where it is not available."""
+    """The K-quant ``kind`` repacked by the C kernel on the stage's threads, or None where it
+    is not available."""
     lib = _c_repack()
     if lib is None:
         return None
     n = blocks.shape[1] * rows                                   # blocks of 256 weights
     qs = torch.empty(rows, n // rows * 128, dtype=torch.uint8)
     scale = torch.empty(rows, n // rows * (16 if kind == "Q6_K" else 8), dtype=torch.float16)
-    src = np.ascontiguousarray(blocks).ctypes.data
+    data = np.ascontiguousarray(blocks)                          # held: the C call reads it
+    src, threads = data.ctypes.data, torch.get_num_threads()
     if kind == "Q6_K":
         qh = torch.empty(rows, n // rows * 64, dtype=torch.uint8)
-        lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr())
+        lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), threads)
         return PackedWeight("q6", 16, qs, scale, None, "Q6_K", qh, 32)
     minv = torch.empty_like(scale)
     if kind == "Q5_K":
         qh = torch.empty(rows, n // rows * 32, dtype=torch.uint8)
-        lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr())
+        lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr(),
+                                  threads)
         return PackedWeight("q5", 32, qs, scale, minv, "Q5_K", qh)
-    lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr())
+    lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr(), threads)
     return PackedWeight("q4", 32, qs, scale, minv, "Q4_K")
 
 
