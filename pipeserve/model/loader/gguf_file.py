@@ -1,13 +1,11 @@
 """A GGUF file's metadata and tensor table, parsed in milliseconds.
 
 The ``gguf`` package's reader builds a numpy view for every part of every metadata value
-(three per string), so a 49k-token vocabulary costs about 4 s to open and a Llama 3
-vocabulary (128k tokens and as many merges) several times that, in every process that
-opens the file: the driver and each stage, at start-up and again when a stage is
-restarted after a failure. Loading a model needs a few dozen scalars and the tensor
-table, so this reader walks the header with ``struct``, keeps each value's offset, and
-decodes a value only when it is asked for (an array of strings, when its ``contents()``
-are). Tensor data stays memory-mapped: ``data`` is a read-only view of the file, shaped
+(three per string), so the driver spent about 4.5 s opening SmolLM2's 49k-token vocabulary
+(a Llama 3 vocabulary, 128k tokens and as many merges, several times that) before the
+engine could start. Loading a model needs a few dozen scalars and the tensor table, so this
+reader walks the header with ``struct``, keeps each value's offset, and decodes a value
+only when it is asked for (an array of strings, when its ``contents()`` are). Tensor data stays memory-mapped: ``data`` is a read-only view of the file, shaped
 as ``gguf.GGUFReader`` shapes it (element arrays for float/integer types, the raw bytes
 of each row for quantized ones), so the rest of the loader reads it unchanged.
 
