@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -20,3 +22,12 @@ def test_zeroed_writable_and_independent(prefault: bool, dtype: torch.dtype) -> 
     assert int(raw.sum()) == raw[7].numel() and int(b.view(torch.uint8).sum()) == 0
     if not prefault:   # the engine's cache: a fresh mapping, its rows on 2 MiB boundaries
         assert a.data_ptr() % (2 << 20) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads MemAvailable from /proc/meminfo (Linux)")
+def test_a_cache_larger_than_the_available_memory_is_refused_at_start() -> None:
+    # The engine's cache is faulted in lazily: without this check an oversized one would be
+    # killed by the kernel mid-run (and again after each restart) instead of failing here.
+    from pipeserve import LLM
+    with pytest.raises(MemoryError, match="lower --kv-cache-memory"):
+        LLM("smollm2-135m-instruct", kv_cache_memory="40000GiB")

@@ -71,6 +71,9 @@ class ModelRunner:
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
 
+        if device.type == "cpu" and not pin and blocks:
+            _check_fits(2 * self.model.num_layers * _numel(shape) * self.kv_dtype.itemsize)
+
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
                 return zeros_on_huge_pages(shape, self.kv_dtype, prefault=False)
@@ -177,6 +180,27 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_fits(nbytes: int) -> None:
+    """Refuse a CPU KV cache larger than the memory available now. Its pages are only
+    touched as blocks are first written, so an oversized cache would not fail here but
+    when the engine fills it, killed by the kernel mid-run and again after every restart."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if nbytes > available:
+        raise MemoryError(f"the KV cache needs {nbytes / 2**30:.1f} GiB on this stage but the node has "
+                          f"{available / 2**30:.1f} GiB available: lower --kv-cache-memory (or --swap-space)")
+
+
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
     """A zeroed CPU tensor whose memory the kernel may back with 2 MiB pages.
 
@@ -196,10 +220,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
     time the cache, not memory (they keep the default).
     """
     storage = torch.uint8 if dtype.itemsize == 1 else dtype    # zero_() has no float8 kernel
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * storage.itemsize
+    nbytes = _numel(shape) * storage.itemsize
     huge = sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE
     if not prefault and huge:
         buf = mmap.mmap(-1, nbytes + _HUGE_PAGE)    # anonymous: zero-filled on first touch
