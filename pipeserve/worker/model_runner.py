@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import sys
 
@@ -72,7 +73,7 @@ class ModelRunner:
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
 
         if device.type == "cpu" and not pin and blocks:
-            _check_fits(2 * self.model.num_layers * _numel(shape) * self.kv_dtype.itemsize)
+            _check_fits(2 * self.model.num_layers * math.prod(shape) * self.kv_dtype.itemsize)
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
@@ -180,13 +181,6 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _check_fits(nbytes: int) -> None:
     """Refuse a CPU KV cache larger than the memory available now. Its pages are only
     touched as blocks are first written, so an oversized cache would not fail here but
@@ -220,7 +214,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
     time the cache, not memory (they keep the default).
     """
     storage = torch.uint8 if dtype.itemsize == 1 else dtype    # zero_() has no float8 kernel
-    nbytes = _numel(shape) * storage.itemsize
+    nbytes = math.prod(shape) * storage.itemsize
     huge = sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE
     if not prefault and huge:
         buf = mmap.mmap(-1, nbytes + _HUGE_PAGE)    # anonymous: zero-filled on first touch

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import quant_shape_to_byte_shape
 
 MAGIC = 0x46554747                     # b"GGUF" read as a little-endian uint32
 SPLIT_NO, SPLIT_COUNT = "split.no", "split.count"          # gguf-split's keys (0-based part number)
@@ -105,11 +106,13 @@ class GGUFFile:
             raise ValueError(f"{path} is truncated or not a GGUF file ({exc})") from None
         count = self.fields.get(SPLIT_COUNT)
         if count is not None and count.contents() > 1 and not part_of_split:
-            self.parts = self._open_parts(int(count.contents()))
-            self.tensors = [t for part in [self, *self.parts] for t in part.tensors]
-            names = [t.name for t in self.tensors]
-            if len(set(names)) != len(names):
-                raise ValueError(f"{path}: a tensor appears in two parts of the split model")
+            # each part's tensors view that part's mapping, which they keep open
+            self.tensors += [t for part in self._open_parts(int(count.contents())) for t in part.tensors]
+        names = set()
+        for tensor in self.tensors:
+            if tensor.name in names:
+                raise ValueError(f"{path}: tensor {tensor.name!r} appears twice")
+            names.add(tensor.name)
 
     def _open_parts(self, count: int) -> list["GGUFFile"]:
         """The other parts of a split model, by gguf-split's naming, checked against their metadata."""
@@ -166,13 +169,7 @@ class GGUFFile:
             infos.append((name, tensor_type, dims, rel))
         alignment = fields["general.alignment"].contents() if "general.alignment" in fields else DEFAULT_ALIGNMENT
         start = -(-offset // alignment) * alignment
-        tensors, names = [], set()
-        for name, tensor_type, dims, rel in infos:
-            if name in names:
-                raise ValueError(f"{self.path}: tensor {name!r} appears twice")
-            names.add(name)
-            tensors.append(self._tensor(name, tensor_type, dims, start + rel))
-        return fields, tensors
+        return fields, [self._tensor(name, tensor_type, dims, start + rel) for name, tensor_type, dims, rel in infos]
 
     def _field(self, key: str, type_: GGUFValueType, offset: int) -> tuple[Field, int]:
         """The field whose value starts at ``offset``, and the offset after it."""
@@ -205,7 +202,7 @@ class GGUFFile:
         if tensor_type in _ELEMENT_DTYPES:
             data = raw.view(np.dtype(_ELEMENT_DTYPES[tensor_type]).newbyteorder("<")).reshape(np_dims)
         else:   # quantized: each row's blocks as raw bytes
-            data = raw.reshape(np_dims[:-1] + (np_dims[-1] // block * type_size,))
+            data = raw.reshape(quant_shape_to_byte_shape(np_dims, tensor_type))
         return Tensor(name, tensor_type, dims, n_elements, n_bytes, offset, data)
 
 

@@ -110,18 +110,19 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
     lib = _c_repack()
     if lib is None:
         return None
-    n = blocks.shape[1] * rows                                   # blocks of 256 weights
-    qs = torch.empty(rows, n // rows * 128, dtype=torch.uint8)
-    scale = torch.empty(rows, n // rows * (16 if kind == "Q6_K" else 8), dtype=torch.float16)
+    per_row = blocks.shape[1]                                    # blocks of 256 weights a row
+    n = rows * per_row
+    qs = torch.empty(rows, per_row * 128, dtype=torch.uint8)
+    scale = torch.empty(rows, per_row * (16 if kind == "Q6_K" else 8), dtype=torch.float16)
     data = np.ascontiguousarray(blocks)                          # held: the C call reads it
     src, threads = data.ctypes.data, torch.get_num_threads()
     if kind == "Q6_K":
-        qh = torch.empty(rows, n // rows * 64, dtype=torch.uint8)
+        qh = torch.empty(rows, per_row * 64, dtype=torch.uint8)
         lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), threads)
         return PackedWeight("q6", 16, qs, scale, None, "Q6_K", qh, 32)
     minv = torch.empty_like(scale)
     if kind == "Q5_K":
-        qh = torch.empty(rows, n // rows * 32, dtype=torch.uint8)
+        qh = torch.empty(rows, per_row * 32, dtype=torch.uint8)
         lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr(),
                                   threads)
         return PackedWeight("q5", 32, qs, scale, minv, "Q5_K", qh)
