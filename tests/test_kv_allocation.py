@@ -31,3 +31,19 @@ def test_a_cache_larger_than_the_available_memory_is_refused_at_start() -> None:
     from pipeserve import LLM
     with pytest.raises(MemoryError, match="lower --kv-cache-memory"):
         LLM("smollm2-135m-instruct", kv_cache_memory="40000GiB")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the mapping's flags from /proc/self/maps (Linux)")
+def test_the_lazy_cache_is_a_private_mapping() -> None:
+    # A shared anonymous mapping (Python's mmap default) is shmem: transparent huge pages
+    # never back it, and decode attention then pays a TLB miss per scattered KV block.
+    t = zeros_on_huge_pages((5 << 20,), torch.uint8, prefault=False)
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                assert perms == "rw-p", line
+                return
+    pytest.fail(f"no mapping holds {address:#x}")

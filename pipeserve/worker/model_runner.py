@@ -217,7 +217,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
     nbytes = math.prod(shape) * storage.itemsize
     huge = sys.platform.startswith("linux") and nbytes >= 2 * _HUGE_PAGE
     if not prefault and huge:
-        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE)    # anonymous: zero-filled on first touch
+        # Private: Python's default for an anonymous map is MAP_SHARED, which is shmem and
+        # gets no transparent huge pages. Zero-filled on first touch.
+        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         offset = -base % _HUGE_PAGE
         _advise_huge(base + offset, nbytes)
