@@ -10,8 +10,10 @@
 #   3. `python -m pipeserve.plan.validate --heldout`: fit on the calibration runs, predict the
 #      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
 #      benchmarks/results/heldout/VALIDATION.md and in docs/PLANNER.md.
-# About 7 minutes on an IDLE 2-core machine (~3.3 min of timed runs + ~15-20 s of start-up for
-# each of the 14, 20 s of calibration, ~1 min of fitting). Figures from a loaded machine
+# Each run is measured REPEATS times (default 3), round-robin, and validated at its median:
+# on a shared VM one run of a command can be far from the next. About 13 minutes a round on an
+# IDLE 2-core AVX2 machine in float32 (14 runs with their start-up), plus calibration and ~1
+# min of fitting. Figures from a loaded machine
 # validate nothing: check `uptime` first (load average well below 1).
 # Activations in $DTYPE (default: what --dtype auto picks on this CPU: bfloat16 where the CPU
 # multiplies it natively, else float32), for the microbenchmarks and every run alike.
@@ -24,6 +26,7 @@ CAL_DIR=${CAL_DIR:-benchmarks/results/calibration}
 OUT_DIR=${OUT_DIR:-benchmarks/results/heldout}
 HARDWARE=${HARDWARE:-benchmarks/results/cpu-local.yaml}
 DTYPE=${DTYPE:-$(python -c 'from pipeserve.config import auto_dtype; print(auto_dtype("cpu"))')}
+REPEATS=${REPEATS:-3}
 mkdir -p "$CAL_DIR" "$OUT_DIR"
 echo "load average $(cut -d' ' -f1-3 /proc/loadavg); dtype $DTYPE"
 
@@ -55,21 +58,27 @@ RUNS=(
 
 want=" $* "
 begin=$(date +%s)
-for entry in "${RUNS[@]}"; do
-  set_name=${entry%%|*}
-  rest=${entry#*|}
-  name=${rest%%|*}
-  flags=${rest#*|}
-  [[ $# -gt 0 && "$want" != *" $name "* ]] && continue
-  dir=$OUT_DIR
-  [[ $set_name == cal ]] && dir=$CAL_DIR
-  case "$flags" in *--quantization*) quant=() ;; *) quant=(--quantization none) ;; esac
-  start=$(date +%s)
-  # shellcheck disable=SC2086
-  python -m pipeserve bench throughput --dtype "$DTYPE" "${quant[@]}" --dataset random --seed 0 \
-      $flags --label "$name" --no-progress --output "$dir/$name.json" > "$dir/$name.log" 2>&1 \
-    || { echo "$name FAILED (see $dir/$name.log)"; exit 1; }
-  echo "$name: $(( $(date +%s) - start )) s (load average $(cut -d' ' -f1 /proc/loadavg))"
+# REPEATS rounds, round-robin, so that a slow spell of the host falls on different runs in
+# each round; round r > 1 writes NAME.rR.json, and validate measures each run at its median.
+for round in $(seq 1 "$REPEATS"); do
+  suffix=""
+  [[ $round -gt 1 ]] && suffix=".r$round"
+  for entry in "${RUNS[@]}"; do
+    set_name=${entry%%|*}
+    rest=${entry#*|}
+    name=${rest%%|*}
+    flags=${rest#*|}
+    [[ $# -gt 0 && "$want" != *" $name "* ]] && continue
+    dir=$OUT_DIR
+    [[ $set_name == cal ]] && dir=$CAL_DIR
+    case "$flags" in *--quantization*) quant=() ;; *) quant=(--quantization none) ;; esac
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    python -m pipeserve bench throughput --dtype "$DTYPE" "${quant[@]}" --dataset random --seed 0 \
+        $flags --label "$name" --no-progress --output "$dir/$name$suffix.json" > "$dir/$name$suffix.log" 2>&1 \
+      || { echo "$name$suffix FAILED (see $dir/$name$suffix.log)"; exit 1; }
+    echo "$name$suffix: $(( $(date +%s) - start )) s (load average $(cut -d' ' -f1 /proc/loadavg))"
+  done
 done
 echo "runs: $(( $(date +%s) - begin )) s"
 [[ $# -gt 0 ]] && exit 0

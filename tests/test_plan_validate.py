@@ -131,3 +131,17 @@ def test_update_doc_replaces_only_the_section_between_its_lines(tmp_path):
     (tmp_path / "none.md").write_text(prose)
     with pytest.raises(PlanInputError, match="lines to update between"):
         replace_section(tmp_path / "none.md", "x")
+
+
+def test_repeats_of_a_configuration_are_one_row_at_their_median(tmp_path, capsys):
+    # run_planner_validation.sh's repeats: on a shared machine one run can be far from the next
+    for name, measured in (("a.json", 100.0), ("a.r2.json", 160.0), ("a.r3.json", 90.0)):
+        _bench_json(tmp_path / name, 1, "async", measured)
+    _bench_json(tmp_path / "b.json", 2, "gpipe", 150.0)
+    table = rows(tmp_path, "cpu-local")
+    assert [(r["file"], r["measured"], sorted(r["samples"])) for r in table] == [
+        ("a.json", 100.0, [90.0, 100.0, 160.0]), ("b.json", 150.0, [150.0])]
+    assert abs(table[0]["ratio"] - table[0]["predicted"] / 100.0) < 1e-9
+    assert main([str(tmp_path), "--hardware", "cpu-local"]) == 0
+    out = capsys.readouterr().out
+    assert "| 100.0 (3 runs: 90.0-160.0) |" in out and "| 150.0 |" in out

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,19 +42,26 @@ def rows(results: Path, hardware: str, model: str = "SmolLM2-135M", jobs: int = 
 
 def load_runs(results: Path | list[Path]) -> list[dict]:
     """The pipeserve runs of random workloads in folders (or files), each as the facts a
-    prediction needs; a duplicate configuration (same engine and workload) once."""
+    prediction needs. Runs of one configuration (same engine and workload: the repeats of
+    benchmarks/run_planner_validation.sh) are one row measured at their median, with every
+    sample kept: one run of a shared machine can be far from the next (on the AVX2 VM the
+    same TP = 2 command gave 84-128 out tok/s on one afternoon)."""
     paths = []
     for item in results if isinstance(results, list) else [results]:
         paths += [item] if item.is_file() else sorted(item.glob("*.json"))
-    out, seen = [], set()
+    out, by_key = [], {}
     for path in paths:
         run = _load(path)
         if run is None:
             continue
         key = json.dumps([run["workload"], run["engine"]], sort_keys=True)
-        if key not in seen:
-            seen.add(key)
+        if key in by_key:
+            by_key[key]["samples"].append(run["measured"])
+        else:
+            by_key[key] = run
             out.append(run)
+    for run in out:
+        run["measured"] = statistics.median(run["samples"])
     return out
 
 
@@ -85,7 +93,7 @@ def _load(path: Path) -> dict | None:
     workload = {"num_requests": data["num_requests"], "input_len": data["input_len"],
                 "output_len": data["output_len"], "range_ratio": data["range_ratio"], "seed": data["seed"]}
     return {"file": path.name, "label": doc.get("label") or path.stem, "engine": facts, "workload": workload,
-            "measured": run["output_tokens_per_s"]}
+            "measured": run["output_tokens_per_s"], "samples": [run["output_tokens_per_s"]]}
 
 
 DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
@@ -113,7 +121,8 @@ def predict_run(run: dict, cfg, hw) -> dict:
     e = run["engine"]
     row = {"file": run["file"], "label": run["label"], "pp": e["pp"], "tp": e["tp"], "schedule": e["schedule"],
            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
-           "requests": run["workload"]["num_requests"], "measured": run["measured"], "predicted": None,
+           "requests": run["workload"]["num_requests"], "measured": run["measured"],
+           "samples": run.get("samples", [run["measured"]]), "predicted": None,
            "ratio": None, "preemptions": None, "error": None}
     try:
         return {**row, **_predicted(run, cfg, hw)}
@@ -408,7 +417,7 @@ def tp_markdown(table: list[dict]) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| run | requests | PP | TP | threads | schedule | partition | weights | measured out tok/s "
+    lines = ["| run | requests | PP | TP | threads | schedule | partition | weights | measured out tok/s (median) "
              "| predicted | predicted / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
@@ -416,8 +425,16 @@ def markdown(table: list[dict]) -> str:
                      else f"not predicted: {r['error']} | -")
         lines.append(f"| {r['label']} | {r['requests']} | {r['pp']} | {r['tp']} | {r['threads'] or 'default'} | "
                      f"{r['schedule']} | {r['partition']} | {r['quantization'] or 'dtype'} | "
-                     f"{r['measured']:.1f} | {predicted} |")
+                     f"{_measured(r)} | {predicted} |")
     return "\n".join(lines)
+
+
+def _measured(row: dict) -> str:
+    """The median, and with repeats their number and range."""
+    samples = row.get("samples") or [row["measured"]]
+    if len(samples) == 1:
+        return f"{row['measured']:.1f}"
+    return f"{row['measured']:.1f} ({len(samples)} runs: {min(samples):.1f}-{max(samples):.1f})"
 
 
 def main(argv: list[str] | None = None) -> int:
