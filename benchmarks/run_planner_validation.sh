@@ -2,10 +2,12 @@
 # The planner's held-out validation (issue 18), end to end on this machine: SmolLM2-135M, each
 # run a `pipeserve bench throughput` JSON.
 #   1. `pipeserve plan --calibrate` (the microbenchmarks) -> $HARDWARE;
-#   2. five calibration runs -> benchmarks/results/calibration/ (a 4-request run, whose steps
-#      are mostly per-step serial work, PP = 2 and 3 at a few dozen requests, kept-quantized
+#   2. seven calibration runs -> benchmarks/results/calibration/ (a 4-request run, whose steps
+#      are mostly per-step serial work, PP = 1 at 1 thread (one process: nothing shares its
+#      memory bandwidth) and PP = 2 and 3 at a few dozen requests, kept-quantized
 #      weights at PP = 1 with 2 threads and at PP = 2 with 1 thread per stage, which tells
-#      their kernels' threading from their cost), nine held-out runs ->
+#      their kernels' threading from their cost, and 2 stages x 2 threads, which tells how
+#      threads beyond the cores wait at their kernels' barriers), nine held-out runs ->
 #      benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR);
 #   3. `python -m pipeserve.plan.validate --heldout`: fit on the calibration runs, predict the
 #      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
@@ -45,6 +47,8 @@ RUNS=(
   "cal|cal_pp3_n32_mix|-pp 3 --num-prompts 32 --input-len 192 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp1_q41_n48_mix|-pp 1 --quantization auto --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.5"
   "cal|cal_pp2_q41_n24_256x128|-pp 2 --quantization auto --num-prompts 24 --input-len 256 --output-len 128 --range-ratio 0.5"
+  "cal|cal_pp1_t1_n24_192x96|-pp 1 --threads-per-stage 1 --num-prompts 24 --input-len 192 --output-len 96 --range-ratio 0.5"
+  "cal|cal_pp2_t2_n24_128x128|-pp 2 --threads-per-stage 2 --num-prompts 24 --input-len 128 --output-len 128 --range-ratio 0.5"
   "val|pp1_t1_n32_mix|-pp 1 --threads-per-stage 1 --num-prompts 32 --input-len 128 --output-len 64 --range-ratio 0.5"
   "val|pp1_n32_mix|-pp 1 --num-prompts 32 --input-len 256 --output-len 128 --range-ratio 0.5"
   "val|pp2_n48_ref|-pp 2 --num-prompts 48 --input-len 320 --output-len 160 --range-ratio 0.6"

@@ -52,13 +52,15 @@ class SharedCosts(LinearCosts):
     threads: int = 1
     efficiency: float = 0.8
     oversubscribed: float = 1.0
+    barrier: float = 1.0
+    contention: float = 0.0
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
         return self.serial, self.parallel
 
     def cpu_sharing(self) -> CpuSharing:
         return CpuSharing((self.cores,), (0,) * self.stages, (self.threads,) * self.stages,
-                          self.efficiency, self.oversubscribed)
+                          self.efficiency, self.oversubscribed, barrier=self.barrier, contention=self.contention)
 
 
 def _at_once(lengths: list[int], prompt: int = 8) -> list[TraceRequest]:
@@ -125,6 +127,34 @@ def test_threads_above_the_cores_add_nothing(cores: int, tpot: float) -> None:
     costs = SharedCosts(stages=2, parallel=w, cores=cores, threads=2, efficiency=0.8)
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
     assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * w * tpot, rel=0.02)
+
+
+@pytest.mark.parametrize("barrier", [0.0, 0.5, 1.0])
+def test_the_barrier_sets_what_oversubscribed_threads_deliver(barrier: float) -> None:
+    # Two 2-thread stages on 2 cores, both busy: each thread gets C / n = 1/2 core. Waiting
+    # at every op's barrier (1), a stage advances at one thread's share, 1/2 core; with
+    # threads that do not wait on each other (0), at both shares, 2 · 1/2 = 1 core (no
+    # parallel loss at one core's worth); between, in proportion. A token passes both
+    # stages: 2 · w / rate.
+    w = 1.0
+    costs = SharedCosts(stages=2, parallel=w, cores=2, threads=2, efficiency=0.8, barrier=barrier)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
+    rate = 0.5 + (1.0 - barrier) * (1.0 - 0.5)
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * w / rate, rel=0.02)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 2), (2, 1)])
+def test_processes_in_their_kernels_together_share_the_memory(stages: int, micro_batches: int) -> None:
+    # 1-thread stages on 2 cores, w of kernels each, memory_contention c: a stage's kernels
+    # run 1 + c·(others in their kernels) slower. Alone (PP = 1, or PP = 2 with one
+    # micro-batch, the stages taking turns) a token costs stages · w; PP = 2 with both busy:
+    # each stage runs at 1 / (1 + c), a token 2 · w · (1 + c).
+    w, c = 1.0, 0.3
+    costs = SharedCosts(stages=stages, parallel=w, cores=2, contention=c)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=micro_batches)).run(
+        _at_once([200] * micro_batches))
+    together = stages > 1 and micro_batches > 1
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(stages * w * (1 + c if together else 1), rel=0.02)
 
 
 def test_oversubscribed_cores_deliver_their_efficiency() -> None:

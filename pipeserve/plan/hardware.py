@@ -81,6 +81,19 @@ class Hardware:
     #   may share two cores differently); fitted where the calibration holds kept-quantized
     #   runs at one and at several threads per process, else 0: the dense layer's.
     quantized_parallel_efficiency: float = 0.0
+    # - oversubscribed_barrier: how much a multi-thread process waits at its kernels' barriers
+    #   when more threads are runnable than there are cores: 1 (the default) = its parallel
+    #   part advances at one thread's share (the thread the scheduler left out ends every op;
+    #   measured on the AVX-512 machine, 2 stages x 2 threads on 2 cores: 1.9x slower than 1
+    #   thread each), 0 = its threads share the cores like any others (the AVX2 VM: the same
+    #   speed); fitted where the calibration holds a run with such processes.
+    oversubscribed_barrier: float = 1.0
+    # - memory_contention: on time-shared (CPU) hosts, a process's kernels run 1 + this
+    #   slower for each other process of its node in its kernels at the same time (they share
+    #   the node's memory bandwidth: on the AVX2 VM one thread reads ~17.5 GB/s alone, two
+    #   ~27 together); fitted where the calibration holds dense runs of one process and of
+    #   several, else 0.
+    memory_contention: float = 0.0
     # The validation's observed predicted / measured throughput on held-out runs with this
     # file (0 = not validated): `pipeserve plan` prints it next to its predictions.
     validated_ratio_low: float = 0.0
@@ -96,10 +109,12 @@ class Hardware:
             raise PlanInputError(f"hardware {self.name!r}: gpus_per_node must be >= 1")
         if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0 and self.engine_overhead_scale > 0
                 and 0 < self.oversubscription_efficiency <= 1
-                and 0 <= self.quantized_parallel_efficiency <= 1):
+                and 0 <= self.quantized_parallel_efficiency <= 1 and 0 <= self.oversubscribed_barrier <= 1
+                and self.memory_contention >= 0):
             raise PlanInputError(f"hardware {self.name!r}: engine_work_scale, quantized_work_scale and "
                                  "engine_overhead_scale must be > 0, oversubscription_efficiency in (0, 1] "
-                                 "and quantized_parallel_efficiency in [0, 1]")
+                                 "and quantized_parallel_efficiency and oversubscribed_barrier in [0, 1], "
+                                 "memory_contention >= 0")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

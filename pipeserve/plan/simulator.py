@@ -64,6 +64,8 @@ class CpuSharing:
     efficiency: float
     oversubscribed: float = 1.0
     ranks: tuple[int, ...] | None = None      # None: one process per worker
+    barrier: float = 1.0                      # Hardware.oversubscribed_barrier
+    contention: float = 0.0                   # Hardware.memory_contention
 
     def runnable(self, worker: int) -> int:
         """Threads worker w keeps runnable while it computes (all its ranks')."""
@@ -72,15 +74,20 @@ class CpuSharing:
     def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
         runnable threads on ``node``. With more runnable threads than cores, a process's
-        threads are not running together: each op's parallel region ends at a barrier
-        that waits for the thread the scheduler left out, so the parallel part advances
-        at one thread's share (the others' slices go to waiting), not ``threads`` of them."""
+        threads are not running together: where each op's parallel region ends at a barrier
+        that waits for the thread the scheduler left out (``barrier`` 1), the parallel part
+        advances at one thread's share (the others' slices go to waiting); where the threads
+        do not wait on each other (``barrier`` 0), at its threads' shares; between, in
+        proportion."""
         cores = self.cores[node]
         share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
-        if not parallel or runnable > cores:
+        if not parallel:
             return share
         cpu = threads * share
-        return cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
+        free = cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
+        if runnable <= cores:
+            return free
+        return share + (1.0 - self.barrier) * (free - share)
 
 
 class _Job:
@@ -93,10 +100,17 @@ class _Job:
         self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
         self.runnable = runnable or threads
 
+    def processes(self) -> int:
+        return max(1, self.runnable // self.threads)
+
+    def streaming(self) -> bool:
+        """In its parallel part (the kernels)."""
+        return self.serial <= 0.0 and self.parallel > 0.0
+
     def busy_threads(self) -> int:
         """Threads it keeps runnable now: in its serial part one per process (the kernels'
         other threads wait asleep for the next parallel region), then all of them."""
-        return self.runnable if self.serial <= 0.0 else max(1, self.runnable // self.threads)
+        return self.runnable if self.serial <= 0.0 else self.processes()
 
 
 class CostModel(Protocol):
@@ -326,10 +340,19 @@ class PipelineSimulator:
 
     def _ps_rates(self) -> list[float]:
         runnable: dict[int, int] = {}
+        streams: dict[int, int] = {}    # processes in their kernels, which stream weights and KV
         for job in self.jobs:
             runnable[job.node] = runnable.get(job.node, 0) + job.busy_threads()
-        return [self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
-                for job in self.jobs]
+            if job.streaming():
+                streams[job.node] = streams.get(job.node, 0) + job.processes()
+        rates = []
+        for job in self.jobs:
+            rate = self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
+            if job.streaming():
+                # the node's memory bandwidth is shared by every process in its kernels
+                rate /= 1.0 + self.sharing.contention * (streams[job.node] - 1)
+            rates.append(rate)
+        return rates
 
     def _ps_advance(self, now: float) -> None:
         elapsed = now - self.ps_time

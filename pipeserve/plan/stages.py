@@ -176,7 +176,8 @@ class PipelineCosts:
         # Each TP rank computes its own shard (chunk_work is one rank's), in step with the others.
         return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
                           threads=tuple(threads), efficiency=self.parallel_efficiency,
-                          oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes))
+                          oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes),
+                          barrier=self.hw.oversubscribed_barrier, contention=self.hw.memory_contention)
 
     @property
     def parallel_efficiency(self) -> float:

@@ -175,14 +175,19 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 # -- held-out validation: fit on one set of runs, check on another ---------------------
 # The hardware fields fitted on the calibration runs, and the oversubscription grid.
 FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale",
-          "quantized_parallel_efficiency")
+          "quantized_parallel_efficiency", "oversubscribed_barrier", "memory_contention")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
+BARRIER_GRID = (1.0, 0.75, 0.5, 0.25, 0.0)     # the default first: a tie keeps it
+CONTENTION_GRID = tuple(round(0.025 * i, 3) for i in range(21))   # 0 ... 0.5
 
 
 def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]:
     """Fit the hardware file's run-level fields on ``runs`` (``FITTED``), each to minimise
     the spread of log(predicted / measured) over the dense-weight runs:
-    1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores);
+    1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores), with
+       ``oversubscribed_barrier`` on its grid too where a run has multi-thread processes with
+       more threads than cores; then ``memory_contention`` on its grid where the runs hold
+       one-process and several-process runs;
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
@@ -199,8 +204,13 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
         raise PlanInputError("the calibration runs hold no run with dense weights (--quantization none)")
     # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale.
     fitted = hw
+    barrier = any(_threads(r, hw) > 1 and _threads(r, hw) * r["engine"]["pp"] * r["engine"]["tp"] > hw.cores
+                  for r in dense)
+    contention = len({r["engine"]["pp"] * r["engine"]["tp"] > 1 for r in dense}) == 2
     for _ in range(2):
-        fitted = _fit_oversubscription(dense, cfg, fitted, jobs)
+        fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_GRID if barrier else (fitted.oversubscribed_barrier,))
+        if contention:
+            fitted = _fit_grid(dense, cfg, fitted, jobs, "memory_contention", CONTENTION_GRID)
         fitted = _fit_overhead(dense, cfg, fitted, hw.engine_overhead_scale, jobs)
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
@@ -232,11 +242,22 @@ def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) ->
     return dataclasses.replace(hw, quantized_parallel_efficiency=min(QUANTIZED_EFFICIENCY_GRID, key=spreads.get))
 
 
-def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int) -> Hardware:
-    spreads = {eta: _spread([r["ratio"] for r in
-                             predict_runs(runs, cfg, dataclasses.replace(hw, oversubscription_efficiency=eta), jobs)])
-               for eta in OVERSUBSCRIPTION_GRID}
-    return dataclasses.replace(hw, oversubscription_efficiency=min(OVERSUBSCRIPTION_GRID, key=spreads.get))
+def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int, barriers: tuple[float, ...]) -> Hardware:
+    """``oversubscription_efficiency`` and ``oversubscribed_barrier`` together (both set how
+    fast processes run when threads outnumber the cores): the grid pair with the smallest
+    spread, the first pair of the grids' order on a tie."""
+    pairs = [(eta, b) for eta in OVERSUBSCRIPTION_GRID for b in barriers]
+    spreads = {pair: _spread([r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(
+        hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1]), jobs)]) for pair in pairs}
+    eta, b = min(pairs, key=spreads.get)
+    return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b)
+
+
+def _fit_grid(runs: list[dict], cfg, hw: Hardware, jobs: int, field: str, grid: tuple[float, ...]) -> Hardware:
+    """``field`` at the grid value with the smallest spread (the first on a tie)."""
+    spreads = {v: _spread([r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(hw, **{field: v}), jobs)])
+               for v in grid}
+    return dataclasses.replace(hw, **{field: min(grid, key=spreads.get)})
 
 
 def _fit_overhead(runs: list[dict], cfg, hw: Hardware, base: float, jobs: int) -> Hardware:
@@ -328,7 +349,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"engine_work_scale {fitted.engine_work_scale:.3f}, oversubscription_efficiency "
         f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
         f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
-        f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's) "
+        f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's), oversubscribed_barrier "
+        f"{fitted.oversubscribed_barrier:.2f}, memory_contention {fitted.memory_contention:.3f} "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
