@@ -122,7 +122,7 @@ def predict_run(run: dict, cfg, hw) -> dict:
     row = {"file": run["file"], "label": run["label"], "pp": e["pp"], "tp": e["tp"], "schedule": e["schedule"],
            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
            "requests": run["workload"]["num_requests"], "measured": run["measured"],
-           "samples": run.get("samples", [run["measured"]]), "predicted": None,
+           "samples": run["samples"], "predicted": None,
            "ratio": None, "preemptions": None, "error": None}
     try:
         return {**row, **_predicted(run, cfg, hw)}
@@ -236,10 +236,7 @@ def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) ->
     quantized weights both in 1-thread processes and in multi-thread ones: the value on a
     grid that leaves the smallest spread of their ratios (the per-thread cost is then
     ``quantized_work_scale``'s, the closed form)."""
-    spreads = {e: _spread([r["ratio"] for r in predict_runs(
-        runs, cfg, dataclasses.replace(hw, quantized_parallel_efficiency=e), jobs)])
-        for e in QUANTIZED_EFFICIENCY_GRID}
-    return dataclasses.replace(hw, quantized_parallel_efficiency=min(QUANTIZED_EFFICIENCY_GRID, key=spreads.get))
+    return _fit_grid(runs, cfg, hw, jobs, "quantized_parallel_efficiency", QUANTIZED_EFFICIENCY_GRID)
 
 
 def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int, barriers: tuple[float, ...]) -> Hardware:
@@ -467,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                                            f"--heldout: default {DEFAULT_HARDWARE}")
     parser.add_argument("--model", default="SmolLM2-135M")
     parser.add_argument("--heldout", action="store_true",
-                        help="fit engine_work_scale and oversubscription_efficiency on the calibration runs, "
+                        help="fit the hardware file's run-level fields (engine_work_scale, ...) on the calibration runs, "
                              "predict the held-out runs with them, write the fitted hardware file with the "
                              "held-out error band (which `pipeserve plan --hardware FILE` prints)")
     parser.add_argument("--calibration-runs", type=Path, nargs="+", default=[Path(p) for p in DEFAULT_CALIBRATION],
