@@ -1,0 +1,192 @@
+"""Mixture-of-experts GGUF files: ``qwen2moe``, ``qwen3moe`` and Mixtral (``llama`` with experts).
+
+Tiny random Qwen2-MoE / Qwen3-MoE checkpoints are written to GGUF the way llama.cpp's
+converter writes them (Qwen2MoeModel, and Qwen3MoeModel which extends it): each layer's
+experts stacked in ffn_{gate,up,down}_exps, the router as ffn_gate_inp (always F32),
+Qwen2-MoE's shared expert as ffn_*_shexp with its gate squeezed to a vector, and the
+expert widths as metadata. With ``--quantization none`` in float32 they give transformers'
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pipeserve import LLM, SamplingParams
+from pipeserve.model.loader import resolve_model
+from pipeserve.model.loader.gguf import read_gguf_config
+from pipeserve.model.tensor_parallel import check_tensor_parallel
+from tests.checkpoints import _COMMON, _add_tensor, _write_metadata, finish_gguf, save_tiny_tokenizer
+from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KINDS = ("qwen2_moe", "qwen3_moe")
+_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+
+
+def _config(kind: str):
+    """Expert widths multiples of 32, so Q8_0 / Q4_0 blocks fit every matrix."""
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+    base = {**_COMMON, "num_hidden_layers": 2, "intermediate_size": 96}
+    if kind == "qwen2_moe":   # 4 experts, top-2, not renormalised, a shared expert; untied head
+        return Qwen2MoeConfig(**base, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=64, norm_topk_prob=False,
+                              use_sliding_window=False, tie_word_embeddings=False)
+    # 6 experts, top-2, renormalised, per-head q/k norm, head_dim 16 != 64 / 4; the head tied
+    return Qwen3MoeConfig(**base, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                          norm_topk_prob=True, head_dim=16, tie_word_embeddings=True)
+
+
+def build_hf(kind: str, directory: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import _randomize
+    config = _config(kind)
+    config.architectures = [{"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, 0)
+    model.save_pretrained(directory)
+    save_tiny_tokenizer(directory)
+    return directory
+
+
+def write_qwen_moe_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
+    """``hf_dir`` as Qwen2MoeModel / Qwen3MoeModel write it; matrices in ``qtype``."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_metadata(writer, cfg)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for hf_name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight", hf_name)
+        if m is not None:   # merged per layer and projection once all experts are seen
+            stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = array
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("ffn_gate_inp.weight"):   # the router stays F32 (converter and llama-quantize)
+            _add_tensor(writer, name, array, "F32")
+        else:   # the shared expert's gate [1, hidden] is squeezed to a vector, as llama.cpp expects
+            _add_tensor(writer, name, array.squeeze(0) if "shexp" in name and array.shape[0] == 1 else array,
+                        qtype)
+    for (layer, proj), experts in stacks.items():
+        name = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
+        _add_tensor(writer, name, np.stack([experts[e] for e in sorted(experts)]), qtype)
+    finish_gguf(writer)
+    return path
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(kind, qtype) -> (HF directory, GGUF file written from it); kind in KINDS or "mixtral"."""
+    root = tmp_path_factory.mktemp("gguf_moe")
+    built: dict = {}
+
+    def get(kind: str, qtype: str = "F32"):
+        if kind not in built:
+            make = build_moe_checkpoint if kind == "mixtral" else build_hf
+            built[kind] = make(kind, root / kind)
+        path = root / f"{kind}-{qtype}.gguf"
+        if not path.exists():
+            (write_mixtral_gguf if kind == "mixtral" else write_qwen_moe_gguf)(built[kind], path, qtype)
+        return built[kind], path
+    return get
+
+
+# -- metadata -------------------------------------------------------------------
+_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+           "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta", "attention_bias", "tie_word_embeddings",
+           "qk_norm", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
+           "shared_expert_intermediate_size", "norm_topk_prob")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_gguf_config_equals_the_safetensors_config(converted, kind):
+    hf_dir, path = converted(kind)
+    ours, ref = read_gguf_config(path), resolve_model(str(hf_dir)).load_config()
+    for field in _FIELDS:
+        assert getattr(ours, field) == pytest.approx(getattr(ref, field)), field
+    assert [ours.is_moe_layer(i) for i in range(ours.num_layers)] == [True] * ours.num_layers
+
+
+def _moe_file(tmp_path: Path, arch: str, **keys) -> Path:
+    w = gguf.GGUFWriter(str(tmp_path / f"{arch}.gguf"), arch)
+    for add, value in [(w.add_block_count, 1), (w.add_embedding_length, 64), (w.add_feed_forward_length, 96),
+                       (w.add_head_count, 4), (w.add_vocab_size, 32)]:
+        add(value)
+    for name, value in keys.items():
+        getattr(w, f"add_{name}")(value)
+    w.add_tensor("blk.0.attn_q.bias", np.zeros(64, np.float32))   # qwen2moe's biases
+    finish_gguf(w)
+    return tmp_path / f"{arch}.gguf"
+
+
+def test_moe_defaults_follow_llama_cpp(tmp_path):
+    """Without the width keys llama.cpp takes n_ff / used for the experts and n_ff for the shared
+    expert; the renormalisation is the family's (its graphs fix it), unless the file states it."""
+    q2 = read_gguf_config(_moe_file(tmp_path, "qwen2moe", expert_count=8, expert_used_count=4))
+    assert (q2.architecture, q2.expert_intermediate_size, q2.shared_expert_intermediate_size, q2.norm_topk_prob) \
+        == ("Qwen2MoeForCausalLM", 24, 96, False)
+    q3 = read_gguf_config(_moe_file(tmp_path, "qwen3moe", expert_count=8, expert_used_count=2))
+    assert (q3.expert_intermediate_size, q3.shared_expert_intermediate_size, q3.norm_topk_prob) == (48, 0, True)
+    stated = read_gguf_config(_moe_file(tmp_path, "qwen3moe", expert_count=8, expert_used_count=2,
+                                        expert_weights_norm=False))
+    assert not stated.norm_topk_prob
+
+
+@pytest.mark.parametrize("arch,keys,match", [
+    ("qwen3moe", {}, r"'qwen3moe\.expert_count'"),
+    ("qwen2moe", {"expert_count": 4}, r"qwen2moe\.expert_used_count=0"),
+    ("qwen3moe", {"expert_count": 4, "expert_used_count": 5}, r"qwen3moe\.expert_used_count=5"),
+    ("qwen3moe", {"expert_count": 4, "expert_used_count": 2, "expert_gating_func": gguf.ExpertGatingFuncType.SIGMOID},
+     r"qwen3moe\.expert_gating_func=2"),
+    ("qwen3moe", {"expert_count": 4, "expert_used_count": 2, "expert_weights_scale": 2.5},
+     r"qwen3moe\.expert_weights_scale=2\.5"),
+    ("qwen3moe", {"expert_count": 4, "expert_used_count": 2, "expert_shared_count": 1},
+     r"qwen3moe\.expert_shared_count=1"),
+    ("qwen2", {"expert_count": 4, "expert_used_count": 2}, r"qwen2\.expert_count=4.*qwen2moe"),
+])
+def test_what_pipeserve_cannot_run_is_refused_by_key(tmp_path, arch, keys, match):
+    with pytest.raises(ValueError, match=match):
+        read_gguf_config(_moe_file(tmp_path, arch, **keys))
+
+
+def test_tensor_parallelism_of_a_moe_gguf_is_refused(converted):
+    _, path = converted("qwen3_moe", "Q8_0")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        check_tensor_parallel(read_gguf_config(path), 2)
+
+
+# -- numerics -------------------------------------------------------------------
+def engine_greedy(path: Path, hf_dir: Path, batch: list[list[int]], **kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    with LLM(model=str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="16MiB",
+             threads_per_stage=1, **kwargs) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_moe_gguf_greedy_matches_transformers(converted, kind):
+    """PP = 1 through the torch attention, PP = 2 (a layer a stage) through the C one."""
+    hf_dir, path = converted(kind)
+    batch = prompts(3, seed=11)
+    expected = hf_greedy(hf_dir, batch)
+    assert engine_greedy(path, hf_dir, batch, quantization="none", attention_backend="torch") == expected
+    assert engine_greedy(path, hf_dir, batch, quantization="none", pipeline_parallel_size=2) == expected
+
