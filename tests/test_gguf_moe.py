@@ -5,7 +5,9 @@ converter writes them (Qwen2MoeModel, and Qwen3MoeModel which extends it): each 
 experts stacked in ffn_{gate,up,down}_exps, the router as ffn_gate_inp (always F32),
 Qwen2-MoE's shared expert as ffn_*_shexp with its gate squeezed to a vector, and the
 expert widths as metadata. With ``--quantization none`` in float32 they give transformers'
-greedy tokens.
+greedy tokens. Files quantized to Q8_0 / Q4_0 keep their experts in those types
+(``auto``): the logits equal the dequantized file's, and a stage holds about the
+file's tensor bytes, not the 4-8x of dequantized experts.
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ import pytest
 import torch
 
 from pipeserve import LLM, SamplingParams
-from pipeserve.model.loader import resolve_model
-from pipeserve.model.loader.gguf import read_gguf_config
+from pipeserve.model.loader import load_model, resolve_model
+from pipeserve.model.loader.gguf import GGUFWeightReader, read_gguf_config
+from pipeserve.model.moe import SparseMoeBlock
+from pipeserve.model.quant.gguf_repack import repack
+from pipeserve.model.quant.load import weight_bytes
+from pipeserve.model.quant.modules import QuantLinear
+from pipeserve.model.quant.packed import dequantize
 from pipeserve.model.tensor_parallel import check_tensor_parallel
 from tests.checkpoints import _COMMON, _add_tensor, _write_metadata, finish_gguf, save_tiny_tokenizer
+from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -190,3 +198,73 @@ def test_moe_gguf_greedy_matches_transformers(converted, kind):
     assert engine_greedy(path, hf_dir, batch, quantization="none", attention_backend="torch") == expected
     assert engine_greedy(path, hf_dir, batch, quantization="none", pipeline_parallel_size=2) == expected
 
+
+def _file_tensor_bytes(path: Path) -> int:
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K],
+                         ids=["Q4_K", "Q6_K"])
+def test_an_experts_kept_weight_is_its_rows_of_the_stack(tmp_path, qtype):
+    """K-quants (256 weights a block): expert e's kept weight is rows [e·R, (e+1)·R) of the
+    whole stack's, re-laid out, and dequantizes to the dense path's slice of the stack."""
+    experts, rows = 3, 4
+    raw = k_quant_bytes(qtype, experts * rows, np.random.default_rng(0))   # a block a row
+    path = write_gguf(tmp_path / "e.gguf", {"token_embd.weight": (np.zeros((8, 256), np.float32), None),
+                                            "blk.0.ffn_gate_exps.weight": (raw.reshape(experts, rows, -1), qtype)})
+    reader = GGUFWeightReader(path, read_gguf_config(path))
+    whole = repack(qtype, raw)
+    for e in range(experts):
+        name = f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"
+        one = reader.read_packed(name)
+        for field in ("qs", "qh", "scale", "minv"):
+            a, b = getattr(one, field), getattr(whole, field)
+            assert (a is None and b is None) or torch.equal(a, b[e * rows:(e + 1) * rows]), field
+        # the K-quants' two-level scales multiplied out in float16: within 2^-11 of a scale
+        torch.testing.assert_close(dequantize(one, torch.float32), reader.read(name), rtol=2e-3, atol=1e-3)
+
+
+KEPT = [("mixtral", "Q8_0"), ("mixtral", "Q4_0"), ("qwen3_moe", "Q8_0"), ("qwen3_moe", "Q4_0"),
+        ("qwen2_moe", "Q4_0")]
+
+
+@pytest.mark.parametrize("kind,qtype", KEPT, ids=[f"{k}-{q}" for k, q in KEPT])
+def test_kept_experts_compute_what_the_file_stores_at_its_size(converted, kind, qtype):
+    """``auto`` keeps each expert's gate/up and down in the file's type: two stages give the
+    logits of the same file dequantized at load (``none``), and the whole model resides in
+    about the file's tensor bytes."""
+    _, path = converted(kind, qtype)
+    source = resolve_model(str(path))
+    cfg = source.load_config()
+    model = load_model(source, cfg, 0, cfg.num_layers, True, True, torch.float32, "cpu")
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == cfg.num_layers
+    for block in blocks:
+        experts = [*block.gate_up_experts, *block.down_experts]
+        assert all(isinstance(m, QuantLinear) and m.sources == [qtype] for m in experts)
+        assert not hasattr(block, "gate_up_proj") and not hasattr(block, "down_proj")
+    resident, stored = weight_bytes(model), _file_tensor_bytes(path)
+    print(f"{kind} {qtype}: resident {resident} B, file tensors {stored} B ({resident / stored:.3f}x)")
+    assert 0.95 * stored <= resident <= 1.01 * stored, (resident, stored)
+    ids = prompts(1, seed=3)[0][:20]
+    kept = run_stages(source, [0, 1, 2], ids)
+    dense = run_stages(source, [0, 1, 2], ids, quantization="none")
+    # up to the decode kernel's integer activations (these 20 rows take its path)
+    torch.testing.assert_close(kept, dense, rtol=0, atol=5e-4)
+
+
+def test_kept_moe_engine_holds_the_file_and_gives_the_dequantized_tokens(converted):
+    """End to end (PP = 2): the stages report the file's bytes (``LLM.stats()``), and the
+    greedy tokens are those of the same file dequantized at load."""
+    hf_dir, path = converted("qwen3_moe", "Q8_0")
+    batch = prompts(3, seed=13)
+    expected = engine_greedy(path, hf_dir, batch, quantization="none")
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    with LLM(model=str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="16MiB",
+             threads_per_stage=1, quantization="auto", pipeline_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        resident = sum(llm.stats()["weight_bytes"])
+    # two stages of a tied model: the embedding (first stage) and head (last) are one tensor twice
+    embedding = next(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name == "token_embd.weight")
+    assert resident <= 1.01 * (_file_tensor_bytes(path) + embedding), resident
+    assert [o.outputs[0].token_ids for o in outs] == expected

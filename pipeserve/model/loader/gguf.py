@@ -397,27 +397,29 @@ class GGUFWeightReader:
         except KeyError:
             return 1
         self.names_read.pop()
-        if expert is not None or tensor.tensor_type not in KEPT_TYPES:
+        if tensor.tensor_type not in KEPT_TYPES:
             return 1
         return gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
 
     def read_packed(self, hf_name: str, cut: tuple[int, tuple[tuple[int, int], ...]] | None = None
                     ) -> PackedWeight | None:
         """The tensor in its own block type (``pipeserve.model.quant``), or None
-        when that type is not kept quantized (then ``read`` dequantizes it).
+        when that type is not kept quantized (then ``read`` dequantizes it). An expert's
+        tensor is its slice of the layer's stack: its rows, whole rows of blocks.
 
         ``cut`` (dim, [start, stop) ranges): a tensor-parallel rank's slice, taken from the
         file's block bytes before they are re-laid out: whole rows (dim 0; rows past the end
         are zero blocks, the vocabulary padding) or whole blocks of every row (dim 1, the
         input of a row-parallel layer: each range must start and stop on a block boundary)."""
         tensor, expert = self._tensor(hf_name)
-        if expert is not None or tensor.tensor_type not in KEPT_TYPES:   # experts: one dense stack
-            if expert is None and tensor.tensor_type not in (T.F32, T.F16, T.BF16):
+        if tensor.tensor_type not in KEPT_TYPES:
+            if not expert and tensor.tensor_type not in (T.F32, T.F16, T.BF16):   # once per expert stack
                 log.info("GGUF tensor %s has type %s, which is not kept quantized: dequantizing it",
                          tensor.name, tensor.tensor_type.name)
             self.names_read.pop()   # the caller reads it again with ``read``
             return None
-        raw = tensor.data   # uint8 [rows, bytes per row]: the file's blocks
+        # uint8 [rows, bytes per row]: the file's blocks (of one expert: [E, rows, bytes] indexed)
+        raw = tensor.data if expert is None else tensor.data[expert]
         if self._permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = self.cfg.num_heads if ".attn_q." in tensor.name else self.cfg.num_kv_heads
             # Rows are independent: undo the rotary permutation on whole rows of blocks.
