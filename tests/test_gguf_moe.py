@@ -28,7 +28,6 @@ from pipeserve.model.quant.gguf_repack import repack
 from pipeserve.model.quant.load import weight_bytes
 from pipeserve.model.quant.modules import QuantLinear
 from pipeserve.model.quant.packed import dequantize
-from pipeserve.model.tensor_parallel import check_tensor_parallel
 from tests.checkpoints import _COMMON, _add_tensor, _write_metadata, finish_gguf, save_tiny_tokenizer
 from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
@@ -176,9 +175,10 @@ def test_what_pipeserve_cannot_run_is_refused_by_key(tmp_path, arch, keys, match
 
 
 def test_tensor_parallelism_of_a_moe_gguf_is_refused(converted):
-    _, path = converted("qwen3_moe", "Q8_0")
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        check_tensor_parallel(read_gguf_config(path), 2)
+    """Experts are not split across ranks (kept or dense): the engine refuses before it starts."""
+    hf_dir, path = converted("qwen3_moe", "Q8_0")
+    with pytest.raises(ValueError, match="mixture-of-experts models .* are not split across ranks"):
+        LLM(model=str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
 
 
 # -- numerics -------------------------------------------------------------------
