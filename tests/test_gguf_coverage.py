@@ -67,7 +67,7 @@ def test_qwen2_gguf_becomes_qwen2_config(converted):
 
 def test_unknown_gguf_architecture_names_it_and_the_supported_ones(tmp_path):
     path = write_gguf(tmp_path / "p.gguf", {"x": (np.ones(4, np.float32), None)}, arch="falcon")
-    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2, qwen3, phi3, gemma2, gemma3"):
+    with pytest.raises(ValueError, match=r"'falcon'.*llama, qwen2, qwen3, phi3, gemma2, gemma3, qwen2moe, qwen3moe"):
         read_gguf_config(path)
 
 

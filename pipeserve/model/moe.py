@@ -5,7 +5,9 @@ each expert that received tokens runs ONCE, one gate_up and one down matmul
 over all its tokens, and the weighted outputs are scatter-added back to their
 tokens. Experts' weights are stacked per layer ([E, 2·inter, hidden] and
 [E, hidden, inter]); the loader builds them from the checkpoint's per-expert
-tensors, so a layer's experts live on the stage that owns the layer.
+tensors, so a layer's experts live on the stage that owns the layer. A GGUF's
+experts in a kept block type are not stacked: each expert's gate_up and down is
+its own quantized linear module (``keep_quantized``), the file's bytes re-laid out.
 
 Routing follows the Hugging Face reference exactly: softmax over all experts
 in float32, then top-k, then (Mixtral always; Qwen when ``norm_topk_prob``)
@@ -74,7 +76,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, inter, e = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
-        self.num_experts, self.top_k, self.inter = e, cfg.num_experts_per_tok, inter
+        self.num_experts, self.top_k, self.hidden, self.inter = e, cfg.num_experts_per_tok, h, inter
         self.renormalize = cfg.norm_topk_prob
         self.float_weights = _LAYOUT[cfg.architecture][2]
         self.gate = Linear(h, e, False, dtype, device)                 # router: [E, hidden]
@@ -82,6 +84,9 @@ class SparseMoeBlock(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, inter, dtype=dtype, device=device),
                                       requires_grad=False)
+        # per-expert quantized modules replacing a stack (keep_quantized), else None
+        self.gate_up_experts: nn.ModuleList | None = None
+        self.down_experts: nn.ModuleList | None = None
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert = SwiGLU(h, shared, dtype, device) if shared else None
         self.shared_expert_gate = Linear(h, 1, False, dtype, device) if shared else None
@@ -113,13 +118,32 @@ class SparseMoeBlock(nn.Module):
 
     def expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU over the rows routed to it: [m, hidden] -> [m, hidden]."""
-        gate_up = F.linear(rows, self.gate_up_proj[expert])                    # [m, 2 * inter]
+        if self.gate_up_experts is not None:
+            gate_up = self.gate_up_experts[expert](rows)                       # [m, 2 * inter]
+        else:
+            gate_up = F.linear(rows, self.gate_up_proj[expert])
         if self.ops is not None and self.ops.applies(gate_up):
             act = self.ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.inter, dim=-1)
             act = F.silu(gate) * up                                            # [m, inter]
+        if self.down_experts is not None:
+            return self.down_experts[expert](act)
         return F.linear(act, self.down_proj[expert])
+
+    def keep_quantized(self, gate_up: list[nn.Module] | None, down: list[nn.Module] | None) -> None:
+        """Run each expert's gate_up ([2·inter, hidden]) and/or down ([hidden, inter]) through
+        its own module, one per expert in expert order, and drop the stack it replaces."""
+        for name, modules, shape in (("gate_up", gate_up, (2 * self.inter, self.hidden)),
+                                     ("down", down, (self.hidden, self.inter))):
+            if modules is None:
+                continue
+            got = {(m.out_features, m.in_features) for m in modules}
+            if len(modules) != self.num_experts or got != {shape}:
+                raise ValueError(f"{len(modules)} experts' {name} weights of shapes {sorted(got)}; the config "
+                                 f"implies {self.num_experts} of {shape}")
+            delattr(self, f"{name}_proj")
+            setattr(self, f"{name}_experts", nn.ModuleList(modules))
 
 
 def build_mlp(cfg: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device) -> nn.Module:

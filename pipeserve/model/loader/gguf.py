@@ -26,6 +26,7 @@ import torch
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.families import family_fields
 from pipeserve.model.loader.gguf_file import GGUFFile
+from pipeserve.model.loader.gguf_moe import moe_fields
 from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
 from pipeserve.model.quant.packed import PackedWeight
 
@@ -49,15 +50,21 @@ _LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",     # Qwen3's per-head norms
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",           # Phi-3's fused projections
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",   # Gemma
+    # MoE routers (Mixtral, Qwen) and Qwen2-MoE's shared expert with its sigmoid gate
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Gemma's post_attention_layernorm normalises the attention output (Llama's is the pre-MLP norm).
 _GEMMA_LAYER_NAMES = (("post_attention_layernorm", "post_attention_norm"),)
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-# Mixtral: the router, and each expert's w1 (gate) / w3 (up) / w2 (down) as one slice of
-# a tensor stacking all experts ([E, rows, cols]).
-_MOE_ROUTER = "block_sparse_moe.gate"
-_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])")
-_EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# Each expert's gate / up / down (Mixtral: w1 / w3 / w2) as one slice of a tensor
+# stacking all the layer's experts ([E, rows, cols]).
+_EXPERT_RE = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)")
+_EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+                 "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+# Qwen2-MoE's shared-expert gate: [1, hidden] in transformers, a vector of hidden in llama.cpp.
+_SHARED_GATE = ".ffn_gate_inp_shexp."
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -85,6 +92,9 @@ class GGUFArchitecture:
     qk_rows_permuted: bool        # q/k rows reordered to llama.cpp's interleaved rotary layout
     attention_bias: bool | None   # q/k/v biases: always (True), or as the file has them (None)
     moe_architecture: str | None = None   # what the file loads as when it has experts
+    experts_required: bool = False        # a MoE-only family (llama.cpp refuses it without experts)
+    shared_expert: bool = False           # each MoE layer has a sigmoid-gated shared expert (ffn_*_shexp)
+    norm_topk_prob: bool = True           # llama.cpp's graph renormalises the top-k routing weights
     layer_names: tuple[tuple[str, str], ...] = ()   # HF module -> GGUF name where it differs from _LAYER_NAMES
     norm_shift: float = 0.0       # the converter stored every "*norm.weight" plus this (Gemma: 1 + w)
     # The Hugging Face config keys this family's switches (families.py) read, from the metadata.
@@ -151,6 +161,13 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
                                layer_names=_GEMMA_LAYER_NAMES, norm_shift=1.0, hf_keys=_gemma_keys),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", qk_rows_permuted=False, attention_bias=None,
                                layer_names=_GEMMA_LAYER_NAMES, norm_shift=1.0, hf_keys=_gemma_keys),
+    # Qwen2MoeModel / Qwen3MoeModel (which extends it): each layer's experts stacked in
+    # ffn_{gate,up,down}_exps, the router as ffn_gate_inp; no row permutation.
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM", qk_rows_permuted=False, attention_bias=True,
+                                 moe_architecture="Qwen2MoeForCausalLM", experts_required=True,
+                                 shared_expert=True, norm_topk_prob=False),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", qk_rows_permuted=False, attention_bias=None,
+                                 moe_architecture="Qwen3MoeForCausalLM", experts_required=True),
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama3 scaling as per-dimension divisors of the frequencies
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")   # Phi-3's longrope
@@ -195,8 +212,8 @@ def read_gguf_config(path: Path) -> ModelConfig:
     if family.attention_bias and not bias:
         raise ValueError(f"{path} is a {arch!r} GGUF without the q/k/v biases that family has "
                          "(blk.0.attn_q.bias is missing); the file looks truncated or mislabelled")
-    experts = int(meta.get(K.LLM.EXPERT_COUNT, 0) or 0)   # Mixtral: llama.cpp's "llama" with experts
-    architecture = family.moe_architecture if experts and family.moe_architecture else family.hf_architecture
+    moe = moe_fields(meta, family, path)   # Mixtral: llama.cpp's "llama" with experts
+    architecture = family.moe_architecture if moe else family.hf_architecture
     num_layers = int(meta.require(K.LLM.BLOCK_COUNT))
     hf_keys = {"architectures": [architecture],
                **(family.hf_keys(meta, num_layers, head_dim) if family.hf_keys else {})}
@@ -220,8 +237,7 @@ def read_gguf_config(path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
-        num_experts=experts,
-        num_experts_per_tok=int(meta.get(K.LLM.EXPERT_USED_COUNT, 0) or 0) if experts else 0,
+        **moe,
         sliding_window=hf_keys.get("sliding_window"),
         layer_types=tuple(hf_keys["layer_types"]) if hf_keys.get("layer_types") else None,
         **family_fields(hf_keys),
@@ -304,8 +320,6 @@ def gguf_location(hf_name: str, family: GGUFArchitecture | None = None) -> tuple
     names = {**_LAYER_NAMES, **dict(family.layer_names)} if family is not None else _LAYER_NAMES
     if m is not None and m.group(2) in names:
         return f"blk.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}", None
-    if m is not None and m.group(2) == _MOE_ROUTER:
-        return f"blk.{m.group(1)}.ffn_gate_inp.{m.group(3)}", None
     expert = _EXPERT_RE.fullmatch(m.group(2)) if m is not None else None
     if expert is None:
         raise KeyError(f"no GGUF equivalent of tensor {hf_name!r}")
@@ -349,6 +363,8 @@ class GGUFWeightReader:
             array = unpermute_rotary_rows(array, self.cfg.num_heads)
         elif self._permuted and ".attn_k." in name:
             array = unpermute_rotary_rows(array, self.cfg.num_kv_heads)
+        if _SHARED_GATE in name and array.ndim == 1:
+            array = array[None]
         if self._family.norm_shift and hf_name.endswith("norm.weight"):
             # The file holds x = 1 + w; x - 1 is exact for x >= 0.5, so the norm's 1 + (x - 1)
             # is transformers' 1 + w bit for bit in float32.
@@ -369,6 +385,8 @@ class GGUFWeightReader:
         tensor, expert = self._tensor(hf_name)
         self.names_read.pop()
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if _SHARED_GATE in tensor.name and len(shape) == 1:
+            return (1, *shape)
         return shape if expert is None else shape[1:]
 
     def block_size(self, hf_name: str) -> int:
@@ -379,27 +397,29 @@ class GGUFWeightReader:
         except KeyError:
             return 1
         self.names_read.pop()
-        if expert is not None or tensor.tensor_type not in KEPT_TYPES:
+        if tensor.tensor_type not in KEPT_TYPES:
             return 1
         return gguf.GGML_QUANT_SIZES[tensor.tensor_type][0]
 
     def read_packed(self, hf_name: str, cut: tuple[int, tuple[tuple[int, int], ...]] | None = None
                     ) -> PackedWeight | None:
         """The tensor in its own block type (``pipeserve.model.quant``), or None
-        when that type is not kept quantized (then ``read`` dequantizes it).
+        when that type is not kept quantized (then ``read`` dequantizes it). An expert's
+        tensor is its slice of the layer's stack: its rows, whole rows of blocks.
 
         ``cut`` (dim, [start, stop) ranges): a tensor-parallel rank's slice, taken from the
         file's block bytes before they are re-laid out: whole rows (dim 0; rows past the end
         are zero blocks, the vocabulary padding) or whole blocks of every row (dim 1, the
         input of a row-parallel layer: each range must start and stop on a block boundary)."""
         tensor, expert = self._tensor(hf_name)
-        if expert is not None or tensor.tensor_type not in KEPT_TYPES:   # experts: one dense stack
-            if expert is None and tensor.tensor_type not in (T.F32, T.F16, T.BF16):
+        if tensor.tensor_type not in KEPT_TYPES:
+            if not expert and tensor.tensor_type not in (T.F32, T.F16, T.BF16):   # once per expert stack
                 log.info("GGUF tensor %s has type %s, which is not kept quantized: dequantizing it",
                          tensor.name, tensor.tensor_type.name)
             self.names_read.pop()   # the caller reads it again with ``read``
             return None
-        raw = tensor.data   # uint8 [rows, bytes per row]: the file's blocks
+        # uint8 [rows, bytes per row]: the file's blocks (of one expert: [E, rows, bytes] indexed)
+        raw = tensor.data if expert is None else tensor.data[expert]
         if self._permuted and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = self.cfg.num_heads if ".attn_q." in tensor.name else self.cfg.num_kv_heads
             # Rows are independent: undo the rotary permutation on whole rows of blocks.

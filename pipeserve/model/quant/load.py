@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipeserve.model.layers import Embedding, Linear
+from pipeserve.model.moe import SparseMoeBlock
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import SUB, PackedWeight, can_concat, concat_rows, quantize_weight
 
@@ -52,6 +53,30 @@ def replace_quantized(model: nn.Module, reader, sources: dict[str, list[str]], f
             model.set_submodule(path, QuantEmbedding(parts[0], dtype))
         else:
             model.set_submodule(path, QuantLinear(parts, module.bias))
+    if fmt == "gguf":
+        _keep_experts_quantized(model, reader, sources, device)
+
+
+def _keep_experts_quantized(model: nn.Module, reader, sources: dict[str, list[str]], device: torch.device) -> None:
+    """A GGUF's expert stacks in a kept block type: each expert's gate/up and down become its
+    own QuantLinear, built from its rows of the stack as a dense layer's weight is, so the
+    experts stay as small as in the file. A stack in another type stays a dense parameter."""
+    for path, block in list(model.named_modules()):
+        if isinstance(block, SparseMoeBlock):
+            block.keep_quantized(*(_expert_linears(reader, sources[f"{path}.{name}"], block.num_experts, device)
+                                   for name in ("gate_up_proj", "down_proj")))
+
+
+def _expert_linears(reader, names: list[str], experts: int, device: torch.device) -> list[QuantLinear] | None:
+    """``names``: each expert's tensors in expert order (gate, up; or down)."""
+    per = len(names) // experts
+    linears = []
+    for e in range(experts):
+        parts = _read_parts(reader, names[e * per:(e + 1) * per], "gguf", 0)
+        if parts is None:
+            return None
+        linears.append(QuantLinear([p.map(lambda t: t.to(device)) for p in parts]))
+    return linears
 
 
 def _read_parts(reader, names: list[str], fmt: str, group: int) -> list[PackedWeight] | None:
