@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp): metadata -> ModelConfig, tensors dequantized at load.
+"""GGUF files (llama.cpp): metadata -> ModelConfig; tensors kept in their type or dequantized at load.
 
 Tensors are read through the reader's memory map, so a stage touches only the
 bytes of the tensors it asks for. ``GGUF_ARCHITECTURES`` says, per
