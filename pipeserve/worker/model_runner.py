@@ -125,7 +125,7 @@ class ModelRunner:
             if hidden_states is None:
                 raise ValueError("a stage that is not first needs the previous stage's hidden_states")
             x = hidden_states.to(self.device)                               # [num_tokens, hidden]
-        return self.model(x, positions, meta, self.kv_caches)
+        return self.model.forward(x, positions, meta, self.kv_caches)   # no hooks: see LlamaModel.forward
 
     def _prepare(self, step: StepInput) -> tuple[AttentionMetadata, torch.Tensor]:
         return prepare_step(step, self.model.backend, self.block_size, self.device)
