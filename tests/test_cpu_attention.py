@@ -345,3 +345,22 @@ def test_a_long_decode_split_over_threads_matches_one_thread_and_the_reference(k
     else:
         step = one.float().abs().clamp(min=1.0) * 2 ** -7
         assert bool(((split.float() - one.float()).abs() <= step).all())
+
+
+def test_decode_only_metadata_matches_the_general_path():
+    """A step of decodes alone takes ``build_metadata``'s one-tensor path; a prefill in the
+    step takes the general one. Both must describe the decodes alike."""
+    block_size, tables = 4, [[7, 3, 9], [2], [5, 6, 1, 8]]
+    context_lens = [10, 3, 13]
+    backend, cpu = TorchPagedAttention(), torch.device("cpu")
+    fast = backend.build_metadata([1, 1, 1], context_lens, tables, block_size, cpu)
+    # The prefill (2 new tokens, 5 in context) spans no more blocks than the widest decode.
+    general = backend.build_metadata([1, 1, 1, 2], [*context_lens, 5], [*tables, [4, 0]], block_size, cpu)
+    assert fast.prefills == [] and len(general.prefills) == 1
+    assert fast.slot_mapping.tolist() == general.slot_mapping[:3].tolist() == [9 * 4 + 1, 2 * 4 + 2, 8 * 4 + 0]
+    for name in ("query_index", "block_index", "context_lens"):
+        assert torch.equal(getattr(fast.decodes, name), getattr(general.decodes, name)), name
+    assert fast.decodes.block_index.tolist() == [[7, 3, 9, 0], [2, 0, 0, 0], [5, 6, 1, 8]]
+    assert (fast.query_lens, fast.context_lens, fast.block_tables) == ([1, 1, 1], context_lens, tables)
+    with pytest.raises(ValueError, match="cannot hold"):
+        backend.build_metadata([1], [5], [[1]], block_size, cpu)

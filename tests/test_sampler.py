@@ -10,7 +10,7 @@ import torch
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
 from pipeserve.sampling.inputs import SeqSampling
 from pipeserve.sampling.penalties import apply_penalties
-from pipeserve.sampling.sampler import Sampler
+from pipeserve.sampling.sampler import Sampler, argmax
 
 
 def sp(**kw) -> SeqSampling:
@@ -265,3 +265,18 @@ def test_inverse_cdf_matches_a_full_float64_cumsum():
         want = want.clamp(max=2899)                          # the last token of positive weight
         assert torch.equal(got, want)
         assert bool((weights[r, got] > 0).all())
+
+
+def test_cpu_argmax_matches_torch_on_ties_nan_and_inf():
+    """Greedy on CPU takes NumPy's argmax: the same first-of-ties and NaN choices as torch's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-2, 2, (6, 500), generator=g).float()   # many ties
+    x[1, [40, 7, 300]] = float("nan")
+    x[2] = float("-inf")
+    x[3, 9] = float("inf")
+    x[4, [0, 499]] = float("inf")
+    assert argmax(x).dtype == torch.int64
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(dim=-1))   # a strided view
+    out = Sampler(0).sample(x, [sp(temperature=0.0)] * 6)
+    assert tokens(out) == x.argmax(-1).tolist()

