@@ -29,6 +29,7 @@ from pipeserve.model.quant.load import weight_bytes
 from pipeserve.model.quant.modules import QuantLinear
 from pipeserve.model.quant.packed import dequantize
 from tests.checkpoints import _COMMON, _add_tensor, _write_metadata, finish_gguf, save_tiny_tokenizer
+from tests.test_gguf_families import engine_greedy
 from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
 
@@ -182,13 +183,6 @@ def test_tensor_parallelism_of_a_moe_gguf_is_refused(converted):
 
 
 # -- numerics -------------------------------------------------------------------
-def engine_greedy(path: Path, hf_dir: Path, batch: list[list[int]], **kwargs) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
-    with LLM(model=str(path), tokenizer=str(hf_dir), dtype="float32", kv_cache_memory="16MiB",
-             threads_per_stage=1, **kwargs) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_moe_gguf_greedy_matches_transformers(converted, kind):
     """PP = 1 through the torch attention, PP = 2 (a layer a stage) through the C one."""
