@@ -13,8 +13,8 @@
 #      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
 #      benchmarks/results/heldout/VALIDATION.md and in docs/PLANNER.md.
 # Each run is measured REPEATS times (default 3), round-robin, and validated at its median:
-# on a shared VM one run of a command can be far from the next. About 13 minutes a round on an
-# IDLE 2-core AVX2 machine in float32 (14 runs with their start-up), plus calibration and ~1
+# on a shared VM one run of a command can be far from the next. About 15 minutes a round on an
+# IDLE 2-core AVX2 machine in float32 (16 runs with their start-up), plus calibration and ~2
 # min of fitting. Figures from a loaded machine
 # validate nothing: check `uptime` first (load average well below 1).
 # Activations in $DTYPE (default: what --dtype auto picks on this CPU: bfloat16 where the CPU
