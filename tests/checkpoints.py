@@ -231,6 +231,20 @@ def lazy_builds(root: Path, build) -> Callable[[str], Path]:
     return get
 
 
+def lazy_conversions(root: Path, build, write) -> Callable[..., tuple[Path, Path]]:
+    """(kind, qtype="F32") -> (``build(kind, root / kind)``, a GGUF file ``write(hf_dir, path,
+    qtype)`` wrote from it), each made on first use and kept."""
+    checkpoints = lazy_builds(root, build)
+
+    def get(kind: str, qtype: str = "F32") -> tuple[Path, Path]:
+        hf_dir = checkpoints(kind)
+        path = root / f"{kind}-{qtype}.gguf"
+        if not path.exists():
+            write(hf_dir, path, qtype)
+        return hf_dir, path
+    return get
+
+
 def layer_matmul_flops(cfg) -> int:
     """FLOPs of one token through one dense decoder layer's four matmuls (qkv, o, gate_up,
     down): what --profile's GEMM classes must count, computed here from the shapes alone."""

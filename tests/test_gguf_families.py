@@ -25,7 +25,7 @@ import torch
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.loader.gguf import read_gguf_config
-from tests.checkpoints import _add_tensor, finish_gguf, write_shape_metadata
+from tests.checkpoints import _add_tensor, finish_gguf, lazy_conversions, write_shape_metadata
 from tests.test_families import _BASE, NEW, WINDOW, hf_greedy, prompts_for, save_random_checkpoint
 from tests.test_loaders import hf_logits, run_stages
 
@@ -128,18 +128,7 @@ def _gemma3_metadata(w, cfg) -> None:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(kind, qtype) -> (HF directory, GGUF file written from it)."""
-    root = tmp_path_factory.mktemp("gguf_families")
-    built: dict = {}
-
-    def get(kind: str, qtype: str = "F32"):
-        if kind not in built:
-            built[kind] = build_hf(kind, root / kind)
-        hf_dir = built[kind]
-        path = root / f"{kind}-{qtype}.gguf"
-        if not path.exists():
-            write_family_gguf(hf_dir, path, qtype)
-        return hf_dir, path
-    return get
+    return lazy_conversions(tmp_path_factory.mktemp("gguf_families"), build_hf, write_family_gguf)
 
 
 # -- metadata -------------------------------------------------------------------

@@ -28,7 +28,8 @@ from pipeserve.model.quant.gguf_repack import repack
 from pipeserve.model.quant.load import weight_bytes
 from pipeserve.model.quant.modules import QuantLinear
 from pipeserve.model.quant.packed import dequantize
-from tests.checkpoints import _COMMON, _add_tensor, _write_metadata, finish_gguf, save_tiny_tokenizer
+from tests.checkpoints import (_COMMON, _add_tensor, _write_metadata, finish_gguf, lazy_conversions,
+                               save_tiny_tokenizer)
 from tests.test_gguf_families import engine_greedy
 from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
@@ -103,18 +104,12 @@ def write_qwen_moe_gguf(hf_dir: Path, path: Path, qtype: str = "F32") -> Path:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """(kind, qtype) -> (HF directory, GGUF file written from it); kind in KINDS or "mixtral"."""
-    root = tmp_path_factory.mktemp("gguf_moe")
-    built: dict = {}
+    def build(kind: str, directory: Path) -> Path:
+        return (build_moe_checkpoint if kind == "mixtral" else build_hf)(kind, directory)
 
-    def get(kind: str, qtype: str = "F32"):
-        if kind not in built:
-            make = build_moe_checkpoint if kind == "mixtral" else build_hf
-            built[kind] = make(kind, root / kind)
-        path = root / f"{kind}-{qtype}.gguf"
-        if not path.exists():
-            (write_mixtral_gguf if kind == "mixtral" else write_qwen_moe_gguf)(built[kind], path, qtype)
-        return built[kind], path
-    return get
+    def write(hf_dir: Path, path: Path, qtype: str) -> Path:   # hf_dir is root / kind
+        return (write_mixtral_gguf if hf_dir.name == "mixtral" else write_qwen_moe_gguf)(hf_dir, path, qtype)
+    return lazy_conversions(tmp_path_factory.mktemp("gguf_moe"), build, write)
 
 
 # -- metadata -------------------------------------------------------------------
