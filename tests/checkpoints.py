@@ -98,12 +98,15 @@ def save_tiny_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32", split_max_tensors: int = 0) -> Path:
+def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32", split_max_tensors: int = 0,
+                     qtypes: dict[str, str] | None = None) -> Path:
     """Convert a tiny HF Llama or Qwen2 checkpoint to GGUF the way llama.cpp's
-    convert_hf_to_gguf.py does, all matrices in ``qtype``: llama's q/k rows
-    (and biases) permuted to its rotary layout and llama3 scaling written as
-    ``rope_freqs``; qwen2's rows left as they are. ``split_max_tensors``: split
-    as gguf-split does, at most that many tensors a file; returns the first part."""
+    convert_hf_to_gguf.py does, all matrices in ``qtype`` except the roles
+    ``qtypes`` names (``{"attn_v": "Q4_0"}``: mixed types, as llama.cpp's
+    K-quant mixes write them): llama's q/k rows (and biases) permuted to its
+    rotary layout and llama3 scaling written as ``rope_freqs``; qwen2's rows
+    left as they are. ``split_max_tensors``: split as gguf-split does, at most
+    that many tensors a file; returns the first part."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -119,7 +122,8 @@ def write_llama_gguf(hf_dir: Path, path: Path, qtype: str = "F32", split_max_ten
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     for hf_name, tensor in state.items():
         name, array = _gguf_tensor(hf_name, tensor.float().numpy(), cfg)
-        _add_tensor(writer, name, array, qtype)
+        role = name.split(".")[-2]
+        _add_tensor(writer, name, array, (qtypes or {}).get(role, qtype))
     finish_gguf(writer)
     return writer.format_shard_names(Path(path))[0] if split_max_tensors else path
 

@@ -143,6 +143,35 @@ def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, thr
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("kind, dtype", [("llama_tied_gqa", torch.float32), ("qwen2_bias", torch.float32),
+                                         ("qwen2_bias", torch.bfloat16)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layers_of_mixed_gguf_types_fused_equal_python_layers(kind, dtype, threads, tmp_path):
+    """A GGUF whose q, k and v have three types (Q8_0, Q4_1, Q4_0: two layouts, the last two
+    one kind of activations) and gate and up two, as K-quant mixes write them: each linear
+    stays in parts, and the fused stage multiplies each part in its own layout (with the
+    bias across the parts' columns, Qwen2) as the Python layers do."""
+    from tests.checkpoints import write_llama_gguf
+    gguf = write_llama_gguf(build_checkpoint(kind, tmp_path / "hf"), tmp_path / "mixed.gguf", qtype="Q8_0",
+                            qtypes={"attn_k": "Q4_1", "attn_v": "Q4_0", "ffn_up": "Q4_1"})
+    source = resolve_model(str(gguf))
+    cfg = source.load_config()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(source, cfg, dtype=dtype)
+        layer = runner.model.layers[0]
+        assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["Q8_0", "Q4_1", "Q4_0"]
+        assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["Q8_0", "Q4_1"]
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
+        fused = _decode_logits([runner], prompts, 6)
+        assert runner.model.fused_decode
+        runner.model.fused_decode = False
+        _compare(fused, _decode_logits([runner], prompts, 6), exact=threads == 1)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     from pipeserve.model.quant.cpu_kernels import GEMV_PASSES_MAX_ROWS
     runner = smollm2[0]

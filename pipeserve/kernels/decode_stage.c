@@ -77,9 +77,32 @@ typedef struct {
     int32_t kind, zero;
 } qweight;
 
+/* A linear layer's output columns in up to MAX_PARTS weights of one K, in order: a GGUF
+ * whose q, k and v (or gate and up) have different types keeps each in its own (a
+ * Q4_K_M file's attn_v is Q6_K in some layers, its q and k Q4_K). */
+#define MAX_PARTS 3
+typedef struct {
+    qweight part[MAX_PARTS];
+    int64_t parts;
+} qlinear;
+
+static int64_t linear_n(const qlinear *w) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < w->parts; i++) n += w->part[i].N;
+    return n;
+}
+
+/* The activations part i reads: those of the first part of its kind (the quantized x
+ * depends on the layout's kind only), each kind prepared once. */
+static int64_t act_slot(const qlinear *w, int64_t i) {
+    for (int64_t j = 0; j < i; j++)
+        if (w->part[j].kind == w->part[i].kind) return j;
+    return i;
+}
+
 typedef struct {
     const void *input_norm, *post_norm;    /* RMSNorm weights [hidden] */
-    qweight qkv, o, gate_up, down;
+    qlinear qkv, o, gate_up, down;
     const void *qkv_bias;                  /* [q + 2 kv] or NULL */
     char *k_cache, *v_cache;               /* [blocks, block_size, kv_heads, head_dim], the activations' dtype */
     int64_t window;                        /* sliding window (0: none) */
@@ -150,11 +173,15 @@ static void from_f32(const act_type *a, const float *src, void *dst, int64_t i0,
     }
 }
 
-/* x (M rows of w->K) quantized once into act, by one thread: the matmul's first phase. */
-static void prepare(const stage_kernels *k, const act_type *a, const qweight *w, const void *x, int64_t M,
-                    float *xf, void *act) {
-    if (a->bf16) to_f32(a, x, xf, M * w->K);
-    k->prepare(w->kind, w->K, a->bf16 ? xf : (const float *)x, M, act);
+/* x (M rows of K) quantized once per kind of w's parts into act (part i's at slot
+ * act_slot(w, i), act_stride bytes apart), by one thread: the matmul's first phase. */
+static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w, const void *x, int64_t M,
+                    float *xf, char *act, int64_t act_stride) {
+    const int64_t K = w->part[0].K;
+    if (a->bf16) to_f32(a, x, xf, M * K);
+    for (int64_t i = 0; i < w->parts; i++)
+        if (act_slot(w, i) == i)
+            k->prepare(w->part[i].kind, K, a->bf16 ? xf : (const float *)x, M, act + i * act_stride);
 }
 
 /* Rows of activations one gemv call takes (cpu_kernels.GEMV_MAX_ROWS): a step of more
@@ -163,23 +190,33 @@ static void prepare(const stage_kernels *k, const act_type *a, const qweight *w,
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Thread t of T's output rows of out [M, N] = x W^T (+ bias), contiguous equal ranges as
- * schedule(static); bfloat16 outputs pass through the float scratch f32 and are rounded
- * as the gemv rounds them, then the bias is added and rounded as PyTorch adds it. */
-static void thread_rows(const stage_kernels *k, const act_type *a, const qweight *w, const void *bias,
-                        const void *act, int64_t M, void *out, float *f32, int t, int T) {
-    const int64_t N = w->N, n0 = N * t / T, n1 = N * (t + 1) / T;
-    float *res = a->bf16 ? f32 : (float *)out;
-    k->rows(w->kind, w->qs, w->sc, w->mn, N, w->K, w->group, w->qh, w->zero, act, M, n0, n1, res);
-    for (int64_t m = 0; m < M; m++) {
-        if (a->bf16) from_f32(a, res, out, m * N + n0, m * N + n1);
-        if (!bias) continue;
-        for (int64_t n = n0; n < n1; n++) {
-            if (a->bf16) {
-                uint16_t *o = (uint16_t *)out + m * N + n;
-                *o = f32_to_bf16(bf16_to_f32(*o) + bf16_to_f32(((const uint16_t *)bias)[n]));
-            } else {
-                ((float *)out)[m * N + n] += ((const float *)bias)[n];
+/* Thread t of T's output rows of out [M, N] = x W^T (+ bias), per part contiguous equal
+ * ranges as schedule(static). One float32 part writes out in place; otherwise part i goes
+ * through its own region of the float scratch f32 ([M, N_i] at M * its column offset, so
+ * no thread's part overwrites what another still copies) and is copied to its columns,
+ * rounded as the gemv rounds bfloat16 outputs; then the bias is added and rounded as
+ * PyTorch adds it. */
+static void thread_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
+                        const char *act, int64_t act_stride, int64_t M, void *out, float *f32, int t, int T) {
+    const int64_t Nt = linear_n(w);
+    const int direct = !a->bf16 && w->parts == 1;
+    int64_t off = 0;
+    for (int64_t i = 0; i < w->parts; off += w->part[i].N, i++) {
+        const qweight *p = &w->part[i];
+        const int64_t N = p->N, n0 = N * t / T, n1 = N * (t + 1) / T;
+        float *res = direct ? (float *)out : f32 + M * off;
+        k->rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero, act + act_slot(w, i) * act_stride,
+                M, n0, n1, res);
+        for (int64_t m = 0; m < M; m++) {
+            if (!direct) from_f32(a, res + m * N, e(a, out, m * Nt + off), n0, n1);
+            if (!bias) continue;
+            for (int64_t n = n0; n < n1; n++) {
+                if (a->bf16) {
+                    uint16_t *o = (uint16_t *)out + m * Nt + off + n;
+                    *o = f32_to_bf16(bf16_to_f32(*o) + bf16_to_f32(((const uint16_t *)bias)[off + n]));
+                } else {
+                    ((float *)out)[m * Nt + off + n] += ((const float *)bias)[off + n];
+                }
             }
         }
     }
@@ -188,16 +225,18 @@ static void thread_rows(const stage_kernels *k, const act_type *a, const qweight
 /* All T threads: out [M, N] = x W^T (+ bias) in passes of PASS_ROWS rows; the caller has
  * prepared the first pass's activations (the first min(M, PASS_ROWS) rows of x) in act.
  * Before a later pass overwrites act, the team meets (every thread is done reading it). */
-static void team_rows(const stage_kernels *k, const act_type *a, const qweight *w, const void *bias,
-                      const void *x, int64_t M, void *out, float *f32, float *xf, void *act, int t, int T) {
+static void team_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
+                      const void *x, int64_t M, void *out, float *f32, float *xf, char *act, int64_t act_stride,
+                      int t, int T) {
+    const int64_t K = w->part[0].K, N = linear_n(w);
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
         const int64_t mc = min64(PASS_ROWS, M - m0);
         if (m0 > 0) {
 #pragma omp barrier
 #pragma omp single
-            prepare(k, a, w, e(a, (void *)x, m0 * w->K), mc, xf, act);
+            prepare(k, a, w, e(a, (void *)x, m0 * K), mc, xf, act, act_stride);
         }
-        thread_rows(k, a, w, bias, act, mc, e(a, out, m0 * w->N), f32, t, T);
+        thread_rows(k, a, w, bias, act, act_stride, mc, e(a, out, m0 * N), f32, t, T);
     }
 }
 
@@ -210,16 +249,21 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     const int64_t M = s->rows, P = min64(M, PASS_ROWS);   /* rows, rows of one matmul pass */
     const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
     const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
-    int64_t act = 0;
+    int64_t act = 0;   /* the largest prepared activations of one part */
     for (int64_t l = 0; l < num_layers; l++) {
-        const qweight *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
-        for (int i = 0; i < 4; i++) act = max64(act, k->act_bytes(ws[i]->kind, ws[i]->K, ws[i]->group, P));
+        const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; i++)
+            for (int64_t j = 0; j < ws[i]->parts; j++) {
+                const qweight *p = &ws[i]->part[j];
+                act = max64(act, k->act_bytes(p->kind, p->K, p->group, P));
+            }
     }
+    const int64_t act_stride = align64(act);
     /* residual, normed x, qkv, rotated q|k, attention out, o out, gate|up, silu out (the
      * activations' dtype); the float q, attention out, a matmul's input and output (float) */
     const int64_t sizes[12] = {M * s->hidden, M * s->hidden, M * qkv_n, M * (qn + kvn), M * qn, M * s->hidden,
                                M * 2 * s->inter, M * s->inter, M * qn, M * qn, M * widest, M * widest};
-    int64_t bytes = align64(act) + align64(k->plan_bytes(M, s->heads, D, num_threads));
+    int64_t bytes = MAX_PARTS * act_stride + align64(k->plan_bytes(M, s->heads, D, num_threads));
     for (int i = 0; i < 12; i++) bytes += align64(sizes[i] * (i < 8 ? a->es : (int64_t)sizeof(float)));
     char *buf = aligned_alloc(64, (size_t)bytes);
     if (!buf) return -1;
@@ -231,7 +275,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     }
     void *res = f[0], *x = f[1], *qkv = f[2], *qk = f[3], *attn = f[4], *o = f[5], *gu = f[6], *act_in = f[7];
     float *q = f[8], *attn32 = f[9], *xf = f[10], *out32 = f[11];
-    void *actbuf = p, *plan = p + align64(act);
+    char *actbuf = p;
+    void *plan = p + MAX_PARTS * act_stride;
     const int64_t row_bytes = kvn * a->es;
     int failed = 0;
     int64_t items = 0;
@@ -252,10 +297,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 else k->rmsnorm(h, res, res, L->input_norm, x, M, s->hidden, s->eps);
                 if (l == 0) memcpy(res, h, (size_t)(M * s->hidden * a->es));
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->qkv, x, P, xf, actbuf);
+                prepare(k, a, &L->qkv, x, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, qkv, out32, xf, actbuf, t, T);
+            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, qkv, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -286,8 +331,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
 #pragma omp barrier
             account(prof, t, &last, attention, part, 1);
 #pragma omp single
-            prepare(k, a, &L->o, attn, P, xf, actbuf);
-            team_rows(k, a, &L->o, NULL, attn, M, o, out32, xf, actbuf, t, T);
+            prepare(k, a, &L->o, attn, P, xf, actbuf, act_stride);
+            team_rows(k, a, &L->o, NULL, attn, M, o, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -295,10 +340,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->gate_up, x, P, xf, actbuf);
+                prepare(k, a, &L->gate_up, x, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->gate_up, NULL, x, M, gu, out32, xf, actbuf, t, T);
+            team_rows(k, a, &L->gate_up, NULL, x, M, gu, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -306,10 +351,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->silu_mul(gu, act_in, M, s->inter);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->down, act_in, P, xf, actbuf);
+                prepare(k, a, &L->down, act_in, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->down, NULL, act_in, M, h, out32, xf, actbuf, t, T);
+            team_rows(k, a, &L->down, NULL, act_in, M, h, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
         }

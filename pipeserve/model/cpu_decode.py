@@ -8,6 +8,8 @@ in the same order (benchmarks/README.md, "Fused decode stage").
 
 It applies to float32 and bfloat16 CPU stages whose linear layers keep quantized
 weights (float32 is what ``--dtype auto`` gives on CPUs without native bfloat16),
+each in one to three parts of different types (a Q4_K_M GGUF has Q6_K attn_v beside
+Q4_K q and k in some layers: each part is multiplied in its own layout),
 with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
 layers (SwiGLU, plain RMSNorm, no q/k norm; a q/k/v bias, a sliding window and a
 soft cap are taken), no tensor parallelism, and steps of at most
@@ -49,9 +51,16 @@ class _QWeight(ctypes.Structure):
                 ("kind", _i32), ("zero", _i32)]
 
 
+MAX_PARTS = 3   # decode_stage.c's: a linear layer's weights of different types (q, k, v)
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("part", _QWeight * MAX_PARTS), ("parts", _i64)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _QWeight), ("o", _QWeight),
-                ("gate_up", _QWeight), ("down", _QWeight), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p),
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _QLinear), ("o", _QLinear),
+                ("gate_up", _QLinear), ("down", _QLinear), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p),
                 ("window", _i64), ("softcap", _f32), ("pad", _i32)]
 
 
@@ -70,7 +79,7 @@ class FusedDecode:
 
     def __init__(self, model: LlamaModel, run, kernels: _Kernels, weights: list) -> None:
         self.model, self._run, self._kernels = model, run, kernels
-        self._weights = weights               # per layer: (qkv, o, gate_up, down) PackedWeights
+        self._weights = weights               # per layer: (qkv, o, gate_up, down), each its PackedWeights
         self._layers = None                   # the _Layer array, for the caches bound in _bound
         self._bound: tuple[int, ...] = ()
         cfg = model.cfg
@@ -139,12 +148,20 @@ class FusedDecode:
                 bias = attn.qkv_proj.bias
                 layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                    layer.post_attention_layernorm.weight.data_ptr(),
-                                   *(_qweight(w) for w in ws), None if bias is None else bias.data_ptr(),
+                                   *(_qlinear(parts) for parts in ws), None if bias is None else bias.data_ptr(),
                                    k_cache.data_ptr(), v_cache.data_ptr(),
                                    attn.backend_options.get("sliding_window") or 0,
                                    attn.backend_options.get("logit_softcap") or 0.0, 0)
             self._layers, self._bound = layers, key
         return self._layers
+
+
+def _qlinear(parts) -> _QLinear:
+    linear = _QLinear()
+    for i, w in enumerate(parts):
+        linear.part[i] = _qweight(w)
+    linear.parts = len(parts)
+    return linear
 
 
 def _qweight(w) -> _QWeight:
@@ -192,8 +209,8 @@ def _why_not(model: LlamaModel) -> str | None:
         if not isinstance(mlp, SwiGLU) or mlp.act != "silu" or mlp.ops is None or layer.input_layernorm.ops is None:
             return "a layer without SwiGLU or the fused elementwise kernels"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear, QuantLinear) or len(linear.parts) != 1:
-                return "a linear layer whose weights are not one quantized part"
+            if not isinstance(linear, QuantLinear) or len(linear.parts) > MAX_PARTS:
+                return f"a linear layer whose weights are not 1 to {MAX_PARTS} quantized parts"
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias outside q/k/v"
     return None
@@ -216,8 +233,8 @@ def _build(model: LlamaModel) -> FusedDecode | str:
     weights = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        ws = tuple(linear.parts[0] for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        for w in ws:
+        ws = tuple(tuple(linear.parts) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        for w in (part for parts in ws for part in parts):
             if act_bytes(_KINDS[w.kind], w.in_features, w.group, 1) <= 0:
                 return (f"no integer-activation decode kernel on this CPU for {w.source} "
                         f"(group {w.group}, in_features {w.in_features})")
