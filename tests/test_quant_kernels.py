@@ -271,6 +271,9 @@ def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monke
     monkeypatch.undo()
     if cpu_kernels() is not None:
         assert (layer(x) - ref).abs().max().item() < tol
+        layer._decode = None          # bound again, now to each part's decode gemv
+        assert (layer(x) - ref).abs().max().item() < tol
+        assert layer._decode, "a decode of mixed parts should take the parts' bound gemvs"
 
 
 def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):

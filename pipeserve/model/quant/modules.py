@@ -55,7 +55,7 @@ class QuantLinear(_Packed):
         self.out_features = sum(p.out_features for p in parts)
         self.bias = bias
 
-    _decode = None   # (the bound gemv of a single-part weight, or False), built at the first decode call
+    _decode = None   # (the bound gemvs of the parts, or False), built at the first decode call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out] in x's dtype."""
@@ -78,7 +78,13 @@ class QuantLinear(_Packed):
     def _bind_decode(self):
         parts = self.parts
         kernels = cpu_kernels() if parts[0].qs.is_cpu else None
-        return kernels.decode_fn(parts[0]) if kernels is not None and len(parts) == 1 else False
+        if kernels is None:
+            return False
+        gemvs = [kernels.decode_fn(p) for p in parts]
+        if len(gemvs) == 1:
+            return gemvs[0]
+        cat = torch.cat
+        return lambda x: cat([gemv(x) for gemv in gemvs], dim=-1)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.sources)}"
