@@ -143,6 +143,28 @@ def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, thr
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_qwen3_q_k_norms_fused_equal_python_layers(dtype, threads, tmp_path):
+    """Qwen3: an RMSNorm over each head of q and k before RoPE (head_dim 24, not hidden /
+    heads), sliding layers; 13 float32 sequences (two gemv passes), 4 bfloat16 ones."""
+    from tests.test_families import build_family
+    source = resolve_model(str(build_family("qwen3", tmp_path)))
+    cfg = source.load_config()
+    assert cfg.qk_norm
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(source, cfg, quantization="int8", dtype=dtype)
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
+        fused = _decode_logits([runner], prompts, 8)
+        assert runner.model.fused_decode
+        runner.model.fused_decode = False
+        _compare(fused, _decode_logits([runner], prompts, 8), exact=threads == 1)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("kind, dtype", [("llama_tied_gqa", torch.float32), ("qwen2_bias", torch.float32),
                                          ("qwen2_bias", torch.bfloat16)])
 @pytest.mark.parametrize("threads", [1, 2])

@@ -19,7 +19,8 @@
  * thread the result is bit for bit the Python path's, with more it differs by the
  * order in which the partial softmaxes are merged.
  *
- * The layer: x, r = rmsnorm(h + r); qkv = x Wqkv^T (+ b); q, k = rope(q, k);
+ * The layer: x, r = rmsnorm(h + r); qkv = x Wqkv^T (+ b); q, k = rope(q, k) (after an
+ * RMSNorm over each head of q and k where the family has one: Qwen3);
  * cache[slot] = k, v; a = attention(q); o = a Wo^T; x, r = rmsnorm(o + r);
  * gu = x Wgu^T; h = (silu(g) * u) Wdown^T. The stage returns h + r.
  *
@@ -104,6 +105,7 @@ typedef struct {
     const void *input_norm, *post_norm;    /* RMSNorm weights [hidden] */
     qlinear qkv, o, gate_up, down;
     const void *qkv_bias;                  /* [q + 2 kv] or NULL */
+    const void *q_norm, *k_norm;           /* RMSNorm weights [head_dim] over each head of q and k, or NULL */
     char *k_cache, *v_cache;               /* [blocks, block_size, kv_heads, head_dim], the activations' dtype */
     int64_t window;                        /* sliding window (0: none) */
     float softcap;                         /* attention logit soft cap (0: none) */
@@ -304,8 +306,14 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
-            {   /* rotate q and k (adjacent in each row) in one call; cache k and v; plan */
+            {   /* norm each head of q and k (Qwen3), in place; rotate q and k (adjacent in each
+                 * row) in one call; cache k and v; plan */
                 const double t0 = stamp(prof);
+                for (int64_t m = 0; L->q_norm && m < M; m++) {
+                    void *row = e(a, qkv, m * qkv_n);
+                    k->rmsnorm(row, NULL, NULL, L->q_norm, row, s->heads, D, s->eps);
+                    k->rmsnorm(e(a, row, qn), NULL, NULL, L->k_norm, e(a, row, qn), s->kv_heads, D, s->eps);
+                }
                 k->rope(qkv, qkv_n, qk, M, s->heads + s->kv_heads, D, s->cos, s->sin);
                 const double t1 = stamp(prof);
                 for (int64_t m = 0; m < M; m++) {

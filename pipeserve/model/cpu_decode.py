@@ -11,8 +11,8 @@ weights (float32 is what ``--dtype auto`` gives on CPUs without native bfloat16)
 each in one to three parts of different types (a Q4_K_M GGUF has Q6_K attn_v beside
 Q4_K q and k in some layers: each part is multiplied in its own layout),
 with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
-layers (SwiGLU, plain RMSNorm, no q/k norm; a q/k/v bias, a sliding window and a
-soft cap are taken), no tensor parallelism, and steps of at most
+layers (SwiGLU, plain RMSNorm; a q/k/v bias, Qwen3's per-head q/k norm, a sliding
+window and a soft cap are taken), no tensor parallelism, and steps of at most
 ``GEMV_PASSES_MAX_ROWS`` decodes, multiplied in passes of ``GEMV_MAX_ROWS`` rows as
 the Python layers do (bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``);
 everything else runs the Python layers. With one
@@ -60,7 +60,8 @@ class _QLinear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", _QLinear), ("o", _QLinear),
-                ("gate_up", _QLinear), ("down", _QLinear), ("qkv_bias", _p), ("k_cache", _p), ("v_cache", _p),
+                ("gate_up", _QLinear), ("down", _QLinear), ("qkv_bias", _p), ("q_norm", _p), ("k_norm", _p),
+                ("k_cache", _p), ("v_cache", _p),
                 ("window", _i64), ("softcap", _f32), ("pad", _i32)]
 
 
@@ -149,6 +150,8 @@ class FusedDecode:
                 layers[i] = _Layer(layer.input_layernorm.weight.data_ptr(),
                                    layer.post_attention_layernorm.weight.data_ptr(),
                                    *(_qlinear(parts) for parts in ws), None if bias is None else bias.data_ptr(),
+                                   *(None if norm is None else norm.weight.data_ptr()
+                                     for norm in (attn.q_norm, attn.k_norm)),
                                    k_cache.data_ptr(), v_cache.data_ptr(),
                                    attn.backend_options.get("sliding_window") or 0,
                                    attn.backend_options.get("logit_softcap") or 0.0, 0)
@@ -202,8 +205,8 @@ def _why_not(model: LlamaModel) -> str | None:
         return "the attention backend is not the C one"
     if not model.layers:
         return "the stage has no layers"
-    if cfg.qk_norm or cfg.sandwich_norms or cfg.norm_unit_offset or cfg.rope_local_theta:
-        return "this family's layers (q/k norm, Gemma norms or local RoPE)"
+    if cfg.sandwich_norms or cfg.norm_unit_offset or cfg.rope_local_theta:
+        return "this family's layers (Gemma norms or local RoPE)"
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(mlp, SwiGLU) or mlp.act != "silu" or mlp.ops is None or layer.input_layernorm.ops is None:
