@@ -220,8 +220,25 @@ def _add_tensor(writer, name: str, array: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, array.astype(np.float32))
     elif t == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, array.astype(np.float16))
+    elif t == gguf.GGMLQuantizationType.IQ4_NL:   # gguf-py dequantizes it but does not quantize
+        writer.add_tensor(name, quantize_iq4_nl(array), raw_dtype=t)
     else:
         writer.add_tensor(name, gguf.quants.quantize(array, t), raw_dtype=t)
+
+
+def quantize_iq4_nl(array: np.ndarray) -> np.ndarray:
+    """[rows, cols] float -> IQ4_NL blocks uint8 [rows, cols / 32 * 18]: per 32 weights d =
+    max|w| / 127 (float16) and each weight's nearest codebook entry times d, as nibbles
+    (weights 0-15 low, 16-31 high)."""
+    import gguf
+    values = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.float32)
+    rows = array.shape[0]
+    w = array.reshape(rows, -1, 32).astype(np.float32)
+    d = (np.abs(w).max(-1, keepdims=True) / 127).astype(np.float16)
+    scaled = w / np.where(d == 0, 1, d.astype(np.float32))
+    q = np.abs(scaled[..., None] - values).argmin(-1).astype(np.uint8)          # [rows, blocks, 32]
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), packed], axis=-1).reshape(rows, -1)
 
 
 def lazy_builds(root: Path, build) -> Callable[[str], Path]:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
 K = gguf.Keys
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+                   T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS)
 
 # Hugging Face name -> GGUF name; "{i}" is the layer index.
 _GLOBAL_NAMES = {

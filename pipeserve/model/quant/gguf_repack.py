@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from pipeserve.model.quant.gguf_widen import WIDENED
 from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
 log = logging.getLogger(__name__)
@@ -174,3 +175,7 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
 
 _REPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+
+# Types without a compact layout here (IQ4_NL, IQ4_XS, Q3_K, Q2_K): kept as q8 rows (gguf_widen.py).
+_REPACK.update(WIDENED)
+KEPT_TYPES += tuple(WIDENED)
