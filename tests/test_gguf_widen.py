@@ -87,3 +87,16 @@ def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, tmp_pa
         _compare(_decode_logits([kept], prompts, 6), _decode_logits([dense], prompts, 6), exact=False)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
+def test_the_c_widening_is_the_numpy_one_bit_for_bit(ttype, monkeypatch):
+    import pipeserve.model.quant.gguf_widen as widen
+    if widen._c_widen() is None:
+        pytest.skip("no C compiler here: gguf_widen.c does not build, the numpy path runs")
+    raw = _random_blocks(ttype, 5, 1024, seed=int(ttype) + 7, exact=False)
+    c = repack(ttype, raw)
+    monkeypatch.setattr(widen, "_c_widen", lambda: None)
+    ref = repack(ttype, raw)
+    for got, want in zip(c.tensors(), ref.tensors(), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -14,9 +14,16 @@ Memory: 8 bits a code plus the scales: 1.9x IQ4_NL's bytes in the file, 2.0x
 IQ4_XS, 2.6x Q3_K and 3.8x Q2_K, against 7-12x for float32 (what a 70B IQ4_XS
 or Q3_K_M file became before). Their own compact layouts (nibbles with a codebook
 lookup, 2- and 3-bit planes) would need kernels of their own.
+
+``kernels/gguf_widen.c`` does it in one pass on the stage's threads; the numpy
+functions below are its reference and the fallback without a compiler.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import logging
 
 import gguf
 import numpy as np
@@ -24,8 +31,14 @@ import torch
 
 from pipeserve.model.quant.packed import PackedWeight
 
+log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
+
+
+U8 = np.uint8
+SHIFT2 = (2 * np.arange(4, dtype=U8))          # the four 2-bit codes of a byte
+SHIFT4 = np.array([0, 4], dtype=U8)             # its two nibbles
 
 
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -45,8 +58,7 @@ def _packed(source: str, group: int, codes: np.ndarray, scale: np.ndarray, minv:
 def _nibble_codes(qs: np.ndarray) -> np.ndarray:
     """IQ4 nibbles [..., 16 bytes a run of 32] -> codebook entries int8 [..., 32]: the low
     nibbles are weights 0-15 of the run, the high ones 16-31."""
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
-    return IQ4_VALUES[q]
+    return IQ4_VALUES[(qs[..., None, :] >> SHIFT4[:, None]) & U8(15)].reshape(*qs.shape[:-1], 32)
 
 
 def _iq4_nl(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -58,11 +70,11 @@ def _iq4_xs(blocks: np.ndarray, rows: int) -> PackedWeight:
     """Block of 256: d (float16), scales_h (uint16: 2 bits a run), scales_l (4 bytes: a
     nibble a run), 128 bytes of nibbles (8 runs of 32); run j's scale is d * (6-bit - 32)."""
     n = blocks.shape[1]
-    high = blocks[..., 2:4].copy().view(np.uint16).astype(np.int32)             # [rows, n, 1]
-    low = blocks[..., 4:8].astype(np.int32)                                      # [rows, n, 4]
-    low = np.stack([low & 15, low >> 4], axis=-1).reshape(rows, n, 8)
-    ls = low | (((high >> (2 * np.arange(8))) & 3) << 4)
-    scale = _f16(blocks, 0) * (ls - 32).astype(np.float32)                       # [rows, n, 8]
+    high = blocks[..., 2:4].copy().view(np.uint16)                               # [rows, n, 1]
+    low = ((blocks[..., 4:8, None] >> SHIFT4) & U8(15)).reshape(rows, n, 8)
+    high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(U8)
+    ls = (low | (high << U8(4))).astype(np.float32)
+    scale = _f16(blocks, 0) * (ls - 32)                                          # [rows, n, 8]
     codes = _nibble_codes(blocks[..., 8:136].reshape(rows, n, 8, 16))           # [rows, n, 8, 32]
     return _packed("IQ4_XS", 32, codes, scale, None, rows)
 
@@ -72,15 +84,14 @@ def _q3_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     6-bit scales, d (float16). Weight 128h + 32j + l (h < 2, j < 4, l < 32) is bits 2j of
     qs[32h + l] minus 4 where bit 4h + j of hmask[l] is clear, in group 8h + 2j + l // 16."""
     n = blocks.shape[1]
-    hmask, qs, sc = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108].astype(np.int32)
-    low = np.concatenate([sc[..., :8] & 15, sc[..., :8] >> 4], axis=-1)           # scales 0-7, 8-15: low 4 bits
-    high = (sc[..., 8:12, None] >> (2 * np.arange(4))) & 3                       # [rows, n, 4 bytes, 4]
-    scale = _f16(blocks, 108) * ((low | (high.transpose(0, 1, 3, 2).reshape(rows, n, 16) << 4)) - 32)
-    shifts = (2 * np.arange(4)).reshape(1, 1, 1, 4, 1)
-    low_bits = (qs.reshape(rows, n, 2, 1, 32) >> shifts) & 3                     # [rows, n, h, j, l]
-    hbit = (hmask.reshape(rows, n, 1, 1, 32) >> (4 * np.arange(2).reshape(1, 1, 2, 1, 1) + shifts // 2)) & 1
-    codes = low_bits.astype(np.int8) - 4 * (1 - hbit).astype(np.int8)
-    return _packed("Q3_K", 16, codes, scale.astype(np.float32), None, rows)
+    hmask, qs, sc = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
+    low = ((sc[..., None, :8] >> SHIFT4[:, None]) & U8(15)).reshape(rows, n, 16)  # scales 0-7, 8-15: low 4 bits
+    high = ((sc[..., None, 8:12] >> SHIFT2[:, None]) & U8(3)).reshape(rows, n, 16)   # scale 4i + k: byte 8 + k >> 2i
+    scale = _f16(blocks, 108) * ((low | (high << U8(4))).astype(np.float32) - 32)
+    codes = ((qs.reshape(rows, n, 2, 1, 32) >> SHIFT2[:, None]) & U8(3)).view(np.int8)   # [rows, n, h, j, l]
+    bit = (hmask[..., None, :] >> np.arange(8, dtype=U8)[:, None]) & U8(1)         # [rows, n, 4h + j, l]
+    codes = codes - ((U8(1) - bit) << U8(2)).view(np.int8).reshape(rows, n, 2, 4, 32)
+    return _packed("Q3_K", 16, codes, scale, None, rows)
 
 
 def _q2_k(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -88,11 +99,42 @@ def _q2_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     each), qs (64 bytes of 2-bit codes), d and dmin (float16). Weight 128h + 32j + l is bits
     2j of qs[32h + l], in group 8h + 2j + l // 16: d * sc * code - dmin * m."""
     n = blocks.shape[1]
-    sc, qs = blocks[..., :16].astype(np.float32), blocks[..., 16:80]
-    scale = _f16(blocks, 80) * (sc % 16)
-    minv = -_f16(blocks, 82) * np.floor(sc / 16)
-    codes = (qs.reshape(rows, n, 2, 1, 32) >> (2 * np.arange(4)).reshape(1, 1, 1, 4, 1)) & 3
-    return _packed("Q2_K", 16, codes.astype(np.int8), scale, minv, rows)
+    sc, qs = blocks[..., :16], blocks[..., 16:80]
+    scale = _f16(blocks, 80) * (sc & U8(15)).astype(np.float32)
+    minv = -_f16(blocks, 82) * (sc >> U8(4)).astype(np.float32)
+    codes = ((qs.reshape(rows, n, 2, 1, 32) >> SHIFT2[:, None]) & U8(3)).view(np.int8)
+    return _packed("Q2_K", 16, codes, scale, minv, rows)
 
 
-WIDENED = {T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.Q3_K: _q3_k, T.Q2_K: _q2_k}
+# type -> (numpy function, C function, weights a group; float16 arrays a group: scale (+ minimum))
+_TYPES = {T.IQ4_NL: (_iq4_nl, "pipeserve_widen_iq4_nl", 32, 1), T.IQ4_XS: (_iq4_xs, "pipeserve_widen_iq4_xs", 32, 1),
+          T.Q3_K: (_q3_k, "pipeserve_widen_q3_k", 16, 1), T.Q2_K: (_q2_k, "pipeserve_widen_q2_k", 16, 2)}
+
+
+@functools.lru_cache(maxsize=1)
+def _c_widen() -> ctypes.CDLL | None:
+    """kernels/gguf_widen.c, or None: the numpy path, with the reason logged once."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    try:
+        return load_kernel("gguf_widen")
+    except KernelBuildError as exc:
+        log.warning("GGUF IQ4/Q3_K/Q2_K widening in numpy (slower loads): %s", str(exc).splitlines()[0])
+        return None
+
+
+def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
+    numpy_path, name, group, arrays = _TYPES[ttype]
+    lib = _c_widen()
+    if lib is None:
+        return numpy_path(blocks, rows)
+    weights = gguf.GGML_QUANT_SIZES[ttype][0] * blocks.shape[1]      # a row's
+    codes = torch.empty(rows, weights, dtype=torch.int8)
+    halves = [torch.empty(rows, weights // group, dtype=torch.float16) for _ in range(arrays)]
+    data = np.ascontiguousarray(blocks)                                # held: the C call reads it
+    p = ctypes.c_void_p
+    getattr(lib, name)(p(data.ctypes.data), ctypes.c_int64(rows * blocks.shape[1]), p(codes.data_ptr()),
+                       *(p(h.data_ptr()) for h in halves), ctypes.c_int(torch.get_num_threads()))
+    return PackedWeight("q8", group, codes, halves[0], halves[1] if arrays == 2 else None, ttype.name)
+
+
+WIDENED = {ttype: functools.partial(_widen, ttype) for ttype in _TYPES}

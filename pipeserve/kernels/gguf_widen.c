@@ -1,0 +1,92 @@
+/* GGUF IQ4_NL, IQ4_XS, Q3_K and Q2_K blocks -> byte-per-code q8 rows (model/quant/gguf_widen.py
+ * says why and how), one pass over the file's bytes. The numpy path there takes 10-30 MB/s
+ * of file bytes: a 70B Q3_K_M stage (10 GB of file) would spend minutes widening at start-up
+ * and at every restart. Bit for bit the numpy path: the same codes, and scales d * sc (and
+ * -dmin * m) multiplied in float32 and rounded to float16 to nearest even.
+ *
+ * Each function takes `blocks` blocks one after another (rows * blocks per row), shared over
+ * `num_threads` threads, and writes per block its weights' int8 codes in order and a float16
+ * scale (and minimum) per group: 32 weights for IQ4_NL / IQ4_XS, 16 for Q3_K / Q2_K.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "half.h"
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* 16 bytes of nibbles -> 32 codebook entries: low nibbles first, then high ones. */
+static void iq4_run(const uint8_t *q, int8_t *out) {
+    for (int i = 0; i < 16; i++) {
+        out[i] = IQ4_VALUES[q[i] & 15];
+        out[i + 16] = IQ4_VALUES[q[i] >> 4];
+    }
+}
+
+/* Block of 32 (18 bytes): d, 16 bytes of nibbles. */
+void pipeserve_widen_iq4_nl(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *x = in + b * 18;
+        scale[b] = u16(x);                    /* d itself: float16 already */
+        iq4_run(x + 2, codes + b * 32);
+    }
+}
+
+/* Block of 256 (136 bytes): d, scales_h (2 bits a run), scales_l (a nibble a run), 8 runs of
+ * 16 bytes of nibbles; run j's scale d * (6-bit - 32). */
+void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *x = in + b * 136;
+        const float d = half_to_float(u16(x));
+        const uint16_t high = u16(x + 2);
+        for (int j = 0; j < 8; j++) {
+            const int ls = ((x[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+            scale[b * 8 + j] = float_to_half(d * (float)(ls - 32));
+            iq4_run(x + 8 + 16 * j, codes + b * 256 + 32 * j);
+        }
+    }
+}
+
+/* Block of 256 (110 bytes): hmask 32, qs 64 (2-bit codes), 12 bytes of sixteen 6-bit scales,
+ * d. Weight 128h + 32j + l: bits 2j of qs[32h + l], minus 4 where bit 4h + j of hmask[l] is
+ * clear; group 8h + 2j + l / 16. */
+void pipeserve_widen_q3_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *x = in + b * 110, *hmask = x, *qs = x + 32, *sc = x + 96;
+        const float d = half_to_float(u16(x + 108));
+        for (int s = 0; s < 16; s++) {
+            const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+            scale[b * 16 + s] = float_to_half(d * (float)((low | (high << 4)) - 32));
+        }
+        int8_t *out = codes + b * 256;
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++)
+                    out[128 * h + 32 * j + l] = (int8_t)(((qs[32 * h + l] >> (2 * j)) & 3)
+                                                         - (((hmask[l] >> (4 * h + j)) & 1) ? 0 : 4));
+    }
+}
+
+/* Block of 256 (84 bytes): 16 bytes of scales (low nibble: scale, high: minimum, a group of
+ * 16 each), qs 64 (2-bit codes as in Q3_K), d, dmin: weight = d * sc * code - dmin * m. */
+void pipeserve_widen_q2_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, uint16_t *minv,
+                          int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *x = in + b * 84, *qs = x + 16;
+        const float d = half_to_float(u16(x + 80)), dmin = half_to_float(u16(x + 82));
+        for (int g = 0; g < 16; g++) {
+            scale[b * 16 + g] = float_to_half(d * (float)(x[g] & 15));
+            minv[b * 16 + g] = float_to_half(-dmin * (float)(x[g] >> 4));
+        }
+        int8_t *out = codes + b * 256;
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = (int8_t)((qs[32 * h + l] >> (2 * j)) & 3);
+    }
+}
