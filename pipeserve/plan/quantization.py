@@ -15,6 +15,16 @@ Weight-only: the KV cache and activations keep the dtype. Three kinds of entry:
   (model/quant/packed.py ``quantize_weight``): one float16 scale (int8) or scale and
   minimum (int4) per group of ``GROUP_SIZE`` weights along the input, the runtime's
   default ``--quantization-group-size``.
+
+``bits`` is what the file holds; what a stage holds (and its kernels read) is
+``resident_bits``, the layout pipeserve keeps a type in (model/quant/gguf_repack.py):
+the legacy types as they are, Q4_K / Q5_K with a float16 scale and minimum per 32
+weights (5 and 6 bits), Q6_K with a float16 scale per 16 (7 bits), and IQ4_NL / IQ4_XS /
+Q3_K / Q2_K as 8-bit codes (gguf_widen.py: 8.5, 8.5, 9 and 10 bits). A mix's factor,
+resident over file bits of its decoder and embedding tensors, is measured on llama-quantize's
+output for a 12-layer Llama of width 2048 (``RESIDENT_FACTORS``; the head is counted
+apart, at Q6_K's 7 bits); llama-quantize picks the types by layer index, so a 70B's mix
+differs by a few percent.
 """
 
 from __future__ import annotations
@@ -26,23 +36,32 @@ from pipeserve.plan.presets import PlanInputError
 GROUP_SIZE = 32    # int8 / int4: the runtime's default --quantization-group-size (float16 scale (+ minimum))
 Q6_K_BITS = 8 * 210 / 256  # 6.5625: llama-quantize's LM head below Q8_0
 Q8_0_BITS = 8 * 34 / 32    # 8.5: its fallback where a row is not a multiple of 256
+# Bits per weight a stage holds a GGUF block type in (gguf_repack.py, gguf_widen.py).
+RESIDENT_BITS = {"q8_0": 8.5, "q6_k": 7.0, "q5_k": 6.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 5.0, "q4_0": 4.5,
+                 "q4_1": 5.0, "iq4_nl": 8.5, "iq4_xs": 8.5, "q3_k": 9.0, "q2_k": 10.0}
+# A mix's resident / file bits over its decoder and embedding tensors (see the module docstring).
+RESIDENT_FACTORS = {"q5_k_m": 1.088, "q5_k_s": 1.091, "q4_k_m": 1.104, "q4_k_s": 1.111, "q3_k_l": 1.973,
+                    "q3_k_m": 2.053, "q3_k_s": 2.618, "q2_k": 3.312}
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     name: str
-    bits: float          # bits per weight of the decoder layers and the input embedding
-    head_bits: float     # bits per weight of the LM head (output.weight)
+    bits: float          # bits per weight of the decoder layers and the input embedding, in the file
+    head_bits: float     # bits per weight of the LM head (output.weight), in the file
     note: str
     block: int = 1       # weights per quantization block along a row (a TP cut falls on one)
+    resident_bits: float | None = None        # as a stage holds them (None: as in the file)
+    resident_head_bits: float | None = None
 
     @property
     def bytes(self) -> float:
-        return self.bits / 8
+        """Bytes per weight a stage holds and its kernels read."""
+        return (self.bits if self.resident_bits is None else self.resident_bits) / 8
 
     @property
     def head_bytes(self) -> float:
-        return self.head_bits / 8
+        return (self.head_bits if self.resident_head_bits is None else self.resident_head_bits) / 8
 
     def head_bytes_for(self, hidden: int) -> float:
         """Bytes per weight of the LM head of a model with this hidden size: Q6_K's blocks
@@ -56,13 +75,17 @@ class WeightFormat:
 def _block(name: str, block_bytes: int, block_weights: int, head_bits: float | None = None) -> WeightFormat:
     bits = 8 * block_bytes / block_weights
     head = Q6_K_BITS if head_bits is None else head_bits
+    resident, resident_head = RESIDENT_BITS[name], RESIDENT_BITS["q6_k" if head_bits is None else name]
     return WeightFormat(name, bits, head, f"GGUF {name.upper()}: {block_bytes} bytes / {block_weights} "
-                                         f"weights, head at {head:g} bits", block_weights)
+                                         f"weights ({resident:g} bits held), head at {head:g} bits",
+                        block_weights, resident, resident_head)
 
 
 def _mix(name: str, bits: float) -> WeightFormat:
+    resident = round(bits * RESIDENT_FACTORS[name], 3)
     return WeightFormat(name, bits, Q6_K_BITS, f"GGUF {name.upper()} mix: {bits} bits average "
-                                               "(llama.cpp quantize README), head Q6_K", 256)
+                                               f"(llama.cpp quantize README; {resident:g} held), head Q6_K", 256,
+                        resident, RESIDENT_BITS["q6_k"])
 
 
 def _dense(name: str, bits: int) -> WeightFormat:
@@ -74,7 +97,7 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _block("q8_0", 34, 32, head_bits=8.5),
     _block("q6_k", 210, 256),
     _block("q5_0", 22, 32), _block("q5_1", 24, 32),
-    _block("q4_0", 18, 32), _block("q4_1", 20, 32),
+    _block("q4_0", 18, 32), _block("q4_1", 20, 32), _block("iq4_nl", 18, 32), _block("iq4_xs", 136, 256),
     # GGUF file-type mixes of K-quants
     _mix("q5_k_m", 5.68), _mix("q5_k_s", 5.52), _mix("q4_k_m", 4.84), _mix("q4_k_s", 4.58),
     _mix("q3_k_l", 4.27), _mix("q3_k_m", 3.91), _mix("q3_k_s", 3.50), _mix("q2_k", 3.35),
