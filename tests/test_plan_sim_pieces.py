@@ -54,13 +54,20 @@ class SharedCosts(LinearCosts):
     oversubscribed: float = 1.0
     barrier: float = 1.0
     contention: float = 0.0
+    layers: int = 1            # per stage: its parallel part is split evenly over them
+    layer_wait: float = 0.0
+
+    @property
+    def chunk_layers(self) -> list[int]:
+        return [self.layers] * self.stages
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
         return self.serial, self.parallel
 
     def cpu_sharing(self) -> CpuSharing:
         return CpuSharing((self.cores,), (0,) * self.stages, (self.threads,) * self.stages,
-                          self.efficiency, self.oversubscribed, barrier=self.barrier, contention=self.contention)
+                          self.efficiency, self.oversubscribed, barrier=self.barrier, contention=self.contention,
+                          layer_wait=self.layer_wait)
 
 
 def _at_once(lengths: list[int], prompt: int = 8) -> list[TraceRequest]:
@@ -141,6 +148,20 @@ def test_the_barrier_sets_what_oversubscribed_threads_deliver(barrier: float) ->
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
     rate = 0.5 + (1.0 - barrier) * (1.0 - 0.5)
     assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * w / rate, rel=0.02)
+
+
+@pytest.mark.parametrize("layers,wait,tpot", [(10, 0.02, 2 * (1.0 + 10 * 0.02)), (2, 0.02, 2 * (1.0 + 2 * 0.02)),
+                                               (10, 0.5, 2 * 2 * 1.0), (10, 0.0, 2 * 2 * 1.0)])
+def test_the_barriers_wait_is_bounded_per_layer(layers: int, wait: float, tpot: float) -> None:
+    # Two 2-thread stages on 2 cores, both busy, barrier 1, w = 1 of kernels a stage over L
+    # layers. At the threads' shares (2 · 1/2 core = 1 core) a layer takes w / L; waiting at
+    # its barriers for the thread left out (½ core), 2 · w / L; the wait is bounded by s a
+    # layer, so a layer takes w / L + min(s, w / L) and a token 2 · (w + L · min(s, w / L)):
+    # the same work in 10 short layers waits 5x more than in 2 long ones; a bound longer
+    # than the layers (0.5) or none (0) leaves the barrier-bound 2 · 2w.
+    costs = SharedCosts(stages=2, parallel=1.0, cores=2, threads=2, efficiency=0.8, layers=layers, layer_wait=wait)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(tpot, rel=0.02)
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 2), (2, 1)])

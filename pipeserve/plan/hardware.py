@@ -88,6 +88,12 @@ class Hardware:
     #   thread each), 0 = its threads share the cores like any others (the AVX2 VM: the same
     #   speed); fitted where the calibration holds a run with such processes.
     oversubscribed_barrier: float = 1.0
+    # - oversubscribed_layer_wait: the most (seconds) that wait adds to one layer of such a
+    #   process beyond its threads' shares, whatever the layer's length: the thread left out
+    #   gets its turn within a scheduler slice or so, so the barrier weighs on short layers
+    #   (decodes) and vanishes into long ones (prefill chunks); 0 (the default) = no bound,
+    #   the barrier's wait grows with the layer. Fitted with oversubscribed_barrier.
+    oversubscribed_layer_wait: float = 0.0
     # - memory_contention: on time-shared (CPU) hosts, a process's kernels run 1 + this
     #   slower for each other process of its node in its kernels at the same time (they share
     #   the node's memory bandwidth: on the AVX2 VM one thread reads ~17.5 GB/s alone, two
@@ -110,11 +116,11 @@ class Hardware:
         if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0 and self.engine_overhead_scale > 0
                 and 0 < self.oversubscription_efficiency <= 1
                 and 0 <= self.quantized_parallel_efficiency <= 1 and 0 <= self.oversubscribed_barrier <= 1
-                and self.memory_contention >= 0):
+                and self.memory_contention >= 0 and self.oversubscribed_layer_wait >= 0):
             raise PlanInputError(f"hardware {self.name!r}: engine_work_scale, quantized_work_scale and "
                                  "engine_overhead_scale must be > 0, oversubscription_efficiency in (0, 1] "
                                  "and quantized_parallel_efficiency and oversubscribed_barrier in [0, 1], "
-                                 "memory_contention >= 0")
+                                 "memory_contention and oversubscribed_layer_wait >= 0")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

@@ -66,19 +66,22 @@ class CpuSharing:
     ranks: tuple[int, ...] | None = None      # None: one process per worker
     barrier: float = 1.0                      # Hardware.oversubscribed_barrier
     contention: float = 0.0                   # Hardware.memory_contention
+    layer_wait: float = 0.0                   # Hardware.oversubscribed_layer_wait (0: no bound)
 
     def runnable(self, worker: int) -> int:
         """Threads worker w keeps runnable while it computes (all its ranks')."""
         return self.threads[worker] * (self.ranks[worker] if self.ranks else 1)
 
-    def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
+    def rate(self, threads: int, parallel: bool, runnable: int, node: int, layer_work: float = 0.0) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
         runnable threads on ``node``. With more runnable threads than cores, a process's
         threads are not running together: where each op's parallel region ends at a barrier
         that waits for the thread the scheduler left out (``barrier`` 1), the parallel part
         advances at one thread's share (the others' slices go to waiting); where the threads
         do not wait on each other (``barrier`` 0), at its threads' shares; between, in
-        proportion."""
+        proportion. ``layer_wait`` bounds that wait: a layer of ``layer_work`` seconds (on one
+        core) takes at most ``layer_wait`` longer than at its threads' shares, so the barrier
+        weighs on short layers (decodes) and vanishes into long ones (prefill chunks)."""
         cores = self.cores[node]
         share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
         if not parallel:
@@ -87,18 +90,24 @@ class CpuSharing:
         free = cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
         if runnable <= cores:
             return free
-        return share + (1.0 - self.barrier) * (free - share)
+        waiting = share + (1.0 - self.barrier) * (free - share)
+        if self.layer_wait > 0.0 and layer_work > 0.0:
+            return max(waiting, layer_work / (layer_work / free + self.layer_wait))
+        return waiting
 
 
 class _Job:
     """Work left on a time-shared node: serial seconds, then parallel seconds (on one core)."""
-    __slots__ = ("node", "threads", "runnable", "serial", "parallel", "done")
+    __slots__ = ("node", "threads", "runnable", "serial", "parallel", "done", "layer_work")
 
-    def __init__(self, node: int, threads: int, serial: float, parallel: float, done, runnable: int = 0) -> None:
+    def __init__(self, node: int, threads: int, serial: float, parallel: float, done, runnable: int = 0,
+                 layers: int = 1) -> None:
         """``threads``: of the process whose speed the work runs at (one rank); ``runnable``:
-        threads it keeps busy on the node (all ranks'; default ``threads``)."""
+        threads it keeps busy on the node (all ranks'; default ``threads``); ``layers``: the
+        layers its parallel part is split over (each ends at its kernels' barriers)."""
         self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
         self.runnable = runnable or threads
+        self.layer_work = parallel / max(1, layers)
 
     def processes(self) -> int:
         return max(1, self.runnable // self.threads)
@@ -123,8 +132,9 @@ class CostModel(Protocol):
     def hop_time(self, chunk: int, shape: BatchShape) -> float: ...
     # Optional: the driver's work per micro-batch (0 when a cost model leaves it out).
     # def driver_time(self, shape: BatchShape) -> float: ...
-    # Optional, time-shared cores: cpu_sharing() -> CpuSharing | None, and
-    # chunk_work(chunk, shape) -> (serial s, parallel s) on one core.
+    # Optional, time-shared cores: cpu_sharing() -> CpuSharing | None,
+    # chunk_work(chunk, shape) -> (serial s, parallel s) on one core, and chunk_layers
+    # (layers per chunk, for CpuSharing.layer_wait; absent: one per chunk).
 
 
 @dataclass(frozen=True)
@@ -245,6 +255,7 @@ class PipelineSimulator:
         self.ps_version = 0
         self.driver_queue: deque[tuple[int, float]] = deque()
         self.driver_job: _Job | None = None
+        self.chunk_layers: list[int] | None = getattr(self.costs, "chunk_layers", None)
         for rid, item in enumerate(trace):
             self._push(item.arrival, _ARRIVE, (rid, item) if self.batcher is not None else _Req(rid, item))
 
@@ -347,7 +358,7 @@ class PipelineSimulator:
                 streams[job.node] = streams.get(job.node, 0) + job.processes()
         rates = []
         for job in self.jobs:
-            rate = self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
+            rate = self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node, job.layer_work)
             if job.streaming():
                 # the node's memory bandwidth is shared by every process in its kernels
                 rate /= 1.0 + self.sharing.contention * (streams[job.node] - 1)
@@ -395,7 +406,8 @@ class PipelineSimulator:
         if self.sharing is not None:
             serial, parallel = self.costs.chunk_work(chunk, shape)
             job = _Job(self.sharing.node_of[worker], self.sharing.threads[worker], serial, parallel,
-                       lambda t: self._finish_chunk(t, worker, mb, chunk, now), self.sharing.runnable(worker))
+                       lambda t: self._finish_chunk(t, worker, mb, chunk, now), self.sharing.runnable(worker),
+                       self.chunk_layers[chunk] if self.chunk_layers else 1)
             self._ps_add(now, job)
             return
         duration = self.costs.chunk_time(chunk, shape)

@@ -175,9 +175,10 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 # -- held-out validation: fit on one set of runs, check on another ---------------------
 # The hardware fields fitted on the calibration runs, and the oversubscription grid.
 FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale",
-          "quantized_parallel_efficiency", "oversubscribed_barrier", "memory_contention")
+          "quantized_parallel_efficiency", "oversubscribed_barrier", "oversubscribed_layer_wait", "memory_contention")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 BARRIER_GRID = (1.0, 0.75, 0.5, 0.25, 0.0)     # the default first: a tie keeps it
+LAYER_WAIT_GRID = (0.0, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)   # s; 0 (no bound) first
 CONTENTION_GRID = tuple(round(0.025 * i, 3) for i in range(21))   # 0 ... 0.5
 
 
@@ -186,8 +187,9 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     the spread of log(predicted / measured) over the dense-weight runs:
     1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores), with
        ``oversubscribed_barrier`` on its grid too where a run has multi-thread processes with
-       more threads than cores; then ``memory_contention`` on its grid where the runs hold
-       one-process and several-process runs;
+       more threads than cores, then, there and where the barrier waits at all,
+       ``oversubscribed_layer_wait`` on its grid; then ``memory_contention`` on its grid
+       where the runs hold one-process and several-process runs;
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
@@ -209,6 +211,8 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     contention = len({r["engine"]["pp"] * r["engine"]["tp"] > 1 for r in dense}) == 2
     for _ in range(2):
         fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_GRID if barrier else (fitted.oversubscribed_barrier,))
+        if barrier and fitted.oversubscribed_barrier > 0:
+            fitted = _fit_grid(dense, cfg, fitted, jobs, "oversubscribed_layer_wait", LAYER_WAIT_GRID)
         if contention:
             fitted = _fit_grid(dense, cfg, fitted, jobs, "memory_contention", CONTENTION_GRID)
         fitted = _fit_overhead(dense, cfg, fitted, hw.engine_overhead_scale, jobs)
@@ -347,7 +351,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
         f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
         f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's), oversubscribed_barrier "
-        f"{fitted.oversubscribed_barrier:.2f}, memory_contention {fitted.memory_contention:.3f} "
+        f"{fitted.oversubscribed_barrier:.2f}, oversubscribed_layer_wait {fitted.oversubscribed_layer_wait * 1e3:g} ms "
+        f"(0: no bound), memory_contention {fitted.memory_contention:.3f} "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
