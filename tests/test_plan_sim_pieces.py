@@ -151,17 +151,27 @@ def test_the_barrier_sets_what_oversubscribed_threads_deliver(barrier: float) ->
 
 
 @pytest.mark.parametrize("layers,wait,tpot", [(10, 0.02, 2 * (1.0 + 10 * 0.02)), (2, 0.02, 2 * (1.0 + 2 * 0.02)),
-                                               (10, 0.5, 2 * 2 * 1.0), (10, 0.0, 2 * 2 * 1.0)])
-def test_the_barriers_wait_is_bounded_per_layer(layers: int, wait: float, tpot: float) -> None:
-    # Two 2-thread stages on 2 cores, both busy, barrier 1, w = 1 of kernels a stage over L
-    # layers. At the threads' shares (2 · 1/2 core = 1 core) a layer takes w / L; waiting at
-    # its barriers for the thread left out (½ core), 2 · w / L; the wait is bounded by s a
-    # layer, so a layer takes w / L + min(s, w / L) and a token 2 · (w + L · min(s, w / L)):
-    # the same work in 10 short layers waits 5x more than in 2 long ones; a bound longer
-    # than the layers (0.5) or none (0) leaves the barrier-bound 2 · 2w.
+                                               (10, 0.5, 2 * (1.0 + 10 * 0.5)), (10, 0.0, 2 * 2 * 1.0)])
+def test_a_fixed_wait_per_layer_weighs_on_short_layers(layers: int, wait: float, tpot: float) -> None:
+    # Two 2-thread stages on 2 cores, both busy, w = 1 of kernels a stage over L layers.
+    # At its threads' shares (2 · 1/2 core = 1 core) a layer takes w / L, then waits s at
+    # its barriers whatever its length: a token costs 2 · (w + L · s), so the same work in
+    # 10 short layers waits 5x more than in 2 long ones, and a wait longer than the layers
+    # (0.5) costs more than the proportional barrier would. Without it (0), the barrier's
+    # model (1 here): one thread's share, 1/2 core, 2 · 2w a token.
     costs = SharedCosts(stages=2, parallel=1.0, cores=2, threads=2, efficiency=0.8, layers=layers, layer_wait=wait)
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
     assert result.summary()["tpot_s"]["p50"] == pytest.approx(tpot, rel=0.02)
+
+
+def test_one_thread_processes_do_not_wait_at_barriers() -> None:
+    # Three 1-thread stages on 2 cores, all busy: no process has a second thread to wait
+    # for, so the layer wait changes nothing (s · rate / w tokens/s, rate = C / P, as in
+    # test_p_stages_on_c_cores_all_busy).
+    s, w = 4, 1.0
+    costs = SharedCosts(stages=3, parallel=w, cores=2, threads=1, layers=10, layer_wait=0.5)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=3)).run(_at_once([300] * (s * 3)))
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(s * (2 / 3) / w, rel=0.02)
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 2), (2, 1)])

@@ -88,11 +88,14 @@ class Hardware:
     #   thread each), 0 = its threads share the cores like any others (the AVX2 VM: the same
     #   speed); fitted where the calibration holds a run with such processes.
     oversubscribed_barrier: float = 1.0
-    # - oversubscribed_layer_wait: the most (seconds) that wait adds to one layer of such a
-    #   process beyond its threads' shares, whatever the layer's length: the thread left out
-    #   gets its turn within a scheduler slice or so, so the barrier weighs on short layers
-    #   (decodes) and vanishes into long ones (prefill chunks); 0 (the default) = no bound,
-    #   the barrier's wait grows with the layer. Fitted with oversubscribed_barrier.
+    # - oversubscribed_layer_wait: the other model of that wait, where set (seconds, > 0): a
+    #   fixed wait per layer, whatever its length (the thread left out gets its turn within a
+    #   scheduler slice or so), on top of the layer's kernels at its threads' shares, in place
+    #   of oversubscribed_barrier's wait in proportion to the work; it weighs on short layers
+    #   (decodes) and vanishes into long ones (prefill chunks): the AVX2 VM's 2 stages x 2
+    #   threads on 2 cores, 1.25-1.35x slower than 1 thread each at 8-row decodes, 1.1x at
+    #   20-row decodes and long prefills. 0 (the default): oversubscribed_barrier's model.
+    #   Fitted with it, where the calibration holds a run with such processes.
     oversubscribed_layer_wait: float = 0.0
     # - memory_contention: on time-shared (CPU) hosts, a process's kernels run 1 + this
     #   slower for each other process of its node in its kernels at the same time (they share

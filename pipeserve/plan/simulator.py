@@ -66,7 +66,7 @@ class CpuSharing:
     ranks: tuple[int, ...] | None = None      # None: one process per worker
     barrier: float = 1.0                      # Hardware.oversubscribed_barrier
     contention: float = 0.0                   # Hardware.memory_contention
-    layer_wait: float = 0.0                   # Hardware.oversubscribed_layer_wait (0: no bound)
+    layer_wait: float = 0.0                   # Hardware.oversubscribed_layer_wait (0: barrier's model)
 
     def runnable(self, worker: int) -> int:
         """Threads worker w keeps runnable while it computes (all its ranks')."""
@@ -75,25 +75,26 @@ class CpuSharing:
     def rate(self, threads: int, parallel: bool, runnable: int, node: int, layer_work: float = 0.0) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
         runnable threads on ``node``. With more runnable threads than cores, a process's
-        threads are not running together: where each op's parallel region ends at a barrier
-        that waits for the thread the scheduler left out (``barrier`` 1), the parallel part
-        advances at one thread's share (the others' slices go to waiting); where the threads
-        do not wait on each other (``barrier`` 0), at its threads' shares; between, in
-        proportion. ``layer_wait`` bounds that wait: a layer of ``layer_work`` seconds (on one
-        core) takes at most ``layer_wait`` longer than at its threads' shares, so the barrier
-        weighs on short layers (decodes) and vanishes into long ones (prefill chunks)."""
+        threads are not running together, and each op's parallel region ends at a barrier
+        that waits for the thread the scheduler left out. Two models of that wait: in
+        proportion to the work (``barrier`` 1: the parallel part advances at one thread's
+        share, the others' slices going to waiting; 0: at its threads' shares, no wait;
+        between, in proportion), or, where ``layer_wait`` is set, a fixed wait per layer
+        whatever its length (the thread left out gets its turn within a scheduler slice or
+        so): a layer of ``layer_work`` seconds (on one core) runs at its threads' shares and
+        then waits ``layer_wait``, which weighs on short layers (decodes) and vanishes into
+        long ones (prefill chunks)."""
         cores = self.cores[node]
         share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
         if not parallel:
             return share
         cpu = threads * share
         free = cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
-        if runnable <= cores:
+        if runnable <= cores or threads == 1:
             return free
-        waiting = share + (1.0 - self.barrier) * (free - share)
-        if self.layer_wait > 0.0 and layer_work > 0.0:
-            return max(waiting, layer_work / (layer_work / free + self.layer_wait))
-        return waiting
+        if self.layer_wait > 0.0:
+            return layer_work / (layer_work / free + self.layer_wait) if layer_work > 0.0 else free
+        return share + (1.0 - self.barrier) * (free - share)
 
 
 class _Job:

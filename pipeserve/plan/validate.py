@@ -178,7 +178,10 @@ FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_s
           "quantized_parallel_efficiency", "oversubscribed_barrier", "oversubscribed_layer_wait", "memory_contention")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 BARRIER_GRID = (1.0, 0.75, 0.5, 0.25, 0.0)     # the default first: a tie keeps it
-LAYER_WAIT_GRID = (0.0, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)   # s; 0 (no bound) first
+# The barrier's models: (oversubscribed_barrier, oversubscribed_layer_wait), the wait in
+# proportion to the work (the default first: a tie keeps it), then a fixed wait per layer.
+LAYER_WAIT_GRID = tuple(round(0.0005 * i, 4) for i in range(1, 11))   # 0.5 ... 5 ms
+BARRIER_MODELS = tuple((b, 0.0) for b in BARRIER_GRID) + tuple((1.0, s) for s in LAYER_WAIT_GRID)
 CONTENTION_GRID = tuple(round(0.025 * i, 3) for i in range(21))   # 0 ... 0.5
 
 
@@ -186,16 +189,18 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     """Fit the hardware file's run-level fields on ``runs`` (``FITTED``), each to minimise
     the spread of log(predicted / measured) over the dense-weight runs:
     1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores), with
-       ``oversubscribed_barrier`` on its grid too where a run has multi-thread processes with
-       more threads than cores, then, there and where the barrier waits at all,
-       ``oversubscribed_layer_wait`` on its grid; then ``memory_contention`` on its grid
-       where the runs hold one-process and several-process runs;
+       the barrier's model on its grid too where a run has multi-thread processes with more
+       threads than cores (``BARRIER_MODELS``: ``oversubscribed_barrier``, a wait in
+       proportion to the work, or ``oversubscribed_layer_wait``, a fixed wait per layer);
+       then ``memory_contention`` on its grid where the runs hold one-process and
+       several-process runs;
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
        small batches in them pull it and the others hardly move); 1 and 2 twice over;
     3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
-       scales a prediction by about 1 / scale), refined once (the driver does not scale);
+       scales a prediction by about 1 / scale), at the end of each round of 1-2 and once more
+       after them (the driver does not scale);
     4. ``quantized_parallel_efficiency``: where the kept-quantized runs include processes of
        one thread and of several, a grid (``_fit_quantized_efficiency``);
     5. ``quantized_work_scale``: the closed form of 3 on the kept-quantized runs alone.
@@ -204,19 +209,21 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
     if not dense:
         raise PlanInputError("the calibration runs hold no run with dense weights (--quantization none)")
-    # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale.
+    # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale,
+    # then the work scale.
     fitted = hw
     barrier = any(_threads(r, hw) > 1 and _threads(r, hw) * r["engine"]["pp"] * r["engine"]["tp"] > hw.cores
                   for r in dense)
     contention = len({r["engine"]["pp"] * r["engine"]["tp"] > 1 for r in dense}) == 2
     for _ in range(2):
-        fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_GRID if barrier else (fitted.oversubscribed_barrier,))
-        if barrier and fitted.oversubscribed_barrier > 0:
-            fitted = _fit_grid(dense, cfg, fitted, jobs, "oversubscribed_layer_wait", LAYER_WAIT_GRID)
+        fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_MODELS if barrier else (
+            (fitted.oversubscribed_barrier, fitted.oversubscribed_layer_wait),))
         if contention:
             fitted = _fit_grid(dense, cfg, fitted, jobs, "memory_contention", CONTENTION_GRID)
         fitted = _fit_overhead(dense, cfg, fitted, hw.engine_overhead_scale, jobs)
-    fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
+        # The work scale each round: the layer wait is the scheduler's seconds, not the
+        # engine's work, so the next round fits it against the scaled work.
+        fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
         if len({_threads(r, fitted) == 1 for r in quantized}) == 2:
@@ -243,15 +250,19 @@ def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) ->
     return _fit_grid(runs, cfg, hw, jobs, "quantized_parallel_efficiency", QUANTIZED_EFFICIENCY_GRID)
 
 
-def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int, barriers: tuple[float, ...]) -> Hardware:
-    """``oversubscription_efficiency`` and ``oversubscribed_barrier`` together (both set how
-    fast processes run when threads outnumber the cores): the grid pair with the smallest
-    spread, the first pair of the grids' order on a tie."""
-    pairs = [(eta, b) for eta in OVERSUBSCRIPTION_GRID for b in barriers]
+def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int,
+                          models: tuple[tuple[float, float], ...]) -> Hardware:
+    """``oversubscription_efficiency`` and the barrier's model, (``oversubscribed_barrier``,
+    ``oversubscribed_layer_wait``), together (both set how fast processes run when threads
+    outnumber the cores): the grid pair with the smallest spread, the first pair of the
+    grids' order on a tie."""
+    pairs = [(eta, model) for eta in OVERSUBSCRIPTION_GRID for model in models]
     spreads = {pair: _spread([r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(
-        hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1]), jobs)]) for pair in pairs}
-    eta, b = min(pairs, key=spreads.get)
-    return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b)
+        hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1][0],
+        oversubscribed_layer_wait=pair[1][1]), jobs)]) for pair in pairs}
+    eta, (b, wait) = min(pairs, key=spreads.get)
+    return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b,
+                               oversubscribed_layer_wait=wait)
 
 
 def _fit_grid(runs: list[dict], cfg, hw: Hardware, jobs: int, field: str, grid: tuple[float, ...]) -> Hardware:
@@ -352,7 +363,7 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
         f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's), oversubscribed_barrier "
         f"{fitted.oversubscribed_barrier:.2f}, oversubscribed_layer_wait {fitted.oversubscribed_layer_wait * 1e3:g} ms "
-        f"(0: no bound), memory_contention {fitted.memory_contention:.3f} "
+        f"(0: the barrier's model), memory_contention {fitted.memory_contention:.3f} "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
