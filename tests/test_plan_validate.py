@@ -22,7 +22,8 @@ def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, qua
     doc = {"kind": "throughput", "label": f"pp{pp} {schedule}",
            "dataset": {"name": "random", "num_requests": requests, "input_len": 64, "output_len": 16,
                        "range_ratio": 0.0, "seed": 0},
-           "runs": [{"backend": "pipeserve", "engine": engine, "output_tokens_per_s": measured}]}
+           "runs": [{"backend": "pipeserve", "engine": engine, "output_tokens_per_s": measured,
+                     "ttft_ms": {"p50": 1000.0}}]}
     path.write_text(json.dumps(doc))
 
 
@@ -61,8 +62,9 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier
     # cores deliver 0.8 and whose oversubscribed 2-thread stages wait at their barriers
     # (1) or mostly not (0.25), each layer at most 2 ms (or unbounded): the fit must find them
     # from the calibration runs (one request alone: mostly serial work; 64: mostly kernels;
-    # 2 stages x 2 threads on 2 cores, whose prefill layers are long and decode layers short),
-    # then predict the held-out runs (other PP, schedule, threads, sizes).
+    # 2 stages x 2 threads on 2 cores, whose prefill layers are long and decode layers short;
+    # their throughput and, to choose the barrier's model, their TTFT), then predict the
+    # held-out runs (other PP, schedule, threads, sizes).
     cal, cal_q, val = tmp_path / "cal", tmp_path / "cal_q", tmp_path / "val"
     for folder, runs in ((cal, [(1, "async", None, None, 1), (1, "async", None, None, 64),
                                 (2, "async", None, None, 16), (3, "async", None, None, 16),
@@ -81,6 +83,7 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier
             path = folder / row["file"]
             doc = json.loads(path.read_text())
             doc["runs"][0]["output_tokens_per_s"] = row["predicted"]
+            doc["runs"][0]["ttft_ms"]["p50"] = 1000.0 * row["ttft_ratio"]   # the predicted TTFT (1 s measured)
             path.write_text(json.dumps(doc))
     fitted_file = tmp_path / "fitted.yaml"
     assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), str(cal_q), "--heldout-runs",

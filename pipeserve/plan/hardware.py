@@ -92,10 +92,10 @@ class Hardware:
     #   fixed wait per layer, whatever its length (the thread left out gets its turn within a
     #   scheduler slice or so), on top of the layer's kernels at its threads' shares, in place
     #   of oversubscribed_barrier's wait in proportion to the work; it weighs on short layers
-    #   (decodes) and vanishes into long ones (prefill chunks): the AVX2 VM's 2 stages x 2
-    #   threads on 2 cores, 1.25-1.35x slower than 1 thread each at 8-row decodes, 1.1x at
-    #   20-row decodes and long prefills. 0 (the default): oversubscribed_barrier's model.
-    #   Fitted with it, where the calibration holds a run with such processes.
+    #   (decodes) and vanishes into long ones (prefill chunks), as on the AVX2 VM (2 stages
+    #   x 2 threads on 2 cores: a stage 1.1-1.35x slower than with 1 thread each, the most
+    #   at 8-row decodes). 0 (the default): oversubscribed_barrier's model. Fitted with it,
+    #   where the calibration holds a run with such processes.
     oversubscribed_layer_wait: float = 0.0
     # - memory_contention: on time-shared (CPU) hosts, a process's kernels run 1 + this
     #   slower for each other process of its node in its kernels at the same time (they share

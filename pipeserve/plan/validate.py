@@ -57,11 +57,13 @@ def load_runs(results: Path | list[Path]) -> list[dict]:
         key = json.dumps([run["workload"], run["engine"]], sort_keys=True)
         if key in by_key:
             by_key[key]["samples"].append(run["measured"])
+            by_key[key]["ttft_samples"] += run["ttft_samples"]
         else:
             by_key[key] = run
             out.append(run)
     for run in out:
         run["measured"] = statistics.median(run["samples"])
+        run["ttft"] = statistics.median(run["ttft_samples"]) if run["ttft_samples"] else None
     return out
 
 
@@ -93,7 +95,8 @@ def _load(path: Path) -> dict | None:
     workload = {"num_requests": data["num_requests"], "input_len": data["input_len"],
                 "output_len": data["output_len"], "range_ratio": data["range_ratio"], "seed": data["seed"]}
     return {"file": path.name, "label": doc.get("label") or path.stem, "engine": facts, "workload": workload,
-            "measured": run["output_tokens_per_s"], "samples": [run["output_tokens_per_s"]]}
+            "measured": run["output_tokens_per_s"], "samples": [run["output_tokens_per_s"]],
+            "ttft_samples": [run["ttft_ms"]["p50"] / 1e3] if (run.get("ttft_ms") or {}).get("p50") else []}
 
 
 DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
@@ -123,7 +126,7 @@ def predict_run(run: dict, cfg, hw) -> dict:
            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
            "requests": run["workload"]["num_requests"], "measured": run["measured"],
            "samples": run["samples"], "predicted": None,
-           "ratio": None, "preemptions": None, "error": None}
+           "ratio": None, "ttft_ratio": None, "preemptions": None, "error": None}
     try:
         return {**row, **_predicted(run, cfg, hw)}
     except PlanInputError as exc:
@@ -140,7 +143,9 @@ def _predicted(run: dict, cfg, hw) -> dict:
         kv_capacity_tokens=e["kv_capacity_tokens"], threads_per_rank=e["threads_per_rank"],
         quantization=e["quantization"])
     pred = predicted["output_tokens_per_s"]
-    return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"]}
+    ttft = run.get("ttft")
+    return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"],
+            "ttft_ratio": predicted["ttft_s"]["p50"] / ttft if ttft else None}
 
 
 def predict_runs(runs: list[dict], cfg, hw, jobs: int = 1) -> list[dict]:
@@ -191,9 +196,9 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores), with
        the barrier's model on its grid too where a run has multi-thread processes with more
        threads than cores (``BARRIER_MODELS``: ``oversubscribed_barrier``, a wait in
-       proportion to the work, or ``oversubscribed_layer_wait``, a fixed wait per layer);
-       then ``memory_contention`` on its grid where the runs hold one-process and
-       several-process runs;
+       proportion to the work, or ``oversubscribed_layer_wait``, a fixed wait per layer,
+       told apart by the runs' TTFT as well); then ``memory_contention`` on its grid where
+       the runs hold one-process and several-process runs;
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
@@ -255,11 +260,19 @@ def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int,
     """``oversubscription_efficiency`` and the barrier's model, (``oversubscribed_barrier``,
     ``oversubscribed_layer_wait``), together (both set how fast processes run when threads
     outnumber the cores): the grid pair with the smallest spread, the first pair of the
-    grids' order on a tie."""
+    grids' order on a tie. Where there is a model to choose, the spread of the runs' TTFT
+    (median, predicted / measured) is added: the two models disagree most on prefill, which
+    sets when the first tokens come, and one oversubscribed calibration run's throughput
+    cannot tell a proportional wait from a fixed one."""
     pairs = [(eta, model) for eta in OVERSUBSCRIPTION_GRID for model in models]
-    spreads = {pair: _spread([r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(
-        hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1][0],
-        oversubscribed_layer_wait=pair[1][1]), jobs)]) for pair in pairs}
+    spreads = {}
+    for pair in pairs:
+        table = predict_runs(runs, cfg, dataclasses.replace(
+            hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1][0],
+            oversubscribed_layer_wait=pair[1][1]), jobs)
+        spreads[pair] = _spread([r["ratio"] for r in table])
+        if len(models) > 1:
+            spreads[pair] += _spread([r["ttft_ratio"] for r in table], empty=0.0)
     eta, (b, wait) = min(pairs, key=spreads.get)
     return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b,
                                oversubscribed_layer_wait=wait)
@@ -298,11 +311,12 @@ def _linear(ratio_1: float | None, ratio_2: float | None, g: float) -> float | N
     return 1 / duration if duration > 0 else None
 
 
-def _spread(ratios: list[float | None]) -> float:
-    """Σ (log r − mean log r)² over the predicted runs: what is left once one scale is fitted."""
+def _spread(ratios: list[float | None], empty: float = math.inf) -> float:
+    """Σ (log r − mean log r)² over the predicted runs: what is left once one scale is fitted
+    (``empty`` where none is)."""
     logs = [math.log(r) for r in ratios if r]
     if not logs:
-        return math.inf
+        return empty
     mean = sum(logs) / len(logs)
     return sum((x - mean) ** 2 for x in logs)
 
