@@ -54,13 +54,20 @@ class SharedCosts(LinearCosts):
     oversubscribed: float = 1.0
     barrier: float = 1.0
     contention: float = 0.0
+    layers: int = 1            # per stage: its parallel part is split evenly over them
+    layer_wait: float = 0.0
+
+    @property
+    def chunk_layers(self) -> list[int]:
+        return [self.layers] * self.stages
 
     def chunk_work(self, chunk: int, shape: BatchShape) -> tuple[float, float]:
         return self.serial, self.parallel
 
     def cpu_sharing(self) -> CpuSharing:
         return CpuSharing((self.cores,), (0,) * self.stages, (self.threads,) * self.stages,
-                          self.efficiency, self.oversubscribed, barrier=self.barrier, contention=self.contention)
+                          self.efficiency, self.oversubscribed, barrier=self.barrier, contention=self.contention,
+                          layer_wait=self.layer_wait)
 
 
 def _at_once(lengths: list[int], prompt: int = 8) -> list[TraceRequest]:
@@ -141,6 +148,30 @@ def test_the_barrier_sets_what_oversubscribed_threads_deliver(barrier: float) ->
     result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
     rate = 0.5 + (1.0 - barrier) * (1.0 - 0.5)
     assert result.summary()["tpot_s"]["p50"] == pytest.approx(2 * w / rate, rel=0.02)
+
+
+@pytest.mark.parametrize("layers,wait,tpot", [(10, 0.02, 2 * (1.0 + 10 * 0.02)), (2, 0.02, 2 * (1.0 + 2 * 0.02)),
+                                               (10, 0.5, 2 * (1.0 + 10 * 0.5)), (10, 0.0, 2 * 2 * 1.0)])
+def test_a_fixed_wait_per_layer_weighs_on_short_layers(layers: int, wait: float, tpot: float) -> None:
+    # Two 2-thread stages on 2 cores, both busy, w = 1 of kernels a stage over L layers.
+    # At its threads' shares (2 · 1/2 core = 1 core) a layer takes w / L, then waits s at
+    # its barriers whatever its length: a token costs 2 · (w + L · s), so the same work in
+    # 10 short layers waits 5x more than in 2 long ones, and a wait longer than the layers
+    # (0.5) costs more than the proportional barrier would. Without it (0), the barrier's
+    # model (1 here): one thread's share, 1/2 core, 2 · 2w a token.
+    costs = SharedCosts(stages=2, parallel=1.0, cores=2, threads=2, efficiency=0.8, layers=layers, layer_wait=wait)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=2)).run(_at_once([200] * 2))
+    assert result.summary()["tpot_s"]["p50"] == pytest.approx(tpot, rel=0.02)
+
+
+def test_one_thread_processes_do_not_wait_at_barriers() -> None:
+    # Three 1-thread stages on 2 cores, all busy: no process has a second thread to wait
+    # for, so the layer wait changes nothing (s · rate / w tokens/s, rate = C / P, as in
+    # test_p_stages_on_c_cores_all_busy).
+    s, w = 4, 1.0
+    costs = SharedCosts(stages=3, parallel=w, cores=2, threads=1, layers=10, layer_wait=0.5)
+    result = PipelineSimulator(costs, SimConfig("async", micro_batches=3)).run(_at_once([300] * (s * 3)))
+    assert result.summary()["output_tokens_per_s"] == pytest.approx(s * (2 / 3) / w, rel=0.02)
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(1, 1), (2, 2), (2, 1)])

@@ -22,7 +22,8 @@ def _bench_json(path, pp: int, schedule: str, measured: float, threads=None, qua
     doc = {"kind": "throughput", "label": f"pp{pp} {schedule}",
            "dataset": {"name": "random", "num_requests": requests, "input_len": 64, "output_len": 16,
                        "range_ratio": 0.0, "seed": 0},
-           "runs": [{"backend": "pipeserve", "engine": engine, "output_tokens_per_s": measured}]}
+           "runs": [{"backend": "pipeserve", "engine": engine, "output_tokens_per_s": measured,
+                     "ttft_ms": {"p50": 1000.0}}]}
     path.write_text(json.dumps(doc))
 
 
@@ -54,14 +55,16 @@ def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
     assert tight < 0.5 * roomy
 
 
-@pytest.mark.parametrize("barrier", [1.0, 0.25])
-def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier):
+@pytest.mark.parametrize("barrier,layer_wait", [(1.0, 0.0), (0.25, 0.0), (1.0, 0.002)])
+def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier, layer_wait):
     # "Measured" = the planner's own prediction on hardware whose stages work 1.25x (1.3x
     # more with kept-quantized weights), whose serial work is 1.5x, whose oversubscribed
     # cores deliver 0.8 and whose oversubscribed 2-thread stages wait at their barriers
-    # (1) or mostly not (0.25): the fit must find them from the calibration runs (one request
-    # alone: mostly serial work; 64: mostly kernels; 2 stages x 2 threads on 2 cores), then
-    # predict the held-out runs (other PP, schedule, threads, sizes).
+    # (1) or mostly not (0.25), each layer at most 2 ms (or unbounded): the fit must find them
+    # from the calibration runs (one request alone: mostly serial work; 64: mostly kernels;
+    # 2 stages x 2 threads on 2 cores, whose prefill layers are long and decode layers short;
+    # their throughput and, to choose the barrier's model, their TTFT), then predict the
+    # held-out runs (other PP, schedule, threads, sizes).
     cal, cal_q, val = tmp_path / "cal", tmp_path / "cal_q", tmp_path / "val"
     for folder, runs in ((cal, [(1, "async", None, None, 1), (1, "async", None, None, 64),
                                 (2, "async", None, None, 16), (3, "async", None, None, 16),
@@ -73,12 +76,14 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier
             _bench_json(folder / f"pp{pp}{schedule}{threads}{quant}{n}.json", pp, schedule, 1.0, threads, quant, n)
     _, cfg = load_model("SmolLM2-135M")
     truth = dataclasses.replace(load_hardware("cpu-local"), engine_work_scale=1.25, oversubscription_efficiency=0.8,
-                                quantized_work_scale=1.3, engine_overhead_scale=1.5, oversubscribed_barrier=barrier)
+                                quantized_work_scale=1.3, engine_overhead_scale=1.5, oversubscribed_barrier=barrier,
+                                oversubscribed_layer_wait=layer_wait)
     for folder in (cal, cal_q, val):
         for row in predict_runs(load_runs(folder), cfg, truth):
             path = folder / row["file"]
             doc = json.loads(path.read_text())
             doc["runs"][0]["output_tokens_per_s"] = row["predicted"]
+            doc["runs"][0]["ttft_ms"]["p50"] = 1000.0 * row["ttft_ratio"]   # the predicted TTFT (1 s measured)
             path.write_text(json.dumps(doc))
     fitted_file = tmp_path / "fitted.yaml"
     assert main(["--heldout", "--hardware", "cpu-local", "--calibration-runs", str(cal), str(cal_q), "--heldout-runs",
@@ -87,6 +92,7 @@ def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier
     fitted = load_hardware(str(fitted_file))
     assert fitted.oversubscription_efficiency == pytest.approx(0.8)
     assert fitted.oversubscribed_barrier == barrier
+    assert fitted.oversubscribed_layer_wait == layer_wait
     assert fitted.engine_overhead_scale == pytest.approx(1.5, abs=0.1)
     assert fitted.engine_work_scale == pytest.approx(1.25, rel=0.03)
     assert fitted.quantized_work_scale == pytest.approx(1.3, rel=0.03)

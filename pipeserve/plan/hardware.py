@@ -88,6 +88,15 @@ class Hardware:
     #   thread each), 0 = its threads share the cores like any others (the AVX2 VM: the same
     #   speed); fitted where the calibration holds a run with such processes.
     oversubscribed_barrier: float = 1.0
+    # - oversubscribed_layer_wait: the other model of that wait, where set (seconds, > 0): a
+    #   fixed wait per layer, whatever its length (the thread left out gets its turn within a
+    #   scheduler slice or so), on top of the layer's kernels at its threads' shares, in place
+    #   of oversubscribed_barrier's wait in proportion to the work; it weighs on short layers
+    #   (decodes) and vanishes into long ones (prefill chunks), as on the AVX2 VM (2 stages
+    #   x 2 threads on 2 cores: a stage 1.1-1.35x slower than with 1 thread each, the most
+    #   at 8-row decodes). 0 (the default): oversubscribed_barrier's model. Fitted with it,
+    #   where the calibration holds a run with such processes.
+    oversubscribed_layer_wait: float = 0.0
     # - memory_contention: on time-shared (CPU) hosts, a process's kernels run 1 + this
     #   slower for each other process of its node in its kernels at the same time (they share
     #   the node's memory bandwidth: on the AVX2 VM one thread reads ~17.5 GB/s alone, two
@@ -110,11 +119,11 @@ class Hardware:
         if not (self.engine_work_scale > 0 and self.quantized_work_scale > 0 and self.engine_overhead_scale > 0
                 and 0 < self.oversubscription_efficiency <= 1
                 and 0 <= self.quantized_parallel_efficiency <= 1 and 0 <= self.oversubscribed_barrier <= 1
-                and self.memory_contention >= 0):
+                and self.memory_contention >= 0 and self.oversubscribed_layer_wait >= 0):
             raise PlanInputError(f"hardware {self.name!r}: engine_work_scale, quantized_work_scale and "
                                  "engine_overhead_scale must be > 0, oversubscription_efficiency in (0, 1] "
                                  "and quantized_parallel_efficiency and oversubscribed_barrier in [0, 1], "
-                                 "memory_contention >= 0")
+                                 "memory_contention and oversubscribed_layer_wait >= 0")
         if self.dtype not in DTYPE_BYTES:
             raise PlanInputError(f"hardware {self.name!r}: dtype must be one of {', '.join(DTYPE_BYTES)}")
 

@@ -66,39 +66,49 @@ class CpuSharing:
     ranks: tuple[int, ...] | None = None      # None: one process per worker
     barrier: float = 1.0                      # Hardware.oversubscribed_barrier
     contention: float = 0.0                   # Hardware.memory_contention
+    layer_wait: float = 0.0                   # Hardware.oversubscribed_layer_wait (0: barrier's model)
 
     def runnable(self, worker: int) -> int:
         """Threads worker w keeps runnable while it computes (all its ranks')."""
         return self.threads[worker] * (self.ranks[worker] if self.ranks else 1)
 
-    def rate(self, threads: int, parallel: bool, runnable: int, node: int) -> float:
+    def rate(self, threads: int, parallel: bool, runnable: int, node: int, layer_work: float = 0.0) -> float:
         """Speed (cores' worth) of a job with ``threads`` threads among ``runnable``
         runnable threads on ``node``. With more runnable threads than cores, a process's
-        threads are not running together: where each op's parallel region ends at a barrier
-        that waits for the thread the scheduler left out (``barrier`` 1), the parallel part
-        advances at one thread's share (the others' slices go to waiting); where the threads
-        do not wait on each other (``barrier`` 0), at its threads' shares; between, in
-        proportion."""
+        threads are not running together, and each op's parallel region ends at a barrier
+        that waits for the thread the scheduler left out. Two models of that wait: in
+        proportion to the work (``barrier`` 1: the parallel part advances at one thread's
+        share, the others' slices going to waiting; 0: at its threads' shares, no wait;
+        between, in proportion), or, where ``layer_wait`` is set, a fixed wait per layer
+        whatever its length (the thread left out gets its turn within a scheduler slice or
+        so): a layer of ``layer_work`` seconds (on one core) runs at its threads' shares and
+        then waits ``layer_wait``, which weighs on short layers (decodes) and vanishes into
+        long ones (prefill chunks)."""
         cores = self.cores[node]
         share = 1.0 if runnable <= cores else cores * self.oversubscribed / runnable
         if not parallel:
             return share
         cpu = threads * share
         free = cpu if cpu <= 1.0 else 1.0 + (cpu - 1.0) * self.efficiency
-        if runnable <= cores:
+        if runnable <= cores or threads == 1:
             return free
+        if self.layer_wait > 0.0:
+            return layer_work / (layer_work / free + self.layer_wait) if layer_work > 0.0 else free
         return share + (1.0 - self.barrier) * (free - share)
 
 
 class _Job:
     """Work left on a time-shared node: serial seconds, then parallel seconds (on one core)."""
-    __slots__ = ("node", "threads", "runnable", "serial", "parallel", "done")
+    __slots__ = ("node", "threads", "runnable", "serial", "parallel", "done", "layer_work")
 
-    def __init__(self, node: int, threads: int, serial: float, parallel: float, done, runnable: int = 0) -> None:
+    def __init__(self, node: int, threads: int, serial: float, parallel: float, done, runnable: int = 0,
+                 layers: int = 1) -> None:
         """``threads``: of the process whose speed the work runs at (one rank); ``runnable``:
-        threads it keeps busy on the node (all ranks'; default ``threads``)."""
+        threads it keeps busy on the node (all ranks'; default ``threads``); ``layers``: the
+        layers its parallel part is split over (each ends at its kernels' barriers)."""
         self.node, self.threads, self.serial, self.parallel, self.done = node, threads, serial, parallel, done
         self.runnable = runnable or threads
+        self.layer_work = parallel / max(1, layers)
 
     def processes(self) -> int:
         return max(1, self.runnable // self.threads)
@@ -123,8 +133,9 @@ class CostModel(Protocol):
     def hop_time(self, chunk: int, shape: BatchShape) -> float: ...
     # Optional: the driver's work per micro-batch (0 when a cost model leaves it out).
     # def driver_time(self, shape: BatchShape) -> float: ...
-    # Optional, time-shared cores: cpu_sharing() -> CpuSharing | None, and
-    # chunk_work(chunk, shape) -> (serial s, parallel s) on one core.
+    # Optional, time-shared cores: cpu_sharing() -> CpuSharing | None,
+    # chunk_work(chunk, shape) -> (serial s, parallel s) on one core, and chunk_layers
+    # (layers per chunk, for CpuSharing.layer_wait; absent: one per chunk).
 
 
 @dataclass(frozen=True)
@@ -245,6 +256,7 @@ class PipelineSimulator:
         self.ps_version = 0
         self.driver_queue: deque[tuple[int, float]] = deque()
         self.driver_job: _Job | None = None
+        self.chunk_layers: list[int] | None = getattr(self.costs, "chunk_layers", None)
         for rid, item in enumerate(trace):
             self._push(item.arrival, _ARRIVE, (rid, item) if self.batcher is not None else _Req(rid, item))
 
@@ -347,7 +359,7 @@ class PipelineSimulator:
                 streams[job.node] = streams.get(job.node, 0) + job.processes()
         rates = []
         for job in self.jobs:
-            rate = self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node)
+            rate = self.sharing.rate(job.threads, job.serial <= 0.0, runnable[job.node], job.node, job.layer_work)
             if job.streaming():
                 # the node's memory bandwidth is shared by every process in its kernels
                 rate /= 1.0 + self.sharing.contention * (streams[job.node] - 1)
@@ -395,7 +407,8 @@ class PipelineSimulator:
         if self.sharing is not None:
             serial, parallel = self.costs.chunk_work(chunk, shape)
             job = _Job(self.sharing.node_of[worker], self.sharing.threads[worker], serial, parallel,
-                       lambda t: self._finish_chunk(t, worker, mb, chunk, now), self.sharing.runnable(worker))
+                       lambda t: self._finish_chunk(t, worker, mb, chunk, now), self.sharing.runnable(worker),
+                       self.chunk_layers[chunk] if self.chunk_layers else 1)
             self._ps_add(now, job)
             return
         duration = self.costs.chunk_time(chunk, shape)

@@ -177,7 +177,8 @@ class PipelineCosts:
         return CpuSharing(cores=(float(self.hw.cores),) * (max(nodes) + 1), node_of=tuple(nodes),
                           threads=tuple(threads), efficiency=self.parallel_efficiency,
                           oversubscribed=self.hw.oversubscription_efficiency, ranks=(self.tp,) * len(nodes),
-                          barrier=self.hw.oversubscribed_barrier, contention=self.hw.memory_contention)
+                          barrier=self.hw.oversubscribed_barrier, contention=self.hw.memory_contention,
+                          layer_wait=self.hw.oversubscribed_layer_wait)
 
     @property
     def parallel_efficiency(self) -> float:

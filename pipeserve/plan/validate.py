@@ -57,11 +57,13 @@ def load_runs(results: Path | list[Path]) -> list[dict]:
         key = json.dumps([run["workload"], run["engine"]], sort_keys=True)
         if key in by_key:
             by_key[key]["samples"].append(run["measured"])
+            by_key[key]["ttft_samples"] += run["ttft_samples"]
         else:
             by_key[key] = run
             out.append(run)
     for run in out:
         run["measured"] = statistics.median(run["samples"])
+        run["ttft"] = statistics.median(run["ttft_samples"]) if run["ttft_samples"] else None
     return out
 
 
@@ -93,7 +95,8 @@ def _load(path: Path) -> dict | None:
     workload = {"num_requests": data["num_requests"], "input_len": data["input_len"],
                 "output_len": data["output_len"], "range_ratio": data["range_ratio"], "seed": data["seed"]}
     return {"file": path.name, "label": doc.get("label") or path.stem, "engine": facts, "workload": workload,
-            "measured": run["output_tokens_per_s"], "samples": [run["output_tokens_per_s"]]}
+            "measured": run["output_tokens_per_s"], "samples": [run["output_tokens_per_s"]],
+            "ttft_samples": [run["ttft_ms"]["p50"] / 1e3] if (run.get("ttft_ms") or {}).get("p50") else []}
 
 
 DEFAULT_HARDWARE = "benchmarks/results/cpu-local.yaml"
@@ -123,7 +126,7 @@ def predict_run(run: dict, cfg, hw) -> dict:
            "partition": e["partition"], "threads": e["threads_per_rank"], "quantization": e["quantization"],
            "requests": run["workload"]["num_requests"], "measured": run["measured"],
            "samples": run["samples"], "predicted": None,
-           "ratio": None, "preemptions": None, "error": None}
+           "ratio": None, "ttft_ratio": None, "preemptions": None, "error": None}
     try:
         return {**row, **_predicted(run, cfg, hw)}
     except PlanInputError as exc:
@@ -140,7 +143,9 @@ def _predicted(run: dict, cfg, hw) -> dict:
         kv_capacity_tokens=e["kv_capacity_tokens"], threads_per_rank=e["threads_per_rank"],
         quantization=e["quantization"])
     pred = predicted["output_tokens_per_s"]
-    return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"]}
+    ttft = run.get("ttft")
+    return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"],
+            "ttft_ratio": predicted["ttft_s"]["p50"] / ttft if ttft else None}
 
 
 def predict_runs(runs: list[dict], cfg, hw, jobs: int = 1) -> list[dict]:
@@ -175,9 +180,13 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
 # -- held-out validation: fit on one set of runs, check on another ---------------------
 # The hardware fields fitted on the calibration runs, and the oversubscription grid.
 FITTED = ("oversubscription_efficiency", "engine_overhead_scale", "engine_work_scale", "quantized_work_scale",
-          "quantized_parallel_efficiency", "oversubscribed_barrier", "memory_contention")
+          "quantized_parallel_efficiency", "oversubscribed_barrier", "oversubscribed_layer_wait", "memory_contention")
 OVERSUBSCRIPTION_GRID = (1.0, 0.9, 0.8, 0.7, 0.6)
 BARRIER_GRID = (1.0, 0.75, 0.5, 0.25, 0.0)     # the default first: a tie keeps it
+# The barrier's models: (oversubscribed_barrier, oversubscribed_layer_wait), the wait in
+# proportion to the work (the default first: a tie keeps it), then a fixed wait per layer.
+LAYER_WAIT_GRID = tuple(round(0.0005 * i, 4) for i in range(1, 11))   # 0.5 ... 5 ms
+BARRIER_MODELS = tuple((b, 0.0) for b in BARRIER_GRID) + tuple((1.0, s) for s in LAYER_WAIT_GRID)
 CONTENTION_GRID = tuple(round(0.025 * i, 3) for i in range(21))   # 0 ... 0.5
 
 
@@ -185,15 +194,18 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     """Fit the hardware file's run-level fields on ``runs`` (``FITTED``), each to minimise
     the spread of log(predicted / measured) over the dense-weight runs:
     1. ``oversubscription_efficiency``: a grid (it matters only where threads > cores), with
-       ``oversubscribed_barrier`` on its grid too where a run has multi-thread processes with
-       more threads than cores; then ``memory_contention`` on its grid where the runs hold
-       one-process and several-process runs;
+       the barrier's model on its grid too where a run has multi-thread processes with more
+       threads than cores (``BARRIER_MODELS``: ``oversubscribed_barrier``, a wait in
+       proportion to the work, or ``oversubscribed_layer_wait``, a fixed wait per layer,
+       told apart by the runs' TTFT as well); then ``memory_contention`` on its grid where
+       the runs hold one-process and several-process runs;
     2. ``engine_overhead_scale``: the runs are simulated at 1 and 2, each run's duration
        taken as linear in it between and beyond, the best of a fine grid kept (a small
        batch's step is mostly serial work, a large one's mostly kernels, so runs with
        small batches in them pull it and the others hardly move); 1 and 2 twice over;
     3. ``engine_work_scale``: closed form, the geometric mean of the ratios (a stage's work
-       scales a prediction by about 1 / scale), refined once (the driver does not scale);
+       scales a prediction by about 1 / scale), at the end of each round of 1-2 and once more
+       after them (the driver does not scale);
     4. ``quantized_parallel_efficiency``: where the kept-quantized runs include processes of
        one thread and of several, a grid (``_fit_quantized_efficiency``);
     5. ``quantized_work_scale``: the closed form of 3 on the kept-quantized runs alone.
@@ -202,17 +214,21 @@ def fit(runs: list[dict], cfg, hw, jobs: int = 1) -> tuple[Hardware, list[dict]]
     quantized = [r for r in runs if r["engine"]["quantization"] is not None]
     if not dense:
         raise PlanInputError("the calibration runs hold no run with dense weights (--quantization none)")
-    # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale.
+    # Coordinate descent, two rounds: the oversubscription grid, then the overhead scale,
+    # then the work scale.
     fitted = hw
     barrier = any(_threads(r, hw) > 1 and _threads(r, hw) * r["engine"]["pp"] * r["engine"]["tp"] > hw.cores
                   for r in dense)
     contention = len({r["engine"]["pp"] * r["engine"]["tp"] > 1 for r in dense}) == 2
     for _ in range(2):
-        fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_GRID if barrier else (fitted.oversubscribed_barrier,))
+        fitted = _fit_oversubscription(dense, cfg, fitted, jobs, BARRIER_MODELS if barrier else (
+            (fitted.oversubscribed_barrier, fitted.oversubscribed_layer_wait),))
         if contention:
             fitted = _fit_grid(dense, cfg, fitted, jobs, "memory_contention", CONTENTION_GRID)
         fitted = _fit_overhead(dense, cfg, fitted, hw.engine_overhead_scale, jobs)
-    fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
+        # The work scale each round: the layer wait is the scheduler's seconds, not the
+        # engine's work, so the next round fits it against the scaled work.
+        fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     fitted = _rescale(fitted, "engine_work_scale", predict_runs(dense, cfg, fitted, jobs))
     if quantized:
         if len({_threads(r, fitted) == 1 for r in quantized}) == 2:
@@ -239,15 +255,27 @@ def _fit_quantized_efficiency(runs: list[dict], cfg, hw: Hardware, jobs: int) ->
     return _fit_grid(runs, cfg, hw, jobs, "quantized_parallel_efficiency", QUANTIZED_EFFICIENCY_GRID)
 
 
-def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int, barriers: tuple[float, ...]) -> Hardware:
-    """``oversubscription_efficiency`` and ``oversubscribed_barrier`` together (both set how
-    fast processes run when threads outnumber the cores): the grid pair with the smallest
-    spread, the first pair of the grids' order on a tie."""
-    pairs = [(eta, b) for eta in OVERSUBSCRIPTION_GRID for b in barriers]
-    spreads = {pair: _spread([r["ratio"] for r in predict_runs(runs, cfg, dataclasses.replace(
-        hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1]), jobs)]) for pair in pairs}
-    eta, b = min(pairs, key=spreads.get)
-    return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b)
+def _fit_oversubscription(runs: list[dict], cfg, hw: Hardware, jobs: int,
+                          models: tuple[tuple[float, float], ...]) -> Hardware:
+    """``oversubscription_efficiency`` and the barrier's model, (``oversubscribed_barrier``,
+    ``oversubscribed_layer_wait``), together (both set how fast processes run when threads
+    outnumber the cores): the grid pair with the smallest spread, the first pair of the
+    grids' order on a tie. Where there is a model to choose, the spread of the runs' TTFT
+    (median, predicted / measured) is added: the two models disagree most on prefill, which
+    sets when the first tokens come, and one oversubscribed calibration run's throughput
+    cannot tell a proportional wait from a fixed one."""
+    pairs = [(eta, model) for eta in OVERSUBSCRIPTION_GRID for model in models]
+    spreads = {}
+    for pair in pairs:
+        table = predict_runs(runs, cfg, dataclasses.replace(
+            hw, oversubscription_efficiency=pair[0], oversubscribed_barrier=pair[1][0],
+            oversubscribed_layer_wait=pair[1][1]), jobs)
+        spreads[pair] = _spread([r["ratio"] for r in table])
+        if len(models) > 1:
+            spreads[pair] += _spread([r["ttft_ratio"] for r in table], empty=0.0)
+    eta, (b, wait) = min(pairs, key=spreads.get)
+    return dataclasses.replace(hw, oversubscription_efficiency=eta, oversubscribed_barrier=b,
+                               oversubscribed_layer_wait=wait)
 
 
 def _fit_grid(runs: list[dict], cfg, hw: Hardware, jobs: int, field: str, grid: tuple[float, ...]) -> Hardware:
@@ -283,11 +311,12 @@ def _linear(ratio_1: float | None, ratio_2: float | None, g: float) -> float | N
     return 1 / duration if duration > 0 else None
 
 
-def _spread(ratios: list[float | None]) -> float:
-    """Σ (log r − mean log r)² over the predicted runs: what is left once one scale is fitted."""
+def _spread(ratios: list[float | None], empty: float = math.inf) -> float:
+    """Σ (log r − mean log r)² over the predicted runs: what is left once one scale is fitted
+    (``empty`` where none is)."""
     logs = [math.log(r) for r in ratios if r]
     if not logs:
-        return math.inf
+        return empty
     mean = sum(logs) / len(logs)
     return sum((x - mean) ** 2 for x in logs)
 
@@ -347,7 +376,8 @@ def heldout(calibration: list[Path], validation: Path, hardware: str, model: str
         f"{fitted.oversubscription_efficiency:.2f}, engine_overhead_scale {fitted.engine_overhead_scale:.2f}, "
         f"quantized_work_scale {fitted.quantized_work_scale:.3f}, quantized_parallel_efficiency "
         f"{fitted.quantized_parallel_efficiency:.2f} (0: the dense layer's), oversubscribed_barrier "
-        f"{fitted.oversubscribed_barrier:.2f}, memory_contention {fitted.memory_contention:.3f} "
+        f"{fitted.oversubscribed_barrier:.2f}, oversubscribed_layer_wait {fitted.oversubscribed_layer_wait * 1e3:g} ms "
+        f"(0: the barrier's model), memory_contention {fitted.memory_contention:.3f} "
         f"(written to {fitted_out} with the error band).",
         "", "Calibration runs (fitted):", "", markdown(cal_table),
         "", f"Held-out runs ({validation}):", "", markdown(val_table), "",
