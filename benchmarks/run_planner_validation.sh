@@ -7,7 +7,7 @@
 #      memory bandwidth) and PP = 2 and 3 at a few dozen requests, kept-quantized
 #      weights at PP = 1 with 2 threads and at PP = 2 with 1 thread per stage, which tells
 #      their kernels' threading from their cost, and 2 stages x 2 threads, which tells how
-#      threads beyond the cores wait at their kernels' barriers), nine held-out runs ->
+#      threads beyond the cores wait at their kernels' barriers), ten held-out runs ->
 #      benchmarks/results/heldout/ ($CAL_DIR / $OUT_DIR);
 #   3. `python -m pipeserve.plan.validate --heldout`: fit on the calibration runs, predict the
 #      held-out ones, write benchmarks/results/cpu-local-fitted.yaml, the tables in
@@ -54,6 +54,7 @@ RUNS=(
   "val|pp2_n48_ref|-pp 2 --num-prompts 48 --input-len 320 --output-len 160 --range-ratio 0.6"
   "val|pp2_n256_short|-pp 2 --num-prompts 256 --input-len 64 --output-len 24 --range-ratio 0.5"
   "val|pp2_t2_n48_mix|-pp 2 --threads-per-stage 2 --num-prompts 48 --input-len 192 --output-len 96 --range-ratio 0.3"
+  "val|pp2_t2_n64_256x64|-pp 2 --threads-per-stage 2 --num-prompts 64 --input-len 256 --output-len 64 --range-ratio 0.5"
   "val|pp2_gpipe_n48|-pp 2 --pp-schedule gpipe --num-prompts 48 --input-len 128 --output-len 64"
   "val|pp3_n48_mix|-pp 3 --num-prompts 48 --input-len 256 --output-len 96 --range-ratio 0.5"
   "val|tp2_n48_128x64|-tp 2 --num-prompts 48 --input-len 128 --output-len 64 --range-ratio 0.5"
