@@ -88,6 +88,24 @@ def _compare(fused, python, exact: bool) -> float:
     return worst
 
 
+def _fused_equals_python(make_runner, dtype, threads: int, steps: int) -> ModelRunner:
+    """The runner ``make_runner`` builds at ``threads`` threads decodes 13 float32 sequences
+    (the gemv in two passes) or 4 bfloat16 ones ``steps`` steps through the fused stage and
+    through the Python layers: bit for bit at one thread, else up to the merge order."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = make_runner()
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
+        fused = _decode_logits([runner], prompts, steps)
+        assert runner.model.fused_decode
+        runner.model.fused_decode = False
+        _compare(fused, _decode_logits([runner], prompts, steps), exact=threads == 1)
+        return runner
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     """The built-in GGUF (kept Q4_1) as one stage and as two: loaded once for the module."""
@@ -130,17 +148,7 @@ def test_tiny_families_fused_equals_python_layers(kind, mode, window, dtype, thr
     cfg = source.load_config()
     if window is not None:
         cfg = dataclasses.replace(cfg, sliding_window=window)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        runner = _runner(source, cfg, quantization=mode, dtype=dtype)
-        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
-        fused = _decode_logits([runner], prompts, 10)
-        assert runner.model.fused_decode
-        runner.model.fused_decode = False
-        _compare(fused, _decode_logits([runner], prompts, 10), exact=threads == 1)
-    finally:
-        torch.set_num_threads(previous)
+    _fused_equals_python(lambda: _runner(source, cfg, quantization=mode, dtype=dtype), dtype, threads, 10)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,17 +160,7 @@ def test_qwen3_q_k_norms_fused_equal_python_layers(dtype, threads, tmp_path):
     source = resolve_model(str(build_family("qwen3", tmp_path)))
     cfg = source.load_config()
     assert cfg.qk_norm
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        runner = _runner(source, cfg, quantization="int8", dtype=dtype)
-        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
-        fused = _decode_logits([runner], prompts, 8)
-        assert runner.model.fused_decode
-        runner.model.fused_decode = False
-        _compare(fused, _decode_logits([runner], prompts, 8), exact=threads == 1)
-    finally:
-        torch.set_num_threads(previous)
+    _fused_equals_python(lambda: _runner(source, cfg, quantization="int8", dtype=dtype), dtype, threads, 8)
 
 
 @pytest.mark.parametrize("kind, dtype", [("llama_tied_gqa", torch.float32), ("qwen2_bias", torch.float32),
@@ -178,20 +176,9 @@ def test_layers_of_mixed_gguf_types_fused_equal_python_layers(kind, dtype, threa
                             qtypes={"attn_k": "Q4_1", "attn_v": "Q4_0", "ffn_up": "Q4_1"})
     source = resolve_model(str(gguf))
     cfg = source.load_config()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        runner = _runner(source, cfg, dtype=dtype)
-        layer = runner.model.layers[0]
-        assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["Q8_0", "Q4_1", "Q4_0"]
-        assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["Q8_0", "Q4_1"]
-        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
-        fused = _decode_logits([runner], prompts, 6)
-        assert runner.model.fused_decode
-        runner.model.fused_decode = False
-        _compare(fused, _decode_logits([runner], prompts, 6), exact=threads == 1)
-    finally:
-        torch.set_num_threads(previous)
+    layer = _fused_equals_python(lambda: _runner(source, cfg, dtype=dtype), dtype, threads, 6).model.layers[0]
+    assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["Q8_0", "Q4_1", "Q4_0"]
+    assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["Q8_0", "Q4_1"]
 
 
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
