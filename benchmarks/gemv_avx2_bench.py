@@ -125,11 +125,11 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
     return w.map(lambda t: t[:, :t.shape[1] * k // wide].contiguous()) if wide != k else w
 
 
-def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
+def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None:
     print(f"hot per GGUF type (in L2, one thread, one row of x), cycles per 32 weights at {ghz:.3f} GHz, "
           "GB/s of codes + scales read:")
     rng = np.random.default_rng(0)
-    for ttype in KINDS:
+    for ttype in types:
         for n, k in KIND_SHAPES:
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--ghz", type=float, default=None, help="clock for cycles (default: /proc/cpuinfo)")
     parser.add_argument("--skip-chain", action="store_true")
     parser.add_argument("--kinds", action="store_true", help="the hot measure per GGUF type, long rows too")
+    parser.add_argument("--types", default=",".join(t.name for t in KINDS), help="--kinds: which GGUF types")
     args = parser.parse_args()
     libs = {"tree": load_kernel("quant_matmul")}
     if args.compare:
@@ -182,7 +183,7 @@ def main() -> None:
     print(f"isa={kernels['tree'].isa}")
     torch.set_num_threads(1)
     if args.kinds:
-        hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds)
+        hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds, tuple(T[name] for name in args.types.split(",")))
         return
     hot(libs, args.ghz or _tsc_ghz(), args.rounds)
     if not args.skip_chain:
