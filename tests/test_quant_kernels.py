@@ -9,7 +9,8 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-every layout and move it by at most d' / 2: see ``_int8_activation_bound``.
+q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6 ones
+(max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,28 @@
 /* Decode gemv with integer activations for AVX2 + FMA + F16C CPUs (no AVX-512), included
  * by quant_matmul.c where its AVX-512 paths do not compile.
  *
- * Each row of x is quantized once per call to int16 per block of 32, x ~ d * q with
- * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by
- * at most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
- * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16 and
- * meet x in vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four
- * vpmaddwd against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22).
- * Groups of 16 (Q6_K; q8 in groups of 16 too) take a block at a time in "even/odd" order
- * (block_codes_eo): one vector holds the codes of weights 2w | 16 + 2w, the other of
- * 2w + 1 | 17 + 2w (w < 8, the two 128-bit lanes), the order in which nibble words and q8's
- * int16 words hold them, so neither needs a lane-crossing widen; they meet a copy of x in
- * that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| < 2^24 for
- * |code| <= 128: exact in float32), the low lane from group 2b and the high lane from group
- * 2b + 1, scaled in one conversion and one FMA. q6 adds its high bits in the same registers.
- * Groups of 32 (q5, q8) take a block at a time in weight order (block_codes_i16: q5's codes
- * expanded in bytes, quant_codes32_avx2, then widened), two vpmaddwd, one conversion and one
- * FMA. Either way a q5/q6 weight gives exactly what its q8 expansion (packed.py, to_q8)
- * gives. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8
- * blocks.
+ * Each row of x is quantized once per call per block of 32, x ~ d * q. q4 and q8 take int16,
+ * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by at
+ * most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
+ * (max|x| / 32512) and than bfloat16; their codes are widened to int16 and meet x in
+ * vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four vpmaddwd
+ * against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22). q8 in groups
+ * of 16 takes a block at a time in "even/odd" order (block_codes_eo): one vector holds the
+ * codes of weights 2w | 16 + 2w, the other of 2w + 1 | 17 + 2w (w < 8, the two 128-bit
+ * lanes), the order in which q8's int16 words hold them, so no lane-crossing widen; they meet
+ * a copy of x in that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| <
+ * 2^24: exact in float32), the low lane from group 2b and the high lane from group 2b + 1,
+ * scaled in one conversion and one FMA. q8 in groups of 32 takes a block at a time in weight
+ * order (block_codes_i16), two vpmaddwd, one conversion and one FMA.
+ * q5/q6 (Q5_0/Q5_1/Q5_K/Q6_K) take int8, d = max|x| / 127, so an activation moves by at most
+ * max|x| / 254 of its block (llama.cpp's Q8_0/Q8_K step; a quarter of Q6_K's own half step,
+ * max|w| / 62 of a group): their raw codes (0..31 / 0..63, block_codes_u8, in weight order,
+ * `zero` left to the minimum term) meet x in one vpmaddubsw (|pair| <= 2 * 63 * 127 < 32767:
+ * no saturation) and one vpmaddwd with ones, 4 weights per int32 lane (low lane weights 0-15,
+ * one group of 16 or half a group of 32), one conversion and one FMA: 16 instructions a Q6_K
+ * block against 19 widening to int16 (benchmarks/gemv_avx2_bench.py --kinds). Half of
+ * Q6_K's are the spread of its two bit-planes (packed.py) into bytes.
+ * Minimums (and q4/q5/q6's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
@@ -44,8 +48,9 @@
 
 /* The activations of one call: q [M, K] int16 in x's order; in one place after it the same
  * values either in the even/odd order of block_codes_eo (qe, eo_perm_i16) or, for q4, in the
- * order its pairs of blocks meet them (qp, pair_perm_i16); per block (padded with zeros to a
- * multiple of I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
+ * order its pairs of blocks meet them (qp, pair_perm_i16); q5/q6 instead x8 [M, K] int8 in x's
+ * order where q starts; per block (padded with zeros to a multiple of I16_RUN) d, d * sum(q),
+ * and per half block d * sum(q) (groups of 16). */
 typedef struct {
     int16_t *q, *qe, *qp;
     int8_t *x8;   /* q5/q6: int8 in x's order instead of q and qe (act_int8) */
@@ -95,8 +100,8 @@ static inline void eo_perm_i16(const int16_t *x, int16_t *out) {
             for (int w = 0; w < 8; w++) out[h * 16 + l * 8 + w] = x[l * 16 + 2 * w + h];
 }
 
-/* x in order, and in the order the layout `kind` reads it: q4's pairs, or the others' even/odd
- * blocks (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
+/* x in order, and in the order the layout `kind` reads it: q4's pairs, or q8's even/odd blocks;
+ * q5/q6 int8 in order (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
 static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16 *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
@@ -177,12 +182,12 @@ block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
                                          2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7);
     const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_set1_epi64x(p), idx),
                                         _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-    /* per dword: low word's bits at 0 (even) / 1 (odd), high word's at 2 / 3; weights 16 32 4 8 / 8 16 2 4 */
-    const __m256i he = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)),
-                                            _mm256_set1_epi32(0x08042010));
-    const __m256i ho = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)),
-                                            _mm256_set1_epi32(0x04021008));
-    return _mm256_or_si256(nib, _mm256_or_si256(he, _mm256_slli_epi16(ho, 8)));
+    /* per dword: the low word's bits at 0 (even weights) / 1 (odd), the high word's at 2 / 3,
+     * weighed 16 32 4 8: the odd weights' come out doubled, and a shift by 7 puts them in the high byte */
+    const __m256i k = _mm256_set1_epi32(0x08042010);
+    const __m256i he = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)), k);
+    const __m256i ho2 = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)), k);
+    return _mm256_or_si256(nib, _mm256_or_si256(he, _mm256_slli_epi16(ho2, 7)));
 }
 
 /* The 32 codes of q8 block b in even/odd order: *e holds weights 2w | 16 + 2w, *o weights
@@ -261,6 +266,17 @@ u8_block(__m256i c, const act_i16 *a, int64_t b, int m_rows, const __m256 *s, __
     }
 }
 
+/* Element i of each 128-bit lane of v in all four of that lane (an immediate vpermilps, i a
+ * constant once inlined: vpermilps by a vector index cost a broadcast from a general register). */
+static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) {
+    switch (i) {
+    case 0: return _mm256_permute_ps(v, 0x00);
+    case 1: return _mm256_permute_ps(v, 0x55);
+    case 2: return _mm256_permute_ps(v, 0xaa);
+    default: return _mm256_permute_ps(v, 0xff);
+    }
+}
+
 /* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
  * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each, or two
  * of 16) read their scales and minimums as vectors, the minimum term in one FMA per run, and
@@ -269,10 +285,11 @@ u8_block(__m256i c, const act_i16 *a, int64_t b, int m_rows, const __m256 *s, __
  * in-lane vpermilps gives a block's two groups (g2j x 4 | g2j+1 x 4). The blocks of a shorter
  * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
  * scales one at a time. Per block (q4: pair) and weight row the codes once, then per row of x:
- * q4's pairs q4_pair_i16; groups of 16 eo_block_i16 (the codes in even/odd order); groups of 32
- * two vpmaddwd of the codes in weight order (block_codes_i16; measured faster there than the
- * even/odd order: q8 widens straight from memory, q5's one plane costs less in bytes), one
- * conversion and one FMA. Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
+ * q4's pairs q4_pair_i16; q5/q6 u8_block (raw codes against int8 x); q8 in groups of 16
+ * eo_block_i16 (the codes in even/odd order), in groups of 32 two vpmaddwd of the codes in
+ * weight order (block_codes_i16: widened straight from memory), one conversion and one FMA.
+ * Groups of 16 add their minimum term to acc2 (one register fewer: with a third
+ * accumulator, one row of x kept it on the stack across the run). Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
  * chains; two or four weight rows at once, for more chains and x loaded once, measured no
  * faster). kind and m_rows are constants here. */
 static inline __attribute__((always_inline)) void
@@ -305,13 +322,13 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
                 sd0[m] = _mm256_mul_ps(s0e, _mm256_permutevar8x32_ps(d, lo));
                 sd1[m] = _mm256_mul_ps(s1e, _mm256_permutevar8x32_ps(d, hi));
                 const float *xs = a->sum16 + 2 * (m * nbp + b0);
-                accm[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[m]);
-                accm[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[m]);
+                acc2[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), acc2[m]);   /* one register fewer than accm */
+                acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
             }
             for (int j = 0; j < I16_RUN; j++) {
                 __m256 s[I16_ROWS];
                 for (int m = 0; m < m_rows; m++)
-                    s[m] = _mm256_permutevar_ps(j < 4 ? sd0[m] : sd1[m], _mm256_set1_epi32(j & 3));
+                    s[m] = lane_splat(j < 4 ? sd0[m] : sd1[m], j & 3);
                 if (act_int8(kind)) {
                     u8_block(block_codes_u8(kind, q, qh, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
                     continue;
