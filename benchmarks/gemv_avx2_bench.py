@@ -14,9 +14,9 @@ neighbour slows both alike; read the ratio.
 ``--kinds`` times the hot measure per kept GGUF type instead (Q4_K, Q6_K, Q5_K, Q5_0, Q5_1,
 Q8_0, repacked from GGUF blocks as the loader does) on SmolLM2's shapes and on rows of 4096
 and 8192 (Llama 3 8B / 70B): cycles per 32 weights and GB/s of codes + scales (+ minimums)
-read from L2, where the q4 pair path sets the pace for the others.
+read from L2, where the q4 pair path sets the pace for the others (``--types Q6_K,Q4_K``: only those).
 
-    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds]
+    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds [--types T,...]]
 """
 
 from __future__ import annotations
