@@ -14,9 +14,14 @@ neighbour slows both alike; read the ratio.
 ``--kinds`` times the hot measure per kept GGUF type instead (Q4_K, Q6_K, Q5_K, Q5_0, Q5_1,
 Q8_0, repacked from GGUF blocks as the loader does) on SmolLM2's shapes and on rows of 4096
 and 8192 (Llama 3 8B / 70B): cycles per 32 weights and GB/s of codes + scales (+ minimums)
-read from L2, where the q4 pair path sets the pace for the others.
+read from L2, where the q4 pair path sets the pace for the others (``--types Q6_K,Q4_K``: only those).
 
-    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds]
+``--gguf FILE`` times one decode token's gemvs of a GGUF file instead (every quantized 2-D weight
+but the embedding, repacked as the loader does, one row of x, one thread, in file order, so the
+weights come from memory): ms per token, best of ``--rounds`` alternating builds, which a paused
+or busy host slows alike (a Q4_K_M file: how much its Q6_K tensors cost beside its Q4_K ones).
+
+    PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds [--types T,...]]
 """
 
 from __future__ import annotations
@@ -125,11 +130,11 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
     return w.map(lambda t: t[:, :t.shape[1] * k // wide].contiguous()) if wide != k else w
 
 
-def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
+def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None:
     print(f"hot per GGUF type (in L2, one thread, one row of x), cycles per 32 weights at {ghz:.3f} GHz, "
           "GB/s of codes + scales read:")
     rng = np.random.default_rng(0)
-    for ttype in KINDS:
+    for ttype in types:
         for n, k in KIND_SHAPES:
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))
@@ -138,6 +143,20 @@ def hot_kinds(libs: dict, ghz: float, rounds: int) -> None:
             cells = "  ".join(f"[{label}] {s * ghz * 1e9 / blocks:5.2f} {calls * w.nbytes / s / 1e9:5.1f} GB/s"
                               for label, s in t.items())
             print(f"  {ttype.name:5} {w.kind} g{w.group:<2} {n:>5}x{k:<5} ({rows:>3} rows)  {cells}" + _ratio(t))
+
+
+def gguf_token(libs: dict, path: str, rounds: int) -> None:
+    reader = gguf.GGUFReader(path)
+    weights = [repack(t.tensor_type, np.asarray(t.data).reshape(int(t.shape[1]), -1)) for t in reader.tensors
+               if len(t.shape) == 2 and t.name != "token_embd.weight" and t.tensor_type not in (T.F32, T.F16, T.BF16)]
+    types = sorted({w.source for w in weights})
+    runs = {}
+    for label, lib in libs.items():
+        rows = [(Rows(lib, w, torch.randn(1, w.in_features)), w.out_features) for w in weights]
+        runs[label] = lambda rows=rows: [r(0, n) for r, n in rows]
+    t = side_by_side(runs, rounds, 1)
+    cells = "  ".join(f"[{label}] {s * 1e3:6.1f} ms" for label, s in t.items())
+    print(f"one token of {path} ({len(weights)} gemvs: {', '.join(types)}), one thread:  {cells}" + _ratio(t))
 
 
 def chain(kernels: dict, threads: int, rounds: int) -> None:
@@ -174,6 +193,8 @@ def main() -> None:
     parser.add_argument("--ghz", type=float, default=None, help="clock for cycles (default: /proc/cpuinfo)")
     parser.add_argument("--skip-chain", action="store_true")
     parser.add_argument("--kinds", action="store_true", help="the hot measure per GGUF type, long rows too")
+    parser.add_argument("--types", default=",".join(t.name for t in KINDS), help="--kinds: which GGUF types")
+    parser.add_argument("--gguf", metavar="FILE", help="time one decode token's gemvs of this GGUF file")
     args = parser.parse_args()
     libs = {"tree": load_kernel("quant_matmul")}
     if args.compare:
@@ -181,8 +202,11 @@ def main() -> None:
     kernels = {label: QuantKernels(lib) for label, lib in libs.items()}
     print(f"isa={kernels['tree'].isa}")
     torch.set_num_threads(1)
+    if args.gguf:
+        gguf_token(libs, args.gguf, args.rounds)
+        return
     if args.kinds:
-        hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds)
+        hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds, tuple(T[name] for name in args.types.split(",")))
         return
     hot(libs, args.ghz or _tsc_ghz(), args.rounds)
     if not args.skip_chain:

@@ -9,7 +9,8 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-every layout and move it by at most d' / 2: see ``_int8_activation_bound``.
+q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6 ones
+(max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def test_compact_codes_pack_and_expand_exactly():
 def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts give exactly what the same codes
     a byte each (q8, their old layout) give, on every kernel path: the kernels expand a
-    row (or a panel) into those bytes and run the q8 code."""
+    row (or a panel) into those bytes and run the q8 code. Except AVX2's integer decode path,
+    where q5/q6 take int8 activations and q8 int16 ones: each within its own bound."""
     path, types = gguf_file
     kernels = cpu_kernels()
     weights = []
@@ -132,15 +134,22 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
         weights.append(w)
     # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
     weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
+    own_activations = kernels.isa == "avx2"
     for w in weights:
         ttype = w.source
         wide = to_q8(w)
         assert torch.equal(dequantize(w), dequantize(wide)), ttype
         for rows in (1, 2, 3, GEMV_MAX_ROWS, 64):
             x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
+            if own_activations and kernels.int8_activations(w, x):
+                ref = x.float() @ dequantize(w).t()
+                for got in (kernels.matmul(w, x), kernels.gemv(w, x, int8_act=True)):
+                    assert ((got.float() - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, dtype)).all(), \
+                        (ttype, rows)
+            else:
+                assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
             if rows <= GEMV_MAX_ROWS:
-                for i8 in (False, True):
+                for i8 in (False, True) if not own_activations else (False,):
                     assert torch.equal(kernels.gemv(w, x, int8_act=i8), kernels.gemv(wide, x, int8_act=i8)), \
                         (ttype, rows, i8)
             assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype, rows)
@@ -205,6 +214,9 @@ def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
 def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     ref = x.float() @ dequantize(w).t()                               # [M, N] float32
     got = kernels.matmul(w, x).float()
+    if kernels.isa == "avx2" and w.kind in ("q5", "q6") and kernels.int8_activations(w, x):   # int8 activations
+        assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
+        return
     scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()  # magnitude of the sums
     tol = 1e-5 * scale if x.dtype == torch.float32 else 1e-2 * scale
     assert (got - ref).abs().max().item() <= tol, (w.source, x.shape, x.dtype)
@@ -269,10 +281,13 @@ def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monke
     monkeypatch.setattr(quant_modules, "cpu_kernels", lambda: None)
     assert (layer(x) - ref).abs().max().item() < tol
     monkeypatch.undo()
-    if cpu_kernels() is not None:
-        assert (layer(x) - ref).abs().max().item() < tol
+    kernels = cpu_kernels()
+    if kernels is not None:   # each part within its activations' bound (AVX2's Q6_K: int8)
+        bound = torch.cat([_int8_activation_bound(p, x, kernels.isa) if kernels.int8_activations(p, x)
+                           else torch.zeros(5, p.out_features) for p in parts], dim=1)
+        assert ((layer(x) - ref).abs() < bound.clamp_min(tol)).all()
         layer._decode = None          # bound again, now to each part's decode gemv
-        assert (layer(x) - ref).abs().max().item() < tol
+        assert ((layer(x) - ref).abs() < bound.clamp_min(tol)).all()
         assert layer._decode, "a decode of mixed parts should take the parts' bound gemvs"
 
 
@@ -288,15 +303,21 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     assert torch.equal(emb(ids), dequantize(fused, torch.bfloat16)[ids])
 
 
-def _int8_activation_bound(w, x: torch.Tensor, isa: str) -> torch.Tensor:
-    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack.
-    VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole one where q2 saturates
-    at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)."""
+def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
+    output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
+    one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code),
+    q5/q6 max|x| / 254 (half a step of their int8 code)."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
-    per_max = 1 / 65534 if isa == "avx2" else 1 / (127 * 256)
+    per_max = 1 / (127 * 256)
+    if isa == "avx2":
+        per_max = 1 / 254 if w.kind in ("q5", "q6") else 1 / 65534
     step = (blocks.amax(-1) * per_max).repeat_interleave(32, dim=1)            # [M, K]
-    return step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
+    bound = step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
+    if dtype == torch.bfloat16:
+        bound = bound + 2 * (x.float() @ dequantize(w).t()).abs() * 2 ** -8
+    return bound
 
 
 def _compact(rows: int, cols: int, kind: str, group: int, zero: int, with_min: bool, seed: int) -> PackedWeight:

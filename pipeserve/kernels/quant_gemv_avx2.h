@@ -1,24 +1,28 @@
 /* Decode gemv with integer activations for AVX2 + FMA + F16C CPUs (no AVX-512), included
  * by quant_matmul.c where its AVX-512 paths do not compile.
  *
- * Each row of x is quantized once per call to int16 per block of 32, x ~ d * q with
- * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by
- * at most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
- * (max|x| / 32512) and than bfloat16. The codes of every layout are widened to int16 and
- * meet x in vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four
- * vpmaddwd against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22).
- * Groups of 16 (Q6_K; q8 in groups of 16 too) take a block at a time in "even/odd" order
- * (block_codes_eo): one vector holds the codes of weights 2w | 16 + 2w, the other of
- * 2w + 1 | 17 + 2w (w < 8, the two 128-bit lanes), the order in which nibble words and q8's
- * int16 words hold them, so neither needs a lane-crossing widen; they meet a copy of x in
- * that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| < 2^24 for
- * |code| <= 128: exact in float32), the low lane from group 2b and the high lane from group
- * 2b + 1, scaled in one conversion and one FMA. q6 adds its high bits in the same registers.
- * Groups of 32 (q5, q8) take a block at a time in weight order (block_codes_i16: q5's codes
- * expanded in bytes, quant_codes32_avx2, then widened), two vpmaddwd, one conversion and one
- * FMA. Either way a q5/q6 weight gives exactly what its q8 expansion (packed.py, to_q8)
- * gives. Minimums (and q4's `zero` * s_w) meet the per-block sums d * sum(q) once per 8
- * blocks.
+ * Each row of x is quantized once per call per block of 32, x ~ d * q. q4 and q8 take int16,
+ * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by at
+ * most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
+ * (max|x| / 32512) and than bfloat16; their codes are widened to int16 and meet x in
+ * vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four vpmaddwd
+ * against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22). q8 in groups
+ * of 16 takes a block at a time in "even/odd" order (block_codes_eo): one vector holds the
+ * codes of weights 2w | 16 + 2w, the other of 2w + 1 | 17 + 2w (w < 8, the two 128-bit
+ * lanes), the order in which q8's int16 words hold them, so no lane-crossing widen; they meet
+ * a copy of x in that order in two vpmaddwd, whose sum has 4 weights per int32 lane (|.| <
+ * 2^24: exact in float32), the low lane from group 2b and the high lane from group 2b + 1,
+ * scaled in one conversion and one FMA. q8 in groups of 32 takes a block at a time in weight
+ * order (block_codes_i16), two vpmaddwd, one conversion and one FMA.
+ * q5/q6 (Q5_0/Q5_1/Q5_K/Q6_K) take int8, d = max|x| / 127, so an activation moves by at most
+ * max|x| / 254 of its block (llama.cpp's Q8_0/Q8_K step; a quarter of Q6_K's own half step,
+ * max|w| / 62 of a group): their raw codes (0..31 / 0..63, block_codes_u8, in weight order,
+ * `zero` left to the minimum term) meet x in one vpmaddubsw (|pair| <= 2 * 63 * 127 < 32767:
+ * no saturation) and one vpmaddwd with ones, 4 weights per int32 lane (low lane weights 0-15,
+ * one group of 16 or half a group of 32), one conversion and one FMA: 16 instructions a Q6_K
+ * block against 19 widening to int16 (benchmarks/gemv_avx2_bench.py --kinds). Half of
+ * Q6_K's are the spread of its two bit-planes (packed.py) into bytes.
+ * Minimums (and q4/q5/q6's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
@@ -44,13 +48,19 @@
 
 /* The activations of one call: q [M, K] int16 in x's order; in one place after it the same
  * values either in the even/odd order of block_codes_eo (qe, eo_perm_i16) or, for q4, in the
- * order its pairs of blocks meet them (qp, pair_perm_i16); per block (padded with zeros to a
- * multiple of I16_RUN) d, d * sum(q), and per half block d * sum(q) (groups of 16). */
+ * order its pairs of blocks meet them (qp, pair_perm_i16); q5/q6 instead x8 [M, K] int8 in x's
+ * order where q starts; per block (padded with zeros to a multiple of I16_RUN) d, d * sum(q),
+ * and per half block d * sum(q) (groups of 16). */
 typedef struct {
     int16_t *q, *qe, *qp;
+    int8_t *x8;   /* q5/q6: int8 in x's order instead of q and qe (act_int8) */
     float *d, *sum, *sum16;
     int64_t K, nb, nbp;
 } act_i16;
+
+/* q5/q6 meet int8 activations (d = max|x| / 127) in vpmaddubsw: their raw codes (0..63,
+ * unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. */
+static inline int act_int8(int kind) { return kind == 5 || kind == 6; }
 
 static inline float hsum8(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,8 +100,8 @@ static inline void eo_perm_i16(const int16_t *x, int16_t *out) {
             for (int w = 0; w < 8; w++) out[h * 16 + l * 8 + w] = x[l * 16 + 2 * w + h];
 }
 
-/* x in order, and in the order the layout `kind` reads it: q4's pairs, or the others' even/odd
- * blocks (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
+/* x in order, and in the order the layout `kind` reads it: q4's pairs, or q8's even/odd blocks;
+ * q5/q6 int8 in order (an act_i16 serves pipeserve_quant_rows for the kind it was prepared for). */
 static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16 *a) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t m = 0; m < M; m++) {
@@ -110,124 +120,83 @@ static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16
             __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
             h = _mm_max_ps(h, _mm_movehl_ps(h, h));
             const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            const float top = act_int8(kind) ? 127.0f : 32767.0f;
+            const __m256 id = _mm256_set1_ps(amax > 0.0f ? top / amax : 0.0f);
             int16_t *q = a->q + m * a->K + b * I16_QB;
             int32_t s0 = 0, s1 = 0;
-            _mm_storeu_si128((__m128i *)q, round_to_i16(_mm256_mul_ps(v[0], id), &s0));
-            _mm_storeu_si128((__m128i *)(q + 8), round_to_i16(_mm256_mul_ps(v[1], id), &s0));
-            _mm_storeu_si128((__m128i *)(q + 16), round_to_i16(_mm256_mul_ps(v[2], id), &s1));
-            _mm_storeu_si128((__m128i *)(q + 24), round_to_i16(_mm256_mul_ps(v[3], id), &s1));
-            const float d = amax / 32767.0f;
-            if (kind != 4) eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
-            else if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
+            const __m128i q0 = round_to_i16(_mm256_mul_ps(v[0], id), &s0), q1 = round_to_i16(_mm256_mul_ps(v[1], id), &s0);
+            const __m128i q2 = round_to_i16(_mm256_mul_ps(v[2], id), &s1), q3 = round_to_i16(_mm256_mul_ps(v[3], id), &s1);
+            const float d = amax / top;
             a->d[m * a->nbp + b] = d;
             a->sum[m * a->nbp + b] = d * (float)(s0 + s1);
             a->sum16[2 * (m * a->nbp + b)] = d * (float)s0;
             a->sum16[2 * (m * a->nbp + b) + 1] = d * (float)s1;
+            if (act_int8(kind)) {
+                int8_t *q8 = a->x8 + m * a->K + b * I16_QB;
+                _mm_storeu_si128((__m128i *)q8, _mm_packs_epi16(q0, q1));
+                _mm_storeu_si128((__m128i *)(q8 + 16), _mm_packs_epi16(q2, q3));
+                continue;
+            }
+            _mm_storeu_si128((__m128i *)q, q0);
+            _mm_storeu_si128((__m128i *)(q + 8), q1);
+            _mm_storeu_si128((__m128i *)(q + 16), q2);
+            _mm_storeu_si128((__m128i *)(q + 24), q3);
+            if (kind != 4) eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
+            else if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
         }
     }
 }
 
-/* The 32 codes of block b as two vectors of 16 int16 (weights 0-15, 16-31); q4 codes keep
- * their offset (folded into the minimum term), the others leave with `zero` subtracted. */
+/* The 32 codes of q4/q8 block b as two vectors of 16 int16 (weights 0-15, 16-31); q4 codes
+ * keep their offset (folded into the minimum term). */
 static inline __attribute__((always_inline)) void
-block_codes_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, int64_t b, __m256i *c0, __m256i *c1) {
+block_codes_i16(int kind, const uint8_t *q, int64_t b, __m256i *c0, __m256i *c1) {
     if (kind == 4) {
         const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 16)));
         *c0 = _mm256_and_si256(w, _mm256_set1_epi16(15));
         *c1 = _mm256_srli_epi16(w, 4);
-    } else if (kind == 8) {
+    } else {
         *c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32)));
         *c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)));
-    } else {
-        const __m256i c = quant_codes32_avx2(kind - 4, q, qh, zero, b);
-        *c0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(c));
-        *c1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(c, 1));
     }
 }
 
-/* What block_codes_eo needs besides the codes, set up once per call from the layout.
- * q5/q6 high bits: bit j of plane p (a little-endian 32-bit word) is bit 4 + p of weight j's
- * code. A byte shuffle of the block's planes puts in int16 lane w the plane byte holding weight
+/* The 32 raw codes (nothing subtracted: `zero` is folded into the minimum term) of q5/q6
+ * block b as bytes in weight order, weights 0-15 (group 2b of 16) in the low lane. q5:
+ * quant_codes32_avx2. q6: the nibbles by a per-lane shift of the block's 16 bytes; the high
+ * bits as int16 per weight, then as the high byte of a word (odd weights) or the low one:
+ * a byte shuffle of the block's planes puts in int16 lane w the plane byte holding weight
  * 2w's bit (plane 0 in the low byte, plane 1 in the high one); a shift of 0 or 4 per dword
  * brings that bit to position 0 or 2 and weight 2w + 1's to 1 or 3; one vpand each keeps the
- * even / odd weights' bits and one vpmaddubsw each weighs them 16 and 32 (k = 16 / 2^pos, an
- * integer for pos <= 3, hence the shift). Where `zero` is the top plane's weight (Q5_0's 16,
- * Q6_K's 32) that plane enters inverted with weight -k: 16 * b - 16 = -16 * (1 - b), so the
- * codes leave with `zero` subtracted at no cost; any other nonzero `zero` is a subtraction. */
-typedef struct {
-    __m256i inv, ke, ko, z;
-    int sub;
-} eo_consts;
-
-/* One dword of vpmaddubsw weights (k, and plane 1's 2k) for the low and the high word, a
- * negated plane's negated. */
-static inline int eo_k4(int k, int n0, int n1, int p1) {
-    const int8_t b[4] = {(int8_t)(n0 ? -k : k), (int8_t)(n1 ? -2 * k * p1 : 2 * k * p1),
-                         (int8_t)(n0 ? -k / 4 : k / 4), (int8_t)(n1 ? -k / 2 * p1 : k / 2 * p1)};
-    int v;
-    memcpy(&v, b, 4);
-    return v;
-}
-
-static inline eo_consts eo_setup(int kind, int zero) {
-    eo_consts c;
-    const int fold = (kind == 5 || kind == 6) && zero == 8 << (kind - 4);
-    const int n0 = fold && kind == 5, n1 = fold && kind == 6, p1 = kind == 6;   /* negated planes; plane 1 */
-    c.inv = !fold ? _mm256_setzero_si256()
-                  : kind == 5 ? _mm256_set1_epi32(-1) : _mm256_set1_epi64x((int64_t)0xffffffff00000000ull);
-    /* low word: even weights' bits at 0, odd at 1 (k 16, 8); high word: at 2, 3 (k 4, 2) */
-    c.ke = _mm256_set1_epi32(eo_k4(16, n0, n1, p1));
-    c.ko = _mm256_set1_epi32(eo_k4(8, n0, n1, p1));
-    c.sub = (kind == 5 || kind == 6) && !fold && zero != 0;
-    c.z = _mm256_set1_epi16((short)(c.sub ? zero : 0));
-    return c;
-}
-
-/* The 32 codes of block b in even/odd order: *e holds weights 2w | 16 + 2w, *o weights
- * 2w + 1 | 17 + 2w (int16, w < 8, one per 128-bit lane). q4 codes keep their offset (folded
- * into the minimum term), the others leave with `zero` subtracted. q4/q5/q6: nibble word w
- * holds weights 2w, 16 + 2w, 2w + 1, 17 + 2w at bits 0, 4, 8, 12, so a per-lane shift of the
- * block's 16 bytes (in both lanes) and one vpand give each vector; q8: the int16 words of the
- * block's 32 bytes, sign-extended low and high bytes. */
-static inline __attribute__((always_inline)) void
-block_codes_eo(int kind, const uint8_t *q, const uint8_t *qh, const eo_consts *c, int64_t b, __m256i *e,
-               __m256i *o) {
-    if (kind == 8) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 32));
-        *e = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
-        *o = _mm256_srai_epi16(v, 8);
-        return;
-    }
+ * even / odd weights' bits and one vpmaddubsw each weighs them 16 and 32 (16 / 2^pos, an
+ * integer for pos <= 3, hence the shift). */
+static inline __attribute__((always_inline)) __m256i
+block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
+    if (kind == 5) return quant_codes32_avx2(1, q, qh, 0, b);
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-    const __m256i lo = _mm256_set1_epi16(15);
-    __m256i ce = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), lo);
-    __m256i co = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), lo);
-    if (kind == 5 || kind == 6) {
-        __m256i h;
-        if (kind == 5) {
-            uint32_t p;
-            memcpy(&p, qh + b * 4, 4);
-            h = _mm256_set1_epi32((int)p);
-        } else {
-            int64_t p;
-            memcpy(&p, qh + b * 8, 8);
-            h = _mm256_set1_epi64x(p);
-        }
-        const char z = (char)0x80, p1 = kind == 6 ? 4 : z, p3 = kind == 6 ? 6 : z;   /* plane 1's bytes */
-        const __m256i idx = _mm256_setr_epi8(0, p1, 0, p1, 0, p1, 0, p1, 1, p1 + 1, 1, p1 + 1, 1, p1 + 1, 1, p1 + 1,
-                                             2, p3, 2, p3, 2, p3, 2, p3, 3, p3 + 1, 3, p3 + 1, 3, p3 + 1, 3, p3 + 1);
-        const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_xor_si256(h, c->inv), idx),
-                                            _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-        ce = _mm256_add_epi16(ce, _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)), c->ke));
-        co = _mm256_add_epi16(co, _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)), c->ko));
-        if (c->sub) {
-            ce = _mm256_sub_epi16(ce, c->z);
-            co = _mm256_sub_epi16(co, c->z);
-        }
-    }
-    *e = ce;
-    *o = co;
+    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(15));
+    int64_t p;
+    memcpy(&p, qh + b * 8, 8);
+    const __m256i idx = _mm256_setr_epi8(0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
+                                         2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7);
+    const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_set1_epi64x(p), idx),
+                                        _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    /* per dword: the low word's bits at 0 (even weights) / 1 (odd), the high word's at 2 / 3,
+     * weighed 16 32 4 8: the odd weights' come out doubled, and a shift by 7 puts them in the high byte */
+    const __m256i k = _mm256_set1_epi32(0x08042010);
+    const __m256i he = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)), k);
+    const __m256i ho2 = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)), k);
+    return _mm256_or_si256(nib, _mm256_or_si256(he, _mm256_slli_epi16(ho2, 7)));
+}
+
+/* The 32 codes of q8 block b in even/odd order: *e holds weights 2w | 16 + 2w, *o weights
+ * 2w + 1 | 17 + 2w (int16, w < 8, one per 128-bit lane): the int16 words of the block's 32
+ * bytes, sign-extended low and high bytes. */
+static inline __attribute__((always_inline)) void block_codes_eo(const uint8_t *q, int64_t b, __m256i *e, __m256i *o) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 32));
+    *e = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+    *o = _mm256_srai_epi16(v, 8);
 }
 
 /* q4 blocks b and b + 1 (codes q2, b even) against m_rows rows of x: the codes spread once,
@@ -285,6 +254,29 @@ eo_block_i16(__m256i e, __m256i o, const act_i16 *a, int64_t b, int m_rows, cons
     }
 }
 
+/* One block's raw q5/q6 codes (block_codes_u8) against m_rows rows of int8 x: per row one
+ * vpmaddubsw, one vpmaddwd with ones (4 weights per int32 lane, the low lane from weights
+ * 0-15), one conversion and one FMA with that row's scales s. */
+static inline __attribute__((always_inline)) void
+u8_block(__m256i c, const act_i16 *a, int64_t b, int m_rows, const __m256 *s, __m256 *acc) {
+    for (int m = 0; m < m_rows; m++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * a->K + b * I16_QB));
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s[m], acc[m]);
+    }
+}
+
+/* Element i of each 128-bit lane of v in all four of that lane (an immediate vpermilps, i a
+ * constant once inlined: vpermilps by a vector index cost a broadcast from a general register). */
+static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) {
+    switch (i) {
+    case 0: return _mm256_permute_ps(v, 0x00);
+    case 1: return _mm256_permute_ps(v, 0x55);
+    case 2: return _mm256_permute_ps(v, 0xaa);
+    default: return _mm256_permute_ps(v, 0xff);
+    }
+}
+
 /* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
  * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each, or two
  * of 16) read their scales and minimums as vectors, the minimum term in one FMA per run, and
@@ -293,18 +285,19 @@ eo_block_i16(__m256i e, __m256i o, const act_i16 *a, int64_t b, int m_rows, cons
  * in-lane vpermilps gives a block's two groups (g2j x 4 | g2j+1 x 4). The blocks of a shorter
  * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
  * scales one at a time. Per block (q4: pair) and weight row the codes once, then per row of x:
- * q4's pairs q4_pair_i16; groups of 16 eo_block_i16 (the codes in even/odd order); groups of 32
- * two vpmaddwd of the codes in weight order (block_codes_i16; measured faster there than the
- * even/odd order: q8 widens straight from memory, q5's one plane costs less in bytes), one
- * conversion and one FMA. Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
+ * q4's pairs q4_pair_i16; q5/q6 u8_block (raw codes against int8 x); q8 in groups of 16
+ * eo_block_i16 (the codes in even/odd order), in groups of 32 two vpmaddwd of the codes in
+ * weight order (block_codes_i16: widened straight from memory), one conversion and one FMA.
+ * Groups of 16 add their minimum term to acc2 (one register fewer: with a third
+ * accumulator, one row of x kept it on the stack across the run). Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
  * chains; two or four weight rows at once, for more chains and x loaded once, measured no
  * faster). kind and m_rows are constants here. */
 static inline __attribute__((always_inline)) void
-row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_consts *ec, const uint16_t *sc,
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
             const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
     const int g16 = kind != 4 && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
-    const float zw = kind == 4 ? -(float)zero : 0.0f;   /* q4 codes keep their offset */
+    const float zw = kind != 8 ? -(float)zero : 0.0f;   /* q4/q5/q6 codes keep their offset */
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     float mins[I16_ROWS];
     for (int m = 0; m < m_rows; m++) {
@@ -318,8 +311,10 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_co
             const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
             const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
             const __m256 s0e = _mm256_permutevar8x32_ps(s0, eo), s1e = _mm256_permutevar8x32_ps(s1, eo);
-            const __m256 m0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps();
-            const __m256 m1 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps();
+            const __m256 m0 = _mm256_fmadd_ps(s0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
+            const __m256 m1 = _mm256_fmadd_ps(s1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
             const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
             __m256 sd0[I16_ROWS], sd1[I16_ROWS];   /* blocks 0-3, 4-7: g0 g2 g4 g6 | g1 g3 g5 g7 */
             for (int m = 0; m < m_rows; m++) {
@@ -327,17 +322,20 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_co
                 sd0[m] = _mm256_mul_ps(s0e, _mm256_permutevar8x32_ps(d, lo));
                 sd1[m] = _mm256_mul_ps(s1e, _mm256_permutevar8x32_ps(d, hi));
                 const float *xs = a->sum16 + 2 * (m * nbp + b0);
-                accm[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), accm[m]);
-                accm[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), accm[m]);
+                acc2[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), acc2[m]);   /* one register fewer than accm */
+                acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
             }
             for (int j = 0; j < I16_RUN; j++) {
-                __m256i e, o;
-                block_codes_eo(kind, q, qh, ec, b0 + j, &e, &o);
                 __m256 s[I16_ROWS];
                 for (int m = 0; m < m_rows; m++)
-                    s[m] = _mm256_permutevar_ps(j < 4 ? sd0[m] : sd1[m], _mm256_set1_epi32(j & 3));
-                if (j & 1) eo_block_i16(e, o, a, b0 + j, m_rows, s, acc2);
-                else eo_block_i16(e, o, a, b0 + j, m_rows, s, acc);
+                    s[m] = lane_splat(j < 4 ? sd0[m] : sd1[m], j & 3);
+                if (act_int8(kind)) {
+                    u8_block(block_codes_u8(kind, q, qh, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
+                    continue;
+                }
+                __m256i e, o;
+                block_codes_eo(q, b0 + j, &e, &o);
+                eo_block_i16(e, o, a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
             }
             continue;
         }
@@ -356,8 +354,14 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_co
             continue;
         }
         for (int j = 0; j < I16_RUN; j++) {
+            if (act_int8(kind)) {
+                __m256 s[I16_ROWS];
+                for (int m = 0; m < m_rows; m++) s[m] = _mm256_broadcast_ss(&sd[m][j]);
+                u8_block(block_codes_u8(kind, q, qh, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
+                continue;
+            }
             __m256i c0, c1;
-            block_codes_i16(kind, q, qh, zero, b0 + j, &c0, &c1);
+            block_codes_i16(kind, q, b0 + j, &c0, &c1);
             for (int m = 0; m < m_rows; m++) {
                 const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
                 const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x)),
@@ -385,21 +389,27 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const eo_co
     for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
         const int64_t g = g16 ? 2 * b : b / per;
         const float s0 = _cvtsh_ss(sc[g]), s1 = g16 ? _cvtsh_ss(sc[g + 1]) : s0;
-        const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0, w1 = g16 && mn ? _cvtsh_ss(mn[g + 1]) : 0.0f;
-        if (g16) {
-            __m256i e, o;
-            block_codes_eo(kind, q, qh, ec, b, &e, &o);
+        const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0;
+        const float w1 = g16 ? (mn ? _cvtsh_ss(mn[g + 1]) : 0.0f) + zw * s1 : 0.0f;
+        if (g16 || act_int8(kind)) {
             __m256 s[I16_ROWS];
             for (int m = 0; m < m_rows; m++) {
                 const float d = a->d[m * nbp + b];
                 s[m] = _mm256_set_m128(_mm_set1_ps(s1 * d), _mm_set1_ps(s0 * d));
-                mins[m] += w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1];
+                mins[m] += g16 ? w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1]
+                               : w0 * a->sum[m * nbp + b];
             }
+            if (act_int8(kind)) {
+                u8_block(block_codes_u8(kind, q, qh, b), a, b, m_rows, s, acc);
+                continue;
+            }
+            __m256i e, o;
+            block_codes_eo(q, b, &e, &o);
             eo_block_i16(e, o, a, b, m_rows, s, acc);
             continue;
         }
         __m256i c0, c1;
-        block_codes_i16(kind, q, qh, zero, b, &c0, &c1);
+        block_codes_i16(kind, q, b, &c0, &c1);
         for (int m = 0; m < m_rows; m++) {
             const int16_t *x = a->q + m * K + b * I16_QB;
             const float d = a->d[m * nbp + b];
@@ -421,7 +431,6 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = K / group;
-    const eo_consts ec = eo_setup(kind, zero);
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1) {
@@ -432,7 +441,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
             if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
         }
         float res[I16_ROWS];
-        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, &ec, sc + n * groups,
+        row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
                     mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);
         for (int m = 0; m < m_rows; m++) out[m * N + n] = res[m];
     }
@@ -470,6 +479,7 @@ static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
     a->nbp = (a->nb + I16_RUN - 1) / I16_RUN * I16_RUN;
     a->q = (int16_t *)buf;
     a->qe = a->qp = a->q + M * K;   /* one or the other, by kind */
+    a->x8 = (int8_t *)a->q;
     a->d = (float *)(a->qp + M * K);
     a->sum = a->d + M * a->nbp;
     a->sum16 = a->sum + M * a->nbp;
