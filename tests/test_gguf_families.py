@@ -139,12 +139,18 @@ _FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "nu
            "rope_switch_len")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_gguf_config_equals_the_safetensors_config(converted, kind):
+def configs_agree(converted, kind: str, fields) -> tuple:
+    """(GGUF's config, the safetensors checkpoint's) of ``kind``, asserted equal in ``fields``."""
     hf_dir, path = converted(kind)
     ours, ref = read_gguf_config(path), resolve_model(str(hf_dir)).load_config()
-    for field in _FIELDS:
+    for field in fields:
         assert getattr(ours, field) == pytest.approx(getattr(ref, field)), field
+    return ours, ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_config_equals_the_safetensors_config(converted, kind):
+    ours, ref = configs_agree(converted, kind, _FIELDS)
     assert [ours.layer_sliding_window(i) for i in range(ours.num_layers)] == \
         [ref.layer_sliding_window(i) for i in range(ref.num_layers)]
     if ref.rope_scaling is not None:

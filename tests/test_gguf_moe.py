@@ -30,7 +30,7 @@ from pipeserve.model.quant.modules import QuantLinear
 from pipeserve.model.quant.packed import dequantize
 from tests.checkpoints import (_COMMON, _add_tensor, _write_metadata, finish_gguf, lazy_conversions,
                                save_tiny_tokenizer)
-from tests.test_gguf_families import engine_greedy
+from tests.test_gguf_families import configs_agree, engine_greedy
 from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
 
@@ -121,10 +121,7 @@ _FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "nu
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_moe_gguf_config_equals_the_safetensors_config(converted, kind):
-    hf_dir, path = converted(kind)
-    ours, ref = read_gguf_config(path), resolve_model(str(hf_dir)).load_config()
-    for field in _FIELDS:
-        assert getattr(ours, field) == pytest.approx(getattr(ref, field)), field
+    ours, _ = configs_agree(converted, kind, _FIELDS)
     assert [ours.is_moe_layer(i) for i in range(ours.num_layers)] == [True] * ours.num_layers
 
 

@@ -30,7 +30,8 @@ from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
-KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# The last four have no compact layout here: kept as q8 rows (gguf_widen.py).
+KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *WIDENED)
 
 
 def repack(ttype: T, raw: np.ndarray) -> PackedWeight:
@@ -174,8 +175,4 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
 
 
 _REPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-           T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
-
-# Types without a compact layout here (IQ4_NL, IQ4_XS, Q3_K, Q2_K): kept as q8 rows (gguf_widen.py).
-_REPACK.update(WIDENED)
-KEPT_TYPES += tuple(WIDENED)
+           T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, **WIDENED}

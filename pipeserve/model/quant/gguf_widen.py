@@ -34,8 +34,6 @@ from pipeserve.model.quant.packed import PackedWeight
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
 IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
-
-
 U8 = np.uint8
 SHIFT2 = (2 * np.arange(4, dtype=U8))          # the four 2-bit codes of a byte
 SHIFT4 = np.array([0, 4], dtype=U8)             # its two nibbles
