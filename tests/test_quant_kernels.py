@@ -238,11 +238,13 @@ def test_kernel_matches_dequantize_then_matmul(gguf_file, rows, dtype):
 def test_many_tiles_equal_one(dtype, monkeypatch):
     """The prefill path over a weight cut into tiles (a 70B layer's case; a SmolLM2 matrix
     is one tile), an uneven last tile included, equals the weight in one tile, up to the
-    summation order PyTorch's matmul picks for each width (float32 rounding)."""
+    summation order PyTorch's matmul picks for each width (float32 rounding). So do float32
+    tiles multiplied the other way round (W_tile @ x^T, few rows on several threads)."""
     import pipeserve.model.quant.cpu_kernels as quant_cpu
     w = quantize_weight(torch.randn(100, 64, generator=torch.Generator().manual_seed(5)), 4, 32)
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
     kernels = cpu_kernels()
+    monkeypatch.setattr(quant_cpu, "TRANSPOSED_MAX_ROWS", 0)   # x @ W_tile^T at any thread count
     whole = kernels.tiled(w, x)
     monkeypatch.setattr(quant_cpu, "TILE_BYTES", 24 * 64 * x.element_size())
     monkeypatch.setattr(quant_cpu, "TILE_MIN_ROWS", 16)      # tiles of 24 rows: 24, 24, 24, 24, 4
@@ -251,6 +253,10 @@ def test_many_tiles_equal_one(dtype, monkeypatch):
         tol = 2 * whole.float().abs().max().item() * 2 ** -8       # an output's bfloat16 rounding
     assert (kernels.tiled(w, x).float() - whole.float()).abs().max().item() <= tol
     assert torch.equal(whole, x @ dequantize(w, dtype).t())
+    if dtype == torch.float32:
+        monkeypatch.setattr(quant_cpu, "TRANSPOSED_TILE_ROWS", 24)
+        turned = kernels._tiled_transposed(w, x)
+        assert turned.is_contiguous() and (turned - whole).abs().max().item() <= tol
 
 
 @needs_kernel

@@ -61,6 +61,13 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
+# Up to this many float32 rows on more than one thread, a tile's product is W_tile @ x^T into
+# the output's transpose, over tiles of TRANSPOSED_TILE_ROWS rows: the matmul then splits the
+# tile's many rows between the threads, where x @ W_tile^T split the few rows of x (AVX2, 2
+# threads, 64-128 rows: 1.2-1.8x on Llama-7B-like and SmolLM2 shapes; 1.0-1.1x at 256; no gain
+# at one thread or beyond; benchmarks/README.md, "Prefill tiles turned round").
+TRANSPOSED_MAX_ROWS = 256
+TRANSPOSED_TILE_ROWS = 512
 # bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
@@ -178,6 +185,8 @@ class QuantKernels:
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_MAX_ROWS and torch.get_num_threads() > 1:
+            return self._tiled_transposed(w, x)
         rows = max(TILE_MIN_ROWS, TILE_BYTES // (w.in_features * x.element_size()))
         if rows >= w.out_features:     # one tile: no copy of the output into place
             return x @ self.dequant_rows(w, 0, w.out_features, x.dtype).t()
@@ -186,6 +195,15 @@ class QuantKernels:
             r1 = min(r0 + rows, w.out_features)
             out[:, r0:r1] = x @ self.dequant_rows(w, r0, r1, x.dtype).t()   # [M, rows]
         return out
+
+
+    def _tiled_transposed(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        out_t = torch.empty(w.out_features, x.shape[0], dtype=x.dtype)
+        xt = x.t()
+        for r0 in range(0, w.out_features, TRANSPOSED_TILE_ROWS):
+            r1 = min(r0 + TRANSPOSED_TILE_ROWS, w.out_features)
+            torch.mm(self.dequant_rows(w, r0, r1, x.dtype), xt, out=out_t[r0:r1])
+        return out_t.t().contiguous()
 
 
 def _weight_args(w: PackedWeight) -> tuple:
