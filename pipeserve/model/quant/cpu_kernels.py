@@ -88,8 +88,10 @@ class QuantKernels:
         self._i8_applies = lib.pipeserve_quant_i8_applies
         self._i8_applies.argtypes = [i64, i64, i64]
         self._i8_applies.restype = i32
-        self._takes = lib.pipeserve_quant_takes
-        self._takes.argtypes, self._takes.restype = [i32], i32
+        # a build from before the i4 layout (benchmarks' --compare) has no such question: q4/q8/q5/q6
+        self._takes = getattr(lib, "pipeserve_quant_takes", None)
+        if self._takes is not None:
+            self._takes.argtypes, self._takes.restype = [i32], i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
         # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
@@ -99,7 +101,7 @@ class QuantKernels:
 
     def takes(self, kind: str) -> bool:
         """Whether this build's kernels take the layout ``kind`` (i4: AVX2 and portable builds)."""
-        return bool(self._takes(_KINDS[kind]))
+        return bool(self._takes(_KINDS[kind])) if self._takes is not None else kind != "i4"
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
