@@ -149,6 +149,7 @@ def _log_widened(isa: str) -> None:
 
 
 def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
+    """IQ4 as i4 (``keeps_i4``) or q8, Q3_K / Q2_K as q8: in C where it builds, else numpy."""
     numpy_path, name, group, arrays = _TYPES[ttype]
     nibbles = ttype in IQ4 and keeps_i4()
     lib = _c_widen()
@@ -156,8 +157,7 @@ def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
         w = numpy_path(blocks, rows)
         return to_q8(w) if w.kind == "i4" and not nibbles else w
     weights = gguf.GGML_QUANT_SIZES[ttype][0] * blocks.shape[1]      # a row's
-    codes = torch.empty(rows, weights // 2, dtype=torch.uint8) if nibbles else torch.empty(rows, weights,
-                                                                                              dtype=torch.int8)
+    codes = torch.empty(rows, weights // 2 if nibbles else weights, dtype=torch.uint8 if nibbles else torch.int8)
     halves = [torch.empty(rows, weights // group, dtype=torch.float16) for _ in range(arrays)]
     data = np.ascontiguousarray(blocks)                                # held: the C call reads it
     p = ctypes.c_void_p
