@@ -181,6 +181,26 @@ def test_layers_of_mixed_gguf_types_fused_equal_python_layers(kind, dtype, threa
     assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["Q8_0", "Q4_1"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):
+    """IQ4_NL q/k and gate kept as i4 beside a Q4_0 v and a Q8_0 up: the fused stage multiplies the
+    i4 parts with their own int8 activations (prepared once per layout kind), as the Python
+    layers do."""
+    from pipeserve.model.quant.gguf_widen import keeps_i4
+    from tests.checkpoints import write_llama_gguf
+    if not keeps_i4():
+        pytest.skip("this build's quantized kernels take no i4 (an AVX-512 build): IQ4 is widened to q8")
+    gguf = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "iq4.gguf",
+                            qtype="IQ4_NL", qtypes={"attn_v": "Q4_0", "ffn_up": "Q8_0"})
+    source = resolve_model(str(gguf))
+    cfg = source.load_config()
+    layer = _fused_equals_python(lambda: _runner(source, cfg, dtype=dtype), dtype, threads, 6).model.layers[0]
+    assert [p.kind for p in layer.self_attn.qkv_proj.parts] == ["i4", "i4", "q4"]   # q and k: one act_slot
+    assert [p.kind for p in layer.mlp.gate_up_proj.parts] == ["i4", "q8"]
+    assert layer.self_attn.o_proj.parts[0].kind == "i4" and layer.mlp.down_proj.parts[0].kind == "i4"
+
+
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     from pipeserve.model.quant.cpu_kernels import GEMV_PASSES_MAX_ROWS
     runner = smollm2[0]

@@ -1,26 +1,48 @@
-"""GGUF types kept as byte-per-code q8 rows (pipeserve/model/quant/gguf_widen.py): IQ4_NL,
-IQ4_XS, Q3_K and Q2_K read back as gguf-py dequantizes them, the kernels multiply them as
+"""GGUF types re-laid out by pipeserve/model/quant/gguf_widen.py: IQ4_NL and IQ4_XS as i4 (their
+nibbles, a float16 scale per 32) where the kernels take it, else as byte-per-code q8 rows, like
+Q3_K and Q2_K. Each reads back as gguf-py dequantizes it, the kernels multiply it as
 dequantize-then-matmul does, and a model written in IQ4_NL stays in it."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+import pipeserve.model.quant.gguf_widen as widen
 from pipeserve.model.loader import resolve_model
 from pipeserve.model.quant.cpu_kernels import cpu_kernels
 from pipeserve.model.quant.gguf_repack import KEPT_TYPES, repack
-from pipeserve.model.quant.packed import dequantize
+from pipeserve.model.quant.load import weight_bytes
+from pipeserve.model.quant.packed import dequantize, to_q8
 from tests.checkpoints import build_checkpoint, write_llama_gguf
 from tests.test_fused_decode import _compare, _decode_logits, _runner
 from tests.test_quant_kernels import _check_matmul
 
 T = gguf.GGMLQuantizationType
 WIDENED = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
+IQ4 = (T.IQ4_NL, T.IQ4_XS)
 SCALE_OFFSETS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # float16 d (and dmin)
 FILE_RATIO = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 2.0, T.Q3_K: 288 / 110, T.Q2_K: 320 / 84}  # q8 bytes / file bytes
+I4_FILE_RATIO = {T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136}   # i4 bytes / file bytes: a float16 scale per 32 (XS: 6 bits)
+
+
+@pytest.fixture(params=["i4", "q8"])
+def iq4_layout(request, monkeypatch) -> str:
+    """The layout IQ4 is kept in: i4 (this build's kernels take it) or q8 (they do not, as an
+    AVX-512 build's: the support check answers no)."""
+    if request.param == "i4" and not widen.keeps_i4():
+        pytest.skip("this build's quantized kernels take no i4 (an AVX-512 build): IQ4 is widened")
+    if request.param == "q8":
+        monkeypatch.setattr(widen, "keeps_i4", lambda: False)
+    return request.param
+
+
+def _layout(ttype, iq4_layout: str) -> str:
+    return iq4_layout if ttype in IQ4 else "q8"
 
 
 def _random_blocks(ttype, rows: int, cols: int, seed: int, exact: bool) -> np.ndarray:
@@ -41,18 +63,20 @@ def test_widened_types_are_kept():
 
 
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
-def test_widened_types_read_back_as_gguf_dequantizes_them(ttype):
+def test_widened_types_read_back_as_gguf_dequantizes_them(ttype, iq4_layout):
     rows, cols = 6, 512
     raw = _random_blocks(ttype, rows, cols, seed=int(ttype), exact=True)
     w = repack(ttype, raw)
-    assert (w.kind, w.source) == ("q8", ttype.name)
-    assert w.nbytes == pytest.approx(FILE_RATIO[ttype] * raw.nbytes)
+    kind = _layout(ttype, iq4_layout)
+    assert (w.kind, w.source) == (kind, ttype.name)
+    ratio = I4_FILE_RATIO[ttype] if kind == "i4" else FILE_RATIO[ttype]
+    assert w.nbytes == pytest.approx(ratio * raw.nbytes)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, ttype).reshape(rows, cols).astype(np.float32))
     assert torch.equal(dequantize(w), ref)          # two-level scales exact in float16 here
     raw = _random_blocks(ttype, rows, cols, seed=int(ttype) + 1, exact=False)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, ttype).reshape(rows, cols).astype(np.float32))
     # d * sc rounded to float16 (and dmin * m for Q2_K): 2^-11 of each term at most
-    codes = repack(ttype, raw).qs.float().abs().max().item()
+    codes = to_q8(w).qs.float().abs().max().item() if kind == "i4" else w.qs.float().abs().max().item()
     bound = 2 ** -11 * 1e-2 * 63 * (codes + (15 if ttype == T.Q2_K else 0))
     assert (dequantize(repack(ttype, raw)) - ref).abs().max().item() <= bound
 
@@ -62,16 +86,36 @@ def test_widened_types_read_back_as_gguf_dequantizes_them(ttype):
 @pytest.mark.parametrize("rows", [1, 3, 8, 20, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_widened_kernels_match_dequantize_then_matmul(ttype, rows, dtype):
+    """Through ``matmul`` (gemv with integer activations, passes, tiles), in the layout the
+    loader keeps here; i4 on every path in tests/test_quant_kernels.py."""
     w = repack(ttype, _random_blocks(ttype, 48, 512, seed=int(ttype), exact=False))
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
     _check_matmul(w, x, cpu_kernels())
 
 
+def test_iq4_is_widened_where_the_kernels_take_no_i4(monkeypatch, caplog):
+    """An AVX-512 build's answer (monkeypatched here): IQ4 as q8 rows, the same weights, and a
+    log line that says why; no C kernels at all: i4, which PyTorch's dequantize takes."""
+    raw = _random_blocks(T.IQ4_XS, 4, 512, seed=3, exact=False)
+    monkeypatch.setattr(widen, "cpu_kernels", lambda: None)
+    kept = repack(T.IQ4_XS, raw)
+    assert kept.kind == "i4" and kept.nbytes == pytest.approx(I4_FILE_RATIO[T.IQ4_XS] * raw.nbytes)
+    avx512 = SimpleNamespace(isa="avx512-vnni", takes=lambda kind: kind != "i4")   # its support check
+    monkeypatch.setattr(widen, "cpu_kernels", lambda: avx512)
+    widen._log_widened.cache_clear()
+    with caplog.at_level("INFO", logger=widen.log.name):
+        wide = repack(T.IQ4_XS, raw)
+    assert wide.kind == "q8" and wide.nbytes == pytest.approx(FILE_RATIO[T.IQ4_XS] * raw.nbytes)
+    assert torch.equal(dequantize(wide), dequantize(kept))
+    assert "widened" in caplog.text and "avx512-vnni" in caplog.text
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, tmp_path):
-    """A tiny Llama written in IQ4_NL (block 32 fits its width of 64): kept as q8 rows, about
-    1.9x the file's matrix bytes instead of 7x as float32, and its decode logits are the
-    dequantized model's up to the integer activations' rounding."""
+def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, iq4_layout, tmp_path):
+    """A tiny Llama written in IQ4_NL (block 32 fits its width of 64): kept as i4, its matrices'
+    resident bytes the file's (q8 where the kernels take no i4: about 1.9x, instead of 7x as
+    float32), and its decode logits are the dequantized model's up to the integer activations'
+    rounding."""
     gguf_path = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "iq4.gguf",
                                  qtype="IQ4_NL")
     source = resolve_model(str(gguf_path))
@@ -81,7 +125,12 @@ def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, tmp_pa
     try:
         kept = _runner(source, cfg)
         qkv = kept.model.layers[0].self_attn.qkv_proj
-        assert [p.source for p in qkv.parts] == ["IQ4_NL"] and qkv.parts[0].kind == "q8"
+        assert [p.source for p in qkv.parts] == ["IQ4_NL"] and qkv.parts[0].kind == iq4_layout
+        reader = gguf.GGUFReader(gguf_path)
+        file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == T.IQ4_NL)
+        dense_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type != T.IQ4_NL)
+        held = weight_bytes(kept.model) - dense_bytes   # norms: float32 in the file and here
+        assert held == pytest.approx((1.0 if iq4_layout == "i4" else 34 / 18) * file_bytes, rel=1e-3)
         dense = _runner(source, cfg, quantization="none")
         prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
         _compare(_decode_logits([kept], prompts, 6), _decode_logits([dense], prompts, 6), exact=False)
@@ -90,12 +139,12 @@ def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, tmp_pa
 
 
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
-def test_the_c_widening_is_the_numpy_one_bit_for_bit(ttype, monkeypatch):
-    import pipeserve.model.quant.gguf_widen as widen
+def test_the_c_widening_is_the_numpy_one_bit_for_bit(ttype, iq4_layout, monkeypatch):
     if widen._c_widen() is None:
         pytest.skip("no C compiler here: gguf_widen.c does not build, the numpy path runs")
     raw = _random_blocks(ttype, 5, 1024, seed=int(ttype) + 7, exact=False)
     c = repack(ttype, raw)
+    assert c.kind == _layout(ttype, iq4_layout)
     monkeypatch.setattr(widen, "_c_widen", lambda: None)
     ref = repack(ttype, raw)
     for got, want in zip(c.tensors(), ref.tensors(), strict=True):

@@ -9,7 +9,7 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6 ones
+q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6/i4 ones
 (max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
@@ -20,19 +20,21 @@ import numpy as np
 import pytest
 import torch
 
+import pipeserve.model.quant.gguf_widen as widen
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
-from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, QuantKernels, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, GEMV_PASSES_MAX_ROWS, QuantKernels, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
-from pipeserve.model.quant.packed import (PackedWeight, concat_rows, dequantize, expand_codes, pack_high_codes,
-                                          quantize_weight, to_q8)
+from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
+                                          expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
 from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
 
 T = gguf.GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)   # gguf.quants can quantize these
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)                 # it cannot: random valid blocks instead
+IQ4 = (T.IQ4_NL, T.IQ4_XS)                          # nor these: random blocks (every byte is valid)
 ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
 ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
 needs_kernel = skip_without_kernel("quant_matmul")
@@ -59,7 +61,7 @@ def gguf_file(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("q") / "types.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    data = {t: _blocks(t, rng) for t in LEGACY + K_QUANTS}
+    data = {t: _blocks(t, rng) for t in LEGACY + K_QUANTS + IQ4}
     for i, (ttype, raw) in enumerate(data.items()):
         writer.add_tensor(f"blk.{i}.ffn_up.weight", raw, raw_dtype=ttype)
     writer.add_tensor("blk.0.attn_q.weight", data[T.Q4_1], raw_dtype=T.Q4_1)
@@ -91,20 +93,25 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
 # Q5_0's offsets are the weight's ``zero``, not a minimum array); Q4_K/Q5_K
 # hold a float16 scale and minimum per 32 weights where the file has 6-bit ones under
 # a float16 per 256 (160 / 144, 192 / 176 bytes per 256), Q6_K a float16 scale per 16
-# where the file has int8 ones (224 / 210).
+# where the file has int8 ones (224 / 210). IQ4 as i4: IQ4_NL its block's bytes, IQ4_XS a float16
+# scale per 32 where the file has 6-bit ones under a float16 per 256 (144 / 136); widened to q8
+# where the kernels take no i4 (AVX-512 builds): 34 / 18 and 272 / 136.
 RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
-                      T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210}
+                      T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136}
+WIDENED_OVER_FILE = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 272 / 136}
 
 
 def test_kept_bytes_stay_close_to_the_file(gguf_file):
-    """5/6-bit codes are kept compact (nibbles + high-bit planes), not a byte per code."""
+    """5/6-bit codes are kept compact (nibbles + high-bit planes), IQ4's as its nibbles, not a
+    byte per code."""
     path, types = gguf_file
     for i, ttype in enumerate(types):
         packed, _ = _read(path, i)
         block, size = gguf.GGML_QUANT_SIZES[ttype]
         file_bytes = ROWS * COLS // block * size
-        assert packed.nbytes == round(RESIDENT_OVER_FILE[ttype] * file_bytes), (ttype.name, packed.nbytes, file_bytes)
-        assert packed.nbytes <= 1.12 * file_bytes
+        ratio = WIDENED_OVER_FILE[ttype] if ttype in IQ4 and not widen.keeps_i4() else RESIDENT_OVER_FILE[ttype]
+        assert packed.nbytes == round(ratio * file_bytes), (ttype.name, packed.nbytes, file_bytes)
+        assert packed.nbytes <= 1.12 * file_bytes or ratio > 1.12
 
 
 def test_compact_codes_pack_and_expand_exactly():
@@ -118,13 +125,27 @@ def test_compact_codes_pack_and_expand_exactly():
         assert torch.equal(dequantize(w), (q.float() - zero)), kind
 
 
+def test_i4_codes_are_the_codebook_entries_of_the_nibbles():
+    nibbles = torch.randint(0, 16, (5, 256), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    w = PackedWeight("i4", 32, pack_nibbles(nibbles), torch.full((5, 8), 0.5, dtype=torch.float16), None, "test")
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int8)[nibbles.long()]
+    assert w.in_features == 256 and w.nbytes == 5 * (128 + 16)
+    assert torch.equal(expand_codes(w), values)
+    assert torch.equal(dequantize(w), values.float() / 2)
+    assert torch.equal(dequantize(w.rows(torch.tensor([3, 0]))), values[[3, 0]].float() / 2)
+    other = _i4(4, 256, 3)
+    assert can_concat([w, other]) and not can_concat([w, to_q8(other)])
+    assert torch.equal(dequantize(concat_rows([w, other])), torch.cat([dequantize(w), dequantize(other)]))
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
-    """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts give exactly what the same codes
-    a byte each (q8, their old layout) give, on every kernel path: the kernels expand a
-    row (or a panel) into those bytes and run the q8 code. Except AVX2's integer decode path,
-    where q5/q6 take int8 activations and q8 int16 ones: each within its own bound."""
+    """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts, IQ4_NL/IQ4_XS in i4, give exactly
+    what the same codes a byte each (q8, their widened layout) give, on every kernel path: the
+    kernels expand a row (or a panel) into those bytes and run the q8 code. Except AVX2's
+    integer decode path, where q5/q6/i4 take int8 activations and q8 int16 ones: each within
+    its own bound."""
     path, types = gguf_file
     kernels = cpu_kernels()
     weights = []
@@ -134,6 +155,8 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
         weights.append(w)
     # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
     weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
+    if kernels.takes("i4"):
+        weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
     own_activations = kernels.isa == "avx2"
     for w in weights:
         ttype = w.source
@@ -188,7 +211,7 @@ def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for w in _int8_cases(gguf_file):
+            for w in _int8_cases(gguf_file, kernels):
                 for rows in (1, 3, 20):
                     x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
                     ref = x @ dequantize(w).t()
@@ -214,7 +237,8 @@ def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
 def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     ref = x.float() @ dequantize(w).t()                               # [M, N] float32
     got = kernels.matmul(w, x).float()
-    if kernels.isa == "avx2" and w.kind in ("q5", "q6") and kernels.int8_activations(w, x):   # int8 activations
+    int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
+    if kernels.isa == "avx2" and w.kind in ("q5", "q6", "i4") and int8:   # int8 activations
         assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
         return
     scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()  # magnitude of the sums
@@ -313,12 +337,12 @@ def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = to
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
     output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
     one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code),
-    q5/q6 max|x| / 254 (half a step of their int8 code)."""
+    q5/q6/i4 max|x| / 254 (half a step of their int8 code)."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
     per_max = 1 / (127 * 256)
     if isa == "avx2":
-        per_max = 1 / 254 if w.kind in ("q5", "q6") else 1 / 65534
+        per_max = 1 / 254 if w.kind in ("q5", "q6", "i4") else 1 / 65534
     step = (blocks.amax(-1) * per_max).repeat_interleave(32, dim=1)            # [M, K]
     bound = step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
     if dtype == torch.bfloat16:
@@ -337,7 +361,16 @@ def _compact(rows: int, cols: int, kind: str, group: int, zero: int, with_min: b
     return PackedWeight(kind, group, qs, scale, minv, f"{kind}/{group}", qh, zero)
 
 
-def _int8_cases(gguf_file):
+def _i4(rows: int, cols: int, seed: int) -> PackedWeight:
+    """A random i4 weight (nibbles, float16 scales of either sign, as IQ4_XS's sub-scales) of any shape."""
+    gen = torch.Generator().manual_seed(seed)
+    nibbles = torch.randint(0, 16, (rows, cols), generator=gen).to(torch.uint8)
+    scale = (0.01 * torch.randn(rows, cols // 32, generator=gen)).half()
+    return PackedWeight("i4", 32, pack_nibbles(nibbles), scale, None, "i4/32")
+
+
+def _int8_cases(gguf_file, kernels: QuantKernels):
+    """Every kept GGUF type and awkward shapes of each layout the build ``kernels`` takes."""
     path, types = gguf_file
     cases = [_read(path, i)[0] for i in range(len(types))]                     # every kept GGUF type
     w = torch.randn(41, 256, generator=torch.Generator().manual_seed(7))
@@ -348,6 +381,7 @@ def _int8_cases(gguf_file):
     return cases + [q4, q4_0, quantize_weight(odd, 8, 32),
                     _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
                     _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
+                    *([_i4(9, 736, 12)] if kernels.takes("i4") else []),
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 
@@ -357,7 +391,7 @@ def _int8_cases(gguf_file):
 def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows, threads, monkeypatch):
     kernels = cpu_kernels()
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)   # what the kernels pass to OpenMP
-    for w in _int8_cases(gguf_file):
+    for w in _int8_cases(gguf_file, kernels):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         x[0, :32] *= 20                                   # one loud block: its step is 20x coarser
         ref = x @ dequantize(w).t()
@@ -377,7 +411,7 @@ def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, d
     """Both activation dtypes (float32 is what CPUs without native bfloat16 compute in);
     ``int8_act=False`` keeps float dot products."""
     kernels = cpu_kernels()
-    w = _int8_cases(gguf_file)[-1]
+    w = _int8_cases(gguf_file, kernels)[-1]
     x = torch.randn(1, w.in_features).to(dtype)
     assert kernels.int8_activations(w, x) == kernels.has_integer_activations
     assert torch.equal(kernels.matmul(w, x), kernels.gemv(w, x, int8_act=kernels.has_integer_activations))
@@ -392,9 +426,8 @@ def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
     """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where
     the kernel has integer activations), then the tiles; within the kernels' bound of
     dequantize-then-matmul either way."""
-    from pipeserve.model.quant.cpu_kernels import GEMV_PASSES_MAX_ROWS
     kernels = cpu_kernels()
-    w = _int8_cases(gguf_file)[-1]
+    w = _int8_cases(gguf_file, kernels)[-1]
     for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])

@@ -1,43 +1,51 @@
 /* GGUF IQ4_NL, IQ4_XS, Q3_K and Q2_K blocks -> byte-per-code q8 rows (model/quant/gguf_widen.py
- * says why and how), one pass over the file's bytes. The numpy path there takes 10-30 MB/s
+ * says why and how), one pass over the file's bytes; IQ4's also -> the compact i4 layout (its
+ * nibbles as they are, a float16 scale per 32). The numpy path there takes 10-30 MB/s
  * of file bytes: a 70B Q3_K_M stage (10 GB of file) would spend minutes widening at start-up
  * and at every restart. Bit for bit the numpy path: the same codes, and scales d * sc (and
  * -dmin * m) multiplied in float32 and rounded to float16 to nearest even.
  *
  * Each function takes `blocks` blocks one after another (rows * blocks per row), shared over
- * `num_threads` threads, and writes per block its weights' int8 codes in order and a float16
- * scale (and minimum) per group: 32 weights for IQ4_NL / IQ4_XS, 16 for Q3_K / Q2_K.
+ * `num_threads` threads, and writes per block its weights' int8 codes in order (IQ4 with
+ * `nibbles` set: its 16 bytes of nibbles per 32 weights instead) and a float16 scale (and
+ * minimum) per group: 32 weights for IQ4_NL / IQ4_XS, 16 for Q3_K / Q2_K.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "half.h"
-
-static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+#include "quant_codes.h"
 
 static uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-/* 16 bytes of nibbles -> 32 codebook entries: low nibbles first, then high ones. */
-static void iq4_run(const uint8_t *q, int8_t *out) {
+/* Run r's 16 bytes of nibbles -> `codes`: as they are (nibbles set: i4's bytes are the file's),
+ * or 32 codebook entries, low nibbles first, then high ones. */
+static void iq4_run(const uint8_t *q, int nibbles, int64_t r, int8_t *codes) {
+    if (nibbles) {
+        memcpy(codes + r * 16, q, 16);
+        return;
+    }
     for (int i = 0; i < 16; i++) {
-        out[i] = IQ4_VALUES[q[i] & 15];
-        out[i + 16] = IQ4_VALUES[q[i] >> 4];
+        codes[r * 32 + i] = QUANT_IQ4_VALUES[q[i] & 15];
+        codes[r * 32 + i + 16] = QUANT_IQ4_VALUES[q[i] >> 4];
     }
 }
 
 /* Block of 32 (18 bytes): d, 16 bytes of nibbles. */
-void pipeserve_widen_iq4_nl(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+void pipeserve_widen_iq4_nl(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int nibbles,
+                            int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 18;
         scale[b] = u16(x);                    /* d itself: float16 already */
-        iq4_run(x + 2, codes + b * 32);
+        iq4_run(x + 2, nibbles, b, codes);
     }
 }
 
 /* Block of 256 (136 bytes): d, scales_h (2 bits a run), scales_l (a nibble a run), 8 runs of
  * 16 bytes of nibbles; run j's scale d * (6-bit - 32). */
-void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int nibbles,
+                            int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 136;
@@ -46,7 +54,7 @@ void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, ui
         for (int j = 0; j < 8; j++) {
             const int ls = ((x[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
             scale[b * 8 + j] = float_to_half(d * (float)(ls - 32));
-            iq4_run(x + 8 + 16 * j, codes + b * 256 + 32 * j);
+            iq4_run(x + 8 + 16 * j, nibbles, b * 8 + j, codes);
         }
     }
 }

@@ -1,15 +1,21 @@
 /* Compact 5/6-bit codes of kept-quantized weights (layouts "q5" / "q6",
- * pipeserve/model/quant/packed.py) expanded into int8 codes, the "q8" layout.
+ * pipeserve/model/quant/packed.py) and IQ4's 4-bit codebook indices (layout "i4") expanded
+ * into int8 codes, the "q8" layout.
  *
  * A row of K weights is K / 2 nibble bytes (per run of 32: byte j holds weight j
  * low, weight j + 16 high) and K / 32 * 4 * hbits bytes of high bits (per run:
  * hbits little-endian 32-bit planes, bit j of plane p = bit 4 + p of weight j).
- * code = nibble | plane bits << 4, minus `zero`. quant_expand_row serves the float
+ * code = nibble | plane bits << 4, minus `zero`. i4 is q4's nibbles alone, each an index into
+ * IQ4's 16 signed values (QUANT_IQ4_VALUES; code = value[nibble], no `zero`): one byte
+ * shuffle per 32 weights on AVX2, as llama.cpp does. quant_expand_row serves the float
  * decode and tiled paths (a row into an L1 scratch row, then their q8 code); the VNNI
  * decode path (quant_matmul.c, chunk_codes_hb), the AVX2 decode path (quant_gemv_avx2.h:
  * quant_codes32_avx2 for groups of 32, block_codes_eo for groups of 16) and the many-row kernel
  * (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
- * 5.5-7 bits each.
+ * 4.5-7 bits each (i4: 4.5).
+ *
+ * i4 is not taken by AVX-512 builds (quant_takes_kind): their VNNI and many-row paths expand
+ * q5/q6 only, so the loader keeps IQ4 widened to q8 there (model/quant/gguf_widen.py).
  */
 #ifndef PIPESERVE_QUANT_CODES_H
 #define PIPESERVE_QUANT_CODES_H
@@ -17,12 +23,26 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6. */
-static inline int quant_is_compact(int kind) { return kind == 5 || kind == 6; }
+/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4. */
+#define QUANT_I4 9
+static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6) and in `qh` (high-bit planes). */
+/* Whether the codes are expanded into q8's int8 codes where they are computed with. */
+static inline int quant_is_compact(int kind) { return kind == 5 || kind == 6 || kind == QUANT_I4; }
+/* Bit-planes above the nibble: 1 for q5, 2 for q6, else 0. */
+static inline int quant_high_bits(int kind) { return kind == 5 || kind == 6 ? kind - 4 : 0; }
+
+/* Whether this build's kernels take layout `kind` (i4: not AVX-512 builds, see above). */
+static inline int quant_takes_kind(int kind) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (kind == QUANT_I4) return 0;
+#endif
+    return kind == 4 || kind == 8 || kind == 5 || kind == 6 || kind == QUANT_I4;
+}
+
+/* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4) and in `qh` (high-bit planes). */
 static inline int64_t quant_row_bytes(int kind, int64_t K) { return kind == 8 ? K : K / 2; }
-static inline int64_t quant_high_row_bytes(int kind, int64_t K) { return quant_is_compact(kind) ? K / 8 * (kind - 4) : 0; }
+static inline int64_t quant_high_row_bytes(int kind, int64_t K) { return K / 8 * quant_high_bits(kind); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -69,16 +89,33 @@ quant_codes32_avx2(int hbits, const uint8_t *qs, const uint8_t *qh, int zero, in
     return _mm256_sub_epi8(c, _mm256_set1_epi8((char)zero));
 }
 
+/* The 32 int8 codebook values of i4 run r, in weight order: the nibbles (low halves, then
+ * high halves of the 16 bytes) looked up in one vpshufb, the 16 values in each 128-bit lane. */
+static inline __attribute__((always_inline)) __m256i quant_i4_codes32_avx2(const uint8_t *qs, int64_t r) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
+    const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    const __m128i values = _mm_loadu_si128((const __m128i *)QUANT_IQ4_VALUES);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(values, values), idx);
+}
+
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
     for (int64_t r = 0; r < K / 32; r++)
-        _mm256_storeu_si256((__m256i *)(dst + r * 32), quant_codes32_avx2(kind - 4, qs, qh, zero, r));
+        _mm256_storeu_si256((__m256i *)(dst + r * 32), kind == QUANT_I4 ? quant_i4_codes32_avx2(qs, r)
+                                                                        : quant_codes32_avx2(kind - 4, qs, qh, zero, r));
 }
 
 #else
 
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
-    const int hbits = kind - 4;
+    const int hbits = quant_high_bits(kind);
     for (int64_t r = 0; r < K / 32; r++) {
+        if (kind == QUANT_I4) {
+            for (int j = 0; j < 16; j++) {
+                dst[r * 32 + j] = QUANT_IQ4_VALUES[qs[r * 16 + j] & 15];
+                dst[r * 32 + j + 16] = QUANT_IQ4_VALUES[qs[r * 16 + j] >> 4];
+            }
+            continue;
+        }
         uint32_t p[2] = {0, 0};
         memcpy(p, qh + r * 4 * hbits, 4 * (size_t)hbits);
         for (int j = 0; j < 32; j++) {
@@ -92,7 +129,7 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 #endif
 
 /* The codes of row n as q8 (int8, K of them): the row itself for q8, or its expansion
- * into `scratch` for q5/q6. Not for q4 (its kernels read nibbles). */
+ * into `scratch` for q5/q6/i4. Not for q4 (its kernels read nibbles). */
 static inline const uint8_t *quant_q8_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K,
                                           int64_t n, int8_t *scratch) {
     if (!quant_is_compact(kind)) return qs + n * K;

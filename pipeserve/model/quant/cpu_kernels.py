@@ -23,18 +23,21 @@ F16C one ("avx2") quantizes each activation row per block of 32 and takes intege
 dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
 against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
 (quant_matmul.c); AVX2: int16 against q4/q8 codes, int8 (step max|x| / 127)
-against the compact q5/q6 ones (quant_gemv_avx2.h: one vpmaddubsw on their raw codes).
+against the compact q5/q6 ones (quant_gemv_avx2.h: one vpmaddubsw on their raw codes)
+and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
 Each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
 1.5e-5 of the block's largest activation for the int16 codes, finer than bfloat16;
-4e-3 for AVX2's q5/q6 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
-below the 5/6-bit weights' own quantization error. float32 and bfloat16 activations both take it
+4e-3 for AVX2's q5/q6/i4 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
+below the 4-6-bit weights' own quantization error. float32 and bfloat16 activations both take it
 (float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
 ``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
-(Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) are
-expanded to q8's int8 codes inside the kernels (in registers on the VNNI
+(Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) and IQ4's i4 are
+expanded to q8's int8 codes inside the kernels (in registers on the VNNI, AVX2 integer
 and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
-on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py).
+on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py), but AVX2's
+integer path, whose activations are int8 for them and int16 for q8. AVX-512 builds take no
+i4 (``takes``): the loader widens IQ4 to q8 for them.
 """
 
 from __future__ import annotations
@@ -92,12 +95,20 @@ class QuantKernels:
         self._i8_applies = lib.pipeserve_quant_i8_applies
         self._i8_applies.argtypes = [i64, i64, i64]
         self._i8_applies.restype = i32
+        # a build from before the i4 layout (benchmarks' --compare) has no such question: q4/q8/q5/q6
+        self._takes = getattr(lib, "pipeserve_quant_takes", None)
+        if self._takes is not None:
+            self._takes.argtypes, self._takes.restype = [i32], i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
         # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
         # kernel for the simplest layout it takes (blocks and groups of 32, one row)
         self.has_integer_activations = bool(self._i8_applies(32, 32, 1))
         self._gemm, self.gemm_isa = _load_gemm()
+
+    def takes(self, kind: str) -> bool:
+        """Whether this build's kernels take the layout ``kind`` (i4: AVX2 and portable builds)."""
+        return bool(self._takes(_KINDS[kind])) if self._takes is not None else kind != "i4"
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -118,7 +129,7 @@ class QuantKernels:
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
         return (self._gemm is not None and x.dtype == torch.bfloat16 and w.in_features % 32 == 0
-                and w.group % (32 if w.kind == "q4" else 16) == 0)
+                and w.kind != "i4" and w.group % (32 if w.kind == "q4" else 16) == 0)
 
     def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
@@ -151,9 +162,8 @@ class QuantKernels:
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         bf16 = int(x.dtype == torch.bfloat16)
         act_i8 = 1 if int8_act is None else int(int8_act)
-        if self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
-                      act_i8, torch.get_num_threads(), qh, zero):
-            raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
+        _check(self._gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, x.shape[0], out.data_ptr(), bf16,
+                          act_i8, torch.get_num_threads(), qh, zero), w)
         return out
 
     def decode_fn(self, w: PackedWeight):
@@ -169,19 +179,19 @@ class QuantKernels:
             rows = x.shape[0]
             out = empty(rows, n, dtype=x.dtype)
             bf16 = int(x.dtype == bf16_dtype)
-            if gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, rows, out.data_ptr(), bf16, 1,
-                    threads(), qh, zero):
-                raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
+            rc = gemv(kind, qs, scale, minv, n, k, group, x.data_ptr(), bf16, rows, out.data_ptr(), bf16, 1,
+                      threads(), qh, zero)
+            if rc:
+                _check(rc, w)
             return out
         return run
 
     def dequant_rows(self, w: PackedWeight, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [r0, r1) of the weight, dequantized: [r1 - r0, K]."""
         out = torch.empty(r1 - r0, w.in_features, dtype=dtype)
-        if self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
-                         r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(), _ptr(w.qh),
-                         w.zero):
-            raise MemoryError("quantized matmul: cannot allocate its code scratch")
+        _check(self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
+                             r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(),
+                             _ptr(w.qh), w.zero), w)
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
@@ -236,11 +246,22 @@ def _load_gemm():
     return fn, isa
 
 
-_KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6}
+_KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9}
 
 
 def _kind(w: PackedWeight) -> int:
     return _KINDS[w.kind]
+
+
+def _check(rc: int, w: PackedWeight) -> None:
+    """A gemv's or dequantize's return code as the exception it means."""
+    if rc == -1:
+        raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
+    if rc == -2:
+        raise ValueError(f"this build of the quantized kernels does not take the {w.kind} layout of {w.source} "
+                         "(IQ4 is widened to q8 at load where it does not)")
+    if rc != 0:
+        raise RuntimeError(f"quantized matmul refused its arguments (code {rc})")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

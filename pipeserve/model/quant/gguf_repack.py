@@ -30,7 +30,7 @@ from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
-# The last four have no compact layout here: kept as q8 rows (gguf_widen.py).
+# The last four are re-laid out by gguf_widen.py: IQ4 as i4 where the kernels take it, else q8 rows.
 KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, *WIDENED)
 
 

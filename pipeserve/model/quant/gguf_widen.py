@@ -1,5 +1,13 @@
-"""GGUF types without a compact layout here, kept as byte-per-code ``q8`` rows:
-IQ4_NL, IQ4_XS, Q3_K and Q2_K.
+"""GGUF types kept in layouts other than their own blocks: IQ4_NL and IQ4_XS as ``i4``
+(their nibbles as they are) where the kernels take it, else, with Q3_K and Q2_K, as
+byte-per-code ``q8`` rows.
+
+IQ4's codes are 4-bit indices into a 16-value signed codebook, in q4's nibble order:
+``i4`` (packed.py) keeps the file's nibbles and a float16 scale per 32 weights (IQ4_NL:
+the block's d; IQ4_XS: d times its 6-bit sub-scale less 32), 4.5 bits a weight, 1.0x
+IQ4_NL's file bytes and 1.06x IQ4_XS's. The AVX2 and portable kernels take it
+(``keeps_i4``); AVX-512 builds have no i4 kernels (their VNNI and many-row paths would
+need their own expansion), so there IQ4 is widened to ``q8`` as below.
 
 A weight of each is a scale times a small integer code, plus a minimum for Q2_K,
 per group of 16 or 32 weights: Q2_K's codes are 0..3, Q3_K's -4..3 and IQ4's
@@ -11,12 +19,13 @@ to float16, as for the K-quants in ``gguf_repack``: a relative change of at most
 2^-11 of a scale.
 
 Memory: 8 bits a code plus the scales: 1.9x IQ4_NL's bytes in the file, 2.0x
-IQ4_XS, 2.6x Q3_K and 3.8x Q2_K, against 7-12x for float32 (what a 70B IQ4_XS
-or Q3_K_M file became before). Their own compact layouts (nibbles with a codebook
-lookup, 2- and 3-bit planes) would need kernels of their own.
+IQ4_XS (widened), 2.6x Q3_K and 3.8x Q2_K, against 7-12x for float32 (what a 70B IQ4_XS
+or Q3_K_M file became before). Q3_K's and Q2_K's own compact layouts (2- and 3-bit
+planes) would need kernels of their own.
 
 ``kernels/gguf_widen.c`` does it in one pass on the stage's threads; the numpy
-functions below are its reference and the fallback without a compiler.
+functions below are its reference and the fallback without a compiler (IQ4's give
+``i4``, widened by ``to_q8``).
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ import gguf
 import numpy as np
 import torch
 
-from pipeserve.model.quant.packed import PackedWeight
+from pipeserve.model.quant.cpu_kernels import cpu_kernels
+from pipeserve.model.quant.packed import PackedWeight, to_q8
 
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
-IQ4_VALUES = np.array(gguf.quants.IQ4_NL.kvalues, dtype=np.int8)
+IQ4 = (T.IQ4_NL, T.IQ4_XS)
 U8 = np.uint8
 SHIFT2 = (2 * np.arange(4, dtype=U8))          # the four 2-bit codes of a byte
 SHIFT4 = np.array([0, 4], dtype=U8)             # its two nibbles
@@ -53,15 +63,17 @@ def _packed(source: str, group: int, codes: np.ndarray, scale: np.ndarray, minv:
                         None if minv is None else half(minv), source)
 
 
-def _nibble_codes(qs: np.ndarray) -> np.ndarray:
-    """IQ4 nibbles [..., 16 bytes a run of 32] -> codebook entries int8 [..., 32]: the low
-    nibbles are weights 0-15 of the run, the high ones 16-31."""
-    return IQ4_VALUES[(qs[..., None, :] >> SHIFT4[:, None]) & U8(15)].reshape(*qs.shape[:-1], 32)
+def _i4(source: str, nibbles: np.ndarray, scale: np.ndarray, rows: int) -> PackedWeight:
+    """nibbles uint8 [rows, ..., 16 bytes a run of 32] (q4's order, as IQ4 stores them);
+    scale float32 [rows, ..., a run]."""
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))
+    return PackedWeight("i4", 32, t(nibbles), t(scale.astype(np.float16)), None, source)
 
 
 def _iq4_nl(blocks: np.ndarray, rows: int) -> PackedWeight:
     """Block of 32: d (float16), 16 bytes of nibbles."""
-    return _packed("IQ4_NL", 32, _nibble_codes(blocks[..., 2:18]), _f16(blocks, 0), None, rows)
+    return _i4("IQ4_NL", blocks[..., 2:18], _f16(blocks, 0), rows)
 
 
 def _iq4_xs(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -73,8 +85,7 @@ def _iq4_xs(blocks: np.ndarray, rows: int) -> PackedWeight:
     high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(U8)
     ls = (low | (high << U8(4))).astype(np.float32)
     scale = _f16(blocks, 0) * (ls - 32)                                          # [rows, n, 8]
-    codes = _nibble_codes(blocks[..., 8:136].reshape(rows, n, 8, 16))           # [rows, n, 8, 32]
-    return _packed("IQ4_XS", 32, codes, scale, None, rows)
+    return _i4("IQ4_XS", blocks[..., 8:136], scale, rows)
 
 
 def _q3_k(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -120,19 +131,41 @@ def _c_widen() -> ctypes.CDLL | None:
         return None
 
 
+def keeps_i4() -> bool:
+    """Whether IQ4 tensors stay ``i4``: where the CPU kernels take the layout (AVX2 and
+    portable builds), or there are none (PyTorch's ``dequantize`` takes every layout).
+    AVX-512 builds have no i4 kernels: IQ4 is widened to q8 there (logged once)."""
+    kernels = cpu_kernels()
+    if kernels is None or kernels.takes("i4"):
+        return True
+    _log_widened(kernels.isa)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _log_widened(isa: str) -> None:
+    log.info("IQ4_NL/IQ4_XS weights widened to a byte per code (about 2x the file's bytes): the %s "
+             "quantized kernels take no 4-bit codebook (i4) layout", isa)
+
+
 def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
+    """IQ4 as i4 (``keeps_i4``) or q8, Q3_K / Q2_K as q8: in C where it builds, else numpy."""
     numpy_path, name, group, arrays = _TYPES[ttype]
+    nibbles = ttype in IQ4 and keeps_i4()
     lib = _c_widen()
     if lib is None:
-        return numpy_path(blocks, rows)
+        w = numpy_path(blocks, rows)
+        return to_q8(w) if w.kind == "i4" and not nibbles else w
     weights = gguf.GGML_QUANT_SIZES[ttype][0] * blocks.shape[1]      # a row's
-    codes = torch.empty(rows, weights, dtype=torch.int8)
+    codes = torch.empty(rows, weights // 2 if nibbles else weights, dtype=torch.uint8 if nibbles else torch.int8)
     halves = [torch.empty(rows, weights // group, dtype=torch.float16) for _ in range(arrays)]
     data = np.ascontiguousarray(blocks)                                # held: the C call reads it
     p = ctypes.c_void_p
+    flag = (ctypes.c_int(nibbles),) if ttype in IQ4 else ()
     getattr(lib, name)(p(data.ctypes.data), ctypes.c_int64(rows * blocks.shape[1]), p(codes.data_ptr()),
-                       *(p(h.data_ptr()) for h in halves), ctypes.c_int(torch.get_num_threads()))
-    return PackedWeight("q8", group, codes, halves[0], halves[1] if arrays == 2 else None, ttype.name)
+                       *(p(h.data_ptr()) for h in halves), *flag, ctypes.c_int(torch.get_num_threads()))
+    return PackedWeight("i4" if nibbles else "q8", group, codes, halves[0], halves[1] if arrays == 2 else None,
+                        ttype.name)
 
 
 WIDENED = {ttype: functools.partial(_widen, ttype) for ttype in _TYPES}

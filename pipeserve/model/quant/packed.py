@@ -1,6 +1,6 @@
 """Quantized weight matrices in the layouts the kernels read.
 
-Every kept type is stored in one of four row-major layouts, all with a
+Every kept type is stored in one of five row-major layouts, all with a
 float16 ``scale`` (and optional float16 ``minv``) per group of ``group``
 weights of a row:
 
@@ -20,6 +20,12 @@ weights of a row:
   registers on the VNNI decode and many-row paths, a scratch row in cache on
   the float decode and tiled paths) and run the ``q8`` code on them
   (``expand_codes`` is the reference).
+- ``i4``: GGUF IQ4_NL / IQ4_XS codes: ``q4``'s nibbles (the file's bytes as they are),
+  each an index into IQ4's 16 signed values ``IQ4_VALUES`` (-127..113), a scale per
+  32 weights, no minimum, ``zero`` 0: 4.5 bits per weight. The kernels look the
+  codes up (one byte shuffle per 32 on AVX2) into ``q8``'s int8 codes and run the
+  ``q8`` code on them, as for q5/q6. AVX-512 builds have no i4 kernels; there the
+  loader widens IQ4 to ``q8`` (``gguf_widen``).
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
 except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
@@ -31,18 +37,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import gguf
 import numpy as np
 import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
 HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bit-planes above the nibble
+IQ4_VALUES = tuple(int(v) for v in gguf.quants.IQ4_NL.kvalues)   # i4's codebook: -127 .. 113
 
 
 @dataclass
 class PackedWeight:
-    kind: str                    # "q4" | "q8" | "q5" | "q6"
+    kind: str                    # "q4" | "q8" | "q5" | "q6" | "i4"
     group: int                   # weights per scale
-    qs: torch.Tensor             # q4/q5/q6: uint8 [out, in / 2]; q8: int8 [out, in]
+    qs: torch.Tensor             # q4/q5/q6/i4: uint8 [out, in / 2]; q8: int8 [out, in]
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
@@ -103,7 +111,7 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.kind == "q8":
         q = w.qs.view(rows, -1, w.group).float()
     else:
-        q = expand_codes(w).view(rows, -1, w.group).float() if w.kind in HIGH_BITS else \
+        q = expand_codes(w).view(rows, -1, w.group).float() if w.kind != "q4" else \
             _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
     out = q * w.scale.float().unsqueeze(-1)
     if w.minv is not None:
@@ -118,8 +126,12 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def expand_codes(w: PackedWeight) -> torch.Tensor:
-    """A q5/q6 weight's codes minus ``zero`` as int8 [out, in]: the ``q8`` codes the
-    kernels expand a row into (``to_q8`` builds the byte-per-code layout from them)."""
+    """A q5/q6 weight's codes minus ``zero``, or an i4 weight's codebook values, as int8
+    [out, in]: the ``q8`` codes the kernels expand a row into (``to_q8`` builds the
+    byte-per-code layout from them)."""
+    if w.kind == "i4":
+        values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=w.qs.device)
+        return values[_nibbles(w.qs).long()]
     rows, hbits = w.out_features, HIGH_BITS[w.kind]
     q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
     planes = w.qh.view(rows, -1, hbits, 4)                                 # [out, in / 32, hbits, 4 bytes]
@@ -131,7 +143,7 @@ def expand_codes(w: PackedWeight) -> torch.Tensor:
 
 
 def to_q8(w: PackedWeight) -> PackedWeight:
-    """A q5/q6 weight in the byte-per-code ``q8`` layout (the layout they had before the
+    """A q5/q6/i4 weight in the byte-per-code ``q8`` layout (the layout they had before the
     compact one: benchmarks compare the two; tests check the kernels agree)."""
     return PackedWeight("q8", w.group, expand_codes(w), w.scale, w.minv, w.source)
 
