@@ -95,6 +95,11 @@ class Timeline:
         with self._lock:
             return [(start, end) for _, start, end in self._finished]
 
+    def finished_steps(self) -> list[tuple[int, float, float]]:
+        """(step id, submit, done) of finished steps, in finishing order."""
+        with self._lock:
+            return list(self._finished)
+
     def window(self) -> Span | None:
         spans = self.step_spans()
         if not spans:
