@@ -26,6 +26,14 @@ def test_every_preset_runs(model: str, hardware: str, capsys) -> None:
     assert "Recommendation" in out and "[5] T =" in out and "gpipe" in out
 
 
+def test_a_configuration_that_does_not_fit_is_not_simulated(capsys) -> None:
+    """70B on one L4: the stage count it needs, and no simulation of a run that cannot start
+    (the simulator took minutes over it)."""
+    assert main(["--model", "llama-3.1-70b", "--hardware", "L4", "--quantization", "q4_k_m", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "Stages needed" in out and "Not simulated: PP=1 x TP=1 does not fit" in out and "Workload:" not in out
+
+
 def test_config_json_and_hardware_yaml(tmp_path, capsys) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(MODEL_PRESETS["Llama-3.1-8B"]))

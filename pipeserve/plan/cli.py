@@ -123,8 +123,15 @@ def _plan(args: argparse.Namespace) -> int:
     best, results = recommend(model, hw, req, args.target)
     print(format_candidates(results, best, args.target))
     print(explain(best, results, args.target))
-    if not args.no_simulate:
-        _simulate_all(model, hw, req, workload, args)
+    if args.no_simulate:
+        return 0
+    if not est.fits:
+        # A configuration that cannot hold its weights and one sequence's KV cannot run: its
+        # simulation would say nothing, and of a 70B model on one device it takes minutes.
+        print(f"Not simulated: PP={req.pp} x TP={req.tp} does not fit in memory (see Stages needed; "
+              "pass --pp/--tp/--hardware/--device-memory for a configuration that does)")
+        return 0
+    _simulate_all(model, hw, req, workload, args)
     return 0
 
 
