@@ -6,7 +6,8 @@ For SmolLM2-135M's layer shapes (``--shapes llama``: a 2048-wide Llama's, FFN 56
 Q4_1-like (q4) and Q8_0-like (q8) weights: the dense matmul, the tiled path at several tile
 sizes (``TILE_BYTES`` of dequantized weight per tile, each tile's product x @ W_tile^T), the
 tiles turned round (``turned``: 512-row tiles, W_tile @ x^T into the output's transpose, what
-float32 rows up to ``TRANSPOSED_MAX_ROWS`` take on more than one thread), the dequantizing
+float32 rows up to ``TRANSPOSED_MAX_ROWS`` take on more than one thread, for weights at
+least ``TRANSPOSED_MIN_IN`` wide), the dequantizing
 alone (the whole matrix, the part the tile path adds), and the decode kernel in passes of
 ``GEMV_MAX_ROWS`` rows (what up to ``GEMV_PASSES_MAX_ROWS`` rows take where it has integer
 activations), at 16 to 512 activation rows. Best of repeated calls, side by side in one run:

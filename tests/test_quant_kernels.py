@@ -284,6 +284,25 @@ def test_many_tiles_equal_one(dtype, monkeypatch):
 
 
 @needs_kernel
+def test_tiles_turn_round_for_few_float32_rows_of_a_wide_weight_on_threads(monkeypatch):
+    import pipeserve.model.quant.cpu_kernels as quant_cpu
+    kernels = cpu_kernels()
+    monkeypatch.setattr(kernels, "_tiled_transposed", lambda w, x: "turned")
+    monkeypatch.setattr(quant_cpu.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(quant_cpu, "TRANSPOSED_MIN_IN", 64)
+    w = quantize_weight(torch.randn(40, 64, generator=torch.Generator().manual_seed(7)), 4, 32)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(8))
+    assert kernels.tiled(w, x) == "turned"
+    assert isinstance(kernels.tiled(w, x.bfloat16()), torch.Tensor)          # bfloat16: as before
+    for name, value in (("TRANSPOSED_MAX_ROWS", 19), ("TRANSPOSED_MIN_IN", 96)):
+        with monkeypatch.context() as m:
+            m.setattr(quant_cpu, name, value)                                 # more rows; a narrower weight
+            assert isinstance(kernels.tiled(w, x), torch.Tensor)
+    monkeypatch.setattr(quant_cpu.torch, "get_num_threads", lambda: 1)
+    assert isinstance(kernels.tiled(w, x), torch.Tensor)                      # one thread
+
+
+@needs_kernel
 @pytest.mark.parametrize("bits,group", [(8, 32), (8, 128), (4, 32), (4, 64)])
 def test_int8_int4_quantize_within_half_a_step_and_kernel_matches(bits, group):
     # 41 rows, an odd count: the two-row decode loop has a tail.

@@ -64,12 +64,14 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
-# Up to this many float32 rows on more than one thread, a tile's product is W_tile @ x^T into
-# the output's transpose, over tiles of TRANSPOSED_TILE_ROWS rows: the matmul then splits the
-# tile's many rows between the threads, where x @ W_tile^T split the few rows of x (AVX2, 2
-# threads, 64-128 rows: 1.2-1.8x on Llama-7B-like and SmolLM2 shapes; 1.0-1.1x at 256; no gain
-# at one thread or beyond; benchmarks/README.md, "Prefill tiles turned round").
+# Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
+# takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
+# TRANSPOSED_TILE_ROWS rows: the matmul then splits the tile's many rows between the threads,
+# where x @ W_tile^T split the few rows of x (AVX2, 2 threads, a 2048-wide Llama's shapes:
+# 1.1-2.8x at 32-64 rows, 1.0-1.4x at 256; no gain at one thread, beyond 256 rows, or on
+# SmolLM2's 576/1536-wide matrices, 0.8-1.05x; benchmarks/README.md, "Prefill tiles turned round").
 TRANSPOSED_MAX_ROWS = 256
+TRANSPOSED_MIN_IN = 2048
 TRANSPOSED_TILE_ROWS = 512
 # bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
@@ -195,7 +197,8 @@ class QuantKernels:
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_MAX_ROWS and torch.get_num_threads() > 1:
+        if (x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_MAX_ROWS and w.in_features >= TRANSPOSED_MIN_IN
+                and torch.get_num_threads() > 1):
             return self._tiled_transposed(w, x)
         rows = max(TILE_MIN_ROWS, TILE_BYTES // (w.in_features * x.element_size()))
         if rows >= w.out_features:     # one tile: no copy of the output into place
