@@ -209,7 +209,6 @@ class QuantKernels:
             out[:, r0:r1] = x @ self.dequant_rows(w, r0, r1, x.dtype).t()   # [M, rows]
         return out
 
-
     def _tiled_transposed(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         out_t = torch.empty(w.out_features, x.shape[0], dtype=x.dtype)
         xt = x.t()
