@@ -19,16 +19,10 @@
 static uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 /* Run r's 16 bytes of nibbles -> `codes`: as they are (nibbles set: i4's bytes are the file's),
- * or 32 codebook entries, low nibbles first, then high ones. */
+ * or 32 codebook entries, low nibbles first, then high ones (quant_codes.h's quant_i4_run). */
 static void iq4_run(const uint8_t *q, int nibbles, int64_t r, int8_t *codes) {
-    if (nibbles) {
-        memcpy(codes + r * 16, q, 16);
-        return;
-    }
-    for (int i = 0; i < 16; i++) {
-        codes[r * 32 + i] = QUANT_IQ4_VALUES[q[i] & 15];
-        codes[r * 32 + i + 16] = QUANT_IQ4_VALUES[q[i] >> 4];
-    }
+    if (nibbles) memcpy(codes + r * 16, q, 16);
+    else quant_i4_run(q, codes + r * 32);
 }
 
 /* Block of 32 (18 bytes): d, 16 bytes of nibbles. */

@@ -29,6 +29,15 @@ static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22,
 
 /* Whether the codes are expanded into q8's int8 codes where they are computed with. */
 static inline int quant_is_compact(int kind) { return kind == 5 || kind == 6 || kind == QUANT_I4; }
+/* An i4 run's 32 codebook values from its 16 bytes, in weight order (low nibbles, then high
+ * ones), one table lookup each: the portable expansion, and gguf_widen.c's widening of IQ4 to q8. */
+static inline void quant_i4_run(const uint8_t *q, int8_t *dst) {
+    for (int j = 0; j < 16; j++) {
+        dst[j] = QUANT_IQ4_VALUES[q[j] & 15];
+        dst[j + 16] = QUANT_IQ4_VALUES[q[j] >> 4];
+    }
+}
+
 /* Bit-planes above the nibble: 1 for q5, 2 for q6, else 0. */
 static inline int quant_high_bits(int kind) { return kind == 5 || kind == 6 ? kind - 4 : 0; }
 
@@ -70,13 +79,17 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 #elif defined(__AVX2__)
 #include <immintrin.h>
 
-/* The 32 codes of run r as int8 (code - zero), in weight order: the nibbles (low halves
- * then high halves of the 16 bytes) plus each plane's bit, spread to a byte per weight
+/* Run r's 32 nibbles as bytes, in weight order: the low halves, then the high halves of its 16 bytes. */
+static inline __attribute__((always_inline)) __m256i quant_nibbles32_avx2(const uint8_t *qs, int64_t r) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+/* The 32 codes of run r as int8 (code - zero), in weight order: the nibbles plus each plane's bit, spread to a byte per weight
  * by a byte shuffle (byte j / 8 of the plane to byte j) and a compare with bit j % 8. */
 static inline __attribute__((always_inline)) __m256i
 quant_codes32_avx2(int hbits, const uint8_t *qs, const uint8_t *qh, int zero, int64_t r) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
-    __m256i c = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    __m256i c = quant_nibbles32_avx2(qs, r);
     const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
                                              0x0101010101010101, 0x0000000000000000);
     const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
@@ -89,11 +102,10 @@ quant_codes32_avx2(int hbits, const uint8_t *qs, const uint8_t *qh, int zero, in
     return _mm256_sub_epi8(c, _mm256_set1_epi8((char)zero));
 }
 
-/* The 32 int8 codebook values of i4 run r, in weight order: the nibbles (low halves, then
- * high halves of the 16 bytes) looked up in one vpshufb, the 16 values in each 128-bit lane. */
+/* The 32 int8 codebook values of i4 run r, in weight order: its nibbles looked up in one
+ * vpshufb, the 16 values in each 128-bit lane. */
 static inline __attribute__((always_inline)) __m256i quant_i4_codes32_avx2(const uint8_t *qs, int64_t r) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
-    const __m256i idx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+    const __m256i idx = quant_nibbles32_avx2(qs, r);
     const __m128i values = _mm_loadu_si128((const __m128i *)QUANT_IQ4_VALUES);
     return _mm256_shuffle_epi8(_mm256_set_m128i(values, values), idx);
 }
@@ -110,10 +122,7 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
     const int hbits = quant_high_bits(kind);
     for (int64_t r = 0; r < K / 32; r++) {
         if (kind == QUANT_I4) {
-            for (int j = 0; j < 16; j++) {
-                dst[r * 32 + j] = QUANT_IQ4_VALUES[qs[r * 16 + j] & 15];
-                dst[r * 32 + j + 16] = QUANT_IQ4_VALUES[qs[r * 16 + j] >> 4];
-            }
+            quant_i4_run(qs + r * 16, dst + r * 32);
             continue;
         }
         uint32_t p[2] = {0, 0};
