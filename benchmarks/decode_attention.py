@@ -93,6 +93,10 @@ class Case:
             self.batches.append(DecodeBatch(torch.arange(batch), block_index_of(tables, [ctx] * batch, block_size),
                                             torch.full((batch,), ctx, dtype=torch.int64), block_size))
         self.q = torch.randn(batch, heads, head_dim).to(dtype)
+        # The C entry point's query and output (kernel_calls): one pair per case, as every
+        # backend's calls point at them.
+        self.q32 = self.q.float().contiguous()
+        self.out32 = torch.empty_like(self.q32)
         self.shape = ScoreShape(head_dim ** -0.5)
 
     def seconds_per_call(self, backend) -> float:
@@ -103,10 +107,8 @@ class Case:
         return (time.perf_counter() - start) / self.layers
 
     def kernel_calls(self, backend: CpuPagedAttention) -> list[tuple]:
-        """Per layer, the arguments of ``pipeserve_paged_decode`` (float32 query and output
-        made here, once), for timing the C entry point without ``attend_decodes``' glue."""
-        self.q32 = self.q.float().contiguous()
-        self.out32 = torch.empty_like(self.q32)
+        """Per layer, the arguments of ``pipeserve_paged_decode``, for timing the C entry point
+        without ``attend_decodes``' glue."""
         return [backend.decode_kernel_args(self.q32, k, v, backend.decode_args(g), self.shape, self.out32,
                                            bf16_math=self.q.dtype == torch.bfloat16)
                 for (k, v), g in zip(self.caches, self.batches)]
