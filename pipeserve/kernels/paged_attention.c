@@ -26,10 +26,7 @@
  *   memory and the hardware prefetcher stops at each one's end, so the loop
  *   asks for the tile's V rows while it scores its keys, and for the next
  *   tile's K rows while it sums the values: about two half-tiles (K and V of
- *   one block) in L1 at a time. A range's last tile asks for the first K rows of the
- *   item the thread attends next (key_range.after_k: pipeserve_decode_items runs items
- *   in order, pipeserve_paged_decode hands them out in runs of consecutive ones).
- *   Measured on the 2-core development VM (float32,
+ *   one block) in L1 at a time. Measured on the 2-core development VM (float32,
  *   SmolLM2's shape, one core): ~42 ns per key and kv head from memory, against
  *   ~70 for the earlier item = (range, kv head) walk, which read each block in
  *   three strided passes.
@@ -95,8 +92,6 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
  * dynamic scheduling evens out; a range is at least SPLIT_MIN_KEYS keys (the
  * merge and the per-range setup cost about as much as a few keys). */
 #define SPLIT_PER_THREAD 8
-/* pipeserve_paged_decode hands each thread about this many runs of consecutive items. */
-#define ITEM_RUNS_PER_THREAD 4
 #define SPLIT_MIN_KEYS 128
 /* A step of fewer (key, kv head) rows than this runs on the calling thread: at ~40 ns
  * a row on one AVX2 core that is under ~80 us, less than a thread team's fork and join
@@ -147,11 +142,6 @@ typedef struct {
     int64_t row_stride;         /* bytes between tokens of a block */
     int64_t block_size, kv_heads, group;
     float scale, softcap;
-    /* The first K rows of the item the same thread attends next (after_rows 0: none), asked
-     * for while this range's last tile is summed (AVX2 path): an item otherwise starts on
-     * keys nobody asked for. */
-    const char *after_k;
-    int64_t after_rows;
 } key_range;
 
 /* Byte offset of key t's row (this kv head) in either cache. */
@@ -832,17 +822,13 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
             qs[h * nv + i] = _mm256_mul_ps(_mm256_loadu_ps(qh + 8 * i), _mm256_set1_ps(r->scale));
     }
     start_parts(part, heads, head_dim);
-    /* Read once: read through r inside the loop, gcc 12's code for the loop measured ~25 %
-     * slower on the development VM. */
-    const char *const after_k = r->after_k;
-    const int64_t after_rows = r->after_rows;
     key_cursor at = cursor_at(r, r->begin);
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         key_cursor next = at;
         cursor_advance(r, &next, rows);
-        const int64_t next_rows = next.t < r->end ? cursor_rows(r, &next) : after_rows;
-        const char *next_k = next.t < r->end ? r->k + cursor_offset(r, &next) : after_k;
+        const int64_t next_rows = next.t < r->end ? cursor_rows(r, &next) : 0;
+        const int64_t next_off = next_rows ? cursor_offset(r, &next) : 0;
         /* Scores: key rows in address order, every kv head of a row at once. */
         for (int64_t j = 0; j < rows; j++) {
             prefetch_rows(r->v + off + j * row_stride, row_stride);
@@ -858,7 +844,7 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
             if (next_rows) {
                 const int64_t j0 = next_rows * kvh / kv_heads, j1 = next_rows * (kvh + 1) / kv_heads;
-                prefetch_rows(next_k + j0 * row_stride, (j1 - j0) * row_stride);
+                prefetch_rows(r->k + next_off + j0 * row_stride, (j1 - j0) * row_stride);
             }
             const char *values = r->v + off + kvh * head_bytes;
             for (int64_t g = 0; g < group; g++) {
@@ -1067,36 +1053,19 @@ int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t ba
     return p->items;
 }
 
-/* Item c of the plan: its keys, every kv head. */
-static key_range item_range(const decode_plan *p, int64_t c, const void *k_cache, const void *v_cache, int dtype,
-                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                            float scale, float softcap) {
-    const int64_t b = p->range_seq[c], ctx = context_lens[b], first = window_start(ctx, p->window);
-    const int64_t base = first - first % p->block_size + (c - p->first_range[b]) * p->span;
-    return (key_range){(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
-                       base > first ? base : first, p->span && base + p->span < ctx ? base + p->span : ctx,
-                       0, p->kv_heads * head_row_bytes(dtype, p->head_dim), p->block_size, p->kv_heads, p->group,
-                       scale, softcap, NULL, 0};
-}
-
 void pipeserve_decode_items(const void *plan, const float *q, const void *k_cache, const void *v_cache, int dtype,
                             const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                             float scale, float softcap, int bf16_math, int64_t i0, int64_t i1) {
     const decode_plan *p = (const decode_plan *)plan;
+    const int64_t head_bytes = head_row_bytes(dtype, p->head_dim);
     const range_fn fn = pick_range(dtype, p->head_dim, bf16_math);
-    if (i0 >= i1) return;
-    key_range r = item_range(p, i0, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale, softcap);
     for (int64_t c = i0; c < i1; c++) {
-        key_range next = r;
-        if (c + 1 < i1) {
-            next = item_range(p, c + 1, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
-                              softcap);
-            const key_cursor first = cursor_at(&next, next.begin);
-            r.after_k = next.k + cursor_offset(&next, &first);
-            r.after_rows = cursor_rows(&next, &first);
-        }
-        fn(q + p->range_seq[c] * p->heads * p->head_dim, &r, dtype, p->head_dim, p->parts + c * p->heads * p->pstride);
-        r = next;
+        const int64_t b = p->range_seq[c], ctx = context_lens[b], first = window_start(ctx, p->window);
+        const int64_t base = first - first % p->block_size + (c - p->first_range[b]) * p->span;
+        key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
+                       base > first ? base : first, p->span && base + p->span < ctx ? base + p->span : ctx,
+                       0, p->kv_heads * head_bytes, p->block_size, p->kv_heads, p->group, scale, softcap};
+        fn(q + b * p->heads * p->head_dim, &r, dtype, p->head_dim, p->parts + c * p->heads * p->pstride);
     }
 }
 
@@ -1131,17 +1100,12 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
         free(plan);
         return -1;
     }
-    /* Items go in runs of consecutive ones, so that each item's first keys were asked for
-     * by the one before it; about ITEM_RUNS_PER_THREAD runs a thread keep dynamic scheduling's
-     * balance. */
-    const int64_t run = items / ((int64_t)num_threads * ITEM_RUNS_PER_THREAD) > 1
-                            ? items / ((int64_t)num_threads * ITEM_RUNS_PER_THREAD) : 1;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i0 = 0; i0 < items; i0 += run)
+        for (int64_t item = 0; item < items; item++)
             pipeserve_decode_items(plan, q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
-                                   softcap, bf16_math, i0, i0 + run < items ? i0 + run : items);
+                                   softcap, bf16_math, item, item + 1);
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; bh++) pipeserve_decode_merge(plan, bh, bh + 1, out);
     }
