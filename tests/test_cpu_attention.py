@@ -370,12 +370,13 @@ def test_decode_only_metadata_matches_the_general_path():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 100])
 def test_many_decodes_over_threads_match_the_reference(kernel_isa, dtype, window):
-    """A batch big enough that pipeserve_paged_decode hands each thread runs of several
-    consecutive items (each asking for the next one's first keys), one item split."""
+    """A batch over the parallel threshold (PARALLEL_MIN_ROWS) on two threads, one long
+    sequence split into key ranges beside 36 short ones (the other decode tests run on
+    one thread, below the threshold, or split a single long sequence)."""
     cpu = cpu_backend_on(kernel_isa)
     rng = random.Random(f"many-{dtype}-{window}")
     torch.manual_seed(rng.randrange(1 << 30))
-    context_lens = [rng.randrange(1, 300) for _ in range(36)] + [2000]   # 37 sequences: runs end unevenly
+    context_lens = [rng.randrange(1, 300) for _ in range(36)] + [2000]
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
