@@ -11,8 +11,15 @@ reads at least ``--working-set-mb`` MiB, and each timing walks that sweep.
 Bandwidth = KV bytes a call must read (K and V rows of every attended token)
 / time per call; "of read" divides it by a plain memory read measured in
 the same run, right before the case (``torch.sum`` over a float32 tensor of
-the same working set, same threads). The machine is shared: the best of
-``--rounds`` is reported for both.
+the same working set, same threads, best of its tries). A call's time is the
+median of ``--rounds`` sweeps ("best" beside it); within a round every backend
+and cache dtype of a case takes its turn, so before/after (``--compare-kernel``)
+share the machine's load.
+
+``--kernel-only`` adds, per cpu backend, the C entry point called straight
+through ctypes with its arguments made once (backend name + ``/C``): no
+``attend_decodes`` glue (the query's conversion, the output tensor, the argument
+checks), so the gap between the two rows is what the glue costs per call.
 
 ``--kv-cache-dtypes auto,int8,fp8`` also times 8-bit caches (``--kv-cache-dtype``:
 head_dim one-byte codes and a float32 scale per row) for each query dtype; the
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import random
+import statistics
 import time
 
 import torch
@@ -85,24 +93,42 @@ class Case:
             self.batches.append(DecodeBatch(torch.arange(batch), block_index_of(tables, [ctx] * batch, block_size),
                                             torch.full((batch,), ctx, dtype=torch.int64), block_size))
         self.q = torch.randn(batch, heads, head_dim).to(dtype)
+        # The C entry point's query and output (kernel_calls): one pair per case, as every
+        # backend's calls point at them.
+        self.q32 = self.q.float().contiguous()
+        self.out32 = torch.empty_like(self.q32)
         self.shape = ScoreShape(head_dim ** -0.5)
 
-    def seconds_per_call(self, backend, rounds: int) -> float:
-        best = float("inf")
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for (k, v), g in zip(self.caches, self.batches):
-                backend.attend_decodes(self.q, k, v, g, self.shape)
-            best = min(best, (time.perf_counter() - start) / self.layers)
-        return best
+    def seconds_per_call(self, backend) -> float:
+        """One sweep over the layers through ``attend_decodes``: seconds per call."""
+        start = time.perf_counter()
+        for (k, v), g in zip(self.caches, self.batches):
+            backend.attend_decodes(self.q, k, v, g, self.shape)
+        return (time.perf_counter() - start) / self.layers
+
+    def kernel_calls(self, backend: CpuPagedAttention) -> list[tuple]:
+        """Per layer, the arguments of ``pipeserve_paged_decode``, for timing the C entry point
+        without ``attend_decodes``' glue."""
+        return [backend.decode_kernel_args(self.q32, k, v, backend.decode_args(g), self.shape, self.out32,
+                                           bf16_math=self.q.dtype == torch.bfloat16)
+                for (k, v), g in zip(self.caches, self.batches)]
+
+
+def kernel_seconds_per_call(decode, calls: list[tuple]) -> float:
+    """One sweep of the C entry point ``decode`` over the layers' ``calls``: seconds per call."""
+    start = time.perf_counter()
+    for args in calls:
+        if decode(*args) != 0:
+            raise MemoryError("paged decode kernel could not allocate its work buffer")
+    return (time.perf_counter() - start) / len(calls)
 
 
 def with_decode_from(path: str) -> CpuPagedAttention:
     """The cpu backend, its decode entry point taken from the library at ``path`` (same C signature)."""
     backend = CpuPagedAttention()
     other = ctypes.CDLL(path).pipeserve_paged_decode
-    other.argtypes, other.restype = backend._decode.argtypes, backend._decode.restype
-    backend._decode = other
+    other.argtypes, other.restype = backend.decode_kernel.argtypes, backend.decode_kernel.restype
+    backend.decode_kernel = other
     return backend
 
 
@@ -123,16 +149,19 @@ def main() -> None:
     parser.add_argument("--compare-kernel", metavar="SO", default=None,
                         help="also time the decode entry point of another build of paged_attention.c "
                              "(e.g. an older one from ~/.cache/pipeserve/kernels), as backend 'other'")
+    parser.add_argument("--kernel-only", action="store_true",
+                        help="also time each cpu backend's C entry point without attend_decodes' glue")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     backends = {name: select_backend(name, "cpu") for name in args.backends.split(",")}
     if args.compare_kernel:
         backends["other"] = with_decode_from(args.compare_kernel)
     print(f"read = plain memory read (torch.sum, float32, {args.working_set_mb} MiB, {args.threads} threads), "
-          f"measured before each case; block size {args.block_size}")
+          f"measured before each case; block size {args.block_size}; us/call: median of {args.rounds} rounds "
+          f"(best beside it); /C = the C entry point without attend_decodes' glue")
     kv_names = args.kv_cache_dtypes.split(",")
     print(f"{'dtype':9} {'cache':>5} {'batch x ctx':>12} {'KV/call':>9} {'read GB/s':>9} {'backend':>8} "
-          f"{'us/call':>9} {'GB/s':>6} {'of read':>8} {'ns/key/kvh':>10} {'x auto':>7}")
+          f"{'us/call':>9} {'best':>7} {'GB/s':>6} {'of read':>8} {'ns/key/kvh':>10} {'x auto':>7}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for spec in args.cases.split(","):
@@ -141,23 +170,37 @@ def main() -> None:
                               args.working_set_mb, seed=batch * 100003 + ctx, kv_dtype=cache_dtype(kv, dtype))
                      for kv in kv_names}
             read = memory_read_gbs(args.working_set_mb, args.rounds)   # next to each case: the load drifts
-            for name, backend in backends.items():
-                best = {}
-                for case in cases.values():
-                    case.seconds_per_call(backend, 1)   # warm-up (kernel build, allocator)
-                for _ in range(args.rounds):           # cache dtypes alternate: the load hits them alike
-                    for kv, case in cases.items():
-                        best[kv] = min(best.get(kv, float("inf")), case.seconds_per_call(backend, 1))
-                for kv, case in cases.items():
-                    t = best[kv]
-                    gbs = case.kv_bytes / t / 1e9
-                    per_key = t / (batch * ctx * args.kv_heads) * 1e9
-                    vs_auto = f"{best['auto'] / t:6.2f}x" if "auto" in best else "-"
-                    print(f"{dtype_name:9} {kv:>5} {f'{batch} x {ctx}':>12} {case.kv_bytes / 2 ** 20:7.2f}Mi "
-                          f"{read:9.1f} {name:>8} {t * 1e6:9.1f} {gbs:6.2f} {gbs / read:8.0%} {per_key:10.1f} "
-                          f"{vs_auto:>7}", flush=True)
-            del cases
+            timers = case_timers(backends, cases, args.kernel_only)
+            for timer in timers.values():
+                timer()                                  # warm-up (kernel build, allocator)
+            times = {key: [] for key in timers}
+            for _ in range(args.rounds):                 # everything of a case alternates: the load hits it alike
+                for key, timer in timers.items():
+                    times[key].append(timer())
+            for (name, kv), ts in times.items():
+                t, best = statistics.median(ts), min(ts)
+                case = cases[kv]
+                gbs = case.kv_bytes / t / 1e9
+                per_key = t / (batch * ctx * args.kv_heads) * 1e9
+                auto = times.get((name, "auto"))
+                vs_auto = f"{statistics.median(auto) / t:6.2f}x" if auto else "-"
+                print(f"{dtype_name:9} {kv:>5} {f'{batch} x {ctx}':>12} {case.kv_bytes / 2 ** 20:7.2f}Mi "
+                      f"{read:9.1f} {name:>8} {t * 1e6:9.1f} {best * 1e6:7.1f} {gbs:6.2f} {gbs / read:8.0%} "
+                      f"{per_key:10.1f} {vs_auto:>7}", flush=True)
+            del cases, timers
 
+
+def case_timers(backends: dict, cases: dict, kernel_only: bool) -> dict:
+    """(backend name, cache dtype) -> a function timing one sweep of that case (seconds per call)."""
+    timers = {}
+    for name, backend in backends.items():
+        for kv, case in cases.items():
+            timers[name, kv] = lambda backend=backend, case=case: case.seconds_per_call(backend)
+            if kernel_only and isinstance(backend, CpuPagedAttention):
+                calls = case.kernel_calls(backend)
+                timers[f"{name}/C", kv] = lambda decode=backend.decode_kernel, calls=calls: (
+                    kernel_seconds_per_call(decode, calls))
+    return timers
 
 if __name__ == "__main__":
     main()

@@ -364,3 +364,23 @@ def test_decode_only_metadata_matches_the_general_path():
     assert (fast.query_lens, fast.context_lens, fast.block_tables) == ([1, 1, 1], context_lens, tables)
     with pytest.raises(ValueError, match="cannot hold"):
         backend.build_metadata([1], [5], [[1]], block_size, cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 100])
+def test_many_decodes_over_threads_match_the_reference(kernel_isa, dtype, window):
+    """A batch over the parallel threshold (PARALLEL_MIN_ROWS) on two threads, one long
+    sequence split into key ranges beside 36 short ones (the other decode tests run on
+    one thread, below the threshold, or split a single long sequence)."""
+    cpu = cpu_backend_on(kernel_isa)
+    rng = random.Random(f"many-{dtype}-{window}")
+    torch.manual_seed(rng.randrange(1 << 30))
+    context_lens = [rng.randrange(1, 300) for _ in range(36)] + [2000]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, expected = _attend(cpu, rng, [1] * len(context_lens), context_lens, 9, 3, 64, 16, dtype, window, None)
+    finally:
+        torch.set_num_threads(old)
+    assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]

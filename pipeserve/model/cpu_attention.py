@@ -38,10 +38,10 @@ class CpuPagedAttention(TorchPagedAttention):
         from pipeserve.kernels.build import load_kernel
         lib = load_kernel("paged_attention")
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._decode = lib.pipeserve_paged_decode
-        self._decode.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
+        self.decode_kernel = lib.pipeserve_paged_decode
+        self.decode_kernel.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                  ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
-        self._decode.restype = ctypes.c_int
+        self.decode_kernel.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
         self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                   ctypes.c_float, ptr, ctypes.c_int]
@@ -109,8 +109,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs contiguous KV caches in CPU memory; "
                              "use --attention-backend torch")
-        code = _DTYPE_CODES.get(k_cache.dtype)
-        if code is None:
+        if k_cache.dtype not in _DTYPE_CODES:
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
         step = self.decode_args(g)
@@ -119,14 +118,22 @@ class CpuPagedAttention(TorchPagedAttention):
         else:
             qb = q.index_select(0, g.query_index).float().contiguous()        # [B, heads, D]
         out = torch.empty(qb.shape, dtype=torch.float32)
-        heads, head_dim = qb.shape[1], qb.shape[2]
-        rc = self._decode(qb.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), code, step.tables_ptr,
-                          step.max_blocks, step.lens_ptr, step.batch, heads, k_cache.shape[2], head_dim,
-                          step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
-                          step.threads, q.dtype == torch.bfloat16)
+        rc = self.decode_kernel(*self.decode_kernel_args(qb, k_cache, v_cache, step, shape, out,
+                                                         bf16_math=q.dtype == torch.bfloat16))
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    @staticmethod
+    def decode_kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _DecodeStep,
+                           shape: ScoreShape, out: torch.Tensor, bf16_math: bool) -> tuple:
+        """``decode_kernel``'s arguments: q and out [B, heads, D] float32 contiguous, a cache dtype the
+        kernel reads (``attend_decodes`` checks both); bf16_math: the model is bfloat16, so an
+        8-bit cache may be read through bf16 products."""
+        return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], step.tables_ptr,
+                step.max_blocks, step.lens_ptr, step.batch, q.shape[1], k_cache.shape[2], q.shape[2],
+                step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(), step.threads,
+                bf16_math)
 
 
 class _DecodeStep:
