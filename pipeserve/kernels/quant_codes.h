@@ -143,10 +143,13 @@ quant_k2_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int64_t r)
     const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + r / 4 * 32));
     __m256i c = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (int)(r % 4))), _mm256_set1_epi8(3));
     if (kind == QUANT_Q3) {
+        /* bit p = r % 8 of each hmask byte to bit 2: a 16-bit shift by p - 2 (or 2 - p) moves no
+         * bit across a byte boundary into bit 2 of either byte (immediates where r % 8 is constant) */
         const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + r / 8 * 32));
-        const __m256i bit = _mm256_set1_epi8((char)(1 << (r % 8)));
-        c = _mm256_or_si256(c, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit),
-                                                _mm256_set1_epi8(4)));
+        const int p = (int)(r % 8);
+        const __m256i hb = p >= 2 ? _mm256_srl_epi16(h, _mm_cvtsi32_si128(p - 2))
+                                  : _mm256_sll_epi16(h, _mm_cvtsi32_si128(2 - p));
+        c = _mm256_or_si256(c, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
     }
     return c;
 }
