@@ -1,6 +1,7 @@
-"""Compact 5/6-bit codes (q5/q6: nibbles + high-bit planes) vs the same codes a byte each (q8).
+"""Compact codes (q5/q6: nibbles + high-bit planes; q3/q2: Q3_K's / Q2_K's bit pairs + hmask) vs
+the same codes a byte each (q8).
 
-For Q5_K and Q6_K weights of Llama-3-8B-like shapes (a 70B's are the same per
+For Q5_K and Q6_K weights (``--types``: also Q3_K, Q2_K) of Llama-3-8B-like shapes (a 70B's are the same per
 row, wider), random valid K-quant blocks are repacked as the loader does
 (``gguf_repack.repack``: the compact layout) and expanded to the byte-per-code
 layout the loader used before (``packed.to_q8``). Both are timed in the same
@@ -15,7 +16,7 @@ rows only: the kernel before the compact layouts, e.g. where Q6_K's groups of
 16 took the float path).
 
     PYTHONPATH=$PWD python benchmarks/quant_compact.py [--threads 2] [--repeats 7] [--rows 1,4,64] [--cpu-time]
-        [--compare REV]
+        [--compare REV] [--types Q5_K,Q6_K,Q3_K,Q2_K]
 
 ``--cpu-time`` (one thread only) times with the thread's CPU clock, which other
 processes on a loaded machine do not inflate (they still share its memory bus).
@@ -37,6 +38,7 @@ from pipeserve.model.quant.packed import PackedWeight, to_q8
 T = gguf.GGMLQuantizationType
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
 COLD_BYTES = 96 << 20   # > 32 MB L3: each call reads DRAM
+FLOAT16_OFFSETS = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # d (and dmin) in a block; others (0, 2)
 
 
 def kquant_weight(ttype: T, rows: int, cols: int, seed: int) -> PackedWeight:
@@ -44,7 +46,7 @@ def kquant_weight(ttype: T, rows: int, cols: int, seed: int) -> PackedWeight:
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[ttype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in ((208,) if ttype == T.Q6_K else (0, 2)):
+    for off in FLOAT16_OFFSETS.get(ttype, (0, 2)):
         d = (0.01 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
         raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
     return repack(ttype, raw.reshape(rows, -1))
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rows", default="1,4,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--types", default="Q5_K,Q6_K", help="GGUF types, of Q5_K, Q6_K, Q3_K, Q2_K")
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock (one thread)")
     parser.add_argument("--compare", metavar="REV", help="also time q8 through quant_matmul.c as of this revision")
     args = parser.parse_args()
@@ -75,7 +78,7 @@ def main() -> None:
     rev = f"q8@{args.compare[:7]} us" if old else ""
     print(f"{'type':5} {'shape':8} {'rows':>4} {'compact MB':>10} {'q8 MB':>7} {'compact us':>11} {'q8 us':>9} "
           f"{'q8/compact':>10}" + (f" {rev:>14} {'rev/compact':>11}" if old else ""))
-    for ttype in (T.Q5_K, T.Q6_K):
+    for ttype in (T[name] for name in args.types.split(",")):
         for name in args.shapes.split(","):
             n, kd = SHAPES[name]
             w = kquant_weight(ttype, n, kd, seed=n + kd)

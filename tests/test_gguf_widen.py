@@ -1,7 +1,8 @@
 """GGUF types re-laid out by pipeserve/model/quant/gguf_widen.py: IQ4_NL and IQ4_XS as i4 (their
-nibbles, a float16 scale per 32) where the kernels take it, else as byte-per-code q8 rows, like
-Q3_K and Q2_K. Each reads back as gguf-py dequantizes it, the kernels multiply it as
-dequantize-then-matmul does, and a model written in IQ4_NL stays in it."""
+nibbles, a float16 scale per 32), Q3_K as q3 and Q2_K as q2 (their code bytes, a float16 scale
+(and minimum) per 16) where the kernels take those layouts, else as byte-per-code q8 rows. Each
+reads back as gguf-py dequantizes it, the kernels multiply it as dequantize-then-matmul does, and
+a model written in IQ4_NL stays in it."""
 
 from __future__ import annotations
 
@@ -25,24 +26,27 @@ from tests.test_quant_kernels import _check_matmul
 T = gguf.GGMLQuantizationType
 WIDENED = (T.IQ4_NL, T.IQ4_XS, T.Q3_K, T.Q2_K)
 IQ4 = (T.IQ4_NL, T.IQ4_XS)
+COMPACT = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # the layout each keeps where it can
 SCALE_OFFSETS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # float16 d (and dmin)
 FILE_RATIO = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 2.0, T.Q3_K: 288 / 110, T.Q2_K: 320 / 84}  # q8 bytes / file bytes
-I4_FILE_RATIO = {T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136}   # i4 bytes / file bytes: a float16 scale per 32 (XS: 6 bits)
+# compact bytes / file bytes: i4 a float16 scale per 32 (XS: 6 bits); q3 / q2 per 256 weights 64 bytes
+# of bit pairs (q3: and 32 of hmask) and 16 float16 scales (q2: and minimums)
+COMPACT_FILE_RATIO = {T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136, T.Q3_K: 128 / 110, T.Q2_K: 128 / 84}
 
 
-@pytest.fixture(params=["i4", "q8"])
-def iq4_layout(request, monkeypatch) -> str:
-    """The layout IQ4 is kept in: i4 (this build's kernels take it) or q8 (they do not, as an
-    AVX-512 build's: the support check answers no)."""
-    if request.param == "i4" and not widen.keeps_i4():
-        pytest.skip("this build's quantized kernels take no i4 (an AVX-512 build): IQ4 is widened")
+@pytest.fixture(params=["compact", "q8"])
+def layout(request, monkeypatch) -> str:
+    """Whether IQ4 / Q3_K / Q2_K are kept compact (i4 / q3 / q2: this build's kernels take
+    them) or widened to q8 (they do not, as an AVX-512 build's: the support check answers no)."""
+    if request.param == "compact" and not all(widen.keeps(kind) for kind in ("i4", "q3", "q2")):
+        pytest.skip("this build's quantized kernels take no i4/q3/q2 (an AVX-512 build): they are widened")
     if request.param == "q8":
-        monkeypatch.setattr(widen, "keeps_i4", lambda: False)
+        monkeypatch.setattr(widen, "keeps", lambda kind: False)
     return request.param
 
 
-def _layout(ttype, iq4_layout: str) -> str:
-    return iq4_layout if ttype in IQ4 else "q8"
+def _layout(ttype, layout: str) -> str:
+    return COMPACT[ttype] if layout == "compact" else "q8"
 
 
 def _random_blocks(ttype, rows: int, cols: int, seed: int, exact: bool) -> np.ndarray:
@@ -63,20 +67,20 @@ def test_widened_types_are_kept():
 
 
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
-def test_widened_types_read_back_as_gguf_dequantizes_them(ttype, iq4_layout):
+def test_widened_types_read_back_as_gguf_dequantizes_them(ttype, layout):
     rows, cols = 6, 512
     raw = _random_blocks(ttype, rows, cols, seed=int(ttype), exact=True)
     w = repack(ttype, raw)
-    kind = _layout(ttype, iq4_layout)
+    kind = _layout(ttype, layout)
     assert (w.kind, w.source) == (kind, ttype.name)
-    ratio = I4_FILE_RATIO[ttype] if kind == "i4" else FILE_RATIO[ttype]
+    ratio = FILE_RATIO[ttype] if kind == "q8" else COMPACT_FILE_RATIO[ttype]
     assert w.nbytes == pytest.approx(ratio * raw.nbytes)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, ttype).reshape(rows, cols).astype(np.float32))
     assert torch.equal(dequantize(w), ref)          # two-level scales exact in float16 here
     raw = _random_blocks(ttype, rows, cols, seed=int(ttype) + 1, exact=False)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, ttype).reshape(rows, cols).astype(np.float32))
     # d * sc rounded to float16 (and dmin * m for Q2_K): 2^-11 of each term at most
-    codes = to_q8(w).qs.float().abs().max().item() if kind == "i4" else w.qs.float().abs().max().item()
+    codes = (w if kind == "q8" else to_q8(w)).qs.float().abs().max().item()
     bound = 2 ** -11 * 1e-2 * 63 * (codes + (15 if ttype == T.Q2_K else 0))
     assert (dequantize(repack(ttype, raw)) - ref).abs().max().item() <= bound
 
@@ -85,33 +89,36 @@ def test_widened_types_read_back_as_gguf_dequantizes_them(ttype, iq4_layout):
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 8, 20, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_widened_kernels_match_dequantize_then_matmul(ttype, rows, dtype):
-    """Through ``matmul`` (gemv with integer activations, passes, tiles), in the layout the
-    loader keeps here; i4 on every path in tests/test_quant_kernels.py."""
+def test_widened_kernels_match_dequantize_then_matmul(ttype, rows, dtype, layout):
+    """Through ``matmul`` (gemv with integer activations, passes, tiles), in either layout;
+    i4/q3/q2 on every path in tests/test_quant_kernels.py."""
     w = repack(ttype, _random_blocks(ttype, 48, 512, seed=int(ttype), exact=False))
+    assert w.kind == _layout(ttype, layout)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
     _check_matmul(w, x, cpu_kernels())
 
 
-def test_iq4_is_widened_where_the_kernels_take_no_i4(monkeypatch, caplog):
-    """An AVX-512 build's answer (monkeypatched here): IQ4 as q8 rows, the same weights, and a
-    log line that says why; no C kernels at all: i4, which PyTorch's dequantize takes."""
-    raw = _random_blocks(T.IQ4_XS, 4, 512, seed=3, exact=False)
+@pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
+def test_compact_types_are_widened_where_the_kernels_take_no_compact_layout(ttype, monkeypatch, caplog):
+    """An AVX-512 build's answer (monkeypatched here): IQ4 / Q3_K / Q2_K as q8 rows, the same
+    weights, and a log line that says why; no C kernels at all: i4 / q3 / q2, which PyTorch's
+    dequantize takes."""
+    raw = _random_blocks(ttype, 4, 512, seed=3, exact=False)
     monkeypatch.setattr(widen, "cpu_kernels", lambda: None)
-    kept = repack(T.IQ4_XS, raw)
-    assert kept.kind == "i4" and kept.nbytes == pytest.approx(I4_FILE_RATIO[T.IQ4_XS] * raw.nbytes)
-    avx512 = SimpleNamespace(isa="avx512-vnni", takes=lambda kind: kind != "i4")   # its support check
+    kept = repack(ttype, raw)
+    assert kept.kind == COMPACT[ttype] and kept.nbytes == pytest.approx(COMPACT_FILE_RATIO[ttype] * raw.nbytes)
+    avx512 = SimpleNamespace(isa="avx512-vnni", takes=lambda kind: kind not in ("i4", "q3", "q2"))   # its support check
     monkeypatch.setattr(widen, "cpu_kernels", lambda: avx512)
     widen._log_widened.cache_clear()
     with caplog.at_level("INFO", logger=widen.log.name):
-        wide = repack(T.IQ4_XS, raw)
-    assert wide.kind == "q8" and wide.nbytes == pytest.approx(FILE_RATIO[T.IQ4_XS] * raw.nbytes)
+        wide = repack(ttype, raw)
+    assert wide.kind == "q8" and wide.nbytes == pytest.approx(FILE_RATIO[ttype] * raw.nbytes)
     assert torch.equal(dequantize(wide), dequantize(kept))
     assert "widened" in caplog.text and "avx512-vnni" in caplog.text
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, iq4_layout, tmp_path):
+def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, layout, tmp_path):
     """A tiny Llama written in IQ4_NL (block 32 fits its width of 64): kept as i4, its matrices'
     resident bytes the file's (q8 where the kernels take no i4: about 1.9x, instead of 7x as
     float32), and its decode logits are the dequantized model's up to the integer activations'
@@ -125,12 +132,12 @@ def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, iq4_la
     try:
         kept = _runner(source, cfg)
         qkv = kept.model.layers[0].self_attn.qkv_proj
-        assert [p.source for p in qkv.parts] == ["IQ4_NL"] and qkv.parts[0].kind == iq4_layout
+        assert [p.source for p in qkv.parts] == ["IQ4_NL"] and qkv.parts[0].kind == _layout(T.IQ4_NL, layout)
         reader = gguf.GGUFReader(gguf_path)
         file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == T.IQ4_NL)
         dense_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type != T.IQ4_NL)
         held = weight_bytes(kept.model) - dense_bytes   # norms: float32 in the file and here
-        assert held == pytest.approx((1.0 if iq4_layout == "i4" else 34 / 18) * file_bytes, rel=1e-3)
+        assert held == pytest.approx((1.0 if layout == "compact" else 34 / 18) * file_bytes, rel=1e-3)
         dense = _runner(source, cfg, quantization="none")
         prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
         _compare(_decode_logits([kept], prompts, 6), _decode_logits([dense], prompts, 6), exact=False)
@@ -139,12 +146,12 @@ def test_an_iq4_nl_model_stays_iq4_nl_and_decodes_as_dequantized(threads, iq4_la
 
 
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
-def test_the_c_widening_is_the_numpy_one_bit_for_bit(ttype, iq4_layout, monkeypatch):
+def test_the_c_widening_is_the_numpy_one_bit_for_bit(ttype, layout, monkeypatch):
     if widen._c_widen() is None:
         pytest.skip("no C compiler here: gguf_widen.c does not build, the numpy path runs")
     raw = _random_blocks(ttype, 5, 1024, seed=int(ttype) + 7, exact=False)
     c = repack(ttype, raw)
-    assert c.kind == _layout(ttype, iq4_layout)
+    assert c.kind == _layout(ttype, layout)
     monkeypatch.setattr(widen, "_c_widen", lambda: None)
     ref = repack(ttype, raw)
     for got, want in zip(c.tensors(), ref.tensors(), strict=True):

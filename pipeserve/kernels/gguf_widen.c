@@ -1,6 +1,8 @@
 /* GGUF IQ4_NL, IQ4_XS, Q3_K and Q2_K blocks -> byte-per-code q8 rows (model/quant/gguf_widen.py
- * says why and how), one pass over the file's bytes; IQ4's also -> the compact i4 layout (its
- * nibbles as they are, a float16 scale per 32). The numpy path there takes 10-30 MB/s
+ * says why and how), one pass over the file's bytes; or (`nibbles` / `compact` set) -> the
+ * compact layouts the AVX2 and portable kernels take: IQ4's i4 (its nibbles as they are, a
+ * float16 scale per 32), Q3_K's q3 and Q2_K's q2 (their code bytes as they are, a float16
+ * scale (and minimum) per 16). The numpy path there takes 10-30 MB/s
  * of file bytes: a 70B Q3_K_M stage (10 GB of file) would spend minutes widening at start-up
  * and at every restart. Bit for bit the numpy path: the same codes, and scales d * sc (and
  * -dmin * m) multiplied in float32 and rounded to float16 to nearest even.
@@ -55,8 +57,10 @@ void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, ui
 
 /* Block of 256 (110 bytes): hmask 32, qs 64 (2-bit codes), 12 bytes of sixteen 6-bit scales,
  * d. Weight 128h + 32j + l: bits 2j of qs[32h + l], minus 4 where bit 4h + j of hmask[l] is
- * clear; group 8h + 2j + l / 16. */
-void pipeserve_widen_q3_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, int num_threads) {
+ * clear; group 8h + 2j + l / 16. `compact`: the q3 layout, qs into `codes` (64 bytes a block)
+ * and hmask into `qh` (32) as they are; else int8 codes, 256 a block (quant_k2_run, zero 4). */
+void pipeserve_widen_q3_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint8_t *qh, uint16_t *scale,
+                          int compact, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 110, *hmask = x, *qs = x + 32, *sc = x + 96;
@@ -65,19 +69,20 @@ void pipeserve_widen_q3_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint
             const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
             scale[b * 16 + s] = float_to_half(d * (float)((low | (high << 4)) - 32));
         }
-        int8_t *out = codes + b * 256;
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 32; l++)
-                    out[128 * h + 32 * j + l] = (int8_t)(((qs[32 * h + l] >> (2 * j)) & 3)
-                                                         - (((hmask[l] >> (4 * h + j)) & 1) ? 0 : 4));
+        if (compact) {
+            memcpy(codes + b * 64, qs, 64);
+            memcpy(qh + b * 32, hmask, 32);
+            continue;
+        }
+        for (int r = 0; r < 8; r++) quant_k2_run(qs, hmask, 4, r, codes + b * 256 + r * 32);
     }
 }
 
 /* Block of 256 (84 bytes): 16 bytes of scales (low nibble: scale, high: minimum, a group of
- * 16 each), qs 64 (2-bit codes as in Q3_K), d, dmin: weight = d * sc * code - dmin * m. */
+ * 16 each), qs 64 (2-bit codes as in Q3_K), d, dmin: weight = d * sc * code - dmin * m.
+ * `compact`: the q2 layout, qs into `codes` as they are (64 bytes a block); else int8 codes. */
 void pipeserve_widen_q2_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, uint16_t *minv,
-                          int num_threads) {
+                          int compact, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 84, *qs = x + 16;
@@ -86,9 +91,8 @@ void pipeserve_widen_q2_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint
             scale[b * 16 + g] = float_to_half(d * (float)(x[g] & 15));
             minv[b * 16 + g] = float_to_half(-dmin * (float)(x[g] >> 4));
         }
-        int8_t *out = codes + b * 256;
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 32; l++) out[128 * h + 32 * j + l] = (int8_t)((qs[32 * h + l] >> (2 * j)) & 3);
+        if (compact) memcpy(codes + b * 64, qs, 64);
+        else
+            for (int r = 0; r < 8; r++) quant_k2_run(qs, NULL, 0, r, codes + b * 256 + r * 32);
     }
 }

@@ -1,6 +1,6 @@
 /* Compact 5/6-bit codes of kept-quantized weights (layouts "q5" / "q6",
- * pipeserve/model/quant/packed.py) and IQ4's 4-bit codebook indices (layout "i4") expanded
- * into int8 codes, the "q8" layout.
+ * pipeserve/model/quant/packed.py), IQ4's 4-bit codebook indices (layout "i4") and Q2_K's /
+ * Q3_K's 2/3-bit codes (layouts "q2" / "q3") expanded into int8 codes, the "q8" layout.
  *
  * A row of K weights is K / 2 nibble bytes (per run of 32: byte j holds weight j
  * low, weight j + 16 high) and K / 32 * 4 * hbits bytes of high bits (per run:
@@ -14,8 +14,16 @@
  * (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
  * 4.5-7 bits each (i4: 4.5).
  *
- * i4 is not taken by AVX-512 builds (quant_takes_kind): their VNNI and many-row paths expand
- * q5/q6 only, so the loader keeps IQ4 widened to q8 there (model/quant/gguf_widen.py).
+ * q2 / q3 keep GGUF Q2_K's / Q3_K's own code bytes: per 128 weights 32 bytes, byte l holding
+ * weights l, l + 32, l + 64, l + 96 in its bit pairs 0, 2, 4, 6 (so run r's 32 codes are one
+ * 32-byte load shifted right by 2 * (r % 4), masked with 3); q3 adds Q3_K's hmask, per 256
+ * weights 32 bytes, bit p of byte l the third bit of weight 32p + l (run r: bit r % 8 of the
+ * 32 bytes). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
+ * instructions a run on AVX2, against the two of q5; 2.5 / 3.5 bits a weight cross the bus.
+ *
+ * i4, q2 and q3 are not taken by AVX-512 builds (quant_takes_kind): their VNNI and many-row
+ * paths expand q5/q6 only, so the loader keeps IQ4, Q3_K and Q2_K widened to q8 there
+ * (model/quant/gguf_widen.py).
  */
 #ifndef PIPESERVE_QUANT_CODES_H
 #define PIPESERVE_QUANT_CODES_H
@@ -23,12 +31,16 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4. */
+/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4, 2 q2, 3 q3. */
 #define QUANT_I4 9
+#define QUANT_Q2 2
+#define QUANT_Q3 3
 static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Whether the codes are expanded into q8's int8 codes where they are computed with. */
-static inline int quant_is_compact(int kind) { return kind == 5 || kind == 6 || kind == QUANT_I4; }
+static inline int quant_is_compact(int kind) {
+    return kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+}
 /* An i4 run's 32 codebook values from its 16 bytes, in weight order (low nibbles, then high
  * ones), one table lookup each: the portable expansion, and gguf_widen.c's widening of IQ4 to q8. */
 static inline void quant_i4_run(const uint8_t *q, int8_t *dst) {
@@ -41,17 +53,31 @@ static inline void quant_i4_run(const uint8_t *q, int8_t *dst) {
 /* Bit-planes above the nibble: 1 for q5, 2 for q6, else 0. */
 static inline int quant_high_bits(int kind) { return kind == 5 || kind == 6 ? kind - 4 : 0; }
 
-/* Whether this build's kernels take layout `kind` (i4: not AVX-512 builds, see above). */
+/* Whether this build's kernels take layout `kind` (i4, q2, q3: not AVX-512 builds, see above). */
 static inline int quant_takes_kind(int kind) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (kind == QUANT_I4) return 0;
+    if (kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3) return 0;
 #endif
-    return kind == 4 || kind == 8 || kind == 5 || kind == 6 || kind == QUANT_I4;
+    return kind == 4 || kind == 8 || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 
-/* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4) and in `qh` (high-bit planes). */
-static inline int64_t quant_row_bytes(int kind, int64_t K) { return kind == 8 ? K : K / 2; }
-static inline int64_t quant_high_row_bytes(int kind, int64_t K) { return K / 8 * quant_high_bits(kind); }
+/* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4, bit pairs for q2/q3) and in `qh`
+ * (high-bit planes; q3: the hmask). */
+static inline int64_t quant_row_bytes(int kind, int64_t K) {
+    return kind == 8 ? K : kind == QUANT_Q2 || kind == QUANT_Q3 ? K / 4 : K / 2;
+}
+static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
+    return kind == QUANT_Q3 ? K / 8 : K / 8 * quant_high_bits(kind);
+}
+
+/* q2/q3 run r's 32 codes (weights 32r .. 32r + 31 of the row), low | high << 2 - zero: the
+ * portable expansion, and gguf_widen.c's widening of Q2_K / Q3_K to q8. */
+static inline void quant_k2_run(const uint8_t *qs, const uint8_t *qh, int zero, int64_t r, int8_t *dst) {
+    const uint8_t *lo = qs + r / 4 * 32, *hi = qh ? qh + r / 8 * 32 : NULL;
+    const int shift = 2 * (int)(r % 4), bit = (int)(r % 8);
+    for (int l = 0; l < 32; l++)
+        dst[l] = (int8_t)((((lo[l] >> shift) & 3) | (hi ? ((hi[l] >> bit) & 1) << 2 : 0)) - zero);
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -110,10 +136,33 @@ static inline __attribute__((always_inline)) __m256i quant_i4_codes32_avx2(const
     return _mm256_shuffle_epi8(_mm256_set_m128i(values, values), idx);
 }
 
+/* The 32 raw codes (nothing subtracted) of q2 / q3 run r in weight order: the bit pairs of the
+ * run's 32-byte group shifted into place, and q3's hmask bit (r % 8) of each byte as 4. */
+static inline __attribute__((always_inline)) __m256i
+quant_k2_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int64_t r) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + r / 4 * 32));
+    __m256i c = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * (int)(r % 4))), _mm256_set1_epi8(3));
+    if (kind == QUANT_Q3) {
+        /* bit p = r % 8 of each hmask byte to bit 2: a 16-bit shift by p - 2 (or 2 - p) moves no
+         * bit across a byte boundary into bit 2 of either byte (immediates where r % 8 is constant) */
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + r / 8 * 32));
+        const int p = (int)(r % 8);
+        const __m256i hb = p >= 2 ? _mm256_srl_epi16(h, _mm_cvtsi32_si128(p - 2))
+                                  : _mm256_sll_epi16(h, _mm_cvtsi32_si128(2 - p));
+        c = _mm256_or_si256(c, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+    }
+    return c;
+}
+
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
-    for (int64_t r = 0; r < K / 32; r++)
-        _mm256_storeu_si256((__m256i *)(dst + r * 32), kind == QUANT_I4 ? quant_i4_codes32_avx2(qs, r)
-                                                                        : quant_codes32_avx2(kind - 4, qs, qh, zero, r));
+    for (int64_t r = 0; r < K / 32; r++) {
+        __m256i c;
+        if (kind == QUANT_I4) c = quant_i4_codes32_avx2(qs, r);
+        else if (kind == QUANT_Q2 || kind == QUANT_Q3)
+            c = _mm256_sub_epi8(quant_k2_codes32_avx2(kind, qs, qh, r), _mm256_set1_epi8((char)zero));
+        else c = quant_codes32_avx2(kind - 4, qs, qh, zero, r);
+        _mm256_storeu_si256((__m256i *)(dst + r * 32), c);
+    }
 }
 
 #else
@@ -123,6 +172,10 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
     for (int64_t r = 0; r < K / 32; r++) {
         if (kind == QUANT_I4) {
             quant_i4_run(qs + r * 16, dst + r * 32);
+            continue;
+        }
+        if (kind == QUANT_Q2 || kind == QUANT_Q3) {
+            quant_k2_run(qs, kind == QUANT_Q3 ? qh : NULL, zero, r, dst + r * 32);
             continue;
         }
         uint32_t p[2] = {0, 0};
@@ -138,11 +191,12 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 #endif
 
 /* The codes of row n as q8 (int8, K of them): the row itself for q8, or its expansion
- * into `scratch` for q5/q6/i4. Not for q4 (its kernels read nibbles). */
+ * into `scratch` for q5/q6/i4/q2/q3. Not for q4 (its kernels read nibbles). */
 static inline const uint8_t *quant_q8_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K,
                                           int64_t n, int8_t *scratch) {
     if (!quant_is_compact(kind)) return qs + n * K;
-    quant_expand_row(kind, qs + n * (K / 2), qh + n * quant_high_row_bytes(kind, K), zero, K, scratch);
+    quant_expand_row(kind, qs + n * quant_row_bytes(kind, K), qh ? qh + n * quant_high_row_bytes(kind, K) : NULL,
+                     zero, K, scratch);
     return (const uint8_t *)scratch;
 }
 

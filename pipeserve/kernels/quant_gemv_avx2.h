@@ -27,7 +27,9 @@
  * llama.cpp's mul_sum_i8_pairs; |pair| <= 2 * 127 * 127 < 32767). Measured against int16
  * activations and codes widened by vpmovsxbw (as q8): 4.1 vs 5.8 cycles per 32 weights in L2,
  * 0.67 vs 1.00 ms a 2048x5632 gemv from memory (one thread, AVX2 EPYC).
- * Minimums (and q4/q5/q6's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
+ * q2/q3 (Q2_K/Q3_K, groups of 16) take int8 too: their raw codes (0..3 / 0..7, zero left to the
+ * minimum term; quant_k2_codes32_avx2) meet x in vpmaddubsw as q5/q6's do.
+ * Minimums (and q4/q5/q6/q3's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
@@ -66,7 +68,9 @@ typedef struct {
 /* q5/q6 meet int8 activations (d = max|x| / 127) in vpmaddubsw: their raw codes (0..63,
  * unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4 too, its
  * signed codebook values (-127..113) as |w| against x with w's sign (u8_block). */
-static inline int act_int8(int kind) { return kind == 5 || kind == 6 || kind == QUANT_I4; }
+static inline int act_int8(int kind) {
+    return kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+}
 
 static inline float hsum8(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -179,6 +183,7 @@ block_codes_i16(int kind, const uint8_t *q, int64_t b, __m256i *c0, __m256i *c1)
 static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
+    if (kind == QUANT_Q2 || kind == QUANT_Q3) return quant_k2_codes32_avx2(kind, q, qh, b);
     if (kind == 5) return quant_codes32_avx2(1, q, qh, 0, b);
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
     const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
@@ -471,6 +476,8 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
     case 5: ALL(5) break;
     case 6: ALL(6) break;
     case QUANT_I4: ALL(QUANT_I4) break;
+    case QUANT_Q2: ALL(QUANT_Q2) break;
+    case QUANT_Q3: ALL(QUANT_Q3) break;
     default: ALL(8) break;
     }
 #undef ALL

@@ -5,9 +5,10 @@
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
  * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
  * minus a constant `zero`; quant_codes.h), or "i4" (q4's nibbles, each an index into
- * IQ4's 16 signed values; AVX2 and portable builds only: pipeserve_quant_takes). A weight
+ * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
+ * mask; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
- * q5/q6/i4 codes cross the memory bus at their compact size: the integer-activation
+ * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb,
  * quant_gemv_avx2.h's block_codes_u8) into the bytes a q8 row holds; the float and
  * dequantize paths expand a row into a per-thread scratch row (in L1) just before using
@@ -41,7 +42,7 @@
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too (quant_gemv_avx2.h):
- *   int16 for q4/q8, error at most max|x| / 65534 of the block per element; int8 for q5/q6/i4, at most
+ *   int16 for q4/q8, error at most max|x| / 65534 of the block per element; int8 for q5/q6/i4/q2/q3, at most
  *   max|x| / 254 (their codes meet it in vpmaddubsw, as llama.cpp's Q8 activations do); their float
  *   path and the dequantize below use 256-bit vectors.
  */
@@ -92,8 +93,9 @@ const char *pipeserve_quant_isa(void) {
 #endif
 }
 
-/* 1 when this build's kernels take layout `kind` (4, 8, 5, 6, 9 = i4): the loader keeps IQ4
- * weights as i4 only where they do, widened to q8 otherwise (AVX-512 builds). */
+/* 1 when this build's kernels take layout `kind` (4, 8, 5, 6, 9 = i4, 2 = q2, 3 = q3): the loader
+ * keeps IQ4 / Q2_K / Q3_K weights as i4 / q2 / q3 only where they do, widened to q8 otherwise
+ * (AVX-512 builds). */
 int pipeserve_quant_takes(int kind) { return quant_takes_kind(kind); }
 
 /* One output row's dot products with `m_rows` rows of x (float32, [m_rows, K]). */
@@ -661,7 +663,7 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
     return 0;
 }
 
-/* kind: 4, 8, 5, 6 or 9 (q4, q8, q5, q6, i4); mn may be NULL; qh and zero: q5/q6's high bits and
+/* kind: 4, 8, 5, 6, 9, 2 or 3 (q4, q8, q5, q6, i4, q2, q3); mn may be NULL; qh and zero: q5/q6/q3's high bits and
  * code offset (ignored otherwise; last, so callers built against the two-layout
  * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, -1 when scratch cannot be allocated, -2 for a
@@ -680,7 +682,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
         return rc;
     }
     const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
-    const int z4 = kind == 4 ? zero : 0;   /* q5/q6/i4 codes leave their expansion with zero subtracted */
+    const int z4 = kind == 4 ? zero : 0;   /* compact codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
     int failed = 0;
     /* row n's codes (q5/q6/i4: expanded into buf) */
@@ -735,7 +737,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     return failed ? -1 : 0;
 }
 
-/* Returns 0, -1 when scratch cannot be allocated (q5/q6/i4), -2 for a layout this build does
+/* Returns 0, -1 when scratch cannot be allocated (compact layouts), -2 for a layout this build does
  * not take. */
 int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                             int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,

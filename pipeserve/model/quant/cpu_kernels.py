@@ -36,8 +36,9 @@ below the 4-6-bit weights' own quantization error. float32 and bfloat16 activati
 expanded to q8's int8 codes inside the kernels (in registers on the VNNI, AVX2 integer
 and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
 on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py), but AVX2's
-integer path, whose activations are int8 for them and int16 for q8. AVX-512 builds take no
-i4 (``takes``): the loader widens IQ4 to q8 for them.
+integer path, whose activations are int8 for them and int16 for q8. Q2_K's and Q3_K's 2/3-bit
+q2/q3 layouts likewise (int8 activations on AVX2). AVX-512 builds take no i4, q2 or q3
+(``takes``): the loader widens IQ4, Q3_K and Q2_K to q8 for them.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ class QuantKernels:
         self._gemm, self.gemm_isa = _load_gemm()
 
     def takes(self, kind: str) -> bool:
-        """Whether this build's kernels take the layout ``kind`` (i4: AVX2 and portable builds)."""
-        return bool(self._takes(_KINDS[kind])) if self._takes is not None else kind != "i4"
+        """Whether this build's kernels take the layout ``kind`` (i4, q2, q3: AVX2 and portable builds)."""
+        return bool(self._takes(_KINDS[kind])) if self._takes is not None else kind not in _LATER_KINDS
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -131,7 +132,7 @@ class QuantKernels:
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
         return (self._gemm is not None and x.dtype == torch.bfloat16 and w.in_features % 32 == 0
-                and w.kind != "i4" and w.group % (32 if w.kind == "q4" else 16) == 0)
+                and w.kind in _GEMM_KINDS and w.group % (32 if w.kind == "q4" else 16) == 0)
 
     def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
@@ -248,7 +249,9 @@ def _load_gemm():
     return fn, isa
 
 
-_KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9}
+_KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9, "q2": 2, "q3": 3}
+_LATER_KINDS = ("i4", "q2", "q3")      # builds from before pipeserve_quant_takes have no kernels for these
+_GEMM_KINDS = ("q4", "q8", "q5", "q6")  # quant_gemm.c's (AVX512_BF16 builds, which keep the others widened)
 
 
 def _kind(w: PackedWeight) -> int:
@@ -261,7 +264,7 @@ def _check(rc: int, w: PackedWeight) -> None:
         raise MemoryError("quantized matmul: cannot allocate its activation or code scratch")
     if rc == -2:
         raise ValueError(f"this build of the quantized kernels does not take the {w.kind} layout of {w.source} "
-                         "(IQ4 is widened to q8 at load where it does not)")
+                         "(IQ4, Q3_K and Q2_K are widened to q8 at load where it does not)")
     if rc != 0:
         raise RuntimeError(f"quantized matmul refused its arguments (code {rc})")
 

@@ -1,31 +1,31 @@
 """GGUF types kept in layouts other than their own blocks: IQ4_NL and IQ4_XS as ``i4``
-(their nibbles as they are) where the kernels take it, else, with Q3_K and Q2_K, as
-byte-per-code ``q8`` rows.
+(their nibbles as they are), Q3_K as ``q3`` and Q2_K as ``q2`` (their code bytes as they
+are) where the kernels take those layouts, else as byte-per-code ``q8`` rows.
 
 IQ4's codes are 4-bit indices into a 16-value signed codebook, in q4's nibble order:
 ``i4`` (packed.py) keeps the file's nibbles and a float16 scale per 32 weights (IQ4_NL:
 the block's d; IQ4_XS: d times its 6-bit sub-scale less 32), 4.5 bits a weight, 1.0x
-IQ4_NL's file bytes and 1.06x IQ4_XS's. The AVX2 and portable kernels take it
-(``keeps_i4``); AVX-512 builds have no i4 kernels (their VNNI and many-row paths would
-need their own expansion), so there IQ4 is widened to ``q8`` as below.
+IQ4_NL's file bytes and 1.06x IQ4_XS's. Q3_K's codes (-4..3) are 2-bit pairs and a bit of
+its hmask, Q2_K's (0..3) the pairs alone: ``q3`` / ``q2`` keep those bytes and a float16
+scale (Q2_K: and minimum) per 16 weights, 4.0 bits a weight, 1.16x Q3_K's file bytes and
+1.52x Q2_K's (its 4-bit scale and minimum per 16 become two float16s). The AVX2 and portable
+kernels take all three (``keeps``); AVX-512 builds do not (their VNNI and many-row paths
+would need their own expansions), so there they are widened to ``q8``:
 
 A weight of each is a scale times a small integer code, plus a minimum for Q2_K,
 per group of 16 or 32 weights: Q2_K's codes are 0..3, Q3_K's -4..3 and IQ4's
 entries of its 16-value codebook (-127..113). So the ``q8`` layout holds them
 exactly, as int8 codes with a float16 scale (and minimum) per group, and every
-q8 kernel runs them unchanged, integer activations included. The two-level
-scales (a float16 times a 4- or 6-bit integer) are multiplied out and rounded
-to float16, as for the K-quants in ``gguf_repack``: a relative change of at most
+q8 kernel runs them unchanged, integer activations included: 8 bits a code plus the
+scales, 1.9x IQ4_NL's bytes in the file, 2.0x IQ4_XS, 2.6x Q3_K and 3.8x Q2_K.
+
+Either way the two-level scales (a float16 times a 4- or 6-bit integer) are multiplied out
+and rounded to float16, as for the K-quants in ``gguf_repack``: a relative change of at most
 2^-11 of a scale.
 
-Memory: 8 bits a code plus the scales: 1.9x IQ4_NL's bytes in the file, 2.0x
-IQ4_XS (widened), 2.6x Q3_K and 3.8x Q2_K, against 7-12x for float32 (what a 70B IQ4_XS
-or Q3_K_M file became before). Q3_K's and Q2_K's own compact layouts (2- and 3-bit
-planes) would need kernels of their own.
-
 ``kernels/gguf_widen.c`` does it in one pass on the stage's threads; the numpy
-functions below are its reference and the fallback without a compiler (IQ4's give
-``i4``, widened by ``to_q8``).
+functions below are its reference and the fallback without a compiler (they give the
+compact layouts, widened by ``to_q8``).
 """
 
 from __future__ import annotations
@@ -52,15 +52,6 @@ SHIFT4 = np.array([0, 4], dtype=U8)             # its two nibbles
 def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The float16 at byte ``offset`` of each block, as float32 [rows, blocks, 1]."""
     return blocks[..., offset:offset + 2].copy().view(np.float16).astype(np.float32)
-
-
-def _packed(source: str, group: int, codes: np.ndarray, scale: np.ndarray, minv: np.ndarray | None,
-            rows: int) -> PackedWeight:
-    """codes int8 [rows, blocks, weights]; scale / minv float32 [rows, blocks, groups a block]."""
-    def half(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1).astype(np.float16)))
-    return PackedWeight("q8", group, torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1))), half(scale),
-                        None if minv is None else half(minv), source)
 
 
 def _i4(source: str, nibbles: np.ndarray, scale: np.ndarray, rows: int) -> PackedWeight:
@@ -91,33 +82,38 @@ def _iq4_xs(blocks: np.ndarray, rows: int) -> PackedWeight:
 def _q3_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     """Block of 256: hmask (32 bytes), qs (64 bytes of 2-bit codes), 12 bytes of sixteen
     6-bit scales, d (float16). Weight 128h + 32j + l (h < 2, j < 4, l < 32) is bits 2j of
-    qs[32h + l] minus 4 where bit 4h + j of hmask[l] is clear, in group 8h + 2j + l // 16."""
+    qs[32h + l] minus 4 where bit 4h + j of hmask[l] is clear, in group 8h + 2j + l // 16:
+    q3's bytes as they are, ``zero`` 4."""
     n = blocks.shape[1]
     hmask, qs, sc = blocks[..., :32], blocks[..., 32:96], blocks[..., 96:108]
     low = ((sc[..., None, :8] >> SHIFT4[:, None]) & U8(15)).reshape(rows, n, 16)  # scales 0-7, 8-15: low 4 bits
     high = ((sc[..., None, 8:12] >> SHIFT2[:, None]) & U8(3)).reshape(rows, n, 16)   # scale 4i + k: byte 8 + k >> 2i
     scale = _f16(blocks, 108) * ((low | (high << U8(4))).astype(np.float32) - 32)
-    codes = ((qs.reshape(rows, n, 2, 1, 32) >> SHIFT2[:, None]) & U8(3)).view(np.int8)   # [rows, n, h, j, l]
-    bit = (hmask[..., None, :] >> np.arange(8, dtype=U8)[:, None]) & U8(1)         # [rows, n, 4h + j, l]
-    codes = codes - ((U8(1) - bit) << U8(2)).view(np.int8).reshape(rows, n, 2, 4, 32)
-    return _packed("Q3_K", 16, codes, scale, None, rows)
+    return PackedWeight("q3", 16, _rows(qs, rows), _rows(scale.astype(np.float16), rows), None, "Q3_K",
+                        _rows(hmask, rows), 4)
 
 
 def _q2_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     """Block of 256: 16 bytes of scales (low nibble: scale, high: minimum, a group of 16
     each), qs (64 bytes of 2-bit codes), d and dmin (float16). Weight 128h + 32j + l is bits
-    2j of qs[32h + l], in group 8h + 2j + l // 16: d * sc * code - dmin * m."""
-    n = blocks.shape[1]
+    2j of qs[32h + l], in group 8h + 2j + l // 16: d * sc * code - dmin * m. q2's bytes as they are."""
     sc, qs = blocks[..., :16], blocks[..., 16:80]
     scale = _f16(blocks, 80) * (sc & U8(15)).astype(np.float32)
     minv = -_f16(blocks, 82) * (sc >> U8(4)).astype(np.float32)
-    codes = ((qs.reshape(rows, n, 2, 1, 32) >> SHIFT2[:, None]) & U8(3)).view(np.int8)
-    return _packed("Q2_K", 16, codes, scale, minv, rows)
+    return PackedWeight("q2", 16, _rows(qs, rows), _rows(scale.astype(np.float16), rows),
+                        _rows(minv.astype(np.float16), rows), "Q2_K")
 
 
-# type -> (numpy function, C function, weights a group; float16 arrays a group: scale (+ minimum))
-_TYPES = {T.IQ4_NL: (_iq4_nl, "pipeserve_widen_iq4_nl", 32, 1), T.IQ4_XS: (_iq4_xs, "pipeserve_widen_iq4_xs", 32, 1),
-          T.Q3_K: (_q3_k, "pipeserve_widen_q3_k", 16, 1), T.Q2_K: (_q2_k, "pipeserve_widen_q2_k", 16, 2)}
+def _rows(a: np.ndarray, rows: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1)))
+
+
+# type -> (numpy function, C function, weights a group, float16 arrays a group: scale (+ minimum),
+#          the compact layout, its code bytes and hmask bytes per 256 weights)
+_TYPES = {T.IQ4_NL: (_iq4_nl, "pipeserve_widen_iq4_nl", 32, 1, "i4", 128, 0),
+          T.IQ4_XS: (_iq4_xs, "pipeserve_widen_iq4_xs", 32, 1, "i4", 128, 0),
+          T.Q3_K: (_q3_k, "pipeserve_widen_q3_k", 16, 1, "q3", 64, 32),
+          T.Q2_K: (_q2_k, "pipeserve_widen_q2_k", 16, 2, "q2", 64, 0)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,41 +127,50 @@ def _c_widen() -> ctypes.CDLL | None:
         return None
 
 
-def keeps_i4() -> bool:
-    """Whether IQ4 tensors stay ``i4``: where the CPU kernels take the layout (AVX2 and
-    portable builds), or there are none (PyTorch's ``dequantize`` takes every layout).
-    AVX-512 builds have no i4 kernels: IQ4 is widened to q8 there (logged once)."""
+def keeps(kind: str) -> bool:
+    """Whether tensors of the compact layout ``kind`` (i4, q3, q2) stay in it: where the CPU
+    kernels take the layout (AVX2 and portable builds), or there are none (PyTorch's
+    ``dequantize`` takes every layout). AVX-512 builds have no kernels for them: IQ4, Q3_K
+    and Q2_K are widened to q8 there (logged once)."""
     kernels = cpu_kernels()
-    if kernels is None or kernels.takes("i4"):
+    if kernels is None or kernels.takes(kind):
         return True
     _log_widened(kernels.isa)
     return False
 
 
+def keeps_i4() -> bool:
+    """Whether IQ4 tensors stay ``i4`` (``keeps``)."""
+    return keeps("i4")
+
+
 @functools.lru_cache(maxsize=None)
 def _log_widened(isa: str) -> None:
-    log.info("IQ4_NL/IQ4_XS weights widened to a byte per code (about 2x the file's bytes): the %s "
-             "quantized kernels take no 4-bit codebook (i4) layout", isa)
+    log.info("IQ4_NL/IQ4_XS, Q3_K and Q2_K weights widened to a byte per code (2-4x the file's bytes): the %s "
+             "quantized kernels take no 4-bit codebook (i4) or 2/3-bit (q2/q3) layout", isa)
 
 
 def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
-    """IQ4 as i4 (``keeps_i4``) or q8, Q3_K / Q2_K as q8: in C where it builds, else numpy."""
-    numpy_path, name, group, arrays = _TYPES[ttype]
-    nibbles = ttype in IQ4 and keeps_i4()
+    """IQ4 as i4, Q3_K as q3, Q2_K as q2 where the kernels take them (``keeps``), else as q8: in
+    C where it builds, else numpy."""
+    numpy_path, name, group, arrays, kind, code_bytes, mask_bytes = _TYPES[ttype]
+    compact = keeps_i4() if kind == "i4" else keeps(kind)
     lib = _c_widen()
     if lib is None:
         w = numpy_path(blocks, rows)
-        return to_q8(w) if w.kind == "i4" and not nibbles else w
+        return w if compact else to_q8(w)
     weights = gguf.GGML_QUANT_SIZES[ttype][0] * blocks.shape[1]      # a row's
-    codes = torch.empty(rows, weights // 2 if nibbles else weights, dtype=torch.uint8 if nibbles else torch.int8)
+    codes = torch.empty(rows, weights * code_bytes // 256 if compact else weights,
+                        dtype=torch.uint8 if compact else torch.int8)
+    qh = torch.empty(rows, weights * mask_bytes // 256, dtype=torch.uint8) if compact and mask_bytes else None
     halves = [torch.empty(rows, weights // group, dtype=torch.float16) for _ in range(arrays)]
     data = np.ascontiguousarray(blocks)                                # held: the C call reads it
     p = ctypes.c_void_p
-    flag = (ctypes.c_int(nibbles),) if ttype in IQ4 else ()
-    getattr(lib, name)(p(data.ctypes.data), ctypes.c_int64(rows * blocks.shape[1]), p(codes.data_ptr()),
-                       *(p(h.data_ptr()) for h in halves), *flag, ctypes.c_int(torch.get_num_threads()))
-    return PackedWeight("i4" if nibbles else "q8", group, codes, halves[0], halves[1] if arrays == 2 else None,
-                        ttype.name)
+    mask = (p(None if qh is None else qh.data_ptr()),) if ttype == T.Q3_K else ()
+    getattr(lib, name)(p(data.ctypes.data), ctypes.c_int64(rows * blocks.shape[1]), p(codes.data_ptr()), *mask,
+                       *(p(h.data_ptr()) for h in halves), ctypes.c_int(compact), ctypes.c_int(torch.get_num_threads()))
+    return PackedWeight(kind if compact else "q8", group, codes, halves[0], halves[1] if arrays == 2 else None,
+                        ttype.name, qh, 4 if compact and ttype == T.Q3_K else 0)
 
 
 WIDENED = {ttype: functools.partial(_widen, ttype) for ttype in _TYPES}

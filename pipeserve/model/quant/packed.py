@@ -1,6 +1,6 @@
 """Quantized weight matrices in the layouts the kernels read.
 
-Every kept type is stored in one of five row-major layouts, all with a
+Every kept type is stored in one of seven row-major layouts, all with a
 float16 ``scale`` (and optional float16 ``minv``) per group of ``group``
 weights of a row:
 
@@ -26,6 +26,14 @@ weights of a row:
   codes up (one byte shuffle per 32 on AVX2) into ``q8``'s int8 codes and run the
   ``q8`` code on them, as for q5/q6. AVX-512 builds have no i4 kernels; there the
   loader widens IQ4 to ``q8`` (``gguf_widen``).
+- ``q2`` / ``q3``: GGUF Q2_K / Q3_K codes in their own bytes: ``qs`` uint8 [out, in / 4],
+  per 128 weights 32 bytes, byte l holding weights l, l + 32, l + 64, l + 96 in its bit
+  pairs 0, 2, 4, 6; q3 adds ``qh`` uint8 [out, in / 8], Q3_K's hmask: per 256 weights 32
+  bytes, bit p of byte l the third bit (4) of weight 32p + l. Groups of 16, a float16 scale
+  each (Q2_K: and minimum), ``zero`` 4 for Q3_K (its codes -4..3): 4.0 bits per weight
+  (Q3_K's file 3.44, Q2_K's 2.63). The kernels expand them into ``q8``'s int8 codes as for
+  q5/q6 (a 32-byte load, shift and mask per 32 weights on AVX2; q3 a compare more); AVX-512
+  builds have no q2/q3 kernels, and there the loader widens them to ``q8``.
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
 except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
@@ -43,19 +51,20 @@ import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
 HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bit-planes above the nibble
+CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbles)
 IQ4_VALUES = tuple(int(v) for v in gguf.quants.IQ4_NL.kvalues)   # i4's codebook: -127 .. 113
 
 
 @dataclass
 class PackedWeight:
-    kind: str                    # "q4" | "q8" | "q5" | "q6" | "i4"
+    kind: str                    # "q4" | "q8" | "q5" | "q6" | "i4" | "q2" | "q3"
     group: int                   # weights per scale
-    qs: torch.Tensor             # q4/q5/q6/i4: uint8 [out, in / 2]; q8: int8 [out, in]
+    qs: torch.Tensor             # q4/q5/q6/i4: uint8 [out, in / 2]; q8: int8 [out, in]; q2/q3: uint8 [out, in / 4]
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
-    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes
-    zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32)
+    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes; q3: [out, in / 8]
+    zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
 
     @property
@@ -64,7 +73,7 @@ class PackedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.qs.shape[1] * (1 if self.kind == "q8" else 2)
+        return self.qs.shape[1] * CODES_PER_BYTE.get(self.kind, 2)
 
     @property
     def nbytes(self) -> int:
@@ -126,12 +135,14 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def expand_codes(w: PackedWeight) -> torch.Tensor:
-    """A q5/q6 weight's codes minus ``zero``, or an i4 weight's codebook values, as int8
+    """A q5/q6/q2/q3 weight's codes minus ``zero``, or an i4 weight's codebook values, as int8
     [out, in]: the ``q8`` codes the kernels expand a row into (``to_q8`` builds the
     byte-per-code layout from them)."""
     if w.kind == "i4":
         values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=w.qs.device)
         return values[_nibbles(w.qs).long()]
+    if w.kind in ("q2", "q3"):
+        return _k2_codes(w)
     rows, hbits = w.out_features, HIGH_BITS[w.kind]
     q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
     planes = w.qh.view(rows, -1, hbits, 4)                                 # [out, in / 32, hbits, 4 bytes]
@@ -142,9 +153,23 @@ def expand_codes(w: PackedWeight) -> torch.Tensor:
     return (q - w.zero).to(torch.int8).reshape(rows, -1)
 
 
+def _k2_codes(w: PackedWeight) -> torch.Tensor:
+    """q2/q3 codes (bit pairs, q3's hmask bit as 4) minus ``zero``, int8 [out, in]."""
+    rows, dev = w.out_features, w.qs.device
+    pairs = w.qs.view(rows, -1, 1, 32)                                     # [out, in / 128, 1, 32 bytes]
+    q = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).view(4, 1)) & 3   # [.., 4, 32]
+    q = q.reshape(rows, -1).to(torch.int16)
+    if w.kind == "q3":
+        mask = w.qh.view(rows, -1, 1, 32)                                   # [out, in / 256, 1, 32 bytes]
+        high = (mask >> torch.arange(8, dtype=torch.uint8, device=dev).view(8, 1)) & 1   # [.., 8, 32]
+        q = q | (high.reshape(rows, -1).to(torch.int16) << 2)
+    return (q - w.zero).to(torch.int8)
+
+
 def to_q8(w: PackedWeight) -> PackedWeight:
-    """A q5/q6/i4 weight in the byte-per-code ``q8`` layout (the layout they had before the
-    compact one: benchmarks compare the two; tests check the kernels agree)."""
+    """A q5/q6/i4/q2/q3 weight in the byte-per-code ``q8`` layout (the layout they had before
+    the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds: benchmarks compare the two;
+    tests check the kernels agree)."""
     return PackedWeight("q8", w.group, expand_codes(w), w.scale, w.minv, w.source)
 
 
