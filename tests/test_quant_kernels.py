@@ -9,7 +9,7 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6/i4 ones
+q8 weights and move it by at most d' / 2, and one int8 code for q4/q5/q6/i4 ones
 (max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
@@ -238,7 +238,7 @@ def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     ref = x.float() @ dequantize(w).t()                               # [M, N] float32
     got = kernels.matmul(w, x).float()
     int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
-    if kernels.isa == "avx2" and w.kind in ("q5", "q6", "i4") and int8:   # int8 activations
+    if kernels.isa == "avx2" and w.kind != "q8" and int8:   # int8 activations
         assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
         return
     scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()  # magnitude of the sums
@@ -355,13 +355,13 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
 def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
     output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
-    one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code),
-    q5/q6/i4 max|x| / 254 (half a step of their int8 code)."""
+    one where q2 saturates at 127); AVX2: d = max|x| / 254 (half a step of the int8 code), but
+    q8's max|x| / 65534 (half a step of its int16 code)."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
     per_max = 1 / (127 * 256)
     if isa == "avx2":
-        per_max = 1 / 254 if w.kind in ("q5", "q6", "i4") else 1 / 65534
+        per_max = 1 / 65534 if w.kind == "q8" else 1 / 254
     step = (blocks.amax(-1) * per_max).repeat_interleave(32, dim=1)            # [M, K]
     bound = step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
     if dtype == torch.bfloat16:
