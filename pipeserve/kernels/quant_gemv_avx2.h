@@ -485,9 +485,44 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
 #undef CASE
 }
 
-/* Whether the integer path takes this layout: blocks of 32, groups of 32k or 16, at most I16_ROWS rows. */
-static inline int i16_applies(int64_t K, int64_t group, int64_t M) {
-    return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16) && M <= I16_ROWS;
+/* Rows of x [m0, m0 + I16_ROWS) of a prepared buffer of several passes' rows, as a buffer of their own. */
+static inline act_i16 act_i16_rows(const act_i16 *a, int64_t m0) {
+    act_i16 v = *a;
+    v.q = a->q + m0 * a->K;
+    v.qe = a->qe + m0 * a->K;
+    v.x8 = a->x8 + m0 * a->K;
+    v.d = a->d + m0 * a->nbp;
+    v.sum = a->sum + m0 * a->nbp;
+    v.sum16 = a->sum16 + 2 * m0 * a->nbp;
+    return v;
+}
+
+/* Output rows [n0, n1) for M rows of x, any M: tiles of weight rows (about 16 KiB of codes, so
+ * they stay in L1/L2) against every pass of I16_ROWS rows of x in turn, so the weights are
+ * read from memory once for all the rows instead of once per pass (a batched decode, the LM
+ * head of a mixed step). */
+static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                          int64_t per, int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N,
+                          float *out, const uint8_t *qh, int zero) {
+    if (M <= I16_ROWS) {
+        rows_range_i16(kind, (int)M, qs, sc, mn, per, group, a, n0, n1, N, out, qh, zero);
+        return;
+    }
+    const int64_t row_bytes = quant_row_bytes(kind, a->K) + quant_high_row_bytes(kind, a->K);
+    const int64_t tile = row_bytes >= 4096 ? 4 : 16384 / row_bytes;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
+        for (int64_t m0 = 0; m0 < M; m0 += I16_ROWS) {
+            const act_i16 v = act_i16_rows(a, m0);
+            const int m_rows = M - m0 < I16_ROWS ? (int)(M - m0) : I16_ROWS;
+            rows_range_i16(kind, m_rows, qs, sc, mn, per, group, &v, t0, t1, N, out + m0 * N, qh, zero);
+        }
+    }
+}
+
+/* Whether the integer path takes this layout: blocks of 32, groups of 32k or 16 (any number of rows). */
+static inline int i16_applies(int64_t K, int64_t group) {
+    return K % I16_QB == 0 && (group % I16_QB == 0 || group == 16);
 }
 
 /* The activation buffer of M rows of K: int16 codes in x's and in even/odd or q4's pair order, then
