@@ -238,7 +238,7 @@ def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
 def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     ref = x.float() @ dequantize(w).t()                               # [M, N] float32
     got = kernels.matmul(w, x).float()
-    int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and x.shape[0] <= kernels.gemv_max_rows   # as matmul
+    int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
     if kernels.isa == "avx2" and w.kind != "q8" and int8:   # int8 activations
         assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
         return
@@ -443,17 +443,18 @@ def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, d
 
 @needs_kernel
 def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
-    """9 to ``gemv_max_rows`` rows: the integer-activation gemv, 8 rows a pass (where the
+    """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where the
     kernel has integer activations; AVX2 runs the passes in one call, over tiles of weight
-    rows, to the same result), then the tiles; within the kernels' bound of
-    dequantize-then-matmul either way."""
+    rows, to the same result, and takes up to GEMV_ONE_CALL_MAX_ROWS so), then the tiles;
+    within the kernels' bound of dequantize-then-matmul either way."""
     kernels = cpu_kernels()
     w = _int8_cases(gguf_file, kernels)[-1]
-    top = kernels.gemv_max_rows
-    assert top == (GEMV_ONE_CALL_MAX_ROWS if kernels.isa == "avx2" else GEMV_PASSES_MAX_ROWS)
-    for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, top, top + 1):
+    assert kernels.fused_max_rows == (GEMV_ONE_CALL_MAX_ROWS if kernels.isa == "avx2" else GEMV_PASSES_MAX_ROWS)
+    for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
-        in_passes = kernels.has_integer_activations and rows <= top
+        in_passes = kernels.has_integer_activations and rows <= GEMV_PASSES_MAX_ROWS
         assert torch.equal(kernels.matmul(w, x), passes if in_passes else kernels.tiled(w, x)), rows
         _check_matmul(w, x, kernels)
+        if kernels.has_integer_activations and kernels.isa == "avx2":   # one call: the passes' result
+            assert torch.equal(kernels.gemv(w, x), passes), rows

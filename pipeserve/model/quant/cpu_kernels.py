@@ -65,9 +65,11 @@ TILE_MIN_ROWS = 256
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
-# weight rows, so the weights come from memory once), up to this many: SmolLM2's Q4_1 shapes
-# at 2 threads, 64 rows, 0.76-1.0x the tiles' time, 0.99x-1.33x at 128 (benchmarks/README.md,
-# "q4 with int8 activations").
+# weight rows, so the weights come from memory once), the fused decode stage takes steps of up
+# to this many decodes (SmolLM2's Q4_1 shapes at 2 threads, 64 rows: 0.76-1.0x the tiles' time,
+# 0.99-1.33x at 128; benchmarks/README.md, "q4 with int8 activations"). matmul keeps
+# GEMV_PASSES_MAX_ROWS: a prompt's rows (and a step mixing them with decodes) take the tiles'
+# float activations from 25 rows as before, so which path a prompt takes does not move.
 GEMV_ONE_CALL_MAX_ROWS = 64
 # Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
 # takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
@@ -111,8 +113,9 @@ class QuantKernels:
         # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
         # kernel for the simplest layout it takes (blocks and groups of 32, one row)
         self.has_integer_activations = bool(self._i8_applies(32, 32, 1))
-        # up to how many rows the integer gemv runs before tiles take over (one call or passes)
-        self.gemv_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
+        # the most decodes a fused decode stage step takes (cpu_decode.py): in one pass where
+        # the kernel takes many rows in one call, else in passes
+        self.fused_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
             else GEMV_PASSES_MAX_ROWS
         self._gemm, self.gemm_isa = _load_gemm()
 
@@ -132,7 +135,7 @@ class QuantKernels:
         rows = x.shape[0]
         if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
-        if rows <= self.gemv_max_rows and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
+        if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
             if self._i8_applies(w.in_features, w.group, rows):   # AVX2: the passes in one call
                 return self.gemv(w, x)
             return torch.cat([self.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
