@@ -204,12 +204,12 @@ def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     from pipeserve.model.quant.cpu_kernels import cpu_kernels
     runner = smollm2[0]
-    n = cpu_kernels().fused_max_rows + 1
+    n = cpu_kernels().fused_max_rows + 1   # SmolLM2's layers hold no q8 part
     prompts = [list(range(100 + 5 * i, 110 + 5 * i)) for i in range(n)]
     tables = [[i % 64] for i in range(n)]   # one block each (more sequences than blocks share some)
     runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))
     fused = runner.model.fused_decode
-    assert fused
+    assert fused and fused.max_rows == n - 1
     calls = []
     original = fused._run
     fused._run = lambda *args: calls.append(1) or original(*args)
