@@ -10,7 +10,8 @@ float32 rows up to ``TRANSPOSED_MAX_ROWS`` take on more than one thread, for wei
 least ``TRANSPOSED_MIN_IN`` wide), the dequantizing
 alone (the whole matrix, the part the tile path adds), and the decode kernel in passes of
 ``GEMV_MAX_ROWS`` rows (what up to ``GEMV_PASSES_MAX_ROWS`` rows take where it has integer
-activations), at 16 to 512 activation rows. Best of repeated calls, side by side in one run:
+activations) and in one call (``gemv 1``: AVX2 builds run the passes over tiles of weight rows,
+as the fused decode stage does up to ``GEMV_ONE_CALL_MAX_ROWS``), at 16 to 512 activation rows. Best of repeated calls, side by side in one run:
 the ratios are what to read on a shared machine. ``--compare REV`` also times the
 dequantizing of quant_matmul.c as of git revision REV.
 
@@ -56,7 +57,9 @@ def main() -> None:
     ref = kernels_at(args.compare) if args.compare else None
     print(f"threads={args.threads} isa={k.isa}; ms, best of {args.repeats}")
     tiles = " ".join(f"tile {t >> 10:>4}K" for t in TILES)
+    one_call = k.fused_max_rows > quant_cpu.GEMV_PASSES_MAX_ROWS
     print(f"{'shape':8} {'kind':4} {'rows':>4} {'dense':>9} {tiles} {'turned':>9} {'dequant':>9} {'gemv x8':>9}"
+          + (f" {'gemv 1':>9}" if one_call else "")
           + (f" {'@' + args.compare:>9}" if ref else ""))
     quant_cpu.TRANSPOSED_MAX_ROWS = 0     # the tile columns: x @ W_tile^T at every row count
     for name, (n, kd) in SHAPES[args.shapes].items():
@@ -75,6 +78,8 @@ def main() -> None:
                 step = quant_cpu.GEMV_MAX_ROWS       # the decode kernel in passes (rows up to
                 cols.append(best_ms(lambda: [k.gemv(q, x[r:r + step])   # GEMV_PASSES_MAX_ROWS take it)
                                              for r in range(0, rows, step)], args.repeats))
+                if one_call:
+                    cols.append(best_ms(lambda: k.gemv(q, x), args.repeats))
                 if ref:
                     cols.append(best_ms(lambda: dq(ref), args.repeats))
                 print(f"{name:8} q{bits:<3} {rows:>4} " + " ".join(f"{c:9.3f}" for c in cols))

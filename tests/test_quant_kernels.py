@@ -9,7 +9,7 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6/i4/q2/q3 ones
+q8 weights and move it by at most d' / 2, and one int8 code for q4/q5/q6/i4/q2/q3 ones
 (max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
@@ -24,7 +24,8 @@ import pipeserve.model.quant.gguf_widen as widen
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
-from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, GEMV_PASSES_MAX_ROWS, QuantKernels, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, QuantKernels,
+                                               cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
                                           expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
@@ -38,7 +39,7 @@ IQ4 = (T.IQ4_NL, T.IQ4_XS)                          # nor these: random blocks (
 K2 = (T.Q3_K, T.Q2_K)                               # nor these (their float16 d, dmin set)
 FLOAT16_OFFSETS = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # others: (0, 2) (IQ4: d at 0)
 COMPACT_KIND = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # widened to q8 where not taken
-INT8_KINDS = ("q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
+INT8_KINDS = ("q4", "q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
 ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
 ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
 needs_kernel = skip_without_kernel("quant_matmul")
@@ -386,8 +387,8 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
 def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
     output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
-    one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code),
-    q5/q6/i4/q2/q3 max|x| / 254 (half a step of their int8 code)."""
+    one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)
+    for q8, max|x| / 254 (half a step of the int8 code) for q4/q5/q6/i4/q2/q3."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
     per_max = 1 / (127 * 256)
@@ -488,14 +489,18 @@ def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, d
 
 @needs_kernel
 def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
-    """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where
-    the kernel has integer activations), then the tiles; within the kernels' bound of
-    dequantize-then-matmul either way."""
+    """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where the
+    kernel has integer activations; AVX2 runs the passes in one call, over tiles of weight
+    rows, to the same result, and takes up to GEMV_ONE_CALL_MAX_ROWS so), then the tiles;
+    within the kernels' bound of dequantize-then-matmul either way."""
     kernels = cpu_kernels()
     w = _int8_cases(gguf_file, kernels)[-1]
-    for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1):
+    assert kernels.fused_max_rows == (GEMV_ONE_CALL_MAX_ROWS if kernels.isa == "avx2" else GEMV_PASSES_MAX_ROWS)
+    for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
         in_passes = kernels.has_integer_activations and rows <= GEMV_PASSES_MAX_ROWS
         assert torch.equal(kernels.matmul(w, x), passes if in_passes else kernels.tiled(w, x)), rows
         _check_matmul(w, x, kernels)
+        if kernels.has_integer_activations and kernels.isa == "avx2":   # one call: the passes' result
+            assert torch.equal(kernels.gemv(w, x), passes), rows

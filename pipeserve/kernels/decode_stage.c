@@ -186,8 +186,10 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
             k->prepare(w->part[i].kind, K, a->bf16 ? xf : (const float *)x, M, act + i * act_stride);
 }
 
-/* Rows of activations one gemv call takes (cpu_kernels.GEMV_MAX_ROWS): a step of more
- * decodes multiplies in passes of this many rows, as the Python layers do. */
+/* Rows of activations one gemv call takes (cpu_kernels.GEMV_MAX_ROWS) where the kernels
+ * take no more at once (VNNI builds): a step of more decodes multiplies in passes of this many
+ * rows, as the Python layers do. AVX2 builds take every row in one pass (their kernel runs the
+ * passes over tiles of weight rows, which then come from memory once). */
 #define PASS_ROWS 8
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -224,15 +226,15 @@ static void thread_rows(const stage_kernels *k, const act_type *a, const qlinear
     }
 }
 
-/* All T threads: out [M, N] = x W^T (+ bias) in passes of PASS_ROWS rows; the caller has
- * prepared the first pass's activations (the first min(M, PASS_ROWS) rows of x) in act.
- * Before a later pass overwrites act, the team meets (every thread is done reading it). */
+/* All T threads: out [M, N] = x W^T (+ bias) in passes of P rows; the caller has prepared
+ * the first pass's activations (the first min(M, P) rows of x) in act. Before a later pass
+ * overwrites act, the team meets (every thread is done reading it). */
 static void team_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
-                      const void *x, int64_t M, void *out, float *f32, float *xf, char *act, int64_t act_stride,
-                      int t, int T) {
+                      const void *x, int64_t M, int64_t P, void *out, float *f32, float *xf, char *act,
+                      int64_t act_stride, int t, int T) {
     const int64_t K = w->part[0].K, N = linear_n(w);
-    for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS) {
-        const int64_t mc = min64(PASS_ROWS, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += P) {
+        const int64_t mc = min64(P, M - m0);
         if (m0 > 0) {
 #pragma omp barrier
 #pragma omp single
@@ -248,9 +250,17 @@ static void team_rows(const stage_kernels *k, const act_type *a, const qlinear *
 int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, int64_t num_layers,
                            const stage_step *s, void *h, int num_threads) {
     const act_type at = {(int)s->bf16, s->bf16 ? 2 : 4}, *a = &at;
-    const int64_t M = s->rows, P = min64(M, PASS_ROWS);   /* rows, rows of one matmul pass */
+    const int64_t M = s->rows;
     const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
     const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
+    int64_t P = M;     /* rows of one matmul pass: all of them where every part's kernel takes them */
+    for (int64_t l = 0; l < num_layers; l++) {
+        const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
+        for (int i = 0; i < 4; i++)
+            for (int64_t j = 0; j < ws[i]->parts; j++)
+                if (k->act_bytes(ws[i]->part[j].kind, ws[i]->part[j].K, ws[i]->part[j].group, M) == 0)
+                    P = min64(M, PASS_ROWS);
+    }
     int64_t act = 0;   /* the largest prepared activations of one part */
     for (int64_t l = 0; l < num_layers; l++) {
         const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
@@ -302,7 +312,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 prepare(k, a, &L->qkv, x, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, qkv, out32, xf, actbuf, act_stride, t, T);
+            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, P, qkv, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -340,7 +350,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             account(prof, t, &last, attention, part, 1);
 #pragma omp single
             prepare(k, a, &L->o, attn, P, xf, actbuf, act_stride);
-            team_rows(k, a, &L->o, NULL, attn, M, o, out32, xf, actbuf, act_stride, t, T);
+            team_rows(k, a, &L->o, NULL, attn, M, P, o, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -351,7 +361,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 prepare(k, a, &L->gate_up, x, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->gate_up, NULL, x, M, gu, out32, xf, actbuf, act_stride, t, T);
+            team_rows(k, a, &L->gate_up, NULL, x, M, P, gu, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -362,7 +372,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 prepare(k, a, &L->down, act_in, P, xf, actbuf, act_stride);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->down, NULL, act_in, M, h, out32, xf, actbuf, act_stride, t, T);
+            team_rows(k, a, &L->down, NULL, act_in, M, P, h, out32, xf, actbuf, act_stride, t, T);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
         }

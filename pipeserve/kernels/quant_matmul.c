@@ -42,7 +42,7 @@
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too (quant_gemv_avx2.h):
- *   int16 for q4/q8, error at most max|x| / 65534 of the block per element; int8 for q5/q6/i4/q2/q3, at most
+ *   int16 for q8, error at most max|x| / 65534 of the block per element; int8 for q4/q5/q6/i4/q2/q3, at most
  *   max|x| / 254 (their codes meet it in vpmaddubsw, as llama.cpp's Q8 activations do); their float
  *   path and the dequantize below use 256-bit vectors.
  */
@@ -565,7 +565,8 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #if defined(HAVE_VNNI)
     return K % QB == 0 && (group % QB == 0 || group == 16) && M <= GEMV_ROWS;
 #elif defined(HAVE_AVX2_I16)
-    return i16_applies(K, group, M);
+    (void)M;
+    return i16_applies(K, group);
 #else
     (void)K; (void)group; (void)M;
     return 0;
@@ -603,7 +604,7 @@ int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M)
 #if defined(HAVE_VNNI)
     return pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0) ? act_i8_bytes(M, K) : 0;
 #elif defined(HAVE_AVX2_I16)
-    return i16_applies(K, group, M) && (kind != 4 || group % I16_QB == 0) ? i16_act_bytes(M, K) : 0;
+    return i16_applies(K, group) && (kind != 4 || group % I16_QB == 0) ? i16_act_bytes(M, K) : 0;
 #else
     (void)kind; (void)K; (void)group; (void)M;
     return 0;
@@ -635,7 +636,7 @@ void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const
 #elif defined(HAVE_AVX2_I16)
     act_i16 a;
     i16_act_bind(&a, (void *)act, M, K);
-    rows_range_i16(kind, (int)M, qs, sc, mn, group / I16_QB, group, &a, n0, n1, N, out, qh, zero);
+    rows_many_i16(kind, M, qs, sc, mn, group / I16_QB, group, &a, n0, n1, N, out, qh, zero);
 #else
     (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
     (void)M; (void)n0; (void)n1; (void)out;

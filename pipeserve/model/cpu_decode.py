@@ -13,8 +13,10 @@ Q4_K q and k in some layers: each part is multiplied in its own layout),
 with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
 layers (SwiGLU, plain RMSNorm; a q/k/v bias, Qwen3's per-head q/k norm, a sliding
 window and a soft cap are taken), no tensor parallelism, and steps of at most
-``GEMV_PASSES_MAX_ROWS`` decodes, multiplied in passes of ``GEMV_MAX_ROWS`` rows as
-the Python layers do (bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``);
+``QuantKernels.fused_max_rows`` decodes (AVX2: 64, in one pass of the integer gemv, 24 with
+q8 parts; VNNI:
+``GEMV_PASSES_MAX_ROWS``, in passes of ``GEMV_MAX_ROWS`` rows as the Python layers multiply
+them; bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``);
 everything else runs the Python layers. With one
 thread the result is bit for bit the Python path's; with more, only the order in
 which the attention's partial softmaxes merge differs. ``PIPESERVE_FUSED_DECODE=0``
@@ -87,11 +89,14 @@ class FusedDecode:
         self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
         self._step.bf16 = int(model.dtype == torch.bfloat16)
-        # As many decodes as the Python layers give the integer-activation gemv (in passes of
-        # GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they give bfloat16 to the many-row
-        # kernel where there is one (quant_gemm.c)
+        # As many decodes as the integer-activation gemv takes (AVX2: 64 in one call, but 24 with
+        # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
+        # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
+        # give bfloat16 to the many-row kernel where there is one (quant_gemm.c)
         has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
-        self.max_rows = GEMM_MIN_ROWS - 1 if has_gemm else GEMV_PASSES_MAX_ROWS
+        has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)
+        self.max_rows = (GEMM_MIN_ROWS - 1 if has_gemm
+                         else GEMV_PASSES_MAX_ROWS if has_q8 else cpu_kernels().fused_max_rows)
         # --profile (``enable_profile``): nanoseconds per PROF_CLASSES, added to by each launch
         self.prof_ns = None
 

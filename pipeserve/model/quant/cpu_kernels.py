@@ -22,13 +22,13 @@ Decode on an AVX512-VNNI CPU ("avx512-vnni" in the log line) or an AVX2 + FMA +
 F16C one ("avx2") quantizes each activation row per block of 32 and takes integer
 dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
 against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
-(quant_matmul.c); AVX2: int16 against q4/q8 codes, int8 (step max|x| / 127)
-against the compact q5/q6 ones (quant_gemv_avx2.h: one vpmaddubsw on their raw codes)
-and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
+(quant_matmul.c); AVX2: int16 against q8 codes, int8 (step max|x| / 127)
+against q4's, the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
+their raw codes) and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
 Each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
 1.5e-5 of the block's largest activation for the int16 codes, finer than bfloat16;
-4e-3 for AVX2's q5/q6/i4 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
+4e-3 for AVX2's q4/q5/q6/i4/q2/q3 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
 below the 4-6-bit weights' own quantization error. float32 and bfloat16 activations both take it
 (float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
 ``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
@@ -37,7 +37,7 @@ expanded to q8's int8 codes inside the kernels (in registers on the VNNI, AVX2 i
 and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
 on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py), but AVX2's
 integer path, whose activations are int8 for them and int16 for q8. Q2_K's and Q3_K's 2/3-bit
-q2/q3 layouts likewise (int8 activations on AVX2). AVX-512 builds take no i4, q2 or q3
+q2/q3 layouts likewise. AVX-512 builds take no i4, q2 or q3
 (``takes``): the loader widens IQ4, Q3_K and Q2_K to q8 for them.
 """
 
@@ -65,6 +65,13 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
+# Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
+# weight rows, so the weights come from memory once), the fused decode stage takes steps of up
+# to this many decodes (SmolLM2's Q4_1 shapes at 2 threads, 64 rows: 0.76-1.0x the tiles' time,
+# 0.99-1.33x at 128; benchmarks/README.md, "q4 with int8 activations"). matmul keeps
+# GEMV_PASSES_MAX_ROWS: a prompt's rows (and a step mixing them with decodes) take the tiles'
+# float activations from 25 rows as before, so which path a prompt takes does not move.
+GEMV_ONE_CALL_MAX_ROWS = 64
 # Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
 # takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
 # TRANSPOSED_TILE_ROWS rows: the matmul then splits the tile's many rows between the threads,
@@ -107,6 +114,10 @@ class QuantKernels:
         # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
         # kernel for the simplest layout it takes (blocks and groups of 32, one row)
         self.has_integer_activations = bool(self._i8_applies(32, 32, 1))
+        # the most decodes a fused decode stage step takes (cpu_decode.py): in one pass where
+        # the kernel takes many rows in one call, else in passes
+        self.fused_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
+            else GEMV_PASSES_MAX_ROWS
         self._gemm, self.gemm_isa = _load_gemm()
 
     def takes(self, kind: str) -> bool:
@@ -126,6 +137,8 @@ class QuantKernels:
         if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
         if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
+            if self._i8_applies(w.in_features, w.group, rows):   # AVX2: the passes in one call
+                return self.gemv(w, x)
             return torch.cat([self.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
         return self.tiled(w, x)
 
