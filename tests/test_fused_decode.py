@@ -187,9 +187,9 @@ def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):
     """IQ4_NL q/k and gate kept as i4 beside a Q4_0 v and a Q8_0 up: the fused stage multiplies the
     i4 parts with their own int8 activations (prepared once per layout kind), as the Python
     layers do."""
-    from pipeserve.model.quant.gguf_widen import keeps_i4
+    from pipeserve.model.quant.gguf_widen import keeps
     from tests.checkpoints import write_llama_gguf
-    if not keeps_i4():
+    if not keeps("i4"):
         pytest.skip("this build's quantized kernels take no i4 (an AVX-512 build): IQ4 is widened to q8")
     gguf = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "iq4.gguf",
                             qtype="IQ4_NL", qtypes={"attn_v": "Q4_0", "ffn_up": "Q8_0"})

@@ -58,7 +58,7 @@ static inline int quant_takes_kind(int kind) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3) return 0;
 #endif
-    return kind == 4 || kind == 8 || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+    return kind == 4 || kind == 8 || quant_is_compact(kind);
 }
 
 /* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4, bit pairs for q2/q3) and in `qh`

@@ -139,11 +139,6 @@ def keeps(kind: str) -> bool:
     return False
 
 
-def keeps_i4() -> bool:
-    """Whether IQ4 tensors stay ``i4`` (``keeps``)."""
-    return keeps("i4")
-
-
 @functools.lru_cache(maxsize=None)
 def _log_widened(isa: str) -> None:
     log.info("IQ4_NL/IQ4_XS, Q3_K and Q2_K weights widened to a byte per code (2-4x the file's bytes): the %s "
@@ -154,7 +149,7 @@ def _widen(ttype: T, blocks: np.ndarray, rows: int) -> PackedWeight:
     """IQ4 as i4, Q3_K as q3, Q2_K as q2 where the kernels take them (``keeps``), else as q8: in
     C where it builds, else numpy."""
     numpy_path, name, group, arrays, kind, code_bytes, mask_bytes = _TYPES[ttype]
-    compact = keeps_i4() if kind == "i4" else keeps(kind)
+    compact = keeps(kind)
     lib = _c_widen()
     if lib is None:
         w = numpy_path(blocks, rows)
