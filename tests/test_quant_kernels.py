@@ -9,7 +9,7 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6/i4/q2/q3 ones
+q8 weights and move it by at most d' / 2, and one int8 code for q4/q5/q6/i4/q2/q3 ones
 (max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
@@ -39,7 +39,7 @@ IQ4 = (T.IQ4_NL, T.IQ4_XS)                          # nor these: random blocks (
 K2 = (T.Q3_K, T.Q2_K)                               # nor these (their float16 d, dmin set)
 FLOAT16_OFFSETS = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # others: (0, 2) (IQ4: d at 0)
 COMPACT_KIND = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # widened to q8 where not taken
-INT8_KINDS = ("q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
+INT8_KINDS = ("q4", "q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
 ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
 ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
 needs_kernel = skip_without_kernel("quant_matmul")
@@ -388,7 +388,7 @@ def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = to
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
     output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
     one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)
-    for q4/q8, max|x| / 254 (half a step of the int8 code) for q5/q6/i4/q2/q3."""
+    for q8, max|x| / 254 (half a step of the int8 code) for q4/q5/q6/i4/q2/q3."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
     per_max = 1 / (127 * 256)

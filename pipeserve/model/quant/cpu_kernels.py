@@ -22,13 +22,13 @@ Decode on an AVX512-VNNI CPU ("avx512-vnni" in the log line) or an AVX2 + FMA +
 F16C one ("avx2") quantizes each activation row per block of 32 and takes integer
 dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
 against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
-(quant_matmul.c); AVX2: int16 against q4/q8 codes, int8 (step max|x| / 127)
-against the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
+(quant_matmul.c); AVX2: int16 against q8 codes, int8 (step max|x| / 127)
+against q4's, the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
 their raw codes) and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
 Each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
 1.5e-5 of the block's largest activation for the int16 codes, finer than bfloat16;
-4e-3 for AVX2's q5/q6/i4/q2/q3 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
+4e-3 for AVX2's q4/q5/q6/i4/q2/q3 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
 below the 4-6-bit weights' own quantization error. float32 and bfloat16 activations both take it
 (float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
 ``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
