@@ -15,9 +15,9 @@
  * q4 (Q4_0/Q4_1/Q4_K, int4) takes int8, d = max|x| / 127, as llama.cpp's Q8 activations: its
  * blocks come in pairs (q4_run_pairs: one 32-byte load split into two vectors of codes, two
  * vpmaddubsw against x stored in the pair's order, one vpmaddwd, one FMA for both blocks).
- * Against int16 activations (four vpmaddwd on codes spread to words) it measured 1.09-1.24x
- * in L2 on SmolLM2's rows and 0.87x the time per decoded token at two threads
- * (benchmarks/README.md, "q4 with int8 activations").
+ * Against int16 activations (four vpmaddwd on codes spread to words) it measured 1.09-1.33x
+ * a block in L2 on SmolLM2's rows (benchmarks/gemv_avx2_bench.py --compare) and 0.87-0.94x
+ * the time per decoded token at two threads (one request on the built-in Q4_1 file).
  * q5/q6 (Q5_0/Q5_1/Q5_K/Q6_K) take int8 too, so an activation moves by at most
  * max|x| / 254 of its block (llama.cpp's Q8_0/Q8_K step; a quarter of Q6_K's own half step,
  * max|w| / 62 of a group): their raw codes (0..31 / 0..63, block_codes_u8, in weight order,
