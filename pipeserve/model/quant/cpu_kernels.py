@@ -33,8 +33,8 @@ below the 4-6-bit weights' own quantization error. The rounding is discontinuous
 x by float32 rounding (another summation order upstream, as tensor parallelism's) moves
 the few activations at a step's edge by a whole step, so such runs differ by another draw of
 this noise (SmolLM2 Q4_1 with int8: a median 0.02 in teacher-forced log-probabilities, as far
-as from float activations; int16: 1e-4), and tests compare them as vLLM does
-(tests/test_tensor_parallel_quant.py). float32 and bfloat16 activations both take it
+as from float activations; int16: 1e-4; benchmarks/activation_rounding_drift.py), and tests
+compare them as vLLM does (tests/test_tensor_parallel_quant.py). float32 and bfloat16 activations both take it
 (float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
 ``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
 (Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) and IQ4's i4 are
