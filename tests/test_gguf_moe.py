@@ -27,6 +27,7 @@ from pipeserve.model.moe import SparseMoeBlock
 from pipeserve.model.quant.gguf_repack import repack
 from pipeserve.model.quant.load import weight_bytes
 from pipeserve.model.quant.modules import QuantLinear
+from pipeserve.model.quant.cpu_kernels import cpu_kernels
 from pipeserve.model.quant.packed import dequantize
 from tests.checkpoints import (_COMMON, _add_tensor, _write_metadata, finish_gguf, lazy_conversions,
                                save_tiny_tokenizer)
@@ -235,8 +236,14 @@ def test_kept_experts_compute_what_the_file_stores_at_its_size(converted, kind, 
     ids = prompts(1, seed=3)[0][:20]
     kept = run_stages(source, [0, 1, 2], ids)
     dense = run_stages(source, [0, 1, 2], ids, quantization="none")
-    # up to the decode kernel's integer activations (these 20 rows take its path)
-    torch.testing.assert_close(kept, dense, rtol=0, atol=5e-4)
+    # up to the decode kernel's integer activations (these 20 rows take its path): int16 or finer
+    # for q8, and for q4 but on AVX2, where they are int8 (max|x| / 127 a block of 32); that moved
+    # these logits by 0.8-1.5 % of their norm (the int16 ones: 3e-5 to 7e-5)
+    kernels = cpu_kernels()
+    if qtype == "Q4_0" and kernels is not None and kernels.isa == "avx2":
+        assert ((kept - dense).norm() / dense.norm()).item() <= 0.03
+    else:
+        torch.testing.assert_close(kept, dense, rtol=0, atol=5e-4)
 
 
 def test_kept_moe_engine_holds_the_file_and_gives_the_dequantized_tokens(converted):

@@ -9,7 +9,7 @@ kernel's integer-activation path (AVX512-VNNI builds) writes each activation as
 d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
-q4/q8 weights and move it by at most d' / 2, and one int8 code for q5/q6/i4/q2/q3 ones
+q8 weights and move it by at most d' / 2, and one int8 code for q4/q5/q6/i4/q2/q3 ones
 (max|x| / 127, at most half of it): see ``_int8_activation_bound``.
 """
 
@@ -39,7 +39,7 @@ IQ4 = (T.IQ4_NL, T.IQ4_XS)                          # nor these: random blocks (
 K2 = (T.Q3_K, T.Q2_K)                               # nor these (their float16 d, dmin set)
 FLOAT16_OFFSETS = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # others: (0, 2) (IQ4: d at 0)
 COMPACT_KIND = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # widened to q8 where not taken
-INT8_KINDS = ("q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
+INT8_KINDS = ("q4", "q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
 ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
 ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
 needs_kernel = skip_without_kernel("quant_matmul")
@@ -388,7 +388,7 @@ def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = to
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
     output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
     one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)
-    for q4/q8, max|x| / 254 (half a step of the int8 code) for q5/q6/i4/q2/q3."""
+    for q8, max|x| / 254 (half a step of the int8 code) for q4/q5/q6/i4/q2/q3."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
     per_max = 1 / (127 * 256)
@@ -469,6 +469,43 @@ def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows, thread
             assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
         # every kept type, Q6_K's groups of 16 too
         assert uses_int8 == (kernels.isa in ("avx512-vnni", "avx2")) == kernels.has_integer_activations, w.source
+
+
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as AVX2's int8 activations hold it, in float64: per block of 32,
+    d * round(x * (127 / max|x|)) with d = max|x| / 127 (the reciprocal in float32, ties to even)."""
+    blocks = x.reshape(x.shape[0], -1, 32)                                     # [M, K / 32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv).double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cols", [192, 384, 672, 864, 1536])
+def test_avx2_q4_gemv_is_its_int8_emulation(cols):
+    """AVX2's q4 decode is the integer dot of its int8 activations with the codes, scaled: it
+    equals x rounded as the kernel rounds it (``_int8_rounded``) times the dequantized weight
+    in float64 to float32 summation error (1e-6 of sum |x| |w|), far inside the activation
+    step's bound. The widths are SmolLM2's TP = 2 cuts (o_proj's 6 and 12 blocks, down_proj's
+    21 and 27: an odd count has a lone last block, outside the pairs) and whole rows; 1 to
+    GEMV_ONE_CALL_MAX_ROWS rows of x (the fused decode stage's one call), 37 weight rows (the
+    last rows' short runs), Q4_1's minimums, Q4_0's offset, groups of 64."""
+    kernels = cpu_kernels()
+    if kernels.isa != "avx2":
+        pytest.skip("q4 takes int8 activations on AVX2 builds only (VNNI: int16)")
+    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
+    q4 = quantize_weight(w, 4, 32)
+    weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
+    weights += [quantize_weight(w, 4, 64)] if cols % 64 == 0 else []
+    for rows in (1, 2, 3, 7, GEMV_MAX_ROWS, 9, 17, GEMV_PASSES_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        x[0, :32] *= 20                                   # blocks of different steps
+        x[-1, -32:] *= 0.01
+        for q in weights:
+            wd = dequantize(q).double()
+            want = _int8_rounded(x) @ wd.t()
+            err = (kernels.gemv(q, x, int8_act=True).double() - want).abs()
+            assert (err <= 1e-6 * (x.abs().double() @ wd.abs().t())).all(), (q.source, rows, err.max().item())
 
 
 @needs_kernel

@@ -1,12 +1,10 @@
 /* Decode gemv with integer activations for AVX2 + FMA + F16C CPUs (no AVX-512), included
  * by quant_matmul.c where its AVX-512 paths do not compile.
  *
- * Each row of x is quantized once per call per block of 32, x ~ d * q. q4 and q8 take int16,
- * d = max|x| / 32767 (as the VNNI path does for q4 weights), so every activation moves by at
- * most d / 2 = max|x| / 65534 of its block: finer than the VNNI path's int8 pairs
- * (max|x| / 32512) and than bfloat16; their codes are widened to int16 and meet x in
- * vpmaddwd. q4 takes its blocks in pairs (q4_run_pairs: one 32-byte load, four vpmaddwd
- * against a copy of x in the pair's order, one FMA for both blocks; |.| < 2^22). q8 in groups
+ * Each row of x is quantized once per call per block of 32, x ~ d * q. q8 takes int16,
+ * d = max|x| / 32767, so every activation moves by at most d / 2 = max|x| / 65534 of its block:
+ * finer than the VNNI path's int8 pairs (max|x| / 32512) and than bfloat16; its codes are
+ * widened to int16 and meet x in vpmaddwd. q8 in groups
  * of 16 takes a block at a time in "even/odd" order (block_codes_eo): one vector holds the
  * codes of weights 2w | 16 + 2w, the other of 2w + 1 | 17 + 2w (w < 8, the two 128-bit
  * lanes), the order in which q8's int16 words hold them, so no lane-crossing widen; they meet
@@ -14,7 +12,13 @@
  * 2^24: exact in float32), the low lane from group 2b and the high lane from group 2b + 1,
  * scaled in one conversion and one FMA. q8 in groups of 32 takes a block at a time in weight
  * order (block_codes_i16), two vpmaddwd, one conversion and one FMA.
- * q5/q6 (Q5_0/Q5_1/Q5_K/Q6_K) take int8, d = max|x| / 127, so an activation moves by at most
+ * q4 (Q4_0/Q4_1/Q4_K, int4) takes int8, d = max|x| / 127, as llama.cpp's Q8 activations: its
+ * blocks come in pairs (q4_run_pairs: one 32-byte load split into two vectors of codes, two
+ * vpmaddubsw against x stored in the pair's order, one vpmaddwd, one FMA for both blocks).
+ * Against int16 activations (four vpmaddwd on codes spread to words) it measured 1.09-1.33x
+ * a block in L2 on SmolLM2's rows (benchmarks/gemv_avx2_bench.py --compare) and 0.87-0.94x
+ * the time per decoded token at two threads (one request on the built-in Q4_1 file).
+ * q5/q6 (Q5_0/Q5_1/Q5_K/Q6_K) take int8 too, so an activation moves by at most
  * max|x| / 254 of its block (llama.cpp's Q8_0/Q8_K step; a quarter of Q6_K's own half step,
  * max|w| / 62 of a group): their raw codes (0..31 / 0..63, block_codes_u8, in weight order,
  * `zero` left to the minimum term) meet x in one vpmaddubsw (|pair| <= 2 * 63 * 127 < 32767:
@@ -53,23 +57,23 @@
 #define I16_PF_ROWS 8
 #endif
 
-/* The activations of one call: q [M, K] int16 in x's order; in one place after it the same
- * values either in the even/odd order of block_codes_eo (qe, eo_perm_i16) or, for q4, in the
- * order its pairs of blocks meet them (qp, pair_perm_i16); q5/q6 instead x8 [M, K] int8 in x's
- * order where q starts (i4 too); per block (padded with zeros to a multiple of I16_RUN) d, d * sum(q),
+/* The activations of one call: q8's q [M, K] int16 in x's order, and in one place after it
+ * the same values in the even/odd order of block_codes_eo (qe, eo_perm_i16); the other kinds
+ * instead x8 [M, K] int8 where q starts, in x's order (q4: in the order its pairs of blocks
+ * meet them, q4_x8_offset); per block (padded with zeros to a multiple of I16_RUN) d, d * sum(q),
  * and per half block d * sum(q) (groups of 16). */
 typedef struct {
-    int16_t *q, *qe, *qp;
-    int8_t *x8;   /* q5/q6/i4/q2/q3: int8 in x's order instead of q and qe (act_int8) */
+    int16_t *q, *qe;
+    int8_t *x8;   /* every kind but q8: int8 instead of q and qe (act_int8) */
     float *d, *sum, *sum16;
     int64_t K, nb, nbp;
 } act_i16;
 
-/* q5/q6 meet int8 activations (d = max|x| / 127) in vpmaddubsw: their raw codes (0..63,
- * unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4 too, its
- * signed codebook values (-127..113) as |w| against x with w's sign (u8_block), and q2/q3. */
+/* Every kind but q8 meets int8 activations (d = max|x| / 127) in vpmaddubsw: raw codes (q5/q6:
+ * 0..63, unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4's
+ * signed codebook values (-127..113) enter as |w| against x with w's sign (u8_block). */
 static inline int act_int8(int kind) {
-    return kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+    return kind == 4 || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 
 static inline float hsum8(__m256 v) {
@@ -91,15 +95,23 @@ static inline __m128i round_to_i16(__m256 v, int32_t *sum) {
     return _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
 }
 
-/* q4's codes of blocks 2p and 2p + 1 come in one 32-byte load, block 2p in the low lane: word w
- * of a lane holds the nibbles of weights 2w, 16 + 2w (low byte) and 2w + 1, 17 + 2w (high
- * byte), which vpand / vpsrlw spread into four vectors of 16 codes without widening. The
- * activations of the pair (64 int16, x in block order) are stored in the order those four
- * vectors take them: per vector, block 2p's 8 then block 2p + 1's 8. */
-static inline void pair_perm_i16(const int16_t *x, int16_t *out) {
-    for (int v = 0; v < 4; v++)   /* weights 2w, 16 + 2w, 2w + 1, 17 + 2w */
-        for (int l = 0; l < 2; l++)
-            for (int w = 0; w < 8; w++) out[v * 16 + l * 8 + w] = x[l * I16_QB + (v & 1) * 16 + 2 * w + (v >> 1)];
+/* q4's codes of blocks 2p and 2p + 1 come in one 32-byte load, block 2p in the low lane: byte j
+ * of a lane holds weight j in its low nibble and j + 16 in its high one, so one vpand and one
+ * vpsrlw + vpand give two vectors of 32 codes, weights 0-15 and 16-31 of both blocks. q4's
+ * int8 activations are stored in the order those two vectors take them: per pair of blocks,
+ * 64 bytes, x(2p) 0-15, x(2p + 1) 0-15, x(2p) 16-31, x(2p + 1) 16-31. A lone last block (an
+ * odd number of blocks) keeps x's order. */
+static inline int64_t q4_x8_offset(int64_t nb, int64_t b, int half) {
+    if (b == nb - 1 && nb % 2) return b * I16_QB + half * 16;
+    return (b & ~(int64_t)1) * I16_QB + half * 32 + (b & 1) * 16;
+}
+
+/* Block b of row m of int8 x, in weight order (q4's pair order undone). */
+static inline __attribute__((always_inline)) __m256i x8_block(int kind, const act_i16 *a, int m, int64_t b) {
+    const int8_t *x = a->x8 + m * a->K;
+    if (kind != 4) return _mm256_loadu_si256((const __m256i *)(x + b * I16_QB));
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(x + q4_x8_offset(a->nb, b, 1))),
+                            _mm_loadu_si128((const __m128i *)(x + q4_x8_offset(a->nb, b, 0))));
 }
 
 /* A block of x (int16, in order) as block_codes_eo's two vectors take it: weights 2w then
@@ -142,33 +154,26 @@ static void quantize_rows_i16(int kind, const float *x, int64_t M, const act_i16
             a->sum16[2 * (m * a->nbp + b)] = d * (float)s0;
             a->sum16[2 * (m * a->nbp + b) + 1] = d * (float)s1;
             if (act_int8(kind)) {
-                int8_t *q8 = a->x8 + m * a->K + b * I16_QB;
-                _mm_storeu_si128((__m128i *)q8, _mm_packs_epi16(q0, q1));
-                _mm_storeu_si128((__m128i *)(q8 + 16), _mm_packs_epi16(q2, q3));
+                int8_t *q8 = a->x8 + m * a->K;
+                const int64_t lo = kind == 4 ? q4_x8_offset(a->nb, b, 0) : b * I16_QB;
+                const int64_t hi = kind == 4 ? q4_x8_offset(a->nb, b, 1) : b * I16_QB + 16;
+                _mm_storeu_si128((__m128i *)(q8 + lo), _mm_packs_epi16(q0, q1));
+                _mm_storeu_si128((__m128i *)(q8 + hi), _mm_packs_epi16(q2, q3));
                 continue;
             }
             _mm_storeu_si128((__m128i *)q, q0);
             _mm_storeu_si128((__m128i *)(q + 8), q1);
             _mm_storeu_si128((__m128i *)(q + 16), q2);
             _mm_storeu_si128((__m128i *)(q + 24), q3);
-            if (kind == 8) eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);
-            else if (b % 2 == 1) pair_perm_i16(q - I16_QB, a->qp + m * a->K + (b - 1) * I16_QB);
+            eo_perm_i16(q, a->qe + m * a->K + b * I16_QB);   /* q8 */
         }
     }
 }
 
-/* The 32 codes of q4/q8 block b as two vectors of 16 int16 (weights 0-15, 16-31); q4 codes
- * keep their offset (folded into the minimum term). */
-static inline __attribute__((always_inline)) void
-block_codes_i16(int kind, const uint8_t *q, int64_t b, __m256i *c0, __m256i *c1) {
-    if (kind == 4) {
-        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-        *c0 = _mm256_and_si256(w, _mm256_set1_epi16(15));
-        *c1 = _mm256_srli_epi16(w, 4);
-    } else {
-        *c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32)));
-        *c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)));
-    }
+/* The 32 codes of q8 block b as two vectors of 16 int16 (weights 0-15, 16-31). */
+static inline __attribute__((always_inline)) void block_codes_i16(const uint8_t *q, int64_t b, __m256i *c0, __m256i *c1) {
+    *c0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32)));
+    *c1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + b * 32 + 16)));
 }
 
 /* The 32 raw codes (nothing subtracted: `zero` is folded into the minimum term) of q5/q6
@@ -184,6 +189,10 @@ static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
     if (kind == QUANT_Q2 || kind == QUANT_Q3) return quant_k2_codes32_avx2(kind, q, qh, b);
+    if (kind == 4) {   /* q4: a lone block (its pairs take q4_pair_i8) */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16)), lo = _mm_set1_epi8(15);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo), _mm_and_si128(v, lo));
+    }
     if (kind == 5) return quant_codes32_avx2(1, q, qh, 0, b);
     const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
     const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
@@ -211,25 +220,24 @@ static inline __attribute__((always_inline)) void block_codes_eo(const uint8_t *
     *o = _mm256_srai_epi16(v, 8);
 }
 
-/* q4 blocks b and b + 1 (codes q2, b even) against m_rows rows of x: the codes spread once,
- * then per row four vpmaddwd give both blocks' sums (block b in lanes 0-3), and one
- * conversion and one FMA scale them with sdp = (s_w * d of block b) x 4 | (of b + 1) x 4. */
+/* q4 blocks b and b + 1 (codes q2, b even) against m_rows rows of int8 x: the codes split once
+ * into weights 0-15 and 16-31 of both blocks (block b in the low lane), then per row two
+ * vpmaddubsw against x in the pair's order (q4_x8_offset; |pair| <= 2 * 15 * 127, their sum
+ * < 32767), one vpmaddwd with ones (block b's sums in lanes 0-3), one conversion and one FMA
+ * with sdp = (s_w * d of block b) x 4 | (of b + 1) x 4. */
 static inline __attribute__((always_inline)) void
-q4_pair_i16(const uint8_t *q2, const act_i16 *a, int64_t b, int m_rows, const __m256 *sdp, __m256 *acc) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)q2), lo = _mm256_set1_epi16(15);
+q4_pair_i8(const uint8_t *q2, const act_i16 *a, int64_t b, int m_rows, const __m256 *sdp, __m256 *acc) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)q2), lo = _mm256_set1_epi8(15);
     const __m256i c0 = _mm256_and_si256(v, lo), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
-    const __m256i c2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), lo), c3 = _mm256_srli_epi16(v, 12);
     for (int m = 0; m < m_rows; m++) {
-        const int16_t *xp = a->qp + m * a->K + b * I16_QB;
-        __m256i t = _mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)xp));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(xp + 16))));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(c2, _mm256_loadu_si256((const __m256i *)(xp + 32))));
-        t = _mm256_add_epi32(t, _mm256_madd_epi16(c3, _mm256_loadu_si256((const __m256i *)(xp + 48))));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), sdp[m], acc[m]);
+        const int8_t *xp = a->x8 + m * a->K + b * I16_QB;
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)xp)),
+                                           _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(t, _mm256_set1_epi16(1))), sdp[m], acc[m]);
     }
 }
 
-/* A run of I16_RUN q4 blocks (codes q) as four pairs, against activations in qp's order; sd:
+/* A run of I16_RUN q4 blocks (codes q) as four pairs, against activations in pair order; sd:
  * s_w * d of the run's blocks per row of x, reordered 0 2 4 6 | 1 3 5 7 so that an in-lane
  * vpermilps makes each pair's scales. Per pair, against the one block at a time of the other
  * layouts: no vpmovzxbw (the codes spread in-lane), one conversion and one FMA instead of two,
@@ -242,16 +250,16 @@ q4_run_pairs(const uint8_t *q, const act_i16 *a, int64_t b0, int m_rows, int pai
     __m256 s[I16_ROWS], t[I16_ROWS];
     for (int m = 0; m < m_rows; m++) s[m] = _mm256_permutevar8x32_ps(sd[m], even_odd);
     for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0x00);
-    q4_pair_i16(q, a, b0, m_rows, t, acc);
+    q4_pair_i8(q, a, b0, m_rows, t, acc);
     if (pairs < 2) return;
     for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0x55);
-    q4_pair_i16(q + 32, a, b0 + 2, m_rows, t, acc2);
+    q4_pair_i8(q + 32, a, b0 + 2, m_rows, t, acc2);
     if (pairs < 3) return;
     for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0xaa);
-    q4_pair_i16(q + 64, a, b0 + 4, m_rows, t, acc);
+    q4_pair_i8(q + 64, a, b0 + 4, m_rows, t, acc);
     if (pairs < 4) return;
     for (int m = 0; m < m_rows; m++) t[m] = _mm256_permute_ps(s[m], 0xff);
-    q4_pair_i16(q + 96, a, b0 + 6, m_rows, t, acc2);
+    q4_pair_i8(q + 96, a, b0 + 6, m_rows, t, acc2);
 }
 
 /* One block's codes (block_codes_eo) against m_rows rows of x: per row two vpmaddwd, one
@@ -275,7 +283,7 @@ static inline __attribute__((always_inline)) void
 u8_block(int kind, __m256i c, const act_i16 *a, int64_t b, int m_rows, const __m256 *s, __m256 *acc) {
     const __m256i u = kind == QUANT_I4 ? _mm256_sign_epi8(c, c) : c;
     for (int m = 0; m < m_rows; m++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * a->K + b * I16_QB));
+        __m256i x = x8_block(kind, a, m, b);
         if (kind == QUANT_I4) x = _mm256_sign_epi8(x, c);
         const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s[m], acc[m]);
@@ -301,7 +309,7 @@ static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) 
  * in-lane vpermilps gives a block's two groups (g2j x 4 | g2j+1 x 4). The blocks of a shorter
  * last run (q4: but its pairs, where 8 scales can be read), or of larger groups, take their
  * scales one at a time. Per block (q4: pair) and weight row the codes once, then per row of x:
- * q4's pairs q4_pair_i16; q5/q6 u8_block (raw codes against int8 x); q8 in groups of 16
+ * q4's pairs q4_pair_i8; q5/q6 (and a lone q4 block) u8_block (raw codes against int8 x); q8 in groups of 16
  * eo_block_i16 (the codes in even/odd order), in groups of 32 two vpmaddwd of the codes in
  * weight order (block_codes_i16: widened straight from memory), one conversion and one FMA.
  * Groups of 16 add their minimum term to acc2 (one register fewer: with a third
@@ -377,7 +385,7 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
                 continue;
             }
             __m256i c0, c1;
-            block_codes_i16(kind, q, b0 + j, &c0, &c1);
+            block_codes_i16(q, b0 + j, &c0, &c1);
             for (int m = 0; m < m_rows; m++) {
                 const int16_t *x = a->q + m * K + (b0 + j) * I16_QB;
                 const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x)),
@@ -425,7 +433,7 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
             continue;
         }
         __m256i c0, c1;
-        block_codes_i16(kind, q, b, &c0, &c1);
+        block_codes_i16(q, b, &c0, &c1);
         for (int m = 0; m < m_rows; m++) {
             const int16_t *x = a->q + m * K + b * I16_QB;
             const float d = a->d[m * nbp + b];
@@ -489,7 +497,6 @@ static inline act_i16 act_i16_rows(const act_i16 *a, int64_t m0) {
     act_i16 v = *a;
     v.q = a->q + m0 * a->K;
     v.qe = a->qe + m0 * a->K;
-    v.qp = a->qp + m0 * a->K;
     v.x8 = a->x8 + m0 * a->K;
     v.d = a->d + m0 * a->nbp;
     v.sum = a->sum + m0 * a->nbp;
@@ -538,9 +545,9 @@ static inline void i16_act_bind(act_i16 *a, void *buf, int64_t M, int64_t K) {
     a->nb = K / I16_QB;
     a->nbp = (a->nb + I16_RUN - 1) / I16_RUN * I16_RUN;
     a->q = (int16_t *)buf;
-    a->qe = a->qp = a->q + M * K;   /* one or the other, by kind */
+    a->qe = a->q + M * K;
     a->x8 = (int8_t *)a->q;
-    a->d = (float *)(a->qp + M * K);
+    a->d = (float *)(a->qe + M * K);
     a->sum = a->d + M * a->nbp;
     a->sum16 = a->sum + M * a->nbp;
 }

@@ -42,7 +42,7 @@
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too (quant_gemv_avx2.h):
- *   int16 for q4/q8, error at most max|x| / 65534 of the block per element; int8 for q5/q6/i4/q2/q3, at most
+ *   int16 for q8, error at most max|x| / 65534 of the block per element; int8 for q4/q5/q6/i4/q2/q3, at most
  *   max|x| / 254 (their codes meet it in vpmaddubsw, as llama.cpp's Q8 activations do); their float
  *   path and the dequantize below use 256-bit vectors.
  */

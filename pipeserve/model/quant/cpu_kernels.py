@@ -22,14 +22,19 @@ Decode on an AVX512-VNNI CPU ("avx512-vnni" in the log line) or an AVX2 + FMA +
 F16C one ("avx2") quantizes each activation row per block of 32 and takes integer
 dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
 against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
-(quant_matmul.c); AVX2: int16 against q4/q8 codes, int8 (step max|x| / 127)
-against the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
+(quant_matmul.c); AVX2: int16 against q8 codes, int8 (step max|x| / 127)
+against q4's, the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
 their raw codes) and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
 Each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
 1.5e-5 of the block's largest activation for the int16 codes, finer than bfloat16;
-4e-3 for AVX2's q5/q6/i4/q2/q3 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
-below the 4-6-bit weights' own quantization error. float32 and bfloat16 activations both take it
+4e-3 for AVX2's q4/q5/q6/i4/q2/q3 (llama.cpp's Q8_0/Q8_K step), coarser than bfloat16 but
+below the 4-6-bit weights' own quantization error. The rounding is discontinuous: a change of
+x by float32 rounding (another summation order upstream, as tensor parallelism's) moves
+the few activations at a step's edge by a whole step, so such runs differ by another draw of
+this noise (SmolLM2 Q4_1 with int8: a median 0.02 in teacher-forced log-probabilities, as far
+as from float activations; int16: 1e-4; benchmarks/activation_rounding_drift.py), and tests
+compare them as vLLM does (tests/test_tensor_parallel_quant.py). float32 and bfloat16 activations both take it
 (float32 is what CPUs without native bfloat16 compute in, AVX2 ones included);
 ``gemv(..., int8_act=False)`` keeps float dot products. q8 codes in groups of 16
 (Q6_K) take it too. The compact 5/6-bit layouts (q5/q6, packed.py) and IQ4's i4 are
