@@ -2,6 +2,7 @@
 compute nothing.
 
     PYTHONPATH=<tree> python benchmarks/pp_hop_latency.py [--pp 2 3] [--steps 400] [--hidden 576]
+        [--compute-ms 5]
 
 Each stage is a ``SleepRunner`` with no sleep, so a step's round trip (driver -> stage 0
 -> ... -> last stage -> driver, one decode token of one sequence, ``hidden`` float32
@@ -10,6 +11,11 @@ One request pays it on every token at PP > 1 and not at PP = 1 (the model runs i
 driver's process there). Prints the median and the 10th/90th percentiles per step and per
 hop (P + 1 messages a step), and the same for a bare ping-pong of one socket between two
 processes (the floor of one hop on this host).
+
+``--compute-ms C``: each stage instead reads a 64 MiB buffer for C ms per step, so its core
+is busy and its caches are cold when the next message comes, as in a real run (where
+receiving and sending cost several times what they cost back to back); the figures are
+then the step minus P x C, what the hops add.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
 
 
-def pipeline_round_trips(pp: int, steps: int, hidden: int) -> list[float]:
+def pipeline_round_trips(pp: int, steps: int, hidden: int, compute_ms: float = 0.0) -> list[float]:
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden,
                       num_layers=2 * pp, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
                       max_position_embeddings=4096)
     conf = EngineConfig(pipeline_parallel_size=pp, dtype="float32", block_size=16, threads_per_stage=1,
                         stage_timeout=20.0, rendezvous_timeout=60.0)
-    ex = PipelineExecutor(conf, SyntheticSource(step_seconds=0.0), cfg, uniform_partition(cfg.num_layers, pp),
+    source = SyntheticSource(step_seconds=compute_ms / 1e3, stream_mib=64 if compute_ms else 0)
+    ex = PipelineExecutor(conf, source, cfg, uniform_partition(cfg.num_layers, pp),
                           64, 0, runner_factory=SleepRunner)
     times = []
     try:
@@ -105,12 +112,18 @@ def main() -> None:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--compute-ms", type=float, default=0.0, help="busy compute per stage and step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"socket ping-pong, 2 processes: {summary(socket_round_trips(args.steps, args.hidden), 2)}")
     for pp in args.pp:
-        times = pipeline_round_trips(pp, args.steps, args.hidden)
-        print(f"PP={pp}, one decode step through stages that compute nothing: {summary(times, pp + 1)}")
+        times = pipeline_round_trips(pp, args.steps, args.hidden, args.compute_ms)
+        if args.compute_ms:
+            times = [t - pp * args.compute_ms / 1e3 for t in times]
+            print(f"PP={pp}, one decode step, minus {args.compute_ms:g} ms of compute per stage: "
+                  f"{summary(times, pp + 1)}")
+        else:
+            print(f"PP={pp}, one decode step through stages that compute nothing: {summary(times, pp + 1)}")
     sys.stdout.flush()
 
 

@@ -201,6 +201,17 @@ def test_trace_file_is_written_at_shutdown(tmp_path) -> None:
     assert trace.with_suffix(".png").exists()
 
 
+def test_streaming_sleep_runner_samples_as_the_sleeping_one() -> None:
+    """``stream_mib`` (benchmarks/pp_hop_latency.py --compute-ms) changes how the time is
+    spent, not what the stand-in computes."""
+    kw = dict(start_layer=0, end_layer=6, is_first=True, is_last=True, dtype=torch.float32,
+              device=torch.device("cpu"), num_blocks=8, num_host_blocks=0, block_size=16)
+    step = StepInput(0, [SeqStep(0, [5, 6], 0, [0], greedy())])
+    outs = [SleepRunner(SyntheticSource(step_seconds=0.001, stream_mib=mib), _synthetic_cfg(), **kw).execute(step)
+            for mib in (0, 1)]
+    assert outs[0] == outs[1] and outs[0].sampled
+
+
 def _synthetic_cfg():
     from pipeserve.model.config import ModelConfig
     return ModelConfig("LlamaForCausalLM", vocab_size=1000, hidden_size=32, intermediate_size=64,

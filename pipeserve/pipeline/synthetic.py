@@ -21,6 +21,9 @@ from pipeserve.worker.step import SampledToken, StepInput, StepOutput
 class SyntheticSource:
     step_seconds: float = 0.05          # sleep per chunk per micro-batch
     seconds_per_token: float = 0.0      # plus this per token in the step
+    # Spend the time reading a buffer larger than the caches instead of sleeping: the core
+    # stays busy and the caches end up cold, as after a real model's weights stream through.
+    stream_mib: int = 0
 
 
 class SleepRunner:
@@ -36,10 +39,13 @@ class SleepRunner:
         self.layers = end_layer - start_layer
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, torch.device(device)
+        self._stream = torch.ones(source.stream_mib << 18) if source.stream_mib else None
 
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
         seconds = self.source.step_seconds + self.source.seconds_per_token * step.num_tokens
-        if seconds > 0:      # sleep(0) still yields the core: ~0.1 ms on a busy machine
+        if self._stream is not None:
+            _busy_for(self._stream, seconds)
+        elif seconds > 0:      # sleep(0) still yields the core: ~0.1 ms on a busy machine
             time.sleep(seconds)
         if self.is_first:
             ids = torch.tensor([t for s in step.seqs for t in s.token_ids], dtype=self.dtype)
@@ -56,6 +62,16 @@ class SleepRunner:
                 sampled.append(SampledToken(seq.seq_id, token, 0.0))
             row += len(seq.token_ids)
         return StepOutput(step.step_id, sampled)
+
+
+def _busy_for(stream: torch.Tensor, seconds: float) -> None:
+    """Read ``stream`` in 1 MiB slices until ``seconds`` have passed."""
+    end = time.perf_counter() + seconds
+    while True:
+        for piece in stream.split(1 << 18):
+            piece.sum()
+            if time.perf_counter() >= end:
+                return
 
 
 def failing_runner(*args, **kwargs):
