@@ -13,7 +13,7 @@ Q4_K q and k in some layers: each part is multiplied in its own layout),
 with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
 layers (SwiGLU, plain RMSNorm; a q/k/v bias, Qwen3's per-head q/k norm, a sliding
 window and a soft cap are taken), no tensor parallelism, and steps of at most
-``QuantKernels.fused_max_rows`` decodes (AVX2: 64, in one pass of the integer gemv, 24 with
+``QuantKernels.fused_max_rows`` decodes (AVX2: 128, in one pass of the integer gemv, 24 with
 q8 parts; VNNI:
 ``GEMV_PASSES_MAX_ROWS``, in passes of ``GEMV_MAX_ROWS`` rows as the Python layers multiply
 them; bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``);
@@ -89,7 +89,7 @@ class FusedDecode:
         self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
         self._step.bf16 = int(model.dtype == torch.bfloat16)
-        # As many decodes as the integer-activation gemv takes (AVX2: 64 in one call, but 24 with
+        # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but 24 with
         # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
         # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
         # give bfloat16 to the many-row kernel where there is one (quant_gemm.c)

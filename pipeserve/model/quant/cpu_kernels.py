@@ -74,10 +74,11 @@ GEMV_PASSES_MAX_ROWS = 24
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
 # 0.45-0.51x the tiles' time, 128 rows 0.56-0.87x, 256 rows 0.67-1.19x (with int16 ones 64 rows
-# were 0.66-1.24x); benchmarks/README.md, "64 decodes in one fused step". matmul keeps
+# were 0.66-1.24x); 96 requests at once 1.05x the throughput of a 64-decode limit
+# (benchmarks/README.md, "128 decodes in one fused step"). matmul keeps
 # GEMV_PASSES_MAX_ROWS: a prompt's rows (and a step mixing them with decodes) take the tiles'
 # float activations from 25 rows as before, so which path a prompt takes does not move.
-GEMV_ONE_CALL_MAX_ROWS = 64
+GEMV_ONE_CALL_MAX_ROWS = 128
 # Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
 # takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
 # TRANSPOSED_TILE_ROWS rows: the matmul then splits the tile's many rows between the threads,
