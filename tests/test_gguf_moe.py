@@ -27,13 +27,13 @@ from pipeserve.model.moe import SparseMoeBlock
 from pipeserve.model.quant.gguf_repack import repack
 from pipeserve.model.quant.load import weight_bytes
 from pipeserve.model.quant.modules import QuantLinear
-from pipeserve.model.quant.cpu_kernels import cpu_kernels
 from pipeserve.model.quant.packed import dequantize
 from tests.checkpoints import (_COMMON, _add_tensor, _write_metadata, finish_gguf, lazy_conversions,
                                save_tiny_tokenizer)
 from tests.test_gguf_families import configs_agree, engine_greedy
 from tests.test_loaders import k_quant_bytes, run_stages, write_gguf
 from tests.test_moe import NEW, build_moe_checkpoint, hf_greedy, prompts, write_mixtral_gguf
+from tests.test_tensor_parallel_quant import int8_activations
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -239,8 +239,7 @@ def test_kept_experts_compute_what_the_file_stores_at_its_size(converted, kind, 
     # up to the decode kernel's integer activations (these 20 rows take its path): int16 or finer
     # for q8, and for q4 but on AVX2, where they are int8 (max|x| / 127 a block of 32); that moved
     # these logits by 0.8-1.5 % of their norm (the int16 ones: 3e-5 to 7e-5)
-    kernels = cpu_kernels()
-    if qtype == "Q4_0" and kernels is not None and kernels.isa == "avx2":
+    if qtype == "Q4_0" and int8_activations():
         assert ((kept - dense).norm() / dense.norm()).item() <= 0.03
     else:
         torch.testing.assert_close(kept, dense, rtol=0, atol=5e-4)

@@ -145,9 +145,14 @@ def test_follower_refuses_a_spec_not_signed_with_the_cluster_key():
 
 
 # -- equal to transformers -------------------------------------------------------------
-def run(model: str, prompts, params=GREEDY, **kwargs) -> list[list[int]]:
+def outputs(model: str, prompts, params=GREEDY, **kwargs) -> list:
+    """The prompts' RequestOutputs from an engine on the tests' small settings."""
     with LLM(model=model, dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1, **kwargs) as llm:
-        return token_lists(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def run(model: str, prompts, params=GREEDY, **kwargs) -> list[list[int]]:
+    return token_lists(outputs(model, prompts, params, **kwargs))
 
 
 # (checkpoint, KV heads) x (TP, PP, schedule): every schedule, 1 and 2 KV heads, Llama and Qwen2.

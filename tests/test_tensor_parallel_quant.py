@@ -20,7 +20,7 @@ from pipeserve.model.quant.cpu_kernels import cpu_kernels
 from pipeserve.model.tensor_parallel import SplitAlign, parameter_slices, plan_shard, take_slices
 from pipeserve.outputs import CompletionOutput
 from tests.test_engine_behaviour import random_prompts
-from tests.test_tensor_parallel import SMOL, run
+from tests.test_tensor_parallel import SMOL, outputs, run
 
 # A Llama with rows long enough for K-quants (256 weights a block): o_proj's input is 8 heads
 # of 64 (two blocks), down_proj's 1024 intermediate rows (four blocks).
@@ -229,9 +229,7 @@ def assert_logprobs_close(want: list[CompletionOutput], got: list[CompletionOutp
 
 def generate(model: str, prompts, **kwargs) -> list[CompletionOutput]:
     """Greedy completions with their top TOP_LOGPROBS log-probabilities, as ``run`` starts the engine."""
-    with LLM(model=model, dtype="float32", kv_cache_memory="16MiB", threads_per_stage=1, **kwargs) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY_TOP, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+    return [o.outputs[0] for o in outputs(model, prompts, GREEDY_TOP, **kwargs)]
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "int4"])
