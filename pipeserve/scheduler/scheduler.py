@@ -1,7 +1,7 @@
 """Iteration-level scheduling with chunked prefill and several micro-batches in flight.
 
-Each ``schedule()`` call forms one micro-batch from sequences that are not in
-flight, in this order (as in vLLM and Sarathi-Serve):
+Each ``schedule()`` call forms one micro-batch, in this order (as in vLLM and
+Sarathi-Serve):
   1. running sequences, decodes before prefill chunks, so a decode is never
      starved by prefills; when blocks run out, the policy's least valued
      sequence that is not in flight is preempted (swap or recompute);
@@ -13,7 +13,22 @@ For longrope models (Phi-3) a sequence that outgrew the short rotation of its
 keys first goes back to waiting, to be recomputed (``rope_switch_len``).
 ``on_step_done`` then advances what the micro-batch computed. In-flight
 sequences are never preempted; one aborted in flight keeps its blocks until
-its step is done, since the stages may still be writing them.
+its last step in flight is done, since the stages may still be writing them.
+
+A sequence in flight takes part in a later micro-batch only with the next
+chunk of its prompt (``pipeline_prompt_chunks``, on by default; a recompute's
+"prompt" is its prompt and generated tokens): chunk k + 1 needs only the KV of
+chunks <= k, and every schedule (async, gpipe, interleaved, TP inside a stage)
+runs the micro-batches on each stage in submission order (``inflight.py``), so
+one long prompt keeps all P stages busy instead of one. Its item starts where
+the chunks in flight end (``ScheduledSeq.start``), its blocks are allocated from
+there, and only the chunk that reaches the end samples; ``num_computed_tokens``
+still advances in ``on_step_done``, chunk by chunk in order, and only computed
+full blocks enter the prefix cache (a sibling of n > 1 forks, and another
+request hits, only KV that exists). A decode is never scheduled beside
+anything in flight of its sequence: it needs the token the last chunk samples.
+A stage failure loses every micro-batch in flight; ``on_step_failed`` each of
+them, then ``replay_all``.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` bound one micro-batch; an
 engine running P micro-batches passes its share via ``max_seqs`` /
