@@ -2,8 +2,10 @@
 
 Every setting gets its own engine, all started first; then each round times one fresh
 prompt (no prefix-cache hit) on each engine in turn, so the settings share the machine's
-state (another process's load included) round by round. TTFT here is the latency of
-``generate`` with ``max_tokens=1``. Prints one line per setting: median, min, all rounds.
+state round by round. TTFT here is the latency of ``generate`` with ``max_tokens=1``. The
+machine may be shared: each round also measures the CPU that other processes used meanwhile
+(/proc), and the summary keeps only quiet rounds. Prints one line per setting: median, min,
+all rounds (a noisy one in brackets with the other processes' cores).
 
     python benchmarks/pp_prompt_chunks.py --input-len 2048 --rounds 3 \
         --setting "pp=1" --setting "pp=2,pipeline_prompt_chunks=0" --setting "pp=2" \
@@ -13,6 +15,7 @@ state (another process's load included) round by round. TTFT here is the latency
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -29,12 +32,32 @@ def parse_setting(text: str) -> dict:
     return kwargs
 
 
+def busy_ticks() -> int:
+    """CPU time (clock ticks) every process on the machine used so far."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4]          # all but idle and iowait
+
+
+def process_ticks(pids: list[int]) -> int:
+    """CPU time (clock ticks) the processes ``pids`` used so far (user + system)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--input-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads-per-stage", type=int, default=1)
+    parser.add_argument("--max-foreign", type=float, default=0.15,
+                        help="keep only rounds in which other processes used at most this many cores "
+                             "(the machine is shared); the others are shown in brackets")
     parser.add_argument("--setting", action="append", required=True,
                         help="comma-separated key=value engine arguments (pp=P for the pipeline size)")
     args = parser.parse_args()
@@ -49,21 +72,29 @@ def main() -> None:
     def prompt() -> dict:
         return {"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(args.input_len)]}
 
-    times: dict[str, list[float]] = {text: [] for text, _ in engines}
+    times: dict[str, list[tuple[float, float]]] = {text: [] for text, _ in engines}   # (TTFT, foreign cores)
     stats: dict[str, dict] = {}
     for _, llm in engines:                       # warm-up: kernels built, caches touched
         llm.generate([prompt()], params, use_tqdm=False)
+    tick = os.sysconf("SC_CLK_TCK")
     for _ in range(args.rounds):
         for text, llm in engines:
+            mine = [os.getpid(), *llm.engine.stage_pids.values()]
+            busy, own = busy_ticks(), process_ticks(mine)
             start = time.perf_counter()
             llm.generate([prompt()], params, use_tqdm=False)
-            times[text].append(time.perf_counter() - start)
+            wall = time.perf_counter() - start
+            foreign = (busy_ticks() - busy - (process_ticks(mine) - own)) / tick / wall
+            times[text].append((wall, foreign))
     for text, llm in engines:
         stats[text] = llm.stats()["scheduler"]
         llm.shutdown()
-    for text, t in times.items():
-        print(f"{text:45s} TTFT median {statistics.median(t):7.2f} s  min {min(t):7.2f} s  "
-              f"rounds {' '.join(f'{x:.2f}' for x in t)}  pipelined chunks {stats[text]['num_pipelined_chunks']}")
+    for text, rounds in times.items():
+        quiet = [t for t, f in rounds if f <= args.max_foreign]
+        summary = (f"median {statistics.median(quiet):6.2f} s  min {min(quiet):6.2f} s  ({len(quiet)} quiet)"
+                   if quiet else "no quiet round")
+        shown = " ".join(f"{t:.2f}" if f <= args.max_foreign else f"[{t:.2f} @{f:.1f}]" for t, f in rounds)
+        print(f"{text:42s} TTFT {summary}  rounds {shown}  pipelined chunks {stats[text]['num_pipelined_chunks']}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,21 @@ from pipeserve.scheduler.output import ScheduledSeq, SchedulerOutput
 from pipeserve.scheduler.policy import make_policy
 from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput"]
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "lone_prompt_chunk"]
+
+# Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/notes_ppchunk.md):
+# a 2048-token prompt at PP = 1 on one core takes as long in chunks of 256 as whole, 20 % longer
+# in chunks of 128.
+MIN_PIPELINED_CHUNK = 256
+
+
+def lone_prompt_chunk(token_budget: int, num_micro_batches: int) -> int:
+    """Prompt tokens per micro-batch when fewer sequences are live than micro-batches in
+    flight (one long prompt alone): then only the prompt's own chunks fill the pipeline, and
+    it is full after P - 1 chunks, so with n chunks the prompt takes about (n + P - 1) / (n P)
+    of its time at PP = 1. Chunks of ``token_budget / P``, but at least ``MIN_PIPELINED_CHUNK``
+    (smaller ones cost more than the fill they save)."""
+    return min(token_budget, max(MIN_PIPELINED_CHUNK, token_budget // num_micro_batches))
 
 
 @dataclass
