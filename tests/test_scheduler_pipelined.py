@@ -197,3 +197,24 @@ def test_a_lone_prompt_is_cut_so_its_chunks_fill_the_pipeline() -> None:
     assert "prefill_budget" not in limits(1, 2, pipeline_prompt_chunks=False)
     assert "prefill_budget" not in limits(1, 2, enable_chunked_prefill=False)   # prompts run whole
     assert lone_prompt_chunk(100, 2) == 100                 # never above the micro-batch's budget
+
+
+def test_a_recompute_is_pipelined_like_a_prompt() -> None:
+    """After the KV is lost, a sequence recomputes prompt + generated tokens in chunks in
+    flight together; the last one (a single token here) samples."""
+    eng = FakeEngine(num_blocks=32, max_inflight=3, max_num_batched_tokens=8)
+    seq = eng.add([1, 2, 3, 4, 5, 6], max_tokens=30).seqs[0]
+    while seq.num_tokens < 17:
+        eng.pump()
+    while eng.inflight:
+        eng.complete_oldest()
+    assert eng.sched.replay_all() == 1
+    eng.dev = [[None] * BS for _ in eng.dev]
+    n = seq.num_tokens
+    starts = list(range(0, n, 8))
+    expected = [(s, min(8, n - s), s + 8 >= n) for s in starts]
+    assert len(expected) == 3 and expected[-1][1] == n - 16
+    assert _chunks(*[eng.submit() for _ in range(3)]) == expected
+    eng.drain()
+    eng.assert_clean()
+    assert seq.num_output_tokens == 30
