@@ -1,6 +1,7 @@
 """One long prompt alone at PP > 1: its chunks flow through the pipeline together
 (``pipeline_prompt_chunks``), and the float32 greedy tokens are still those of PP = 1 and of
-transformers, for every schedule; a stage killed while chunks are in flight is recovered."""
+transformers, for every schedule and with TP inside a stage; a stage killed while chunks
+are in flight is recovered."""
 
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def llama(tiny_checkpoints):
 
 
 CASES = [(2, "async", {}), (3, "async", {}), (2, "gpipe", {"pp_micro_batches": 2}),
-         (2, "interleaved", {"pp_virtual_stages": 2}), (3, "gpipe", {"pp_micro_batches": 3})]
+         (2, "interleaved", {"pp_virtual_stages": 2}), (3, "gpipe", {"pp_micro_batches": 3}),
+         (2, "async", {"tensor_parallel_size": 2})]
 
 
-@pytest.mark.parametrize("pp,schedule,extra", CASES, ids=[f"pp{p}-{s}" for p, s, _ in CASES])
+@pytest.mark.parametrize("pp,schedule,extra", CASES, ids=["pp2-async", "pp3-async", "pp2-gpipe",
+                                                           "pp2-interleaved", "pp3-gpipe", "pp2-async-tp2"])
 def test_long_prompt_chunks_overlap_and_tokens_match(llama, pp, schedule, extra):
     path, single = llama
     tokens, stats = run_long(path, pipeline_parallel_size=pp, pp_schedule=schedule, **extra)
