@@ -73,6 +73,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # PP > 1: a prompt's next chunk may be scheduled while its earlier chunks are in flight
+    pipeline_prompt_chunks: bool = True
     scheduling_policy: str = "fcfs"           # fcfs | priority | fair
     preemption_mode: str = "recompute"        # recompute | swap
     # Pipeline

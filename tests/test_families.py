@@ -204,6 +204,7 @@ def test_longrope_scheduler_never_reads_keys_of_the_other_rotation():
         eng.assert_clean()
         stats = eng.sched.stats()
         assert stats["num_rope_recomputes"] > 0 and stats["prefix_cache_hit_blocks"] > 0
+        assert eng.pipelined > 0            # prompts' chunks were in flight together
 
 
 def test_longrope_switch_length_is_the_original_length_unless_the_factors_agree():

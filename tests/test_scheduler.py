@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipeserve.config import EngineConfig
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pipeserve.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 4
@@ -39,6 +39,7 @@ class FakeEngine:
         self.served: dict[str, int] = {}
         self.swapped_in_blocks = 0
         self.steps = 0
+        self.pipelined = 0          # items scheduled behind a chunk of their sequence in flight
         self._sigs: dict[int, list[int]] = {}
 
     # -- requests ------------------------------------------------------------
@@ -64,7 +65,9 @@ class FakeEngine:
 
     # -- steps ---------------------------------------------------------------
     def submit(self, token_budget: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
-        busy = {item.seq.seq_id for out in self.inflight for item in out.scheduled}
+        busy: dict[int, ScheduledSeq] = {}        # seq_id -> its latest item in flight
+        for flying in self.inflight:
+            busy.update((item.seq.seq_id, item) for item in flying.scheduled)
         out = self.sched.schedule(token_budget, max_seqs)
         self._check_output(out, busy, token_budget, max_seqs)
         self.swapped_in_blocks += len(out.swap_in)
@@ -72,19 +75,25 @@ class FakeEngine:
             self.inflight.append(out)
         return out
 
-    def _check_output(self, out: SchedulerOutput, busy: set[int], token_budget: int | None,
+    def _check_output(self, out: SchedulerOutput, busy: dict[int, ScheduledSeq], token_budget: int | None,
                       max_seqs: int | None) -> None:
         ids = [item.seq.seq_id for item in out.scheduled]
         assert len(ids) == len(set(ids)), "a sequence twice in one micro-batch"
-        assert not set(ids) & busy, "a sequence in two micro-batches at once"
-        assert not {s.seq_id for s in out.preempted} & busy, "an in-flight sequence was preempted"
+        if not self.config.pipeline_prompt_chunks:
+            assert not set(ids) & set(busy), "a sequence in two micro-batches at once"
+        assert not {s.seq_id for s in out.preempted} & set(busy), "an in-flight sequence was preempted"
         assert out.num_tokens <= (token_budget or self.config.max_num_batched_tokens)
         assert len(ids) <= (max_seqs or self.config.max_num_seqs)
         assert not (out.swap_in and out.swap_out), "swap in and out in one step"
         for item in out.scheduled:
             seq = item.seq
             assert seq.status == SequenceStatus.RUNNING and item.num_new_tokens >= 1
-            assert item.start == seq.num_computed_tokens
+            last = busy.get(seq.seq_id)
+            if last is None:
+                assert item.start == seq.num_computed_tokens
+            else:   # the prompt's next chunk, right after the one in flight, which does not sample
+                assert not last.sample and item.start == last.start + last.num_new_tokens
+                self.pipelined += 1
             assert len(seq.block_table) * BS >= item.start + item.num_new_tokens
             if seq.request_id not in self.admission_order:
                 self.admission_order.append(seq.request_id)

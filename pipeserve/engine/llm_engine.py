@@ -23,7 +23,7 @@ from pipeserve.model.kv_quant import cache_dtype, row_bytes
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, lone_prompt_chunk
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
@@ -259,7 +259,9 @@ class LLMEngine:
         instead lets the micro-batches drift apart (the one formed while the
         other is in flight grabs all newly prefilled sequences), and with P
         micro-batches alternating over P stages the longer one sets the pace
-        while the others wait: a bubble on every stage.
+        while the others wait: a bubble on every stage. With fewer live
+        sequences than micro-batches (one long prompt alone), prompt chunks are
+        cut to ``lone_prompt_chunk``, so the prompt's own chunks fill the stages.
         """
         inflight = self.executor.max_inflight
         if inflight == 1:
@@ -272,6 +274,10 @@ class LLMEngine:
         limits = {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
         if not self._gpipe and self.config.enable_chunked_prefill and self._inflight:
             limits["prefill_budget"] = self._prefill_throttle(budget)
+        if self.config.enable_chunked_prefill and self.config.pipeline_prompt_chunks and live < inflight:
+            # Fewer sequences than micro-batches: a prompt's own chunks fill the pipeline.
+            limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
+                                           lone_prompt_chunk(budget, inflight))
         return limits
 
     def _prefill_throttle(self, budget: int) -> int:

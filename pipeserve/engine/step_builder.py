@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pipeserve.sampling.inputs import SeqSampling
+from pipeserve.scheduler.output import ScheduledSeq
 from pipeserve.sequence import Sequence
 from pipeserve.worker.step import SeqStep, StepInput
 
@@ -17,21 +18,23 @@ _step_ids = itertools.count()
 def build_step(scheduled, swap_in, swap_out, copies, mask_of: Callable[[int], Any] | None = None) -> StepInput:
     """``scheduled``: the scheduler's ``ScheduledSeq`` list for one micro-batch;
     ``mask_of(seq_id)``: the grammar mask of a constrained sequence's next token, else None."""
-    seqs = [_seq_step(s.seq, s.num_new_tokens, s.sample, mask_of) for s in scheduled]
+    seqs = [_seq_step(s, mask_of) for s in scheduled]
     return StepInput(step_id=next(_step_ids), seqs=seqs, swap_in=list(swap_in),
                      swap_out=list(swap_out), copies=list(copies))
 
 
-def _seq_step(seq: Sequence, num_new_tokens: int, sample: bool, mask_of) -> SeqStep:
-    start = seq.num_computed_tokens
+def _seq_step(item: ScheduledSeq, mask_of) -> SeqStep:
+    # The item's own start, not seq.num_computed_tokens: earlier chunks of the same
+    # prompt may still be in flight (Scheduler, pipeline_prompt_chunks).
+    seq, start, sample = item.seq, item.start, item.sample
     mask = mask_of(seq.seq_id) if sample and mask_of is not None else None
     return SeqStep(
         seq_id=seq.seq_id,
-        token_ids=seq.token_ids[start:start + num_new_tokens],
+        token_ids=seq.token_ids[start:start + item.num_new_tokens],
         start_pos=start,
         block_table=list(seq.block_table),
         sampling=sampling_inputs(seq, mask) if sample else None,
-        seq_len=seq.num_tokens,
+        seq_len=item.seq_len,
     )
 
 

@@ -76,13 +76,18 @@ class BlockManager:
         """Whether one sequence of ``num_tokens`` tokens fits in the whole cache."""
         return self.blocks_for(num_tokens) <= self.num_blocks
 
-    def new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+    # ``start`` below: the tokens before the new ones, whose slots the table already
+    # covers; default the computed ones. The scheduler passes the end of a prompt's
+    # chunks still in flight, whose slots are allocated but not yet computed.
+    def new_blocks_needed(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> int:
+        start = seq.num_computed_tokens if start is None else start
+        return max(0, self.blocks_for(start + num_new_tokens) - len(seq.block_table))
 
-    def num_fitting_tokens(self, seq: Sequence) -> int:
-        """How many more tokens ``seq`` could compute with the blocks free now."""
+    def num_fitting_tokens(self, seq: Sequence, start: int | None = None) -> int:
+        """How many more tokens ``seq`` could compute after ``start`` with the blocks free now."""
+        start = seq.num_computed_tokens if start is None else start
         capacity = (len(seq.block_table) + self.num_free_blocks) * self.block_size
-        return max(0, capacity - seq.num_computed_tokens)
+        return max(0, capacity - start)
 
     # -- admission -----------------------------------------------------------
     def admit(self, seq: Sequence, max_new_tokens: int, allow_partial: bool = True,
@@ -156,9 +161,9 @@ class BlockManager:
         c["hit_blocks"] += num_hit_blocks
 
     # -- growth and release --------------------------------------------------
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make ``seq``'s table cover ``num_new_tokens`` more tokens; all or nothing."""
-        needed = self.new_blocks_needed(seq, num_new_tokens)
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, start: int | None = None) -> bool:
+        """Make ``seq``'s table cover ``num_new_tokens`` more tokens after ``start``; all or nothing."""
+        needed = self.new_blocks_needed(seq, num_new_tokens, start)
         if needed > self.num_free_blocks:
             return False
         seq.block_table.extend(self._allocate() for _ in range(needed))

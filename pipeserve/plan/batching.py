@@ -19,7 +19,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.plan.roofline import EMPTY, BatchShape
 from pipeserve.plan.workload import TraceRequest
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, lone_prompt_chunk
 from pipeserve.sequence import Sequence, SequenceGroup
 
 BLOCK_SIZE = 16
@@ -85,7 +85,8 @@ class EngineBatcher:
     def _limits(self, free_slots: int) -> dict:
         """``LLMEngine._micro_batch_limits``: each micro-batch gets its share of the live
         sequences and of the token budget; prompt tokens throttled to one quantum above
-        the lightest micro-batch in flight (async and interleaved)."""
+        the lightest micro-batch in flight (async and interleaved); a prompt's chunks cut
+        to ``lone_prompt_chunk`` when fewer sequences are live than micro-batches."""
         if self.max_inflight == 1:
             return {}
         s = self.scheduler
@@ -100,6 +101,9 @@ class EngineBatcher:
             lightest = min(sum(it.num_new_tokens for it in sched.scheduled if it.num_new_tokens > 1)
                            for sched in self.inflight.values())
             limits["prefill_budget"] = min(budget, lightest + quantum)
+        if self.config.enable_chunked_prefill and self.config.pipeline_prompt_chunks and live < self.max_inflight:
+            limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
+                                           lone_prompt_chunk(budget, self.max_inflight))
         return limits
 
     @staticmethod

@@ -15,6 +15,8 @@ class ScheduledSeq:
     num_new_tokens: int
     # Set at scheduling time: the engine appends tokens and on_step_done
     # advances num_computed_tokens later, so neither may be read back from seq.
+    # The scheduler passes ``start``: with earlier chunks of the prompt in flight
+    # it is where they end, not ``seq.num_computed_tokens``.
     start: int = -1
     seq_len: int = -1
 

@@ -1,7 +1,7 @@
 """Iteration-level scheduling with chunked prefill and several micro-batches in flight.
 
-Each ``schedule()`` call forms one micro-batch from sequences that are not in
-flight, in this order (as in vLLM and Sarathi-Serve):
+Each ``schedule()`` call forms one micro-batch, in this order (as in vLLM and
+Sarathi-Serve):
   1. running sequences, decodes before prefill chunks, so a decode is never
      starved by prefills; when blocks run out, the policy's least valued
      sequence that is not in flight is preempted (swap or recompute);
@@ -13,7 +13,22 @@ For longrope models (Phi-3) a sequence that outgrew the short rotation of its
 keys first goes back to waiting, to be recomputed (``rope_switch_len``).
 ``on_step_done`` then advances what the micro-batch computed. In-flight
 sequences are never preempted; one aborted in flight keeps its blocks until
-its step is done, since the stages may still be writing them.
+its last step in flight is done, since the stages may still be writing them.
+
+A sequence in flight takes part in a later micro-batch only with the next
+chunk of its prompt (``pipeline_prompt_chunks``, on by default; a recompute's
+"prompt" is its prompt and generated tokens): chunk k + 1 needs only the KV of
+chunks <= k, and every schedule (async, gpipe, interleaved, TP inside a stage)
+runs the micro-batches on each stage in submission order (``inflight.py``), so
+one long prompt keeps all P stages busy instead of one. Its item starts where
+the chunks in flight end (``ScheduledSeq.start``), its blocks are allocated from
+there, and only the chunk that reaches the end samples; ``num_computed_tokens``
+still advances in ``on_step_done``, chunk by chunk in order, and only computed
+full blocks enter the prefix cache (a sibling of n > 1 forks, and another
+request hits, only KV that exists). A decode is never scheduled beside
+anything in flight of its sequence: it needs the token the last chunk samples.
+A stage failure loses every micro-batch in flight; ``on_step_failed`` each of
+them, then ``replay_all``.
 
 ``max_num_seqs`` and ``max_num_batched_tokens`` bound one micro-batch; an
 engine running P micro-batches passes its share via ``max_seqs`` /
@@ -32,11 +47,26 @@ from dataclasses import dataclass
 
 from pipeserve.config import EngineConfig
 from pipeserve.kv_cache.block_manager import BlockManager
+from pipeserve.scheduler.inflight import InFlight
 from pipeserve.scheduler.output import ScheduledSeq, SchedulerOutput
 from pipeserve.scheduler.policy import make_policy
 from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput"]
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "lone_prompt_chunk"]
+
+# Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/notes_ppchunk.md):
+# a 2048-token prompt at PP = 1 on one core takes as long in chunks of 256 as whole, 20 % longer
+# in chunks of 128.
+MIN_PIPELINED_CHUNK = 256
+
+
+def lone_prompt_chunk(token_budget: int, num_micro_batches: int) -> int:
+    """Prompt tokens per micro-batch when fewer sequences are live than micro-batches in
+    flight (one long prompt alone): then only the prompt's own chunks fill the pipeline, and
+    it is full after P - 1 chunks, so with n chunks the prompt takes about (n + P - 1) / (n P)
+    of its time at PP = 1. Chunks of ``token_budget / P``, but at least ``MIN_PIPELINED_CHUNK``
+    (smaller ones cost more than the fill they save)."""
+    return min(token_budget, max(MIN_PIPELINED_CHUNK, token_budget // num_micro_batches))
 
 
 @dataclass
@@ -76,7 +106,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self._inflight: dict[int, ScheduledSeq] = {}  # seq_id -> its share of a micro-batch
+        self._inflight = InFlight()                  # seq_id -> its items in flight, oldest first
         self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0,
                               rope_recomputes=0)
 
@@ -136,7 +166,12 @@ class Scheduler:
     @property
     def num_inflight(self) -> int:
         """Sequences in micro-batches that are not done yet."""
-        return len(self._inflight)
+        return self._inflight.num_seqs
+
+    @property
+    def num_inflight_items(self) -> int:
+        """Items in micro-batches that are not done yet (a prompt may have several chunks)."""
+        return self._inflight.num_items
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._inflight)
@@ -153,6 +188,7 @@ class Scheduler:
             "num_running": self.num_running,
             "num_swapped": self.num_swapped,
             "num_inflight": self.num_inflight,
+            "num_pipelined_chunks": self._inflight.num_pipelined,
             "kv_usage": self.block_manager.usage,
             "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
             "num_preemptions_recompute": c["preemptions_recompute"],
@@ -166,7 +202,8 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------
     def schedule(self, token_budget: int | None = None, max_seqs: int | None = None,
                  prefill_budget: int | None = None) -> SchedulerOutput:
-        """Form one micro-batch from the sequences not in flight, and mark them in flight.
+        """Form one micro-batch, and mark its items in flight. A sequence in flight
+        takes part only with its prompt's next chunk (``pipeline_prompt_chunks``).
 
         ``prefill_budget`` caps the prompt tokens (new prompts and chunks) of
         the micro-batch, within ``token_budget``; decodes are not affected."""
@@ -183,7 +220,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(budget, out)
         for item in out.scheduled:
-            self._inflight[item.seq.seq_id] = item
+            self._inflight.add(item)
         return out
 
     def _rope_variant(self, seq: Sequence) -> int:
@@ -208,31 +245,45 @@ class Scheduler:
             self._counters["rope_recomputes"] += 1
 
     def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
-        ready = [s for s in self.running if s.seq_id not in self._inflight and s.num_uncomputed_tokens > 0]
+        pipelined = self.config.pipeline_prompt_chunks
+        ready = [s for s in self.running if (s.num_uncomputed_tokens > 0 and s.seq_id not in self._inflight)
+                 or (pipelined and s.seq_id in self._inflight and self._inflight.end(s) < s.num_tokens)]
         # Decodes first, then prefill chunks, each in policy order.
-        ready.sort(key=lambda s: (s.is_prefill, self.policy.key(s)))
+        ready.sort(key=lambda s: (self._next_is_prefill(s), self.policy.key(s)))
         done: set[int] = set()
         for seq in ready:
             if budget.exhausted:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue                       # preempted earlier in this call
-            num_new = min(seq.num_uncomputed_tokens, budget.tokens)
-            if seq.is_prefill:
+            start = self._inflight.end(seq)
+            num_new = min(seq.num_tokens - start, budget.tokens)
+            if self._next_is_prefill(seq):
                 if budget.prefill_tokens <= 0:
                     continue
                 num_new = min(num_new, budget.prefill_tokens)
                 # A running prefill takes the chunk that fits rather than preempting.
-                num_new = min(num_new, self.block_manager.num_fitting_tokens(seq)) or num_new
-            if self._make_room(seq, num_new, ready, done, out):
+                num_new = min(num_new, self.block_manager.num_fitting_tokens(seq, start)) or num_new
+            if self._make_room(seq, start, num_new, ready, done, out):
                 self._add(seq, num_new, budget, out)
                 done.add(seq.seq_id)
 
-    def _make_room(self, seq: Sequence, num_new: int, ready: list[Sequence], done: set[int],
+    def _next_is_prefill(self, seq: Sequence) -> bool:
+        """``Sequence.is_prefill`` for the next item, which starts after any chunks in flight.
+        Only a prompt's (or a recompute's) chunk can follow chunks in flight: a decode needs
+        the token the last of them samples."""
+        n = seq.num_tokens
+        return n - self._inflight.end(seq) > 1 or n == seq.num_prompt_tokens
+
+    def _make_room(self, seq: Sequence, start: int, num_new: int, ready: list[Sequence], done: set[int],
                    out: SchedulerOutput) -> bool:
-        """Allocate ``seq``'s slots, preempting others if needed; False if ``seq`` waits."""
-        while not self.block_manager.allocate_slots(seq, num_new):
-            candidates = [s for s in ready if s.status == SequenceStatus.RUNNING and s.seq_id not in done]
+        """Allocate ``seq``'s slots, preempting others if needed; False if ``seq`` waits.
+        A sequence with anything in flight is never preempted, nor preempts for a next chunk."""
+        while not self.block_manager.allocate_slots(seq, num_new, start):
+            if seq.seq_id in self._inflight:
+                return False        # its chunks in flight return; then it asks again
+            candidates = [s for s in ready if s.status == SequenceStatus.RUNNING and s.seq_id not in done
+                          and s.seq_id not in self._inflight]
             victim = self.policy.pick_victim(candidates)
             if victim is seq and self._inflight:
                 return False        # in-flight steps will return blocks; wait for them
@@ -326,8 +377,9 @@ class Scheduler:
                 self._short_rope.discard(seq.seq_id)
             else:
                 self._short_rope.add(seq.seq_id)
-        budget.take(num_new, prefill=seq.is_prefill)
-        out.scheduled.append(ScheduledSeq(seq, num_new))
+        start = self._inflight.end(seq)
+        budget.take(num_new, prefill=self._next_is_prefill(seq))
+        out.scheduled.append(ScheduledSeq(seq, num_new, start=start))
 
     # -- step completion -----------------------------------------------------
     def on_step_done(self, out: SchedulerOutput) -> None:
@@ -337,10 +389,15 @@ class Scheduler:
         ``finish_seq`` for the sequences that stop."""
         self._counters["steps"] += 1
         for item in out.scheduled:
-            seq = self._take_inflight(item)
+            seq = item.seq
+            self._inflight.take_done(item)
             if seq.is_finished:
-                self._release(seq)      # aborted in flight: its result is dropped
+                if seq.seq_id not in self._inflight:
+                    self._release(seq)  # aborted in flight: its results are dropped
                 continue
+            if item.start != seq.num_computed_tokens:
+                raise RuntimeError(f"{seq}: a chunk from {item.start} is done but only "
+                                   f"{seq.num_computed_tokens} tokens were computed before it")
             seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.register_computed(seq)
             self.policy.record_service(seq, item.num_new_tokens)
@@ -349,10 +406,13 @@ class Scheduler:
 
     def on_step_failed(self, out: SchedulerOutput) -> None:
         """The micro-batch ``out`` was lost (a stage failed): nothing it computed
-        counts; its sequences may be scheduled again or finished by the engine."""
+        counts; its sequences may be scheduled again or finished by the engine. A
+        failure loses every micro-batch in flight: report each of them (a later chunk
+        of a prompt is no good without the earlier ones)."""
         for item in out.scheduled:
-            seq = self._take_inflight(item)
-            if seq.is_finished:
+            seq = item.seq
+            self._inflight.take_failed(item)
+            if seq.is_finished and seq.seq_id not in self._inflight:
                 self._release(seq)
 
     def replay_all(self) -> int:
@@ -361,7 +421,7 @@ class Scheduler:
         recompute does; its generated tokens are kept. Call with nothing in flight
         (``on_step_failed`` each lost micro-batch first). Returns the number replayed."""
         if self._inflight:
-            raise RuntimeError(f"{len(self._inflight)} sequences are still in flight: fail their steps first")
+            raise RuntimeError(f"{self._inflight.num_seqs} sequences are still in flight: fail their steps first")
         replayed = self.running + self.swapped
         self.block_manager.drop_all_kv(replayed)
         for seq in replayed:
@@ -374,11 +434,4 @@ class Scheduler:
             group.prefilled = False
         self._counters["replayed"] += len(replayed)
         return len(replayed)
-
-    def _take_inflight(self, item: ScheduledSeq) -> Sequence:
-        if self._inflight.get(item.seq.seq_id) is not item:
-            raise RuntimeError(f"{item.seq} is not in flight in this micro-batch: "
-                               "was its step reported done twice?")
-        del self._inflight[item.seq.seq_id]
-        return item.seq
 
