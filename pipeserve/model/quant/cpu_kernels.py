@@ -70,6 +70,12 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
+# On AVX2 builds these layouts take the integer gemv at any number of rows (prompts too):
+# q4's many-row kernel (register-blocked: 4 rows of x per weight row, quant_gemv_avx2.h) was
+# 0.4-0.95x the tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one
+# thread (benchmarks/notes_i8gemm.md). The others (q5/q6/i4/q2/q3; q8's int16) keep the tiles
+# beyond GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
+PROMPT_INT8_KINDS = ("q4",)
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
@@ -143,11 +149,20 @@ class QuantKernels:
         rows = x.shape[0]
         if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
+        if self.prompt_takes_int8(w, x):   # AVX2 q4: any number of rows, each as its decode
+            return self.gemv(w, x)
         if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
             if self._i8_applies(w.in_features, w.group, rows):   # AVX2: the passes in one call
                 return self.gemv(w, x)
             return torch.cat([self.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
         return self.tiled(w, x)
+
+    def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether every row count of ``x`` takes the integer-activation gemv (one call), as a
+        decode does: q4 on AVX2 builds, whose many-row kernel (quant_gemv_avx2.h, q4_rows_many)
+        beat the tiles at 32-512 rows (benchmarks/notes_i8gemm.md) and gives each row the bits
+        of its one-row gemv, so a prompt's numbers do not depend on how it is chunked or batched."""
+        return self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS and self.int8_activations(w, x[:GEMV_MAX_ROWS])
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
