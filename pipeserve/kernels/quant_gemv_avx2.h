@@ -37,6 +37,12 @@
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
+ *
+ * Many rows (a prompt on q4, a fused decode step of up to 128): rows_many_i16 runs tiles of
+ * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
+ * q4_rows_many, 4 rows of x per weight row with the gemv's float operations per row (so each
+ * row's result is the bits of that row alone, at any row count and thread split). Each row's
+ * result is independent of the others on every path here: a row's accumulators are its own.
  */
 #ifndef PIPESERVE_QUANT_GEMV_AVX2_H
 #define PIPESERVE_QUANT_GEMV_AVX2_H
@@ -315,7 +321,8 @@ static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) 
  * Groups of 16 add their minimum term to acc2 (one register fewer: with a third
  * accumulator, one row of x kept it on the stack across the run). Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
  * chains; two or four weight rows at once, for more chains and x loaded once, measured no
- * faster). kind and m_rows are constants here. */
+ * faster). kind and m_rows are constants here. row_dot_i16_from takes the accumulators from
+ * block b0 on (q4_row_tile hands it the blocks after its full runs); row_dot_i16 from zero. */
 static inline __attribute__((always_inline)) void
 row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
             const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, int64_t b0,

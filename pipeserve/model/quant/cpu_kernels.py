@@ -2,8 +2,12 @@
 
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``); with integer
-activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. Prefill (more
-rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
+activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
+q4 weights (``PROMPT_INT8_KINDS``) take it at every row count, prompts too: its
+many-row kernel (quant_gemv_avx2.h, q4_rows_many) gives each row the bits of that
+row's decode gemv, so a prompt's numbers do not depend on how it is chunked or
+batched (pipeline-parallel runs stay token-identical to PP=1). Prefill (more
+rows, other layouts): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
 is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
 CPU, more rows take ``pipeserve_quant_gemm`` (pipeserve/kernels/quant_gemm.c)
