@@ -86,8 +86,9 @@ PROMPT_INT8_KINDS = ("q4",)
 # 0.45-0.51x the tiles' time, 128 rows 0.56-0.87x, 256 rows 0.67-1.19x (with int16 ones 64 rows
 # were 0.66-1.24x); 96 requests at once 1.05x the throughput of a 64-decode limit
 # (benchmarks/README.md, "128 decodes in one fused step"). matmul keeps
-# GEMV_PASSES_MAX_ROWS: a prompt's rows (and a step mixing them with decodes) take the tiles'
-# float activations from 25 rows as before, so which path a prompt takes does not move.
+# GEMV_PASSES_MAX_ROWS for the layouts outside PROMPT_INT8_KINDS: their prompt rows (and a step
+# mixing them with decodes) take the tiles' float activations from 25 rows; AVX2's q4 takes the
+# integer gemv at every row count.
 GEMV_ONE_CALL_MAX_ROWS = 128
 # Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
 # takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
