@@ -76,7 +76,7 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
 @needs_matmul
 def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):  # noqa: F811
     kernels = cpu_kernels()
-    w = _cases(gguf_file)[-1]
+    w = _cases(gguf_file)[-3]   # q8: many rows take the tiles on every build (AVX2's q4 the integer gemv)
     few = torch.randn(GEMM_MIN_ROWS - 1, w.in_features).bfloat16()
     assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized: the gemv kernel
     x = torch.randn(32, w.in_features)

@@ -269,7 +269,8 @@ def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
 def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     ref = x.float() @ dequantize(w).t()                               # [M, N] float32
     got = kernels.matmul(w, x).float()
-    int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
+    int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and (x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
+                                                              or kernels.prompt_takes_int8(w, x))
     if kernels.isa == "avx2" and w.kind in INT8_KINDS and int8:   # int8 activations
         assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
         return
@@ -528,7 +529,8 @@ def test_decode_takes_integer_activations_where_the_kernel_has_them(gguf_file, d
 def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
     """9 to GEMV_PASSES_MAX_ROWS rows: the integer-activation gemv, 8 rows a pass (where the
     kernel has integer activations; AVX2 runs the passes in one call, over tiles of weight
-    rows, to the same result, and takes up to GEMV_ONE_CALL_MAX_ROWS so), then the tiles;
+    rows, to the same result, and takes up to GEMV_ONE_CALL_MAX_ROWS so), then the tiles (but
+    AVX2's q4, which takes the gemv at any row count: ``prompt_takes_int8``);
     within the kernels' bound of dequantize-then-matmul either way."""
     kernels = cpu_kernels()
     w = _int8_cases(gguf_file, kernels)[-1]
@@ -536,8 +538,37 @@ def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
     for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
-        in_passes = kernels.has_integer_activations and rows <= GEMV_PASSES_MAX_ROWS
+        in_passes = kernels.has_integer_activations and (rows <= GEMV_PASSES_MAX_ROWS or kernels.prompt_takes_int8(w, x))
         assert torch.equal(kernels.matmul(w, x), passes if in_passes else kernels.tiled(w, x)), rows
         _check_matmul(w, x, kernels)
         if kernels.has_integer_activations and kernels.isa == "avx2":   # one call: the passes' result
             assert torch.equal(kernels.gemv(w, x), passes), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("cols", [256, 576, 608, 736, 1536])
+def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
+    """AVX2's q4 takes the integer gemv at every row count (``prompt_takes_int8``); from
+    Q4T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, q4_rows_many: 4 rows of x
+    per weight row, then the last rows as before) gives each row the same bits as that row
+    alone, whatever the row count, thread count (a split of the output rows) or weight row
+    count (37: short last tiles and runs): a prompt's numbers do not depend on how it is
+    chunked or batched, as pipeline-parallel runs need. Widths: 8, 18, 19 (odd: a lone last
+    block), 23 and 48 blocks; Q4_1's minimums, Q4_0's offset, groups of 64 (the old passes)."""
+    kernels = cpu_kernels()
+    if kernels.isa != "avx2":
+        pytest.skip("q4 prompts take the integer gemv on AVX2 builds only")
+    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
+    q4 = quantize_weight(w, 4, 32)
+    weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
+    weights += [quantize_weight(w, 4, 64)] if cols % 64 == 0 else []
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
+    x[3, :32] *= 20
+    for q in weights:
+        assert kernels.prompt_takes_int8(q, x)
+        alone = torch.cat([kernels.gemv(q, x[m:m + 1]) for m in range(x.shape[0])])   # [70, 37]
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            for rows in (1, 2, 5, 8, 15, 16, 17, 25, 31, 40, 64, 70):
+                assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
+        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels.isa)).all(), q.source

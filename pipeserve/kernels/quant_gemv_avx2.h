@@ -37,6 +37,12 @@
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
+ *
+ * Many rows (a prompt on q4, a fused decode step of up to 128): rows_many_i16 runs tiles of
+ * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
+ * q4_rows_many, 4 rows of x per weight row with the gemv's float operations per row (so each
+ * row's result is the bits of that row alone, at any row count and thread split). Each row's
+ * result is independent of the others on every path here: a row's accumulators are its own.
  */
 #ifndef PIPESERVE_QUANT_GEMV_AVX2_H
 #define PIPESERVE_QUANT_GEMV_AVX2_H
@@ -315,20 +321,17 @@ static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) 
  * Groups of 16 add their minimum term to acc2 (one register fewer: with a third
  * accumulator, one row of x kept it on the stack across the run). Even and odd blocks (q4: pairs) go to separate accumulators (two FMA
  * chains; two or four weight rows at once, for more chains and x loaded once, measured no
- * faster). kind and m_rows are constants here. */
+ * faster). kind and m_rows are constants here. row_dot_i16_from takes the accumulators from
+ * block b0 on (q4_row_tile hands it the blocks after its full runs); row_dot_i16 from zero. */
 static inline __attribute__((always_inline)) void
-row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
-            const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
+row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
+            const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, int64_t b0,
+            __m256 *acc, __m256 *acc2, __m256 *accm, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
     const int g16 = kind != 4 && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind != 8 ? -(float)zero : 0.0f;   /* q4/q5/q6 codes keep their offset */
-    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     float mins[I16_ROWS];
-    for (int m = 0; m < m_rows; m++) {
-        acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
-        mins[m] = 0.0f;
-    }
-    int64_t b0 = 0;
+    for (int m = 0; m < m_rows; m++) mins[m] = 0.0f;
     for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
             const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -447,6 +450,15 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
         res[m] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m], acc2[m]), accm[m])) + mins[m];
 }
 
+/* row_dot_i16_from the start: every accumulator at zero. */
+static inline __attribute__((always_inline)) void
+row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc,
+            const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, float *res) {
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    for (int m = 0; m < m_rows; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+    row_dot_i16_from(kind, q, qh, zero, sc, mn, per, left, a, m_rows, 0, acc, acc2, accm, res);
+}
+
 /* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched
  * while row n is computed. */
 static inline __attribute__((always_inline)) void
@@ -504,6 +516,104 @@ static inline act_i16 act_i16_rows(const act_i16 *a, int64_t m0) {
     return v;
 }
 
+#ifndef Q4T_ROWS
+#define Q4T_ROWS 4       /* rows of x per q4 many-row micro-kernel */
+#endif
+#ifndef Q4T_MIN_ROWS
+#define Q4T_MIN_ROWS 16  /* from this many rows of x, q4 takes it */
+#endif
+#ifndef Q4T_TILE
+#define Q4T_TILE 16384   /* bytes of codes per tile of weight rows */
+#endif
+
+/* The activation scales of Q4T_ROWS rows of x as q4_rows_tile reads them: per row and pair p
+ * of the full runs' blocks, d(2p) x 4 | d(2p + 1) x 4. */
+static inline void q4_pair_scales(const act_i16 *a, int64_t pairs, __m256 *dd) {
+    for (int m = 0; m < Q4T_ROWS; m++)
+        for (int64_t p = 0; p < pairs; p++) {
+            const float *d = a->d + m * a->nbp + 2 * p;
+            dd[m * pairs + p] = _mm256_set_m128(_mm_set1_ps(d[1]), _mm_set1_ps(d[0]));
+        }
+}
+
+/* One q4 weight row (groups of 32) against Q4T_ROWS rows of x, the many-row shape of row_dot_i16
+ * with its arithmetic: the same float operations on the same values in the same order per row of
+ * x, so the same bits. Its pairs' scales s_w * d as one product per pair and row, of s_w's pair
+ * (s_w(2p) x 4 | s_w(2p + 1) x 4, from the run's 8 scales in one vpermps and one vpermilps per
+ * pair) and dd (q4_pair_scales); its minimum terms in a loop of their own. Per pair the codes
+ * are split once for the Q4T_ROWS rows, and the only registers kept are acc and acc2 (8 for 4
+ * rows): row_dot_i16 at 8 rows held acc, acc2, accm and both rows' scales (24 + 16) and spilled.
+ * The blocks after the full runs take row_dot_i16_from. */
+static inline __attribute__((always_inline)) void
+q4_row_tile(const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t left, const act_i16 *a,
+            const __m256 *dd, int64_t pairs, float *res) {
+    const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
+    const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), lo = _mm256_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    for (int m = 0; m < Q4T_ROWS; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        const __m256 se = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN))),
+                                                   eo);
+        for (int j = 0; j < I16_RUN / 2; j++) {
+            const int64_t b = r * I16_RUN + 2 * j;
+            const __m256 ss = lane_splat(se, j);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + b * 16));
+            const __m256i c0 = _mm256_and_si256(v, lo), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo);
+            for (int m = 0; m < Q4T_ROWS; m++) {
+                const int8_t *xp = a->x8 + m * K + b * I16_QB;
+                const __m256i t = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(c0, _mm256_loadu_si256((const __m256i *)xp)),
+                    _mm256_maddubs_epi16(c1, _mm256_loadu_si256((const __m256i *)(xp + 32))));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(t, ones));
+                const __m256 sd = _mm256_mul_ps(ss, dd[m * pairs + r * (I16_RUN / 2) + j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sd, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sd, acc[m]);
+            }
+        }
+    }
+    const float zw = -(float)zero;
+    for (int64_t r = 0; r < runs; r++) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps());
+        for (int m = 0; m < Q4T_ROWS; m++)
+            accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
+    }
+    row_dot_i16_from(4, q, NULL, zero, sc, mn, 1, left, a, Q4T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
+}
+
+/* q4 output rows [n0, n1) for M rows of x (groups of 32, at least one run of blocks): tiles of
+ * weight rows against every Q4T_ROWS rows of x in turn (q4_row_tile), the last M % Q4T_ROWS
+ * rows as rows_range_i16. Returns -1 when its scratch (the activation scales of Q4T_ROWS rows)
+ * cannot be had, then nothing is written. */
+static int q4_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, const act_i16 *a,
+                        int64_t n0, int64_t n1, int64_t N, float *out, int zero) {
+    const int64_t K = a->K, pairs = a->nb / I16_RUN * (I16_RUN / 2), row_bytes = K / 2, groups = K / I16_QB;
+    __m256 *dd = aligned_alloc(32, (size_t)(Q4T_ROWS * pairs * sizeof(__m256)));
+    if (!dd) return -1;
+    const int64_t tile = row_bytes >= Q4T_TILE / 4 ? 4 : Q4T_TILE / row_bytes, full = M / Q4T_ROWS * Q4T_ROWS;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
+        for (int64_t m0 = 0; m0 < full; m0 += Q4T_ROWS) {
+            const act_i16 v = act_i16_rows(a, m0);
+            q4_pair_scales(&v, pairs, dd);
+            for (int64_t n = t0; n < t1; n++) {
+                float res[Q4T_ROWS];
+                q4_row_tile(qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, zero,
+                            (N - n) * groups, &v, dd, pairs, res);
+                for (int m = 0; m < Q4T_ROWS; m++) out[(m0 + m) * N + n] = res[m];
+            }
+        }
+        if (full < M) {
+            const act_i16 v = act_i16_rows(a, full);
+            rows_range_i16(4, (int)(M - full), qs, sc, mn, 1, I16_QB, &v, t0, t1, N, out + full * N, NULL, zero);
+        }
+    }
+    free(dd);
+    return 0;
+}
+
 /* Output rows [n0, n1) for M rows of x, any M: tiles of weight rows (about 16 KiB of codes, so
  * they stay in L1/L2) against every pass of I16_ROWS rows of x in turn, so the weights are
  * read from memory once for all the rows instead of once per pass (a batched decode, the LM
@@ -515,6 +625,9 @@ static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t
         rows_range_i16(kind, (int)M, qs, sc, mn, per, group, a, n0, n1, N, out, qh, zero);
         return;
     }
+    if (kind == 4 && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
+        && q4_rows_many(M, qs, sc, mn, a, n0, n1, N, out, zero) == 0)
+        return;
     const int64_t row_bytes = quant_row_bytes(kind, a->K) + quant_high_row_bytes(kind, a->K);
     const int64_t tile = row_bytes >= 4096 ? 4 : 16384 / row_bytes;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {

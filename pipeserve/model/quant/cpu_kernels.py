@@ -2,8 +2,12 @@
 
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``); with integer
-activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. Prefill (more
-rows): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
+activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
+q4 weights (``PROMPT_INT8_KINDS``) take it at every row count, prompts too: its
+many-row kernel (quant_gemv_avx2.h, q4_rows_many) gives each row the bits of that
+row's decode gemv, so a prompt's numbers do not depend on how it is chunked or
+batched (pipeline-parallel runs stay token-identical to PP=1). Prefill (more
+rows, other layouts): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
 is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
 CPU, more rows take ``pipeserve_quant_gemm`` (pipeserve/kernels/quant_gemm.c)
@@ -70,14 +74,21 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
+# On AVX2 builds these layouts take the integer gemv at any number of rows (prompts too):
+# q4's many-row kernel (register-blocked: 4 rows of x per weight row, quant_gemv_avx2.h) was
+# 0.4-0.95x the tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one
+# thread (benchmarks/notes_i8gemm.md). The others (q5/q6/i4/q2/q3; q8's int16) keep the tiles
+# beyond GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
+PROMPT_INT8_KINDS = ("q4",)
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
 # 0.45-0.51x the tiles' time, 128 rows 0.56-0.87x, 256 rows 0.67-1.19x (with int16 ones 64 rows
 # were 0.66-1.24x); 96 requests at once 1.05x the throughput of a 64-decode limit
 # (benchmarks/README.md, "128 decodes in one fused step"). matmul keeps
-# GEMV_PASSES_MAX_ROWS: a prompt's rows (and a step mixing them with decodes) take the tiles'
-# float activations from 25 rows as before, so which path a prompt takes does not move.
+# GEMV_PASSES_MAX_ROWS for the layouts outside PROMPT_INT8_KINDS: their prompt rows (and a step
+# mixing them with decodes) take the tiles' float activations from 25 rows; AVX2's q4 takes the
+# integer gemv at every row count.
 GEMV_ONE_CALL_MAX_ROWS = 128
 # Up to this many float32 rows on more than one thread, a weight at least TRANSPOSED_MIN_IN wide
 # takes its tiles' products as W_tile @ x^T into the output's transpose, over tiles of
@@ -143,11 +154,20 @@ class QuantKernels:
         rows = x.shape[0]
         if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
+        if self.prompt_takes_int8(w, x):   # AVX2 q4: any number of rows, each as its decode
+            return self.gemv(w, x)
         if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
             if self._i8_applies(w.in_features, w.group, rows):   # AVX2: the passes in one call
                 return self.gemv(w, x)
             return torch.cat([self.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
         return self.tiled(w, x)
+
+    def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether every row count of ``x`` takes the integer-activation gemv (one call), as a
+        decode does: q4 on AVX2 builds, whose many-row kernel (quant_gemv_avx2.h, q4_rows_many)
+        beat the tiles at 32-512 rows (benchmarks/notes_i8gemm.md) and gives each row the bits
+        of its one-row gemv, so a prompt's numbers do not depend on how it is chunked or batched."""
+        return self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS and self.int8_activations(w, x[:GEMV_MAX_ROWS])
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
