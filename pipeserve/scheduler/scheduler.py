@@ -54,7 +54,7 @@ from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "lone_prompt_chunk"]
 
-# Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/notes_ppchunk.md):
+# Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/README.md, twelfth session):
 # a 2048-token prompt at PP = 1 on one core takes as long in chunks of 256 as whole, 20 % longer
 # in chunks of 128.
 MIN_PIPELINED_CHUNK = 256

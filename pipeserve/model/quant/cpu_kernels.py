@@ -77,8 +77,9 @@ GEMV_PASSES_MAX_ROWS = 24
 # On AVX2 builds these layouts take the integer gemv at any number of rows (prompts too):
 # q4's many-row kernel (register-blocked: 4 rows of x per weight row, quant_gemv_avx2.h) was
 # 0.4-0.95x the tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one
-# thread (benchmarks/notes_i8gemm.md). The others (q5/q6/i4/q2/q3; q8's int16) keep the tiles
-# beyond GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
+# thread (benchmarks/README.md, "q4 prompts on a many-row integer kernel"). The others
+# (q5/q6/i4/q2/q3; q8's int16) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row
+# kernel of their own yet.
 PROMPT_INT8_KINDS = ("q4",)
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
@@ -165,7 +166,7 @@ class QuantKernels:
     def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether every row count of ``x`` takes the integer-activation gemv (one call), as a
         decode does: q4 on AVX2 builds, whose many-row kernel (quant_gemv_avx2.h, q4_rows_many)
-        beat the tiles at 32-512 rows (benchmarks/notes_i8gemm.md) and gives each row the bits
+        beat the tiles at 32-512 rows (benchmarks/README.md, "q4 prompts on a many-row integer kernel") and gives each row the bits
         of its one-row gemv, so a prompt's numbers do not depend on how it is chunked or batched."""
         return self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS and self.int8_activations(w, x[:GEMV_MAX_ROWS])
 
