@@ -481,6 +481,15 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv).double() * (amax / 127.0).double()).reshape(x.shape)
 
 
+def _q4_variants(cols: int) -> list[PackedWeight]:
+    """37 random weight rows of ``cols`` as Q4_1-like q4 (minimums), with Q4_0's code offset
+    instead, and in groups of 64 where the width allows."""
+    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
+    q4 = quantize_weight(w, 4, 32)
+    weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
+    return weights + ([quantize_weight(w, 4, 64)] if cols % 64 == 0 else [])
+
+
 @needs_kernel
 @pytest.mark.parametrize("cols", [192, 384, 672, 864, 1536])
 def test_avx2_q4_gemv_is_its_int8_emulation(cols):
@@ -494,10 +503,7 @@ def test_avx2_q4_gemv_is_its_int8_emulation(cols):
     kernels = cpu_kernels()
     if kernels.isa != "avx2":
         pytest.skip("q4 takes int8 activations on AVX2 builds only (VNNI: int16)")
-    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
-    q4 = quantize_weight(w, 4, 32)
-    weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
-    weights += [quantize_weight(w, 4, 64)] if cols % 64 == 0 else []
+    weights = _q4_variants(cols)
     for rows in (1, 2, 3, 7, GEMV_MAX_ROWS, 9, 17, GEMV_PASSES_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
         x[0, :32] *= 20                                   # blocks of different steps
@@ -558,10 +564,7 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
     kernels = cpu_kernels()
     if kernels.isa != "avx2":
         pytest.skip("q4 prompts take the integer gemv on AVX2 builds only")
-    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
-    q4 = quantize_weight(w, 4, 32)
-    weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
-    weights += [quantize_weight(w, 4, 64)] if cols % 64 == 0 else []
+    weights = _q4_variants(cols)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
     x[3, :32] *= 20
     for q in weights:
