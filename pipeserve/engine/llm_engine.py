@@ -23,7 +23,7 @@ from pipeserve.model.kv_quant import cache_dtype, row_bytes
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, lone_prompt_chunk
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, cut_lone_prompt
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
@@ -274,10 +274,7 @@ class LLMEngine:
         limits = {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
         if not self._gpipe and self.config.enable_chunked_prefill and self._inflight:
             limits["prefill_budget"] = self._prefill_throttle(budget)
-        if self.config.enable_chunked_prefill and self.config.pipeline_prompt_chunks and live < inflight:
-            # Fewer sequences than micro-batches: a prompt's own chunks fill the pipeline.
-            limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
-                                           lone_prompt_chunk(budget, inflight))
+        cut_lone_prompt(limits, self.config, live, inflight)   # a lone prompt's chunks fill the pipeline
         return limits
 
     def _prefill_throttle(self, budget: int) -> int:

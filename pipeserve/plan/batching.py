@@ -19,7 +19,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.plan.roofline import EMPTY, BatchShape
 from pipeserve.plan.workload import TraceRequest
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, lone_prompt_chunk
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, cut_lone_prompt
 from pipeserve.sequence import Sequence, SequenceGroup
 
 BLOCK_SIZE = 16
@@ -101,9 +101,7 @@ class EngineBatcher:
             lightest = min(sum(it.num_new_tokens for it in sched.scheduled if it.num_new_tokens > 1)
                            for sched in self.inflight.values())
             limits["prefill_budget"] = min(budget, lightest + quantum)
-        if self.config.enable_chunked_prefill and self.config.pipeline_prompt_chunks and live < self.max_inflight:
-            limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
-                                           lone_prompt_chunk(budget, self.max_inflight))
+        cut_lone_prompt(limits, self.config, live, self.max_inflight)
         return limits
 
     @staticmethod

@@ -52,7 +52,7 @@ from pipeserve.scheduler.output import ScheduledSeq, SchedulerOutput
 from pipeserve.scheduler.policy import make_policy
 from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "lone_prompt_chunk"]
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "cut_lone_prompt", "lone_prompt_chunk"]
 
 # Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/README.md, twelfth session):
 # a 2048-token prompt at PP = 1 on one core takes as long in chunks of 256 as whole, 20 % longer
@@ -67,6 +67,16 @@ def lone_prompt_chunk(token_budget: int, num_micro_batches: int) -> int:
     of its time at PP = 1. Chunks of ``token_budget / P``, but at least ``MIN_PIPELINED_CHUNK``
     (smaller ones cost more than the fill they save)."""
     return min(token_budget, max(MIN_PIPELINED_CHUNK, token_budget // num_micro_batches))
+
+
+def cut_lone_prompt(limits: dict, config: EngineConfig, live: int, num_micro_batches: int) -> None:
+    """With fewer ``live`` sequences than micro-batches in flight (and chunked, pipelined
+    prompts), cap ``limits["prefill_budget"]`` at ``lone_prompt_chunk`` of its
+    ``token_budget``: the engine's micro-batch limits and the planner's batcher both apply it."""
+    if config.enable_chunked_prefill and config.pipeline_prompt_chunks and live < num_micro_batches:
+        budget = limits["token_budget"]
+        limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
+                                       lone_prompt_chunk(budget, num_micro_batches))
 
 
 @dataclass
