@@ -544,7 +544,8 @@ def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
     for rows in (GEMV_MAX_ROWS + 1, GEMV_PASSES_MAX_ROWS, GEMV_PASSES_MAX_ROWS + 1, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
         passes = torch.cat([kernels.gemv(w, x[r:r + GEMV_MAX_ROWS]) for r in range(0, rows, GEMV_MAX_ROWS)])
-        in_passes = kernels.has_integer_activations and (rows <= GEMV_PASSES_MAX_ROWS or kernels.prompt_takes_int8(w, x))
+        in_passes = kernels.has_integer_activations and (rows <= GEMV_PASSES_MAX_ROWS
+                                                         or kernels.prompt_takes_int8(w, x))
         assert torch.equal(kernels.matmul(w, x), passes if in_passes else kernels.tiled(w, x)), rows
         _check_matmul(w, x, kernels)
         if kernels.has_integer_activations and kernels.isa == "avx2":   # one call: the passes' result
@@ -558,8 +559,8 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
     Q4T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, q4_rows_many: 4 rows of x
     per weight row, then the last rows as before) gives each row the same bits as that row
     alone, whatever the row count, thread count (a split of the output rows) or weight row
-    count (37: short last tiles and runs): a prompt's numbers do not depend on how it is
-    chunked or batched, as pipeline-parallel runs need. Widths: 8, 18, 19 (odd: a lone last
+    count (37: short last tiles and runs): a matmul row does not depend on the rows batched
+    with it (attention's float order still depends on a prompt's chunking). Widths: 8, 18, 19 (odd: a lone last
     block), 23 and 48 blocks; Q4_1's minimums, Q4_0's offset, groups of 64 (the old passes)."""
     kernels = cpu_kernels()
     if kernels.isa != "avx2":

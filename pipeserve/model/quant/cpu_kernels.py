@@ -5,8 +5,9 @@ once and dequantized in registers (``pipeserve_quant_gemv``); with integer
 activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
 q4 weights (``PROMPT_INT8_KINDS``) take it at every row count, prompts too: its
 many-row kernel (quant_gemv_avx2.h, q4_rows_many) gives each row the bits of that
-row's decode gemv, so a prompt's numbers do not depend on how it is chunked or
-batched (pipeline-parallel runs stay token-identical to PP=1). Prefill (more
+row's decode gemv, so a matmul row does not depend on how many rows its call holds
+(attention's float order still depends on the chunking, and the int8 rounding turns
+that into a step's noise: benchmarks/README.md, twelfth session). Prefill (more
 rows, other layouts): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
 float32) scratch and multiplied by PyTorch's dense matmul, so the dequantizing
 is paid once per tile for all rows. With bfloat16 activations on an AVX512_BF16
@@ -166,8 +167,8 @@ class QuantKernels:
     def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether every row count of ``x`` takes the integer-activation gemv (one call), as a
         decode does: q4 on AVX2 builds, whose many-row kernel (quant_gemv_avx2.h, q4_rows_many)
-        beat the tiles at 32-512 rows (benchmarks/README.md, "q4 prompts on a many-row integer kernel") and gives each row the bits
-        of its one-row gemv, so a prompt's numbers do not depend on how it is chunked or batched."""
+        beat the tiles at 32-512 rows (benchmarks/README.md, "q4 prompts on a many-row integer
+        kernel") and gives each row the bits of its one-row gemv, whatever the call's row count."""
         return self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS and self.int8_activations(w, x[:GEMV_MAX_ROWS])
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
