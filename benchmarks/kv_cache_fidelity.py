@@ -44,11 +44,11 @@ GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, 
 
 
 def make_runner(source, cfg, kv_cache_dtype: str, tokens: int, dtype: torch.dtype,
-                backend: str = "auto") -> ModelRunner:
+                backend: str = "auto", quantization: str = "auto") -> ModelRunner:
     return ModelRunner(source, cfg, start_layer=0, end_layer=cfg.num_layers, is_first=True, is_last=True,
                        dtype=dtype, device=torch.device("cpu"), num_blocks=-(-tokens // BLOCK) + 16,
                        num_host_blocks=0, block_size=BLOCK, attention_backend=backend,
-                       kv_cache_dtype=kv_cache_dtype)
+                       kv_cache_dtype=kv_cache_dtype, quantization=quantization)
 
 
 @torch.inference_mode()

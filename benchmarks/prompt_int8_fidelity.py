@@ -19,17 +19,11 @@ import argparse
 
 import torch
 
-from benchmarks.kv_cache_fidelity import BLOCK, GREEDY, TEXT_FILE, compare
+from benchmarks.kv_cache_fidelity import BLOCK, GREEDY, TEXT_FILE, compare, make_runner
 from pipeserve.model.loader import resolve_model
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqStep, StepInput
-
-
-def make_runner(source, cfg, tokens: int, quantization: str) -> ModelRunner:
-    return ModelRunner(source, cfg, start_layer=0, end_layer=cfg.num_layers, is_first=True, is_last=True,
-                       dtype=torch.float32, device=torch.device("cpu"), num_blocks=-(-tokens // BLOCK) + 16,
-                       num_host_blocks=0, block_size=BLOCK, quantization=quantization)
 
 
 @torch.inference_mode()
@@ -55,9 +49,10 @@ def main() -> None:
     cfg = source.load_config()
     ids = load_tokenizer(source).encode(TEXT_FILE.read_text())[:args.positions]
     targets = torch.tensor(ids[1:])
-    kept_runner = make_runner(source, cfg, len(ids), "auto")
+    kept_runner = make_runner(source, cfg, "auto", len(ids), torch.float32, quantization="auto")
     kept = chunked_logits(kept_runner, ids, len(ids))
-    dense = chunked_logits(make_runner(source, cfg, len(ids), "none"), ids, len(ids))
+    dense = chunked_logits(make_runner(source, cfg, "auto", len(ids), torch.float32, quantization="none"),
+                           ids, len(ids))
     row = compare(kept, dense, targets)
     print(f"kept vs dequantized float32, one prefill of {len(ids)}: top-1 agreement {row['top1_agreement']:.4f}, "
           f"perplexity {row['ppl']:.4f} vs {row['ppl_ref']:.4f} ({row['ppl'] / row['ppl_ref'] - 1:+.2%}), "
