@@ -264,19 +264,24 @@ def test_prefill_budget_caps_prompt_tokens_not_decodes() -> None:
 def test_engine_throttles_prompt_tokens_to_the_lightest_micro_batch_in_flight() -> None:
     from types import SimpleNamespace
 
-    from pipeserve.engine.llm_engine import LLMEngine
+    from pipeserve.scheduler.scheduler import micro_batch_limits
 
     def batch(*sizes: int) -> SchedulerOutput:
         out = SchedulerOutput()
         out.scheduled = [SimpleNamespace(num_new_tokens=n) for n in sizes]
         return out
-    engine = SimpleNamespace(config=EngineConfig(block_size=16), _inflight={})
-    engine._inflight = {1: batch(1, 1, 1, 300), 2: batch(1, 1)}     # 300 prompt tokens, and none
-    assert LLMEngine._prefill_throttle(engine, 1024) == 32          # 0 + a quantum of 1024 // 32
-    engine._inflight = {1: batch(1, 900), 2: batch(700, 1)}
-    assert LLMEngine._prefill_throttle(engine, 1024) == 732
-    engine._inflight = {1: batch(1000)}
-    assert LLMEngine._prefill_throttle(engine, 1024) == 1024        # never above the budget
+
+    def throttle(*in_flight: SchedulerOutput, gpipe: bool = False, **config) -> int | None:
+        sched = SimpleNamespace(config=EngineConfig(block_size=16, max_num_batched_tokens=2048, **config),
+                                num_running=8, num_waiting=0, num_swapped=0, num_inflight=4)
+        return micro_batch_limits(sched, in_flight, 2, gpipe, 1).get("prefill_budget")
+    # 300 prompt tokens in one, none in the other: 0 + a quantum of 1024 // 32
+    assert throttle(batch(1, 1, 1, 300), batch(1, 1)) == 32
+    assert throttle(batch(1, 900), batch(700, 1)) == 732
+    assert throttle(batch(1000)) == 1024                        # never above the budget
+    assert throttle() is None                                   # nothing in flight: no throttle
+    assert throttle(batch(1, 1), gpipe=True) is None            # gpipe's micro-batches form together
+    assert throttle(batch(1, 1), enable_chunked_prefill=False) is None   # prompts run whole
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole() -> None:

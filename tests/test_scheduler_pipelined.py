@@ -182,14 +182,12 @@ def test_a_lone_prompt_is_cut_so_its_chunks_fill_the_pipeline() -> None:
     from types import SimpleNamespace
 
     from pipeserve.config import EngineConfig
-    from pipeserve.engine.llm_engine import LLMEngine
-    from pipeserve.scheduler.scheduler import lone_prompt_chunk
+    from pipeserve.scheduler.scheduler import lone_prompt_chunk, micro_batch_limits
 
     def limits(live: int, pp: int, **config) -> dict:
-        sched = SimpleNamespace(num_running=live, num_waiting=0, num_swapped=0, num_inflight=0)
-        engine = SimpleNamespace(config=EngineConfig(**config), executor=SimpleNamespace(max_inflight=pp),
-                                 scheduler=sched, _gpipe=False, _inflight={})
-        return LLMEngine._micro_batch_limits(engine, pp)
+        sched = SimpleNamespace(config=EngineConfig(**config), num_running=live, num_waiting=0,
+                                num_swapped=0, num_inflight=0)
+        return micro_batch_limits(sched, [], pp, False, pp)
 
     assert limits(1, 2) == {"max_seqs": 1, "token_budget": 1024, "prefill_budget": 512}
     assert limits(2, 3)["prefill_budget"] == 256           # 682 // 3, raised to the minimum chunk

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import time
 
 import torch
@@ -23,7 +22,7 @@ from pipeserve.model.kv_quant import cache_dtype, row_bytes
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, cut_lone_prompt
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batch_limits
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
@@ -252,46 +251,9 @@ class LLMEngine:
                           self.guides.mask if len(self.guides) else None)
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
-        """Spread the work evenly over the micro-batches in flight.
-
-        Each micro-batch gets at most its share of all live sequences (in
-        flight or not) and of the token budget. Taking every ready sequence
-        instead lets the micro-batches drift apart (the one formed while the
-        other is in flight grabs all newly prefilled sequences), and with P
-        micro-batches alternating over P stages the longer one sets the pace
-        while the others wait: a bubble on every stage. With fewer live
-        sequences than micro-batches (one long prompt alone), prompt chunks are
-        cut to ``lone_prompt_chunk``, so the prompt's own chunks fill the stages.
-        """
-        inflight = self.executor.max_inflight
-        if inflight == 1:
-            return {}
-        live = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped
-        ready = live - self.scheduler.num_inflight
-        share = math.ceil(live / inflight)
-        max_seqs = max(1, min(share, math.ceil(ready / free_slots)) if self._gpipe else share)
-        budget = max(1, self.config.max_num_batched_tokens // inflight)
-        limits = {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
-        if not self._gpipe and self.config.enable_chunked_prefill and self._inflight:
-            limits["prefill_budget"] = self._prefill_throttle(budget)
-        cut_lone_prompt(limits, self.config, live, inflight)   # a lone prompt's chunks fill the pipeline
-        return limits
-
-    def _prefill_throttle(self, budget: int) -> int:
-        """Token throttling (as in gLLM): a new micro-batch carries at most one
-        quantum more prompt tokens than the lightest one in flight.
-
-        Prompts arrive in bursts (a request is admitted when another frees its
-        KV blocks), so without this one micro-batch carries a whole
-        ``budget`` of prompt tokens while the next carries none, and every
-        stage idles for the difference. Capped, the prompt work ramps up over
-        the micro-batches a quantum at a time and stays spread over all of
-        them; the decodes are not affected.
-        """
-        quantum = max(self.config.block_size, budget // 32)
-        lightest = min(sum(item.num_new_tokens for item in sched.scheduled if item.num_new_tokens > 1)
-                       for sched in self._inflight.values())
-        return min(budget, lightest + quantum)
+        """Spread the work evenly over the micro-batches in flight (``micro_batch_limits``)."""
+        return micro_batch_limits(self.scheduler, self._inflight.values(), self.executor.max_inflight,
+                                  self._gpipe, free_slots)
 
     def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)

@@ -2,8 +2,8 @@
 
 ``EngineBatcher`` drives ``pipeserve.scheduler.Scheduler`` (torch-free: sequences,
 block tables, the prefix cache, preemption by recompute) with the limits the engine
-puts on each micro-batch (``LLMEngine._micro_batch_limits`` and its prompt-token
-throttle, mirrored here), so a simulated run gets the engine's prefill/decode mix per
+puts on each micro-batch (``scheduler.micro_batch_limits``, the same call as the
+engine's), so a simulated run gets the engine's prefill/decode mix per
 step, its admission bursts as KV blocks free up, its chunked prompts and its
 preemptions, rather than a model of them. Token ids are made up: each request's are
 unique, except the shared prefix of a ``shared-prefix`` trace, so the prefix cache hits
@@ -13,13 +13,12 @@ exactly where the engine's would.
 from __future__ import annotations
 
 import itertools
-import math
 
 from pipeserve.config import EngineConfig
 from pipeserve.plan.roofline import EMPTY, BatchShape
 from pipeserve.plan.workload import TraceRequest
 from pipeserve.sampling_params import SamplingParams
-from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, cut_lone_prompt
+from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batch_limits
 from pipeserve.sequence import Sequence, SequenceGroup
 
 BLOCK_SIZE = 16
@@ -83,26 +82,9 @@ class EngineBatcher:
         return formed
 
     def _limits(self, free_slots: int) -> dict:
-        """``LLMEngine._micro_batch_limits``: each micro-batch gets its share of the live
-        sequences and of the token budget; prompt tokens throttled to one quantum above
-        the lightest micro-batch in flight (async and interleaved); a prompt's chunks cut
-        to ``lone_prompt_chunk`` when fewer sequences are live than micro-batches."""
-        if self.max_inflight == 1:
-            return {}
-        s = self.scheduler
-        live = s.num_running + s.num_waiting + s.num_swapped
-        ready = live - s.num_inflight
-        share = math.ceil(live / self.max_inflight)
-        max_seqs = max(1, min(share, math.ceil(ready / free_slots)) if self.gpipe else share)
-        budget = max(1, self.config.max_num_batched_tokens // self.max_inflight)
-        limits = {"max_seqs": min(max_seqs, self.config.max_num_seqs), "token_budget": budget}
-        if not self.gpipe and self.config.enable_chunked_prefill and self.inflight:
-            quantum = max(self.config.block_size, budget // 32)
-            lightest = min(sum(it.num_new_tokens for it in sched.scheduled if it.num_new_tokens > 1)
-                           for sched in self.inflight.values())
-            limits["prefill_budget"] = min(budget, lightest + quantum)
-        cut_lone_prompt(limits, self.config, live, self.max_inflight)
-        return limits
+        """The engine's limits on each micro-batch (``micro_batch_limits``)."""
+        return micro_batch_limits(self.scheduler, self.inflight.values(), self.max_inflight, self.gpipe,
+                                  free_slots)
 
     @staticmethod
     def _shape(sched: SchedulerOutput) -> BatchShape:

@@ -42,6 +42,7 @@ request's final output is made.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from pipeserve.scheduler.output import ScheduledSeq, SchedulerOutput
 from pipeserve.scheduler.policy import make_policy
 from pipeserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "cut_lone_prompt", "lone_prompt_chunk"]
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "lone_prompt_chunk", "micro_batch_limits"]
 
 # Smallest prompt chunk ``lone_prompt_chunk`` cuts. Measured (benchmarks/README.md, twelfth session):
 # a 2048-token prompt at PP = 1 on one core takes as long in chunks of 256 as whole, 20 % longer
@@ -69,14 +70,47 @@ def lone_prompt_chunk(token_budget: int, num_micro_batches: int) -> int:
     return min(token_budget, max(MIN_PIPELINED_CHUNK, token_budget // num_micro_batches))
 
 
-def cut_lone_prompt(limits: dict, config: EngineConfig, live: int, num_micro_batches: int) -> None:
-    """With fewer ``live`` sequences than micro-batches in flight (and chunked, pipelined
-    prompts), cap ``limits["prefill_budget"]`` at ``lone_prompt_chunk`` of its
-    ``token_budget``: the engine's micro-batch limits and the planner's batcher both apply it."""
+def micro_batch_limits(scheduler: "Scheduler", in_flight, num_micro_batches: int, gpipe: bool,
+                       free_slots: int) -> dict:
+    """The limits on the next micro-batch (keywords of ``Scheduler.schedule``): each
+    micro-batch in flight gets its share of the work. The engine forms its micro-batches
+    with it, and the planner's batcher (``plan/batching.py``) with the same call.
+
+    - At most its share of all live sequences (in flight or not) and of the token budget.
+      Taking every ready sequence instead lets the micro-batches drift apart (the one
+      formed while the other is in flight grabs all newly prefilled sequences), and with P
+      micro-batches alternating over P stages the longer one sets the pace while the others
+      wait: a bubble on every stage. GPipe splits one step's ready sequences over its
+      ``free_slots`` micro-batches.
+    - Token throttling (as in gLLM; async and interleaved): at most one quantum more prompt
+      tokens than the lightest micro-batch in ``in_flight`` (the ``SchedulerOutput``s in
+      flight). Prompts arrive in bursts (a request is admitted when another frees its KV
+      blocks), so without it one micro-batch carries a whole budget of prompt tokens while
+      the next carries none, and every stage idles for the difference; capped, the prompt
+      work ramps up a quantum at a time and stays spread over the micro-batches. Decodes
+      are not affected.
+    - With fewer live sequences than micro-batches (one long prompt alone), prompt chunks
+      are cut to ``lone_prompt_chunk``, so the prompt's own chunks fill the stages.
+    """
+    if num_micro_batches == 1:
+        return {}
+    config = scheduler.config
+    live = scheduler.num_running + scheduler.num_waiting + scheduler.num_swapped
+    ready = live - scheduler.num_inflight
+    share = math.ceil(live / num_micro_batches)
+    max_seqs = max(1, min(share, math.ceil(ready / free_slots)) if gpipe else share)
+    budget = max(1, config.max_num_batched_tokens // num_micro_batches)
+    limits = {"max_seqs": min(max_seqs, config.max_num_seqs), "token_budget": budget}
+    in_flight = list(in_flight)
+    if not gpipe and config.enable_chunked_prefill and in_flight:
+        quantum = max(config.block_size, budget // 32)
+        lightest = min(sum(item.num_new_tokens for item in sched.scheduled if item.num_new_tokens > 1)
+                       for sched in in_flight)
+        limits["prefill_budget"] = min(budget, lightest + quantum)
     if config.enable_chunked_prefill and config.pipeline_prompt_chunks and live < num_micro_batches:
-        budget = limits["token_budget"]
         limits["prefill_budget"] = min(limits.get("prefill_budget", budget),
                                        lone_prompt_chunk(budget, num_micro_batches))
+    return limits
 
 
 @dataclass
