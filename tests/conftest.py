@@ -29,10 +29,37 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf):
-    """transformers' own load of the GGUF (float32): the numerical reference."""
+    """transformers' own load of the GGUF (float32): the numerical reference.
+
+    That load takes ~30 s (transformers parses the GGUF twice and dequantizes it in NumPy),
+    so its result is kept as safetensors in the cache directory, keyed by the file's SHA-256
+    and transformers' version; later sessions read that copy in about a second."""
+    import hashlib
+    import json
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
+
+    from pipeserve.config import cache_root
+    digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()[:16]
+    saved = cache_root() / "hf-reference" / f"{smollm2_gguf.stem}-{digest}-transformers-{transformers.__version__}"
+    if (saved / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                  dtype=torch.float32)
+    # transformers will not save_pretrained a model loaded from a GGUF: its weights and config as they are.
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(partial / "model.safetensors"))
+    config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+    config["architectures"] = [type(model).__name__]
+    (partial / "config.json").write_text(json.dumps(config))
+    try:
+        partial.rename(saved)               # whole or not at all (another session may race us)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
     return model.eval()
 
 
