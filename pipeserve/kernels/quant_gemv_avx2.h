@@ -629,6 +629,9 @@ static int q4_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const 
 #ifndef U8T_MIN_ROWS
 #define U8T_MIN_ROWS 16  /* from this many rows of x, q5/q6 take it */
 #endif
+#ifndef U8T_CODES
+#define U8T_CODES 16384  /* bytes of a tile's expanded codes (one byte a weight) */
+#endif
 
 /* Whether u8_rows_many takes this layout: q5/q6 (Q5_0/Q5_1/Q5_K in groups of 32, Q6_K in groups
  * of 16; per: blocks per group, 0 for 16) with at least one run of blocks. */
@@ -648,46 +651,48 @@ static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
  * of their own (accm: a chain apart); groups of 16 into acc2 at each run's start, as the gemv.
  * The blocks after the full runs take row_dot_i16_from (`left` 0: q4's alone reads it). */
 static inline __attribute__((always_inline)) void
-u8_row_tile(int kind, int g16, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, const uint16_t *mn,
-            int zero, const act_i16 *a, float *res) {
+u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uint8_t *qh, const uint16_t *sc,
+            const uint16_t *mn, int zero, const act_i16 *a, float *res) {
     const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
     const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), ones = _mm256_set1_epi16(1);
     const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
     const float zw = -(float)zero;
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     for (int m = 0; m < U8T_ROWS; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+    float sd[U8T_ROWS][2][I16_RUN] __attribute__((aligned(32)));   /* the run's s_w * d per row of x */
     for (int64_t r = 0; r < runs; r++) {
         const int64_t b0 = r * I16_RUN;
-        __m256 s0, s1;   /* per block j: its scales, lanes 0-3 | 4-7, in lane j & 3 of s0 (j < 4) or s1 */
-        if (g16) {       /* groups 2 * b0 ... 2 * b0 + 15 as g0 g2 g4 g6 | g1 g3 g5 g7, the gemv's s0e / s1e */
+        if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15 as g0 g2 g4 g6 | g1 g3 g5 g7 times d, the gemv's sd0 / sd1 */
             const __m256 g0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
             const __m256 g1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
-            s0 = _mm256_permutevar8x32_ps(g0, eo);
-            s1 = _mm256_permutevar8x32_ps(g1, eo);
+            const __m256 s0 = _mm256_permutevar8x32_ps(g0, eo), s1 = _mm256_permutevar8x32_ps(g1, eo);
             const __m256 m0 = _mm256_fmadd_ps(g0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
             const __m256 m1 = _mm256_fmadd_ps(g1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
             for (int m = 0; m < U8T_ROWS; m++) {
+                const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
+                _mm256_store_ps(sd[m][0], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
+                _mm256_store_ps(sd[m][1], _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
                 const float *xs = a->sum16 + 2 * (m * nbp + b0);
                 acc2[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), acc2[m]);
                 acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
             }
-        } else {         /* blocks 0-3 | 0-3 and 4-7 | 4-7 */
+        } else {     /* the gemv's sdv */
             const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
-            s0 = _mm256_permutevar8x32_ps(s, lo);
-            s1 = _mm256_permutevar8x32_ps(s, hi);
+            for (int m = 0; m < U8T_ROWS; m++)
+                _mm256_store_ps(sd[m][0], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
         }
+#pragma GCC unroll 8   /* j a constant: lane_splat's immediates, acc or acc2 */
         for (int j = 0; j < I16_RUN; j++) {
             const int64_t b = b0 + j;
-            const __m256 ss = lane_splat(j < 4 ? s0 : s1, j & 3);
-            const __m256i c = block_codes_u8(kind, q, qh, b);
+            const __m256i c = _mm256_load_si256((const __m256i *)(codes + b * I16_QB));
             for (int m = 0; m < U8T_ROWS; m++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * K + b * I16_QB));
                 const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones));
-                const __m256 sd = _mm256_mul_ps(ss, _mm256_broadcast_ss(a->d + m * nbp + b));
-                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sd, acc2[m]);
-                else acc[m] = _mm256_fmadd_ps(f, sd, acc[m]);
+                const __m256 sdj = g16 ? lane_splat(_mm256_load_ps(sd[m][j >> 2]), j & 3) : _mm256_broadcast_ss(&sd[m][0][j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
             }
         }
     }
@@ -701,21 +706,25 @@ u8_row_tile(int kind, int g16, const uint8_t *q, const uint8_t *qh, const uint16
     row_dot_i16_from(kind, q, qh, zero, sc, mn, g16 ? 0 : 1, 0, a, U8T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
 }
 
-/* u8_rows_many with kind and g16 as constants. */
+/* u8_rows_many with kind and g16 as constants; codes: scratch for a tile's codes. */
 static inline __attribute__((always_inline)) void
 u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
-                const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero) {
+                const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero,
+                int64_t tile, uint8_t *codes) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = K / (g16 ? 16 : I16_QB), bytes = row_bytes + high_bytes;
-    const int64_t tile = bytes >= Q4T_TILE / 4 ? 4 : Q4T_TILE / bytes, full = M / U8T_ROWS * U8T_ROWS;
+    const int64_t groups = K / (g16 ? 16 : I16_QB), runs = a->nb / I16_RUN, full = M / U8T_ROWS * U8T_ROWS;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
         const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
+        for (int64_t n = t0; n < t1; n++)   /* the runs' raw codes, once for all rows of x */
+            for (int64_t b = 0; b < runs * I16_RUN; b++)
+                _mm256_store_si256((__m256i *)(codes + (n - t0) * K + b * I16_QB),
+                                   block_codes_u8(kind, qs + n * row_bytes, qh + n * high_bytes, b));
         for (int64_t m0 = 0; m0 < full; m0 += U8T_ROWS) {
             const act_i16 v = act_i16_rows(a, m0);
             for (int64_t n = t0; n < t1; n++) {
                 float res[U8T_ROWS];
-                u8_row_tile(kind, g16, qs + n * row_bytes, qh + n * high_bytes, sc + n * groups,
-                            mn ? mn + n * groups : NULL, zero, &v, res);
+                u8_row_tile(kind, g16, codes + (n - t0) * K, qs + n * row_bytes, qh + n * high_bytes,
+                            sc + n * groups, mn ? mn + n * groups : NULL, zero, &v, res);
                 for (int m = 0; m < U8T_ROWS; m++) out[(m0 + m) * N + n] = res[m];
             }
         }
@@ -727,15 +736,22 @@ u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *
     }
 }
 
-/* q5/q6 output rows [n0, n1) for M rows of x (u8_many_applies): tiles of weight rows against
- * every U8T_ROWS rows of x in turn (u8_row_tile), the last M % U8T_ROWS rows as rows_range_i16. */
-static void u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
-                         const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out,
-                         int zero) {
-    if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero);
-    else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero);
-    else if (per == 1) u8_rows_many_of(6, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero);
-    else u8_rows_many_of(6, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero);
+/* q5/q6 output rows [n0, n1) for M rows of x (u8_many_applies): tiles of weight rows whose raw
+ * codes (block_codes_u8: 10-15 instructions a block) are expanded once into U8T_CODES bytes of
+ * scratch, against every U8T_ROWS rows of x in turn (u8_row_tile), the last M % U8T_ROWS rows as
+ * rows_range_i16. Returns -1 when the scratch cannot be had, then nothing is written. */
+static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
+                        const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out,
+                        int zero) {
+    const int64_t tile = a->K >= U8T_CODES / 4 ? 4 : U8T_CODES / a->K;
+    uint8_t *codes = aligned_alloc(32, (size_t)(tile * a->K));
+    if (!codes) return -1;
+    if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (per == 1) u8_rows_many_of(6, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else u8_rows_many_of(6, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    free(codes);
+    return 0;
 }
 
 /* Output rows [n0, n1) for M rows of x, any M: tiles of weight rows (about 16 KiB of codes, so
@@ -752,10 +768,9 @@ static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t
     if (kind == 4 && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
         && q4_rows_many(M, qs, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;
-    if (M >= U8T_MIN_ROWS && u8_many_applies(kind, per, a)) {
-        u8_rows_many(kind, per, M, qs, qh, sc, mn, a, n0, n1, N, out, zero);
+    if (M >= U8T_MIN_ROWS && u8_many_applies(kind, per, a)
+        && u8_rows_many(kind, per, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;
-    }
     const int64_t row_bytes = quant_row_bytes(kind, a->K) + quant_high_row_bytes(kind, a->K);
     const int64_t tile = row_bytes >= 4096 ? 4 : 16384 / row_bytes;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
