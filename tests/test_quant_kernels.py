@@ -25,7 +25,7 @@ import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
 from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS,
-                                               PROMPT_INT8_KINDS, QuantKernels, cpu_kernels)
+                                               PROMPT_INT8_KINDS, PROMPT_INT8_MAX_ROWS, QuantKernels, cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
                                           expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
@@ -593,9 +593,10 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
     U8T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, u8_rows_many: 4 rows of x per
     weight row), below it the passes, whose scalar minimum terms are spelt out so that no row of a
     pass is fused otherwise than a row alone; at any thread count (a split of the output rows) and
-    weight row count (37: short last tiles). Where q5/q6 take it for prompts
-    (``prompt_takes_int8``), so does ``matmul``. Widths: 8, 16, 18, 19, 23 and 48 blocks (not a
-    multiple of 8: the blocks after the runs of 8); the file's Q5_0, Q5_1, Q5_K and Q6_K (COLS)."""
+    weight row count (37: short last tiles). Where q5/q6 take it for prompts (``prompt_takes_int8``:
+    up to PROMPT_INT8_MAX_ROWS rows, the tiles beyond), so does ``matmul``. Widths: 8, 16, 18, 19,
+    23 and 48 blocks (not a multiple of 8: the blocks after the runs of 8); the file's Q5_0, Q5_1,
+    Q5_K and Q6_K (COLS)."""
     kernels = cpu_kernels()
     if kernels.isa != "avx2":
         pytest.skip("q5/q6 take int8 activations and the many-row integer kernel on AVX2 builds only")
@@ -608,6 +609,8 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
     for q in weights:
         alone = torch.cat([kernels.gemv(q, x[m:m + 1]) for m in range(x.shape[0])])   # [70, 37 or 48]
         prompts = q.kind in PROMPT_INT8_KINDS
+        if q.kind in PROMPT_INT8_MAX_ROWS:   # more rows: the tiles
+            assert not kernels.prompt_takes_int8(q, torch.zeros(PROMPT_INT8_MAX_ROWS[q.kind] + 1, cols)), q.source
         for threads in (1, 2, 3):
             monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
             for rows in (2, 5, 8, 9, 15, 16, 17, 25, 31, 40, 64, 70):
