@@ -38,11 +38,12 @@
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
  *
- * Many rows (a prompt on q4, a fused decode step of up to 128): rows_many_i16 runs tiles of
+ * Many rows (a prompt on q4/q5/q6, a fused decode step of up to 128): rows_many_i16 runs tiles of
  * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
- * q4_rows_many, 4 rows of x per weight row with the gemv's float operations per row (so each
- * row's result is the bits of that row alone, at any row count and thread split). Each row's
- * result is independent of the others on every path here: a row's accumulators are its own.
+ * q4_rows_many, q5/q6 (groups of 32 or 16) from U8T_MIN_ROWS u8_rows_many (a tile's codes
+ * expanded once into scratch), 4 rows of x per weight row with the gemv's float operations per
+ * row (so each row's result is the bits of that row alone, at any row count and thread split).
+ * Each row's result is independent of the others on every path here: a row's accumulators are its own.
  */
 #ifndef PIPESERVE_QUANT_GEMV_AVX2_H
 #define PIPESERVE_QUANT_GEMV_AVX2_H

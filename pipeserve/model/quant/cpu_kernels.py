@@ -82,7 +82,7 @@ GEMV_PASSES_MAX_ROWS = 24
 # tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one thread
 # (benchmarks/README.md, "q4 prompts on a many-row integer kernel"); q5/q6's (Q5_0, Q5_1, Q5_K,
 # Q6_K: u8_rows_many) 0.24-0.91x at 32 rows, a median 0.80-0.90x per GGUF type at 128 (0.5-1.6x
-# by shape), 1.0-1.3x at 256 and 0.97-1.18x at 512 (benchmarks/prompt_int8_kernels.py,
+# by shape), medians 1.04-1.18x at 256 and 0.97-1.18x at 512 (benchmarks/prompt_int8_kernels.py,
 # benchmarks/notes_q56many.md), so beyond 128 rows they keep the tiles. The others (i4/q2/q3;
 # q8's int16) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
 PROMPT_INT8_KINDS = ("q4", "q5", "q6")
