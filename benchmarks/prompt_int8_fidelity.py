@@ -1,5 +1,5 @@
 """Teacher-forced fidelity of prompts through the kept-quantized weights (on AVX2: q4's int8
-activations at every row count) against the same file dequantized to float32.
+activations at every row count, q5/q6's up to 128 rows) against the same file dequantized to float32.
 
 Real text (Python's LICENSE.txt) is fed in one prefill of ``--positions`` tokens to the
 built-in SmolLM2 GGUF (float32 model) kept quantized (``quantization="auto"``) and dequantized

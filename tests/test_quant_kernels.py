@@ -24,8 +24,8 @@ import pipeserve.model.quant.gguf_widen as widen
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
-from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, QuantKernels,
-                                               cpu_kernels)
+from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS,
+                                               PROMPT_INT8_KINDS, PROMPT_INT8_MAX_ROWS, QuantKernels, cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
                                           expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
@@ -575,4 +575,47 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
             monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
             for rows in (1, 2, 5, 8, 15, 16, 17, 25, 31, 40, 64, 70):
                 assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
+        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels.isa)).all(), q.source
+
+
+def _q56_variants(cols: int) -> list[PackedWeight]:
+    """37 random weight rows of ``cols`` in the q5/q6 layouts of each GGUF type that maps to them:
+    Q5_0 (q5, groups of 32, ``zero`` 16), Q5_1 and Q5_K (q5, groups of 32, minimums), Q6_K (q6,
+    groups of 16, ``zero`` 32); and q6 in groups of 16 with minimums, which no GGUF type has."""
+    return [_compact(37, cols, "q5", 32, 16, False, cols), _compact(37, cols, "q5", 32, 0, True, cols + 1),
+            _compact(37, cols, "q6", 16, 32, False, cols + 2), _compact(37, cols, "q6", 16, 0, True, cols + 3)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("cols", [256, COLS, 576, 608, 736, 1536])
+def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch):
+    """AVX2's q5/q6 gemv gives each row of x the bits of that row alone at any row count: from
+    U8T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, u8_rows_many: 4 rows of x per
+    weight row), below it the passes, whose scalar minimum terms are spelt out so that no row of a
+    pass is fused otherwise than a row alone; at any thread count (a split of the output rows) and
+    weight row count (37: short last tiles). Where q5/q6 take it for prompts (``prompt_takes_int8``:
+    up to PROMPT_INT8_MAX_ROWS rows, the tiles beyond), so does ``matmul``. Widths: 8, 16, 18, 19,
+    23 and 48 blocks (not a multiple of 8: the blocks after the runs of 8); the file's Q5_0, Q5_1,
+    Q5_K and Q6_K (COLS)."""
+    kernels = cpu_kernels()
+    if kernels.isa != "avx2":
+        pytest.skip("q5/q6 take int8 activations and the many-row integer kernel on AVX2 builds only")
+    weights = _q56_variants(cols)
+    if cols == COLS:
+        path, types = gguf_file
+        weights += [_read(path, types.index(t))[0] for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)]
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(2))
+    x[3, :32] *= 20
+    for q in weights:
+        alone = torch.cat([kernels.gemv(q, x[m:m + 1]) for m in range(x.shape[0])])   # [70, 37 or 48]
+        prompts = q.kind in PROMPT_INT8_KINDS
+        if q.kind in PROMPT_INT8_MAX_ROWS:   # more rows: the tiles
+            assert not kernels.prompt_takes_int8(q, torch.zeros(PROMPT_INT8_MAX_ROWS[q.kind] + 1, cols)), q.source
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            for rows in (2, 5, 8, 9, 15, 16, 17, 25, 31, 40, 64, 70):
+                assert torch.equal(kernels.gemv(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
+                assert kernels.prompt_takes_int8(q, x[:rows]) == prompts, q.source
+                if prompts:
+                    assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
         assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels.isa)).all(), q.source

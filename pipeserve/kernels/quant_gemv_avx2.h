@@ -38,16 +38,18 @@
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
  *
- * Many rows (a prompt on q4, a fused decode step of up to 128): rows_many_i16 runs tiles of
+ * Many rows (a prompt on q4/q5/q6, a fused decode step of up to 128): rows_many_i16 runs tiles of
  * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
- * q4_rows_many, 4 rows of x per weight row with the gemv's float operations per row (so each
- * row's result is the bits of that row alone, at any row count and thread split). Each row's
- * result is independent of the others on every path here: a row's accumulators are its own.
+ * q4_rows_many, q5/q6 (groups of 32 or 16) from U8T_MIN_ROWS u8_rows_many (a tile's codes
+ * expanded once into scratch), 4 rows of x per weight row with the gemv's float operations per
+ * row (so each row's result is the bits of that row alone, at any row count and thread split).
+ * Each row's result is independent of the others on every path here: a row's accumulators are its own.
  */
 #ifndef PIPESERVE_QUANT_GEMV_AVX2_H
 #define PIPESERVE_QUANT_GEMV_AVX2_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -307,6 +309,11 @@ static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) 
     }
 }
 
+/* a + b * c with the product rounded before the sum, whatever the compiler contracts. */
+static inline float add_mul_ss(float a, float b, float c) {
+    return _mm_cvtss_f32(_mm_add_ss(_mm_set_ss(a), _mm_mul_ss(_mm_set_ss(b), _mm_set_ss(c))));
+}
+
 /* One weight row against m_rows quantized rows of x. `per`: blocks of 32 per group (0: groups of 16);
  * `left`: scales from this row's to the matrix's end. Runs of 8 blocks (one group each, or two
  * of 16) read their scales and minimums as vectors, the minimum term in one FMA per run, and
@@ -416,15 +423,18 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
     for (int64_t b = b0; b < nb; b++) {   /* scales one block (or group of 16) at a time */
         const int64_t g = g16 ? 2 * b : b / per;
         const float s0 = _cvtsh_ss(sc[g]), s1 = g16 ? _cvtsh_ss(sc[g + 1]) : s0;
-        const float w0 = (mn ? _cvtsh_ss(mn[g]) : 0.0f) + zw * s0;
-        const float w1 = g16 ? (mn ? _cvtsh_ss(mn[g + 1]) : 0.0f) + zw * s1 : 0.0f;
+        /* the scalar minimum terms spelt out (fmaf, add_mul_ss) as GCC 12 compiled the one-row
+         * gemv (q4's product fused into the sum, the others' not): left to contraction, the
+         * several-row passes fused them otherwise in some rows, so q5's rows were not their decode */
+        const float w0 = fmaf(zw, s0, mn ? _cvtsh_ss(mn[g]) : 0.0f);
+        const float w1 = g16 ? fmaf(zw, s1, mn ? _cvtsh_ss(mn[g + 1]) : 0.0f) : 0.0f;
         if (g16 || act_int8(kind)) {
             __m256 s[I16_ROWS];
             for (int m = 0; m < m_rows; m++) {
                 const float d = a->d[m * nbp + b];
                 s[m] = _mm256_set_m128(_mm_set1_ps(s1 * d), _mm_set1_ps(s0 * d));
-                mins[m] += g16 ? w0 * a->sum16[2 * (m * nbp + b)] + w1 * a->sum16[2 * (m * nbp + b) + 1]
-                               : w0 * a->sum[m * nbp + b];
+                mins[m] = g16 ? mins[m] + fmaf(w0, a->sum16[2 * (m * nbp + b)], w1 * a->sum16[2 * (m * nbp + b) + 1])
+                        : kind == 4 ? fmaf(w0, a->sum[m * nbp + b], mins[m]) : add_mul_ss(mins[m], w0, a->sum[m * nbp + b]);
             }
             if (act_int8(kind)) {
                 u8_block(kind, block_codes_u8(kind, q, qh, b), a, b, m_rows, s, acc);
@@ -614,6 +624,137 @@ static int q4_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const 
     return 0;
 }
 
+#ifndef U8T_ROWS
+#define U8T_ROWS 4       /* rows of x per q5/q6 many-row micro-kernel */
+#endif
+#ifndef U8T_MIN_ROWS
+#define U8T_MIN_ROWS 16  /* from this many rows of x, q5/q6 take it */
+#endif
+#ifndef U8T_CODES
+#define U8T_CODES 16384  /* bytes of a tile's expanded codes (one byte a weight) */
+#endif
+
+/* Whether u8_rows_many takes this layout: q5/q6 (Q5_0/Q5_1/Q5_K in groups of 32, Q6_K in groups
+ * of 16; per: blocks per group, 0 for 16) with at least one run of blocks. */
+static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
+    return (kind == 5 || kind == 6) && per <= 1 && a->nb >= I16_RUN;
+}
+
+/* One q5/q6 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
+ * many-row shape of row_dot_i16 with its arithmetic: the same float operations on the same values
+ * in the same order per row of x, so the same bits. Per block the raw codes once
+ * (block_codes_u8) for the U8T_ROWS rows, then per row u8_block's vpmaddubsw, vpmaddwd,
+ * conversion and FMA, with s_w * d as one product per block and row: s_w's (groups of 16: the
+ * block's two groups, lanes 0-3 | 4-7) from the run's scales in one in-lane vpermilps, times a
+ * broadcast of the row's d; the gemv's product of the run's vectors holds the same values in its
+ * lanes. Only acc and acc2 stay in registers (8 for 4 rows; row_dot_i16 at 8 rows held 24
+ * accumulators and its rows' scales, and spilled). Groups of 32 add their minimum terms in a loop
+ * of their own (accm: a chain apart); groups of 16 into acc2 at each run's start, as the gemv.
+ * The blocks after the full runs take row_dot_i16_from (`left` 0: q4's alone reads it). */
+static inline __attribute__((always_inline)) void
+u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uint8_t *qh, const uint16_t *sc,
+            const uint16_t *mn, int zero, const act_i16 *a, float *res) {
+    const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
+    const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), ones = _mm256_set1_epi16(1);
+    const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
+    const float zw = -(float)zero;
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    for (int m = 0; m < U8T_ROWS; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+    float sd[U8T_ROWS][2][I16_RUN] __attribute__((aligned(32)));   /* the run's s_w * d per row of x */
+    for (int64_t r = 0; r < runs; r++) {
+        const int64_t b0 = r * I16_RUN;
+        if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15 as g0 g2 g4 g6 | g1 g3 g5 g7 times d, the gemv's sd0 / sd1 */
+            const __m256 g0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
+            const __m256 g1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+            const __m256 s0 = _mm256_permutevar8x32_ps(g0, eo), s1 = _mm256_permutevar8x32_ps(g1, eo);
+            const __m256 m0 = _mm256_fmadd_ps(g0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
+            const __m256 m1 = _mm256_fmadd_ps(g1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
+            for (int m = 0; m < U8T_ROWS; m++) {
+                const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
+                _mm256_store_ps(sd[m][0], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
+                _mm256_store_ps(sd[m][1], _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(d, hi)));
+                const float *xs = a->sum16 + 2 * (m * nbp + b0);
+                acc2[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), acc2[m]);
+                acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
+            }
+        } else {     /* the gemv's sdv */
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+            for (int m = 0; m < U8T_ROWS; m++)
+                _mm256_store_ps(sd[m][0], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
+        }
+#pragma GCC unroll 8   /* j a constant: lane_splat's immediates, acc or acc2 */
+        for (int j = 0; j < I16_RUN; j++) {
+            const int64_t b = b0 + j;
+            const __m256i c = _mm256_load_si256((const __m256i *)(codes + b * I16_QB));
+            for (int m = 0; m < U8T_ROWS; m++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * K + b * I16_QB));
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones));
+                const __m256 sdj = g16 ? lane_splat(_mm256_load_ps(sd[m][j >> 2]), j & 3) : _mm256_broadcast_ss(&sd[m][0][j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
+            }
+        }
+    }
+    for (int64_t r = 0; !g16 && r < runs; r++) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps());
+        for (int m = 0; m < U8T_ROWS; m++)
+            accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
+    }
+    row_dot_i16_from(kind, q, qh, zero, sc, mn, g16 ? 0 : 1, 0, a, U8T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
+}
+
+/* u8_rows_many with kind and g16 as constants; codes: scratch for a tile's codes. */
+static inline __attribute__((always_inline)) void
+u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
+                const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero,
+                int64_t tile, uint8_t *codes) {
+    const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
+    const int64_t groups = K / (g16 ? 16 : I16_QB), runs = a->nb / I16_RUN, full = M / U8T_ROWS * U8T_ROWS;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
+        for (int64_t n = t0; n < t1; n++)   /* the runs' raw codes, once for all rows of x */
+            for (int64_t b = 0; b < runs * I16_RUN; b++)
+                _mm256_store_si256((__m256i *)(codes + (n - t0) * K + b * I16_QB),
+                                   block_codes_u8(kind, qs + n * row_bytes, qh + n * high_bytes, b));
+        for (int64_t m0 = 0; m0 < full; m0 += U8T_ROWS) {
+            const act_i16 v = act_i16_rows(a, m0);
+            for (int64_t n = t0; n < t1; n++) {
+                float res[U8T_ROWS];
+                u8_row_tile(kind, g16, codes + (n - t0) * K, qs + n * row_bytes, qh + n * high_bytes,
+                            sc + n * groups, mn ? mn + n * groups : NULL, zero, &v, res);
+                for (int m = 0; m < U8T_ROWS; m++) out[(m0 + m) * N + n] = res[m];
+            }
+        }
+        if (full < M) {
+            const act_i16 v = act_i16_rows(a, full);
+            rows_range_i16(kind, (int)(M - full), qs, sc, mn, g16 ? 0 : 1, g16 ? 16 : I16_QB, &v, t0, t1, N,
+                           out + full * N, qh, zero);
+        }
+    }
+}
+
+/* q5/q6 output rows [n0, n1) for M rows of x (u8_many_applies): tiles of weight rows whose raw
+ * codes (block_codes_u8: 10-15 instructions a block) are expanded once into U8T_CODES bytes of
+ * scratch, against every U8T_ROWS rows of x in turn (u8_row_tile), the last M % U8T_ROWS rows as
+ * rows_range_i16. Returns -1 when the scratch cannot be had, then nothing is written. */
+static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
+                        const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out,
+                        int zero) {
+    const int64_t tile = a->K >= U8T_CODES / 4 ? 4 : U8T_CODES / a->K;
+    uint8_t *codes = aligned_alloc(32, (size_t)(tile * a->K));
+    if (!codes) return -1;
+    if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (per == 1) u8_rows_many_of(6, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else u8_rows_many_of(6, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    free(codes);
+    return 0;
+}
+
 /* Output rows [n0, n1) for M rows of x, any M: tiles of weight rows (about 16 KiB of codes, so
  * they stay in L1/L2) against every pass of I16_ROWS rows of x in turn, so the weights are
  * read from memory once for all the rows instead of once per pass (a batched decode, the LM
@@ -627,6 +768,9 @@ static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t
     }
     if (kind == 4 && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
         && q4_rows_many(M, qs, sc, mn, a, n0, n1, N, out, zero) == 0)
+        return;
+    if (M >= U8T_MIN_ROWS && u8_many_applies(kind, per, a)
+        && u8_rows_many(kind, per, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;
     const int64_t row_bytes = quant_row_bytes(kind, a->K) + quant_high_row_bytes(kind, a->K);
     const int64_t tile = row_bytes >= 4096 ? 4 : 16384 / row_bytes;

@@ -3,9 +3,10 @@
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``); with integer
 activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
-q4 weights (``PROMPT_INT8_KINDS``) take it at every row count, prompts too: its
-many-row kernel (quant_gemv_avx2.h, q4_rows_many) gives each row the bits of that
-row's decode gemv, so a matmul row does not depend on how many rows its call holds
+q4 weights take it at every row count, prompts too, and q5/q6 up to 128 rows
+(``PROMPT_INT8_KINDS``, ``PROMPT_INT8_MAX_ROWS``): their many-row kernels (quant_gemv_avx2.h,
+q4_rows_many and u8_rows_many) give each row the bits of that row's decode gemv, so a matmul
+row does not depend on how many rows its call holds
 (attention's float order still depends on the chunking, and the int8 rounding turns
 that into a step's noise: benchmarks/README.md, twelfth session). Prefill (more
 rows, other layouts): tiles of ``TILE_BYTES`` of the weight are dequantized into bfloat16 (or
@@ -75,13 +76,17 @@ TILE_MIN_ROWS = 256
 # (AVX2, 2 threads, 16 rows: SmolLM2's Q8_0 LM head 22 vs 56 ms, Q4_1 gate_up 0.9 vs 1.4 ms;
 # even at 32 rows; benchmarks/README.md, "Many-row tiles on AVX2").
 GEMV_PASSES_MAX_ROWS = 24
-# On AVX2 builds these layouts take the integer gemv at any number of rows (prompts too):
-# q4's many-row kernel (register-blocked: 4 rows of x per weight row, quant_gemv_avx2.h) was
-# 0.4-0.95x the tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one
-# thread (benchmarks/README.md, "q4 prompts on a many-row integer kernel"). The others
-# (q5/q6/i4/q2/q3; q8's int16) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row
-# kernel of their own yet.
-PROMPT_INT8_KINDS = ("q4",)
+# On AVX2 builds these layouts take the integer gemv for prompts too (up to
+# PROMPT_INT8_MAX_ROWS rows where it names the layout, else at any number): q4's many-row
+# kernel (register-blocked: 4 rows of x per weight row, quant_gemv_avx2.h) was 0.4-0.95x the
+# tiles' time on SmolLM2's and a 2048-wide Llama's shapes at 32-512 rows, one thread
+# (benchmarks/README.md, "q4 prompts on a many-row integer kernel"); q5/q6's (Q5_0, Q5_1, Q5_K,
+# Q6_K: u8_rows_many) 0.24-0.91x at 32 rows, a median 0.80-0.90x per GGUF type at 128 (0.5-1.6x
+# by shape), medians 1.04-1.18x at 256 and 0.97-1.18x at 512 (benchmarks/prompt_int8_kernels.py,
+# benchmarks/notes_q56many.md), so beyond 128 rows they keep the tiles. The others (i4/q2/q3;
+# q8's int16) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
+PROMPT_INT8_KINDS = ("q4", "q5", "q6")
+PROMPT_INT8_MAX_ROWS = {"q5": 128, "q6": 128}
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
@@ -156,7 +161,7 @@ class QuantKernels:
         rows = x.shape[0]
         if rows <= GEMV_MAX_ROWS:
             return self.gemv(w, x)
-        if self.prompt_takes_int8(w, x):   # AVX2 q4: any number of rows, each as its decode
+        if self.prompt_takes_int8(w, x):   # AVX2 q4 (q5/q6: up to 128 rows), each row as its decode
             return self.gemv(w, x)
         if rows <= GEMV_PASSES_MAX_ROWS and self.int8_activations(w, x[:GEMV_MAX_ROWS]):
             if self._i8_applies(w.in_features, w.group, rows):   # AVX2: the passes in one call
@@ -165,11 +170,14 @@ class QuantKernels:
         return self.tiled(w, x)
 
     def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
-        """Whether every row count of ``x`` takes the integer-activation gemv (one call), as a
-        decode does: q4 on AVX2 builds, whose many-row kernel (quant_gemv_avx2.h, q4_rows_many)
-        beat the tiles at 32-512 rows (benchmarks/README.md, "q4 prompts on a many-row integer
-        kernel") and gives each row the bits of its one-row gemv, whatever the call's row count."""
-        return self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS and self.int8_activations(w, x[:GEMV_MAX_ROWS])
+        """Whether ``x``'s rows take the integer-activation gemv (one call), as a decode does:
+        on AVX2 builds q4 at every row count, q5/q6 up to ``PROMPT_INT8_MAX_ROWS``, where their
+        many-row kernels (quant_gemv_avx2.h, q4_rows_many and u8_rows_many) beat the tiles
+        (``PROMPT_INT8_KINDS``); they give each row the bits of its one-row gemv, whatever the
+        call's row count."""
+        return (self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS
+                and x.shape[0] <= PROMPT_INT8_MAX_ROWS.get(w.kind, x.shape[0])
+                and self.int8_activations(w, x[:GEMV_MAX_ROWS]))
 
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
