@@ -37,13 +37,13 @@ def llama(tiny_checkpoints):
     return str(path), single
 
 
+# Every schedule once, P = 3 once (each case is an engine start).
 CASES = [(2, "async", {}), (3, "async", {}), (2, "gpipe", {"pp_micro_batches": 2}),
-         (2, "interleaved", {"pp_virtual_stages": 2}), (3, "gpipe", {"pp_micro_batches": 3}),
-         (2, "async", {"tensor_parallel_size": 2})]
+         (2, "interleaved", {"pp_virtual_stages": 2}), (2, "async", {"tensor_parallel_size": 2})]
 
 
 @pytest.mark.parametrize("pp,schedule,extra", CASES, ids=["pp2-async", "pp3-async", "pp2-gpipe",
-                                                           "pp2-interleaved", "pp3-gpipe", "pp2-async-tp2"])
+                                                           "pp2-interleaved", "pp2-async-tp2"])
 def test_long_prompt_chunks_overlap_and_tokens_match(llama, pp, schedule, extra):
     path, single = llama
     tokens, stats = run_long(path, pipeline_parallel_size=pp, pp_schedule=schedule, **extra)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 
 import torch
@@ -44,7 +45,8 @@ class LLMEngine:
         self.config = config
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()
-        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer) if config.tokenizer else self.source)
+        # The tokenizer loads (transformers' import, seconds) while the stages start.
+        tokenizer = _Background(load_tokenizer, resolve_model(config.tokenizer) if config.tokenizer else self.source)
         self.dtype = DTYPES[config.torch_dtype_name]
         if config.tensor_parallel_size > 1:   # refuse before any process starts
             from pipeserve.model.loader import split_alignment
@@ -61,6 +63,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks, self.requests,
                                    rope_switch_len=self.model_config.rope_switch_len)
         self.executor = executor or self._make_executor()
+        try:
+            self.tokenizer = tokenizer.result()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
@@ -385,3 +392,25 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the stages; the pipeline executor writes ``--trace-file`` as it stops."""
         self.executor.shutdown()
+
+
+class _Background:
+    """``fn(*args)`` on a thread; ``result()`` waits for it and returns or raises what it did."""
+
+    def __init__(self, fn, *args) -> None:
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="pipeserve-init", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args) -> None:
+        try:
+            self._out.append((True, fn(*args)))
+        except BaseException as e:      # handed to result()'s caller
+            self._out.append((False, e))
+
+    def result(self):
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
