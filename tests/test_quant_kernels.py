@@ -254,6 +254,18 @@ def test_k2_paths_match_dequantize(gguf_file, dtype):
 
 
 @needs_kernel
+def test_k2_weights_out_of_whole_super_blocks_are_refused():
+    kernels = cpu_kernels()
+    if not kernels.takes("q2"):
+        pytest.skip(f"this build ({kernels.isa}) takes no q2/q3: the loader widens Q2_K/Q3_K to q8 here")
+    w = _k2(3, 512, "q2", 1)
+    bad = PackedWeight("q2", 16, w.qs, w.scale, w.minv, "q2", w.qh)   # a scale per 16, as the old layout
+    for call in (lambda: kernels.gemv(bad, torch.randn(1, 512)), lambda: kernels.dequant_rows(bad, 0, 3, torch.float32)):
+        with pytest.raises(ValueError, match="whole super-blocks of 256"):
+            call()
+
+
+@needs_kernel
 def test_avx2_k2_gemv_is_its_int8_emulation(gguf_file):
     """AVX2's q2/q3 decode takes integer dots of the codes with the int8 activations times the
     integer sub-scales, one float multiply per block of 32: it equals x rounded as the kernel
