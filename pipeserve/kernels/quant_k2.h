@@ -143,6 +143,24 @@ static inline __attribute__((always_inline)) __m256i k2_block_subs(__m256i subs,
     return _mm256_shuffle_epi8(subs, _mm256_set_m128i(hi, lo));
 }
 
+/* Block j (0..7, a constant once inlined: immediate shifts and shuffle indices) of a super-block
+ * against m_rows rows of int8 x: its raw codes from v (the 32 bytes of bit pairs of blocks j & ~3
+ * .. j | 3) and q3's hmask h (bit j of each byte as 4), its two sub-scales from subs. */
+static inline __attribute__((always_inline)) void
+k2_block(int kind, int j, __m256i v, __m256i h, __m256i subs, const int8_t *x, int64_t K, int m_rows,
+         float (*sd)[8], __m256 *acc) {
+    __m256i c = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (j % 4)), _mm256_set1_epi8(3));
+    if (kind == QUANT_Q3) {   /* as quant_k2_codes32_avx2: no bit crosses into bit 2 of another byte */
+        const __m256i hb = j >= 2 ? _mm256_srli_epi16(h, j - 2) : _mm256_slli_epi16(h, 2 - j);
+        c = _mm256_or_si256(c, _mm256_and_si256(hb, _mm256_set1_epi8(4)));
+    }
+    const __m256i sw = k2_block_subs(subs, j);
+    for (int m = 0; m < m_rows; m++) {
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i *)(x + m * K))), sw);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&sd[m][j]), acc[m]);
+    }
+}
+
 /* One weight row against m_rows rows of int8 x (the file comment says how). */
 static inline __attribute__((always_inline)) void
 k2_row(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, const uint16_t *mn, int zero,
@@ -174,15 +192,18 @@ k2_row(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, const 
             acc2[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs), acc2[m]);
             acc2[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + 8), acc2[m]);
         }
-        for (int j = 0; j < 8; j++) {
-            const __m256i c = quant_k2_codes32_avx2(kind, q, qh, b0 + j), sw = k2_block_subs(subs, j);
-            for (int m = 0; m < m_rows; m++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * K + (b0 + j) * I16_QB));
-                const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), sw);
-                if (j & 1) acc2[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&sd[m][j]), acc2[m]);
-                else acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(&sd[m][j]), acc[m]);
-            }
-        }
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + s * 64));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(q + s * 64 + 32));
+        const __m256i h = kind == QUANT_Q3 ? _mm256_loadu_si256((const __m256i *)(qh + s * hs)) : _mm256_setzero_si256();
+        const int8_t *x = a->x8 + b0 * I16_QB;
+        k2_block(kind, 0, v0, h, subs, x, K, m_rows, sd, acc);
+        k2_block(kind, 1, v0, h, subs, x + 32, K, m_rows, sd, acc2);
+        k2_block(kind, 2, v0, h, subs, x + 64, K, m_rows, sd, acc);
+        k2_block(kind, 3, v0, h, subs, x + 96, K, m_rows, sd, acc2);
+        k2_block(kind, 4, v1, h, subs, x + 128, K, m_rows, sd, acc);
+        k2_block(kind, 5, v1, h, subs, x + 160, K, m_rows, sd, acc2);
+        k2_block(kind, 6, v1, h, subs, x + 192, K, m_rows, sd, acc);
+        k2_block(kind, 7, v1, h, subs, x + 224, K, m_rows, sd, acc2);
     }
     for (int m = 0; m < m_rows; m++) res[m] = hsum8(_mm256_add_ps(acc[m], acc2[m]));
 }
