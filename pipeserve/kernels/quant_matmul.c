@@ -6,7 +6,8 @@
  * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
  * minus a constant `zero`; quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
- * mask; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
+ * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
+ * them on every path; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb,
