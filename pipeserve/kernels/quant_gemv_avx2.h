@@ -32,7 +32,7 @@
  * activations and codes widened by vpmovsxbw (as q8): 4.1 vs 5.8 cycles per 32 weights in L2,
  * 0.67 vs 1.00 ms a 2048x5632 gemv from memory (one thread, AVX2 EPYC).
  * q2/q3 (Q2_K/Q3_K) take int8 too, in quant_k2.h: their integer sub-scales stay integers there.
- * Minimums (and q4/q5/q6/q3's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
+ * Minimums (and q4/q5/q6's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
