@@ -72,8 +72,8 @@ def main() -> None:
         import sys
         from pathlib import Path
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from quant_gemv_bw import _kernels_at
-        old = _kernels_at(args.compare)
+        from quant_gemv_bw import kernels_at
+        old = kernels_at(args.compare)
     print(f"threads={args.threads} isa={k.isa} gemm={k.gemm_isa} clock={'thread CPU' if args.cpu_time else 'wall'}")
     rev = f"q8@{args.compare[:7]} us" if old else ""
     print(f"{'type':5} {'shape':8} {'rows':>4} {'compact MB':>10} {'q8 MB':>7} {'compact us':>11} {'q8 us':>9} "

@@ -201,6 +201,22 @@ def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):
     assert layer.self_attn.o_proj.parts[0].kind == "i4" and layer.mlp.down_proj.parts[0].kind == "i4"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q2_q3_parts_fused_equal_python_layers(threads, tmp_path):
+    """A Q2_K-mix GGUF (Q2_K q/k/gate/up, Q3_K v and down, Q4_K o) kept as q2 / q3 / q4: the fused
+    stage multiplies the q2 and q3 parts with their integer sub-scales (quant_k2.h, through
+    pipeserve_quant_rows) as the Python layers do."""
+    from pipeserve.model.quant.gguf_widen import keeps
+    from tests.test_tensor_parallel_quant import Q2_K_TYPES, _kquant_gguf
+    if not keeps("q2"):
+        pytest.skip("this build's quantized kernels take no q2/q3 (an AVX-512 build): Q2_K/Q3_K are widened to q8")
+    source = resolve_model(str(_kquant_gguf(tmp_path, Q2_K_TYPES, "Q2_K", "q2_k")))
+    cfg = source.load_config()
+    layer = _fused_equals_python(lambda: _runner(source, cfg), torch.float32, threads, 6).model.layers[0]
+    assert [p.kind for p in layer.self_attn.qkv_proj.parts] == ["q2", "q2", "q3"]   # q and k: one act_slot
+    assert [p.kind for p in layer.mlp.gate_up_proj.parts] == ["q2"] and layer.mlp.down_proj.parts[0].kind == "q3"
+
+
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     from pipeserve.model.quant.cpu_kernels import cpu_kernels
     runner = smollm2[0]

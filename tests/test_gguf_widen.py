@@ -1,6 +1,7 @@
 """GGUF types re-laid out by pipeserve/model/quant/gguf_widen.py: IQ4_NL and IQ4_XS as i4 (their
-nibbles, a float16 scale per 32), Q3_K as q3 and Q2_K as q2 (their code bytes, a float16 scale
-(and minimum) per 16) where the kernels take those layouts, else as byte-per-code q8 rows. Each
+nibbles, a float16 scale per 32), Q3_K as q3 and Q2_K as q2 (their code bytes and integer
+sub-scales, a float16 d (and -dmin) per 256) where the kernels take those layouts, else as
+byte-per-code q8 rows. Each
 reads back as gguf-py dequantizes it, the kernels multiply it as dequantize-then-matmul does, and
 a model written in IQ4_NL stays in it."""
 
@@ -30,8 +31,10 @@ COMPACT = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # the l
 SCALE_OFFSETS = {T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # float16 d (and dmin)
 FILE_RATIO = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 2.0, T.Q3_K: 288 / 110, T.Q2_K: 320 / 84}  # q8 bytes / file bytes
 # compact bytes / file bytes: i4 a float16 scale per 32 (XS: 6 bits); q3 / q2 per 256 weights 64 bytes
-# of bit pairs (q3: and 32 of hmask) and 16 float16 scales (q2: and minimums)
-COMPACT_FILE_RATIO = {T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136, T.Q3_K: 128 / 110, T.Q2_K: 128 / 84}
+# of bit pairs, 16 sub-scale bytes (q3: and 32 of hmask) and the float16 d (q2: and dmin), as the
+# file has them but for Q3_K's 6-bit sub-scales unpacked to a byte each
+COMPACT_FILE_RATIO = {T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136, T.Q3_K: 114 / 110, T.Q2_K: 1.0}
+K2 = (T.Q3_K, T.Q2_K)
 
 
 @pytest.fixture(params=["compact", "q8"])
@@ -79,10 +82,14 @@ def test_widened_types_read_back_as_gguf_dequantizes_them(ttype, layout):
     assert torch.equal(dequantize(w), ref)          # two-level scales exact in float16 here
     raw = _random_blocks(ttype, rows, cols, seed=int(ttype) + 1, exact=False)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, ttype).reshape(rows, cols).astype(np.float32))
+    got = dequantize(repack(ttype, raw))
+    if kind != "q8" and ttype in K2:   # q2 / q3 keep d and the integer sub-scales apart: exact
+        assert torch.equal(got, ref)
+        return
     # d * sc rounded to float16 (and dmin * m for Q2_K): 2^-11 of each term at most
     codes = (w if kind == "q8" else to_q8(w)).qs.float().abs().max().item()
     bound = 2 ** -11 * 1e-2 * 63 * (codes + (15 if ttype == T.Q2_K else 0))
-    assert (dequantize(repack(ttype, raw)) - ref).abs().max().item() <= bound
+    assert (got - ref).abs().max().item() <= bound
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler: the quantized kernels do not build here")
@@ -101,8 +108,9 @@ def test_widened_kernels_match_dequantize_then_matmul(ttype, rows, dtype, layout
 @pytest.mark.parametrize("ttype", WIDENED, ids=lambda t: t.name)
 def test_compact_types_are_widened_where_the_kernels_take_no_compact_layout(ttype, monkeypatch, caplog):
     """An AVX-512 build's answer (monkeypatched here): IQ4 / Q3_K / Q2_K as q8 rows, the same
-    weights, and a log line that says why; no C kernels at all: i4 / q3 / q2, which PyTorch's
-    dequantize takes."""
+    weights (Q3_K / Q2_K: d * sub and -dmin * min rounded to float16, within 2^-11 of each),
+    and a log line that says why; no C kernels at all: i4 / q3 / q2, which PyTorch's dequantize
+    takes."""
     raw = _random_blocks(ttype, 4, 512, seed=3, exact=False)
     monkeypatch.setattr(widen, "cpu_kernels", lambda: None)
     kept = repack(ttype, raw)
@@ -113,7 +121,12 @@ def test_compact_types_are_widened_where_the_kernels_take_no_compact_layout(ttyp
     with caplog.at_level("INFO", logger=widen.log.name):
         wide = repack(ttype, raw)
     assert wide.kind == "q8" and wide.nbytes == pytest.approx(FILE_RATIO[ttype] * raw.nbytes)
-    assert torch.equal(dequantize(wide), dequantize(kept))
+    if ttype in K2:
+        scale = wide.scale.float().abs().repeat_interleave(16, dim=1)
+        minv = 0 if wide.minv is None else wide.minv.float().abs().repeat_interleave(16, dim=1)
+        assert ((dequantize(wide) - dequantize(kept)).abs() <= 2 ** -11 * (4 * scale + minv)).all()
+    else:
+        assert torch.equal(dequantize(wide), dequantize(kept))
     assert "widened" in caplog.text and "avx512-vnni" in caplog.text
 
 

@@ -34,11 +34,12 @@ def test_bits_per_weight():
     assert weight_format("q4_1").head_bytes_for(576) == 8.5 / 8
     assert weight_format("q4_1").head_bytes_for(4096) == 7.0 / 8    # Q6_K held with a float16 scale per 16
     # What a stage holds: Q4_K_M's Q4_K/Q6_K with float16 scales ~1.1x the file; IQ4 as nibbles with a
-    # float16 scale per 32; Q3_K as its 2-bit pairs and high-bit mask with a float16 scale per 16
+    # float16 scale per 32; Q3_K / Q2_K as their file's bytes (Q3_K's 6-bit sub-scales a byte each),
+    # the mixes' Q4_K/Q5_K tensors with their float16 scales
     assert q4km.bytes == pytest.approx(4.84 * 1.104 / 8, rel=1e-3) and weight_format("q4_0").bytes == 4.5 / 8
     assert weight_format("iq4_xs").bits == 4.25 and weight_format("iq4_xs").bytes == 4.5 / 8
-    assert weight_format("q3_k_m").bytes == pytest.approx(3.91 * 1.144 / 8, rel=1e-3)
-    assert weight_format("q2_k").bytes == pytest.approx(3.35 * 1.385 / 8, rel=1e-3)
+    assert weight_format("q3_k_m").bytes == pytest.approx(3.91 * 1.064 / 8, rel=1e-3)
+    assert weight_format("q2_k").bytes == pytest.approx(3.35 * 1.016 / 8, rel=1e-3)
     assert weight_format("int8").bits == 8.5 and weight_format("int4").bits == 5.0   # group 32, float16 scale (+ min)
     assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
     with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):

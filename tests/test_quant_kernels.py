@@ -29,6 +29,7 @@ from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
                                           expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
+from pipeserve.model.quant.packed import k2_group_scales as packed_k2_scales
 from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
 
@@ -86,7 +87,7 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
         packed, reference = _read(path, i)
         assert packed is not None and packed.source == ttype.name
         got = dequantize(packed)
-        if ttype in LEGACY:   # same float16 scales: exact
+        if ttype in LEGACY or ttype in K2:   # same float16 scales (q2/q3: and integer sub-scales): exact
             assert torch.equal(got, reference), ttype.name
         else:                 # d·sc rounded to float16: at most 2^-11 of a scale per code step
             tol = 2.0 ** -11 * reference.abs().max().item() + 1e-6
@@ -101,18 +102,18 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
 # where the file has int8 ones (224 / 210). IQ4 as i4: IQ4_NL its block's bytes, IQ4_XS a float16
 # scale per 32 where the file has 6-bit ones under a float16 per 256 (144 / 136); widened to q8
 # where the kernels take no i4 (AVX-512 builds): 34 / 18 and 272 / 136. Q3_K as q3, Q2_K as q2:
-# their code bytes (Q3_K: and hmask) and a float16 scale (Q2_K: and minimum) per 16 where the file
-# has 6-bit (4-bit) ones under a float16 per 256 (128 / 110, 128 / 84); widened: 288 / 110, 320 / 84.
+# their code bytes (Q3_K: and hmask), integer sub-scales and float16 d (Q2_K: and dmin) per 256 as
+# the file has them, Q3_K's 6-bit sub-scales a byte each (114 / 110, 84 / 84); widened: 288 / 110, 320 / 84.
 RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
                       T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
-                      T.Q3_K: 128 / 110, T.Q2_K: 128 / 84}
+                      T.Q3_K: 114 / 110, T.Q2_K: 1.0}
 WIDENED_OVER_FILE = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 272 / 136, T.Q3_K: 288 / 110, T.Q2_K: 320 / 84}
 
 
 def test_kept_bytes_stay_close_to_the_file(gguf_file):
     """5/6-bit codes are kept compact (nibbles + high-bit planes), IQ4's as its nibbles, Q3_K's
-    and Q2_K's as their bit pairs (+ hmask), not a byte per code. Q2_K's float16 scale and
-    minimum per 16 are 1.5x its file's bytes."""
+    and Q2_K's as their bit pairs (+ hmask) and integer sub-scales, not a byte per code: Q2_K at
+    its file's bytes, Q3_K within 4% of them."""
     path, types = gguf_file
     for i, ttype in enumerate(types):
         packed, _ = _read(path, i)
@@ -159,11 +160,16 @@ def test_k2_codes_are_the_bit_pairs_and_hmask_bits_in_gguf_order(kind):
         for j in range(4):
             want[:, :, h, j] = (qs[:, :, h] >> (2 * j)) & 3
             if kind == "q3":
-                want[:, :, h, j] |= ((w.qh.view(5, 2, 32).long() >> (4 * h + j)) & 1) << 2
+                want[:, :, h, j] |= ((w.qh.view(5, 2, 48)[..., :32].long() >> (4 * h + j)) & 1) << 2
     want = (want.reshape(5, 512) - w.zero).to(torch.int8)
     assert w.in_features == 512 and torch.equal(expand_codes(w), want)
-    assert torch.equal(dequantize(w), want.float() * w.scale.float().repeat_interleave(16, dim=1))
+    # group g of 16 of super-block b: d_b * sub_g, sub_g the int8 after q3's hmask, or q2's low nibble
+    subs = w.qh.view(5, 2, -1)[..., -16:]
+    subs = subs.view(torch.int8).float() if kind == "q3" else (subs & 15).float()
+    scale = (w.scale.float().unsqueeze(-1) * subs).reshape(5, 32)
+    assert torch.equal(dequantize(w), want.float() * scale.repeat_interleave(16, dim=1))
     assert torch.equal(to_q8(w).qs, want) and to_q8(w).in_features == 512
+    assert torch.equal(to_q8(w).scale, scale.half())
     other = _k2(3, 512, kind, 14, with_min=False)
     assert torch.equal(dequantize(concat_rows([w, other])), torch.cat([dequantize(w), dequantize(other)]))
 
@@ -171,11 +177,11 @@ def test_k2_codes_are_the_bit_pairs_and_hmask_bits_in_gguf_order(kind):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
-    """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts, IQ4_NL/IQ4_XS in i4, Q3_K/Q2_K in q3/q2,
-    give exactly what the same codes a byte each (q8, their widened layout) give, on every kernel
-    path: the kernels expand a row (or a panel) into those bytes and run the q8 code. Except AVX2's
-    integer decode path, where q5/q6/i4/q2/q3 take int8 activations and q8 int16 ones: each within
-    its own bound."""
+    """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts and IQ4_NL/IQ4_XS in i4 give exactly
+    what the same codes a byte each (q8, their widened layout) give, on every kernel path: the
+    kernels expand a row (or a panel) into those bytes and run the q8 code. Except AVX2's integer
+    decode path, where q5/q6/i4 take int8 activations and q8 int16 ones: each within its own bound.
+    (q2/q3 keep integer sub-scales that their q8 rounds to float16: test_k2_paths_match_dequantize.)"""
     path, types = gguf_file
     kernels = cpu_kernels()
     weights = []
@@ -187,8 +193,6 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
     if kernels.takes("i4"):
         weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
-    if kernels.takes("q3") and kernels.takes("q2"):   # q2 640 wide: 20 blocks, a short last run of 4
-        weights += [_read(path, types.index(t))[0] for t in K2] + [_k2(9, 768, "q3", 4), _k2(9, 640, "q2", 5)]
     own_activations = kernels.isa == "avx2"
     for w in weights:
         ttype = w.source
@@ -210,6 +214,77 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
             assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype, rows)
             if kernels.gemm_applies(w, x):
                 assert torch.equal(kernels.gemm(w, x), kernels.gemm(wide, x)), (ttype, rows)
+
+
+def _k2_cases(gguf_file) -> list[PackedWeight]:
+    """Q3_K and Q2_K read from the file, and random q3 / q2 of 3 and 5 super-blocks (q2 with every
+    minimum nibble 0 too)."""
+    path, types = gguf_file
+    return [_read(path, types.index(t))[0] for t in K2] + [
+        _k2(9, 768, "q3", 4), _k2(9, 1280, "q2", 5), _k2(9, 768, "q2", 6, with_min=False)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k2_paths_match_dequantize(gguf_file, dtype):
+    """q2/q3 keep Q2_K's / Q3_K's integer sub-scales; every kernel path reads them: matmul
+    (AVX2: int8 activations within their bound up to GEMV_PASSES_MAX_ROWS rows, then tiles), the
+    float gemv and the dequantized tiles within float32 summation (bfloat16: the output's and the
+    tile's rounding). Their q8 widening (AVX-512 builds) rounds d * sub and -dmin * min to float16:
+    within 2^-11 of each."""
+    kernels = cpu_kernels()
+    if not kernels.takes("q2"):
+        pytest.skip(f"this build ({kernels.isa}) takes no q2/q3: the loader widens Q2_K/Q3_K to q8 here")
+    for w in _k2_cases(gguf_file):
+        wd = dequantize(w)
+        scale, minv = (t.abs().repeat_interleave(16, dim=1) if t is not None else 0
+                       for t in packed_k2_scales(w))
+        assert ((dequantize(to_q8(w)) - wd).abs() <= 2 ** -11 * (4 * scale + minv)).all(), w.source
+        for rows in (1, 2, 3, GEMV_MAX_ROWS, 20, 64):
+            x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            _check_matmul(w, x, kernels)
+            ref = x.float() @ wd.t()
+            mag = (x.float().abs() @ wd.abs().t()).max().item()
+            tol = 1e-5 * mag if dtype == torch.float32 else 1e-5 * mag + 2 * ref.abs().max().item() * 2 ** -8
+            if rows <= GEMV_MAX_ROWS:
+                assert (kernels.gemv(w, x, int8_act=False).float() - ref).abs().max().item() <= tol, (w.source, rows)
+            if dtype == torch.bfloat16:   # the tile in bfloat16, as a bfloat16 F.linear on the dequantized weight
+                ref = (x @ dequantize(w, dtype).t()).float()
+            assert (kernels.tiled(w, x).float() - ref).abs().max().item() <= tol, (w.source, rows, dtype)
+
+
+@needs_kernel
+def test_k2_weights_out_of_whole_super_blocks_are_refused():
+    kernels = cpu_kernels()
+    if not kernels.takes("q2"):
+        pytest.skip(f"this build ({kernels.isa}) takes no q2/q3: the loader widens Q2_K/Q3_K to q8 here")
+    w = _k2(3, 512, "q2", 1)
+    bad = PackedWeight("q2", 16, w.qs, w.scale, w.minv, "q2", w.qh)   # a scale per 16, as the old layout
+    for call in (lambda: kernels.gemv(bad, torch.randn(1, 512)), lambda: kernels.dequant_rows(bad, 0, 3, torch.float32)):
+        with pytest.raises(ValueError, match="whole super-blocks of 256"):
+            call()
+
+
+@needs_kernel
+def test_avx2_k2_gemv_is_its_int8_emulation(gguf_file):
+    """AVX2's q2/q3 decode takes integer dots of the codes with the int8 activations times the
+    integer sub-scales, one float multiply per block of 32: it equals x rounded as the kernel
+    rounds it (``_int8_rounded``) times the dequantized weight in float64 to float32 summation
+    error (1e-6 of sum |x| |w|). 1 to GEMV_ONE_CALL_MAX_ROWS rows (the fused decode stage's one
+    call), 37 weight rows (a last partial tile)."""
+    kernels = cpu_kernels()
+    if kernels.isa != "avx2":
+        pytest.skip("q2/q3 take int8 activations on AVX2 builds only (portable: float; AVX-512: widened to q8)")
+    weights = _k2_cases(gguf_file) + [_k2(37, 768, "q3", 7), _k2(37, 1024, "q2", 8)]
+    for rows in (1, 2, 3, 7, GEMV_MAX_ROWS, 9, 17, GEMV_PASSES_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS):
+        for w in weights:
+            x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+            x[0, :32] *= 20                                   # blocks of different steps
+            x[-1, -32:] *= 0.01
+            wd = dequantize(w).double()
+            want = _int8_rounded(x) @ wd.t()
+            err = (kernels.gemv(w, x, int8_act=True).double() - want).abs()
+            assert (err <= 1e-6 * (x.abs().double() @ wd.abs().t())).all(), (w.source, rows, err.max().item())
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -422,17 +497,20 @@ def _i4(rows: int, cols: int, seed: int) -> PackedWeight:
 
 
 def _k2(rows: int, cols: int, kind: str, seed: int, with_min: bool = True) -> PackedWeight:
-    """A random q2 (with minimums, as Q2_K) or q3 (zero 4, as Q3_K) weight: random code bytes,
-    float16 scales of either sign (Q3_K's sub-scales are signed) per 16; cols a multiple of 128
-    (q3: 256)."""
+    """A random q2 (as Q2_K: sub-scale bytes of any scale and minimum nibbles, minimums -dmin of
+    either sign; ``with_min`` False: every minimum nibble 0) or q3 (zero 4, as Q3_K: any hmask,
+    sub-scales -32..31) weight, random codes and float16 d; cols a multiple of 256."""
     gen = torch.Generator().manual_seed(seed)
+    supers = cols // 256
+    rand = (lambda n, hi=256: torch.randint(0, hi, (rows, supers, n), generator=gen).to(torch.uint8))
     qs = torch.randint(0, 256, (rows, cols // 4), generator=gen).to(torch.uint8)
-    scale = (0.01 * torch.randn(rows, cols // 16, generator=gen)).half()
+    scale = (0.01 * torch.rand(rows, supers, generator=gen) + 0.002).half()
     if kind == "q3":
-        qh = torch.randint(0, 256, (rows, cols // 8), generator=gen).to(torch.uint8)
-        return PackedWeight("q3", 16, qs, scale, None, "q3/16", qh, 4)
-    minv = (0.1 * torch.randn(rows, cols // 16, generator=gen)).half() if with_min else None
-    return PackedWeight("q2", 16, qs, scale, minv, "q2/16")
+        qh = torch.cat([rand(32), (rand(16, 64).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)], dim=-1)
+        return PackedWeight("q3", 256, qs, scale, None, "q3", qh.reshape(rows, -1), 4)
+    subs = rand(16) if with_min else rand(16, 16)
+    minv = (0.01 * torch.randn(rows, supers, generator=gen)).half()
+    return PackedWeight("q2", 256, qs, scale, minv, "q2", subs.reshape(rows, -1))
 
 
 def _int8_cases(gguf_file, kernels: QuantKernels):
@@ -448,7 +526,7 @@ def _int8_cases(gguf_file, kernels: QuantKernels):
                     _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
                     _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
                     *([_i4(9, 736, 12)] if kernels.takes("i4") else []),
-                    *([_k2(9, 768, "q3", 15), _k2(9, 640, "q2", 16)] if kernels.takes("q3") else []),
+                    *([_k2(9, 768, "q3", 15), _k2(9, 1280, "q2", 16)] if kernels.takes("q3") else []),
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
 
 

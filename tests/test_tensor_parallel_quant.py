@@ -28,6 +28,9 @@ KQUANT_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=
                      num_key_value_heads=2, tie_word_embeddings=False)
 # llama-quantize's Q4_K_M mix: Q6_K for attn_v, ffn_down and the head, Q4_K elsewhere.
 KQUANT_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
+# Its Q2_K mix, roughly: Q3_K for attn_v and ffn_down, Q4_K for attn_output, Q6_K the head, Q2_K elsewhere.
+Q2_K_TYPES = {"attn_v": "Q3_K", "ffn_down": "Q3_K", "attn_output": "Q4_K", "output": "Q6_K"}
+FLOAT16_OFFSETS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}   # d (and dmin) in a block; others (0, 2)
 
 
 def _k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -36,14 +39,15 @@ def _k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarr
     import gguf
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in ((208,) if qtype == gguf.GGMLQuantizationType.Q6_K else (0, 2)):
+    for off in FLOAT16_OFFSETS.get(qtype.name, (0, 2)):
         d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
         raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
 
-def _kquant_gguf(root: Path) -> Path:
-    """A tiny random Llama as a Q4_K_M-style GGUF (Q4_K, with Q6_K tensors), F32 norms."""
+def _kquant_gguf(root: Path, types: dict = KQUANT_TYPES, default: str = "Q4_K", name: str = "q4_k_m") -> Path:
+    """A tiny random Llama as a Q4_K_M-style GGUF (Q4_K, with Q6_K tensors; or ``types`` by
+    tensor, ``default`` elsewhere), F32 norms."""
     import gguf
     from transformers import LlamaConfig
 
@@ -57,11 +61,11 @@ def _kquant_gguf(root: Path) -> Path:
                        f"blk.{i}.attn_output": (h, h), f"blk.{i}.ffn_gate": (inter, h),
                        f"blk.{i}.ffn_up": (inter, h), f"blk.{i}.ffn_down": (h, inter)})
     save_tiny_tokenizer(root)        # the GGUF's directory: its tokenizer is looked up beside it
-    path = root / "q4_k_m.gguf"
+    path = root / f"{name}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     _write_metadata(writer, cfg)
     for name, (rows, cols) in shapes.items():
-        qtype = gguf.GGMLQuantizationType[KQUANT_TYPES.get(name.split(".")[-1], "Q4_K")]
+        qtype = gguf.GGMLQuantizationType[types.get(name.split(".")[-1], default)]
         writer.add_tensor(f"{name}.weight", _k_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
     norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:
@@ -72,7 +76,8 @@ def _kquant_gguf(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def gguf_files(tiny_checkpoints, tmp_path_factory):
-    """name -> a tiny GGUF: "q8_0" (tied Llama, permuted q/k rows), "q4_k_m" (K-quants)."""
+    """name -> a tiny GGUF: "q8_0" (tied Llama, permuted q/k rows), "q4_k_m" (K-quants), "q2_k"
+    (Q2_K and Q3_K: the q2 / q3 layouts where the kernels take them)."""
     from tests.checkpoints import save_tiny_tokenizer, write_llama_gguf
     root = tmp_path_factory.mktemp("tp_quant")
     save_tiny_tokenizer(root)
@@ -80,6 +85,7 @@ def gguf_files(tiny_checkpoints, tmp_path_factory):
     kdir = root / "kquant"
     kdir.mkdir()
     files["q4_k_m"] = _kquant_gguf(kdir)
+    files["q2_k"] = _kquant_gguf(kdir, Q2_K_TYPES, "Q2_K", "q2_k")
     return files
 
 
@@ -139,7 +145,7 @@ def _models(source, quantization: str, tp: int):
     return cfg, build(None), [build(TensorParallelGroup(plan_shard(cfg, r, tp, align))) for r in range(tp)]
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "int4"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "q2_k", "int4"])
 def test_each_rank_holds_the_cut_of_the_whole_and_half_the_bytes(gguf_files, tiny_checkpoints, name):
     """GGUF: a rank's layers dequantize to exactly the cut of the TP = 1 layers (the same
     blocks); int4: a rank's layers are the quantization of the cut float weight. Each rank's
@@ -232,7 +238,7 @@ def generate(model: str, prompts, **kwargs) -> list[CompletionOutput]:
     return [o.outputs[0] for o in outputs(model, prompts, GREEDY_TOP, **kwargs)]
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "int4"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "q2_k", "int4"])
 def test_tensor_parallel_kept_quantized_matches_tp1(gguf_files, tiny_checkpoints, name):
     """float32 activations, or int16 ones (q8): the ranks' partial sums add in another order
     than one matmul, which moved no greedy token on these checkpoints. q4 (Q4_K, int4) and q6

@@ -1,8 +1,9 @@
 /* GGUF IQ4_NL, IQ4_XS, Q3_K and Q2_K blocks -> byte-per-code q8 rows (model/quant/gguf_widen.py
  * says why and how), one pass over the file's bytes; or (`nibbles` / `compact` set) -> the
  * compact layouts the AVX2 and portable kernels take: IQ4's i4 (its nibbles as they are, a
- * float16 scale per 32), Q3_K's q3 and Q2_K's q2 (their code bytes as they are, a float16
- * scale (and minimum) per 16). The numpy path there takes 10-30 MB/s
+ * float16 scale per 32), Q3_K's q3 and Q2_K's q2 (their code bytes and integer sub-scales as
+ * they are, Q3_K's unpacked to a byte each; the float16 d, and -dmin, per 256). The numpy path
+ * there takes 10-30 MB/s
  * of file bytes: a 70B Q3_K_M stage (10 GB of file) would spend minutes widening at start-up
  * and at every restart. Bit for bit the numpy path: the same codes, and scales d * sc (and
  * -dmin * m) multiplied in float32 and rounded to float16 to nearest even.
@@ -57,42 +58,54 @@ void pipeserve_widen_iq4_xs(const uint8_t *in, int64_t blocks, int8_t *codes, ui
 
 /* Block of 256 (110 bytes): hmask 32, qs 64 (2-bit codes), 12 bytes of sixteen 6-bit scales,
  * d. Weight 128h + 32j + l: bits 2j of qs[32h + l], minus 4 where bit 4h + j of hmask[l] is
- * clear; group 8h + 2j + l / 16. `compact`: the q3 layout, qs into `codes` (64 bytes a block)
- * and hmask into `qh` (32) as they are; else int8 codes, 256 a block (quant_k2_run, zero 4). */
+ * clear; group 8h + 2j + l / 16. `compact`: the q3 layout, qs into `codes` (64 bytes a block),
+ * into `qh` (48 a block) the hmask as it is and the scales less 32 as int8, d into `scale` (one
+ * a block); else int8 codes, 256 a block (quant_k2_run, zero 4), and d * (scale - 32) per 16. */
 void pipeserve_widen_q3_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint8_t *qh, uint16_t *scale,
                           int compact, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 110, *hmask = x, *qs = x + 32, *sc = x + 96;
         const float d = half_to_float(u16(x + 108));
+        int8_t sub[16];
         for (int s = 0; s < 16; s++) {
             const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-            scale[b * 16 + s] = float_to_half(d * (float)((low | (high << 4)) - 32));
+            sub[s] = (int8_t)((low | (high << 4)) - 32);
         }
         if (compact) {
             memcpy(codes + b * 64, qs, 64);
-            memcpy(qh + b * 32, hmask, 32);
+            memcpy(qh + b * 48, hmask, 32);
+            memcpy(qh + b * 48 + 32, sub, 16);
+            scale[b] = u16(x + 108);
             continue;
         }
-        for (int r = 0; r < 8; r++) quant_k2_run(qs, hmask, 4, r, codes + b * 256 + r * 32);
+        for (int s = 0; s < 16; s++) scale[b * 16 + s] = float_to_half(d * (float)sub[s]);
+        for (int r = 0; r < 8; r++) quant_k2_run(qs, hmask, 32, 4, r, codes + b * 256 + r * 32);
     }
 }
 
 /* Block of 256 (84 bytes): 16 bytes of scales (low nibble: scale, high: minimum, a group of
  * 16 each), qs 64 (2-bit codes as in Q3_K), d, dmin: weight = d * sc * code - dmin * m.
- * `compact`: the q2 layout, qs into `codes` as they are (64 bytes a block); else int8 codes. */
-void pipeserve_widen_q2_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint16_t *scale, uint16_t *minv,
-                          int compact, int num_threads) {
+ * `compact`: the q2 layout, qs into `codes` (64 bytes a block) and the scale bytes into `qh`
+ * (16) as they are, d into `scale` and -dmin (its sign bit flipped) into `minv`, one a block;
+ * else int8 codes, d * sc and -dmin * m per 16. */
+void pipeserve_widen_q2_k(const uint8_t *in, int64_t blocks, int8_t *codes, uint8_t *qh, uint16_t *scale,
+                          uint16_t *minv, int compact, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *x = in + b * 84, *qs = x + 16;
+        if (compact) {
+            memcpy(codes + b * 64, qs, 64);
+            memcpy(qh + b * 16, x, 16);
+            scale[b] = u16(x + 80);
+            minv[b] = (uint16_t)(u16(x + 82) ^ 0x8000);
+            continue;
+        }
         const float d = half_to_float(u16(x + 80)), dmin = half_to_float(u16(x + 82));
         for (int g = 0; g < 16; g++) {
             scale[b * 16 + g] = float_to_half(d * (float)(x[g] & 15));
             minv[b * 16 + g] = float_to_half(-dmin * (float)(x[g] >> 4));
         }
-        if (compact) memcpy(codes + b * 64, qs, 64);
-        else
-            for (int r = 0; r < 8; r++) quant_k2_run(qs, NULL, 0, r, codes + b * 256 + r * 32);
+        for (int r = 0; r < 8; r++) quant_k2_run(qs, NULL, 0, 0, r, codes + b * 256 + r * 32);
     }
 }

@@ -16,11 +16,12 @@
  *
  * q2 / q3 keep GGUF Q2_K's / Q3_K's own code bytes: per 128 weights 32 bytes, byte l holding
  * weights l, l + 32, l + 64, l + 96 in its bit pairs 0, 2, 4, 6 (so run r's 32 codes are one
- * 32-byte load shifted right by 2 * (r % 4), masked with 3); q3 adds Q3_K's hmask, per 256
- * weights 32 bytes, bit p of byte l the third bit of weight 32p + l (run r: bit r % 8 of the
- * 32 bytes). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
- * instructions a run on AVX2, against the two of q5; 2.5 / 3.5 bits a weight cross the bus.
- *
+ * 32-byte load shifted right by 2 * (r % 4), masked with 3); q3's qh holds per 256 weights
+ * (QUANT_K2_SUPER) Q3_K's hmask, 32 bytes, bit p of byte l the third bit of weight 32p + l (run r:
+ * bit r % 8 of the 32 bytes), then its 16 sub-scales (int8); q2's qh the 16 sub-scale bytes alone
+ * (quant_k2_high). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
+ * instructions a run on AVX2, against the two of q5; 2.6 / 3.6 bits a weight cross the bus,
+ * sub-scales included (quant_k2.h takes those).
  * i4, q2 and q3 are not taken by AVX-512 builds (quant_takes_kind): their VNNI and many-row
  * paths expand q5/q6 only, so the loader keeps IQ4, Q3_K and Q2_K widened to q8 there
  * (model/quant/gguf_widen.py).
@@ -61,19 +62,26 @@ static inline int quant_takes_kind(int kind) {
     return kind == 4 || kind == 8 || quant_is_compact(kind);
 }
 
+/* q2/q3: weights per super-block (a float16 scale, 16 integer sub-scales), and the qh bytes of one. */
+#define QUANT_K2_SUPER 256
+static inline int64_t quant_k2_high(int kind) { return kind == QUANT_Q3 ? 48 : 16; }
+
 /* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4, bit pairs for q2/q3) and in `qh`
- * (high-bit planes; q3: the hmask). */
+ * (high-bit planes; q2/q3: the sub-scales, q3's hmask before them). */
 static inline int64_t quant_row_bytes(int kind, int64_t K) {
     return kind == 8 ? K : kind == QUANT_Q2 || kind == QUANT_Q3 ? K / 4 : K / 2;
 }
 static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
-    return kind == QUANT_Q3 ? K / 8 : K / 8 * quant_high_bits(kind);
+    if (kind == QUANT_Q2 || kind == QUANT_Q3) return K / QUANT_K2_SUPER * quant_k2_high(kind);
+    return K / 8 * quant_high_bits(kind);
 }
 
-/* q2/q3 run r's 32 codes (weights 32r .. 32r + 31 of the row), low | high << 2 - zero: the
- * portable expansion, and gguf_widen.c's widening of Q2_K / Q3_K to q8. */
-static inline void quant_k2_run(const uint8_t *qs, const uint8_t *qh, int zero, int64_t r, int8_t *dst) {
-    const uint8_t *lo = qs + r / 4 * 32, *hi = qh ? qh + r / 8 * 32 : NULL;
+/* q2/q3 run r's 32 codes (weights 32r .. 32r + 31 of the row), low | high << 2 - zero, the
+ * hmask (q3) `hstride` bytes a super-block: the portable expansion, and gguf_widen.c's widening
+ * of Q2_K / Q3_K to q8. */
+static inline void quant_k2_run(const uint8_t *qs, const uint8_t *qh, int64_t hstride, int zero, int64_t r,
+                                int8_t *dst) {
+    const uint8_t *lo = qs + r / 4 * 32, *hi = qh ? qh + r / 8 * hstride : NULL;
     const int shift = 2 * (int)(r % 4), bit = (int)(r % 8);
     for (int l = 0; l < 32; l++)
         dst[l] = (int8_t)((((lo[l] >> shift) & 3) | (hi ? ((hi[l] >> bit) & 1) << 2 : 0)) - zero);
@@ -145,7 +153,7 @@ quant_k2_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int64_t r)
     if (kind == QUANT_Q3) {
         /* bit p = r % 8 of each hmask byte to bit 2: a 16-bit shift by p - 2 (or 2 - p) moves no
          * bit across a byte boundary into bit 2 of either byte (immediates where r % 8 is constant) */
-        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + r / 8 * 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + r / 8 * 48));
         const int p = (int)(r % 8);
         const __m256i hb = p >= 2 ? _mm256_srl_epi16(h, _mm_cvtsi32_si128(p - 2))
                                   : _mm256_sll_epi16(h, _mm_cvtsi32_si128(2 - p));
@@ -175,7 +183,7 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
             continue;
         }
         if (kind == QUANT_Q2 || kind == QUANT_Q3) {
-            quant_k2_run(qs, kind == QUANT_Q3 ? qh : NULL, zero, r, dst + r * 32);
+            quant_k2_run(qs, kind == QUANT_Q3 ? qh : NULL, 48, zero, r, dst + r * 32);
             continue;
         }
         uint32_t p[2] = {0, 0};

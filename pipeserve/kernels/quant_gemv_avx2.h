@@ -31,9 +31,8 @@
  * llama.cpp's mul_sum_i8_pairs; |pair| <= 2 * 127 * 127 < 32767). Measured against int16
  * activations and codes widened by vpmovsxbw (as q8): 4.1 vs 5.8 cycles per 32 weights in L2,
  * 0.67 vs 1.00 ms a 2048x5632 gemv from memory (one thread, AVX2 EPYC).
- * q2/q3 (Q2_K/Q3_K, groups of 16) take int8 too: their raw codes (0..3 / 0..7, zero left to the
- * minimum term; quant_k2_codes32_avx2) meet x in vpmaddubsw as q5/q6's do.
- * Minimums (and q4/q5/q6/q3's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
+ * q2/q3 (Q2_K/Q3_K) take int8 too, in quant_k2.h: their integer sub-scales stay integers there.
+ * Minimums (and q4/q5/q6's `zero` * s_w) meet the per-block sums d * sum(q) once per 8 blocks.
  *
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
@@ -196,7 +195,6 @@ static inline __attribute__((always_inline)) void block_codes_i16(const uint8_t 
 static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
-    if (kind == QUANT_Q2 || kind == QUANT_Q3) return quant_k2_codes32_avx2(kind, q, qh, b);
     if (kind == 4) {   /* q4: a lone block (its pairs take q4_pair_i8) */
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16)), lo = _mm_set1_epi8(15);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo), _mm_and_si128(v, lo));
@@ -506,8 +504,6 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
     case 5: ALL(5) break;
     case 6: ALL(6) break;
     case QUANT_I4: ALL(QUANT_I4) break;
-    case QUANT_Q2: ALL(QUANT_Q2) break;
-    case QUANT_Q3: ALL(QUANT_Q3) break;
     default: ALL(8) break;
     }
 #undef ALL

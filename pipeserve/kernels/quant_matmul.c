@@ -6,7 +6,8 @@
  * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
  * minus a constant `zero`; quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
- * mask; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
+ * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
+ * them on every path; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb,
@@ -560,6 +561,8 @@ static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint1
     }
 }
 
+#include "quant_k2.h"
+
 /* 1 when pipeserve_quant_gemv honours act_i8 for this layout (else it runs the float path). */
 int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #if defined(HAVE_VNNI)
@@ -600,7 +603,7 @@ static void bind_i8(act_i8 *a, void *buf, int64_t M, int64_t K) {
  * [n0, n1) from it with pipeserve_quant_rows (float32 out [M, N]). act_bytes is 0 where
  * this build has no integer activations for the layout (the float path then runs). */
 int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
-    if (!quant_takes_kind(kind)) return 0;
+    if (!quant_takes_kind(kind) || (quant_is_k2(kind) && !k2_shape_ok(K, group))) return 0;
 #if defined(HAVE_VNNI)
     return pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0) ? act_i8_bytes(M, K) : 0;
 #elif defined(HAVE_AVX2_I16)
@@ -636,6 +639,10 @@ void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const
 #elif defined(HAVE_AVX2_I16)
     act_i16 a;
     i16_act_bind(&a, (void *)act, M, K);
+    if (quant_is_k2(kind)) {   /* their sub-scales in integers (quant_k2.h) */
+        k2_rows_many(kind, M, qs, qh, sc, mn, zero, &a, n0, n1, N, out);
+        return;
+    }
     rows_many_i16(kind, M, qs, sc, mn, group / I16_QB, group, &a, n0, n1, N, out, qh, zero);
 #else
     (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
@@ -668,17 +675,24 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
  * code offset (ignored otherwise; last, so callers built against the two-layout
  * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, -1 when scratch cannot be allocated, -2 for a
- * layout this build does not take (pipeserve_quant_takes). */
+ * layout this build does not take (pipeserve_quant_takes), -3 for q2/q3 arguments not in
+ * whole super-blocks with a scale each (quant_k2.h). */
 int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                          int64_t N, int64_t K, int64_t group, const void *x, int x_bf16, int64_t M,
                          void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     if (!quant_takes_kind(kind)) return -2;
+    if (quant_is_k2(kind) && !k2_shape_ok(K, group)) return -3;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
         xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
     if (act_i8 && pipeserve_quant_act_bytes(kind, K, group, M) > 0) {
         const int rc = gemv_int(kind, qs, sc, mn, N, K, group, xf, M, out, out_bf16, num_threads, qh, zero);
+        free(xf);
+        return rc;
+    }
+    if (quant_is_k2(kind)) {
+        const int rc = k2_gemv_float(kind, qs, qh, sc, mn, zero, N, K, xf, M, out, out_bf16, num_threads);
         free(xf);
         return rc;
     }
@@ -739,11 +753,14 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
 }
 
 /* Returns 0, -1 when scratch cannot be allocated (compact layouts), -2 for a layout this build does
- * not take. */
+ * not take, -3 as pipeserve_quant_gemv. */
 int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                             int64_t K, int64_t group, int64_t r0, int64_t r1, void *out, int out_bf16,
                             int num_threads, const uint8_t *qh, int zero) {
     if (!quant_takes_kind(kind)) return -2;
+    if (quant_is_k2(kind))
+        return k2_shape_ok(K, group) ? k2_dequant(kind, qs, qh, sc, mn, zero, K, r0, r1, out, out_bf16, num_threads)
+                                     : -3;
     const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = kind == 4 ? zero : 0;
     const int64_t groups = K / group;
     int failed = 0;

@@ -30,7 +30,7 @@ dot products, as llama.cpp does. VNNI: int16 (one term, step max|x| / 32767)
 against q4 codes, two int8 terms (step max|x| / (127 * 256)) against q8 codes
 (quant_matmul.c); AVX2: int16 against q8 codes, int8 (step max|x| / 127)
 against q4's, the compact q5/q6 and Q2_K/Q3_K's q2/q3 ones (quant_gemv_avx2.h: vpmaddubsw on
-their raw codes) and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
+their raw codes; q2/q3 in quant_k2.h, times their integer sub-scales in vpmaddwd) and IQ4's i4 codebook values (|w| against x with w's signs, as llama.cpp).
 Each activation moves by at most half its block's step, so
 ``|y - x @ W^T| <= sum_k |w_k| * step(k) / 2`` (plus float32 rounding): about
 1.5e-5 of the block's largest activation for the int16 codes, finer than bfloat16;
@@ -47,8 +47,11 @@ compare them as vLLM does (tests/test_tensor_parallel_quant.py). float32 and bfl
 expanded to q8's int8 codes inside the kernels (in registers on the VNNI, AVX2 integer
 and many-row paths, into a cached scratch row on the float and tiled paths), so every path computes
 on them exactly what it computes on ``to_q8(w)`` (tests/test_quant_kernels.py), but AVX2's
-integer path, whose activations are int8 for them and int16 for q8. Q2_K's and Q3_K's 2/3-bit
-q2/q3 layouts likewise. AVX-512 builds take no i4, q2 or q3
+integer path, whose activations are int8 for them and int16 for q8. Q2_K's and Q3_K's q2/q3
+keep the files' integer sub-scales under a float16 per 256 weights: their float and tiled paths
+dequantize a row exactly (float32 d * sub, the values of ``dequantize``), where ``to_q8`` rounds
+d * sub to float16, so they are tested against ``dequantize`` rather than their q8 expansion.
+AVX-512 builds take no i4, q2 or q3
 (``takes``): the loader widens IQ4, Q3_K and Q2_K to q8 for them.
 """
 
@@ -315,6 +318,9 @@ def _check(rc: int, w: PackedWeight) -> None:
     if rc == -2:
         raise ValueError(f"this build of the quantized kernels does not take the {w.kind} layout of {w.source} "
                          "(IQ4, Q3_K and Q2_K are widened to q8 at load where it does not)")
+    if rc == -3:
+        raise ValueError(f"{w.source} ({w.kind}): q2/q3 weights come in whole super-blocks of 256 with a scale "
+                         f"each, not in_features {w.in_features} in groups of {w.group}")
     if rc != 0:
         raise RuntimeError(f"quantized matmul refused its arguments (code {rc})")
 

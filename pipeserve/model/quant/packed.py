@@ -26,17 +26,25 @@ weights of a row:
   codes up (one byte shuffle per 32 on AVX2) into ``q8``'s int8 codes and run the
   ``q8`` code on them, as for q5/q6. AVX-512 builds have no i4 kernels; there the
   loader widens IQ4 to ``q8`` (``gguf_widen``).
-- ``q2`` / ``q3``: GGUF Q2_K / Q3_K codes in their own bytes: ``qs`` uint8 [out, in / 4],
-  per 128 weights 32 bytes, byte l holding weights l, l + 32, l + 64, l + 96 in its bit
-  pairs 0, 2, 4, 6; q3 adds ``qh`` uint8 [out, in / 8], Q3_K's hmask: per 256 weights 32
-  bytes, bit p of byte l the third bit (4) of weight 32p + l. Groups of 16, a float16 scale
-  each (Q2_K: and minimum), ``zero`` 4 for Q3_K (its codes -4..3): 4.0 bits per weight
-  (Q3_K's file 3.44, Q2_K's 2.63). The kernels expand them into ``q8``'s int8 codes as for
-  q5/q6 (a 32-byte load, shift and mask per 32 weights on AVX2; q3 a compare more); AVX-512
-  builds have no q2/q3 kernels, and there the loader widens them to ``q8``.
+- ``q2`` / ``q3``: GGUF Q2_K / Q3_K as their files hold them, their integer sub-scales
+  included (``K2_SUPER`` = 256 weights a super-block, ``group`` 256): ``qs`` uint8 [out, in / 4],
+  per 128 weights 32 bytes, byte l holding weights l, l + 32, l + 64, l + 96 in its bit pairs
+  0, 2, 4, 6; ``qh`` per super-block: q3 32 bytes of Q3_K's hmask (bit p of byte l the third
+  bit (4) of weight 32p + l) then its sixteen 6-bit scales less 32 as int8 (48 bytes), q2
+  Q2_K's 16 scale bytes as they are (low nibble the scale of a group of 16, high nibble its
+  minimum); ``scale`` float16 [out, in / 256] the super-block's d; q2's ``minv`` [out, in / 256]
+  -dmin. Weight j of group g (16 weights) of a super-block is ``d * sc_g * (q - zero)``, plus
+  ``-dmin * m_g`` for q2; ``zero`` 4 for Q3_K (its codes -4..3). 3.56 bits per weight for q3
+  (1.036x Q3_K's file: its scales unpacked to a byte each), 2.625 for q2 (Q2_K's file exactly).
+  The kernels take the codes as they are and the sub-scales as integers (AVX2: an integer dot of
+  each 16 with int8 activations times its sub-scale, one float multiply per block of 32;
+  ``k2_group_scales`` gives the float32 scale and minimum per 16 the float paths use, exact:
+  a float16 times a 6-bit integer). AVX-512 builds have no q2/q3 kernels, and there the loader
+  widens them to ``q8`` (``to_q8``: those per-16 values rounded to float16).
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
-except on q5/q6 and Q4_0's q4, whose offset of 8 needs no minimum array). Rows are independent, so a row permutation or a
+except on q5/q6/q3 and Q4_0's q4, whose offset of 8 needs no minimum array), q2/q3's scale and
+minimum times their sub-scales as above. Rows are independent, so a row permutation or a
 concatenation of matrices along the output dimension is the same operation on
 ``qs``, ``qh``, ``scale`` and ``minv``.
 """
@@ -52,6 +60,8 @@ import torch
 SUB = 32  # weights per nibble run; every group is a multiple of it
 HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bit-planes above the nibble
 CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbles)
+K2_SUPER = 256                                 # q2/q3: weights per super-block (a scale, 16 sub-scales)
+K2_HIGH = {"q2": 16, "q3": 48}                 # q2/q3: ``qh`` bytes per super-block (q3: hmask, sub-scales)
 IQ4_VALUES = tuple(int(v) for v in gguf.quants.IQ4_NL.kvalues)   # i4's codebook: -127 .. 113
 
 
@@ -63,7 +73,8 @@ class PackedWeight:
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
-    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes; q3: [out, in / 8]
+    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes;
+                                     # q2/q3: [out, in / 256 * K2_HIGH] sub-scales (q3: hmask first)
     zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
 
@@ -117,6 +128,10 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     """[out, in] in ``dtype``, computed in float32 on the weight's device (the
     reference the C kernels are tested against, and the CUDA/no-compiler path)."""
     rows = w.out_features
+    if w.kind in ("q2", "q3"):
+        scale, minv = k2_group_scales(w)                                     # [out, in / 16] each
+        out = _k2_codes(w).view(rows, -1, 16).float() * scale.unsqueeze(-1)
+        return (out if minv is None else out + minv.unsqueeze(-1)).reshape(rows, -1).to(dtype)
     if w.kind == "q8":
         q = w.qs.view(rows, -1, w.group).float()
     else:
@@ -126,6 +141,17 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     if w.minv is not None:
         out = out + w.minv.float().unsqueeze(-1)
     return out.reshape(rows, -1).to(dtype)
+
+
+def k2_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A q2/q3 weight's scale and minimum (q3: None) per group of 16, float32 [out, in / 16]:
+    d * sc and -dmin * m, exact (a float16 times an integer below 64 needs 17 bits)."""
+    rows = w.out_features
+    high = w.qh.view(rows, -1, K2_HIGH[w.kind])                             # [out, in / 256, bytes]
+    per = (lambda t: t.float().repeat_interleave(16, dim=1))                 # a super-block's to its groups
+    if w.kind == "q3":
+        return per(w.scale) * high[..., 32:].view(torch.int8).reshape(rows, -1).float(), None
+    return per(w.scale) * (high & 15).reshape(rows, -1).float(), per(w.minv) * (high >> 4).reshape(rows, -1).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -160,7 +186,7 @@ def _k2_codes(w: PackedWeight) -> torch.Tensor:
     q = (pairs >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=dev).view(4, 1)) & 3   # [.., 4, 32]
     q = q.reshape(rows, -1).to(torch.int16)
     if w.kind == "q3":
-        mask = w.qh.view(rows, -1, 1, 32)                                   # [out, in / 256, 1, 32 bytes]
+        mask = w.qh.view(rows, -1, K2_HIGH["q3"])[..., None, :32]          # [out, in / 256, 1, 32 bytes]
         high = (mask >> torch.arange(8, dtype=torch.uint8, device=dev).view(8, 1)) & 1   # [.., 8, 32]
         q = q | (high.reshape(rows, -1).to(torch.int16) << 2)
     return (q - w.zero).to(torch.int8)
@@ -169,7 +195,11 @@ def _k2_codes(w: PackedWeight) -> torch.Tensor:
 def to_q8(w: PackedWeight) -> PackedWeight:
     """A q5/q6/i4/q2/q3 weight in the byte-per-code ``q8`` layout (the layout they had before
     the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds: benchmarks compare the two;
-    tests check the kernels agree)."""
+    tests check the kernels agree). q2/q3's scale and minimum per 16 (``k2_group_scales``) are
+    rounded to float16 there: at most 2^-11 of each."""
+    if w.kind in ("q2", "q3"):
+        scale, minv = k2_group_scales(w)
+        return PackedWeight("q8", 16, expand_codes(w), scale.half(), None if minv is None else minv.half(), w.source)
     return PackedWeight("q8", w.group, expand_codes(w), w.scale, w.minv, w.source)
 
 
