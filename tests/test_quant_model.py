@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeserve.model.loader import resolve_model
-from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import GEMV_MAX_ROWS, PROMPT_INT8_KINDS, cpu_kernels
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
@@ -124,4 +124,11 @@ def test_five_bit_gguf_stage_stays_at_its_file_size(qtype, tmp_path):
     assert kept.weight_bytes <= 1.01 * file_tensor_bytes, (kept.weight_bytes, file_tensor_bytes)
     ids = list(range(3, 40))
     ref, got = _all_logits(dense, ids), _all_logits(kept, ids)
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    rel = ((got - ref).norm() / ref.norm()).item()
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.isa == "avx2" and "q5" in PROMPT_INT8_KINDS:
+        # The prompt's rows take int8 activations, as a decode does (2 % measured on this tiny model).
+        assert rel < 0.05, rel
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    else:                   # the tiles: the dequantized weights, exactly
+        assert rel < 1e-5, rel
