@@ -27,6 +27,7 @@ from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batc
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
+from pipeserve.worker.model_runner import check_kv_fits
 from pipeserve.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,7 @@ class LLMEngine:
         self.config = config
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()
-        # The tokenizer loads (transformers' import, seconds) while the stages start.
-        tokenizer = _Background(load_tokenizer, resolve_model(config.tokenizer) if config.tokenizer else self.source)
+        tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
         self.dtype = DTYPES[config.torch_dtype_name]
         if config.tensor_parallel_size > 1:   # refuse before any process starts
             from pipeserve.model.loader import split_alignment
@@ -62,7 +62,14 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks, self.requests,
                                    rope_switch_len=self.model_config.rope_switch_len)
-        self.executor = executor or self._make_executor()
+        # The tokenizer loads (transformers' import, seconds) while the stages start. Whatever
+        # fails, the thread is joined first: transformers' lazy import is not safe to race.
+        tokenizer = _Background(load_tokenizer, tokenizer_source)
+        try:
+            self.executor = executor or self._make_executor()
+        except BaseException:
+            tokenizer.join()
+            raise
         try:
             self.tokenizer = tokenizer.result()
         except BaseException:
@@ -112,6 +119,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"--kv-cache-memory {self.config.kv_cache_memory} holds no KV block "
                              f"(one block takes {block_bytes} bytes per stage)")
+        if self.config.nnodes == 1 and self.config.device == "cpu":   # refused before the stages start
+            check_kv_fits(int(num_blocks) * block_bytes)
         host = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
         return int(num_blocks), int(host)
 
@@ -407,6 +416,9 @@ class _Background:
             self._out.append((True, fn(*args)))
         except BaseException as e:      # handed to result()'s caller
             self._out.append((False, e))
+
+    def join(self) -> None:
+        self._thread.join()
 
     def result(self):
         self._thread.join()

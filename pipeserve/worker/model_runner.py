@@ -73,7 +73,7 @@ class ModelRunner:
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
 
         if device.type == "cpu" and not pin and blocks:
-            _check_fits(2 * self.model.num_layers * math.prod(shape) * self.kv_dtype.itemsize)
+            check_kv_fits(2 * self.model.num_layers * math.prod(shape) * self.kv_dtype.itemsize)
 
         def make() -> torch.Tensor:
             if device.type == "cpu" and not pin:
@@ -184,10 +184,11 @@ _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
 
 
-def _check_fits(nbytes: int) -> None:
+def check_kv_fits(nbytes: int) -> None:
     """Refuse a CPU KV cache larger than the memory available now. Its pages are only
     touched as blocks are first written, so an oversized cache would not fail here but
-    when the engine fills it, killed by the kernel mid-run and again after every restart."""
+    when the engine fills it, killed by the kernel mid-run and again after every restart.
+    Each stage checks its own; the engine checks its local stages' before starting them."""
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
