@@ -467,6 +467,17 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
     row_dot_i16_from(kind, q, qh, zero, sc, mn, per, left, a, m_rows, 0, acc, acc2, accm, res);
 }
 
+/* Weight row f's codes, high bits (qh: high bytes a row, may be 0), scales and minimums
+ * (mn may be NULL; per_row of each a row) into L1. */
+static inline __attribute__((always_inline)) void
+prefetch_row(const uint8_t *qs, int64_t row_bytes, const uint8_t *qh, int64_t high, const uint16_t *sc,
+             const uint16_t *mn, int64_t per_row, int64_t f) {
+    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
+    for (int64_t o = 0; o < high; o += 64) _mm_prefetch((const char *)(qh + f * high + o), _MM_HINT_T0);
+    _mm_prefetch((const char *)(sc + f * per_row), _MM_HINT_T0);
+    if (mn) _mm_prefetch((const char *)(mn + f * per_row), _MM_HINT_T0);
+}
+
 /* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched
  * while row n is computed. */
 static inline __attribute__((always_inline)) void
@@ -477,13 +488,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
     const int64_t groups = K / group;
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
-        if (f < n1) {
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
-            for (int64_t o = 0; o < high_bytes; o += 64)
-                _mm_prefetch((const char *)(qh + f * high_bytes + o), _MM_HINT_T0);
-            _mm_prefetch((const char *)(sc + f * groups), _MM_HINT_T0);
-            if (mn) _mm_prefetch((const char *)(mn + f * groups), _MM_HINT_T0);
-        }
+        if (f < n1) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
         float res[I16_ROWS];
         row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
                     mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);

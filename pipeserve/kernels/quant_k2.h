@@ -217,12 +217,7 @@ k2_rows(int kind, int m_rows, const uint8_t *qs, const uint8_t *qh, const uint16
     const int64_t supers = K / QUANT_K2_SUPER;
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
-        if (f < n1) {
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
-            for (int64_t o = 0; o < high; o += 64) _mm_prefetch((const char *)(qh + f * high + o), _MM_HINT_T0);
-            _mm_prefetch((const char *)(sc + f * supers), _MM_HINT_T0);
-            if (mn) _mm_prefetch((const char *)(mn + f * supers), _MM_HINT_T0);
-        }
+        if (f < n1) prefetch_row(qs, row_bytes, qh, high, sc, mn, supers, f);
         float res[I16_ROWS];
         k2_row(kind, qs + n * row_bytes, qh + n * high, sc + n * supers, mn ? mn + n * supers : NULL, zero, a,
                m_rows, res);
