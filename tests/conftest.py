@@ -50,13 +50,14 @@ def hf_smollm2(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                  dtype=torch.float32)
     # transformers will not save_pretrained a model loaded from a GGUF: its weights and config as they are.
+    # A cache that cannot be written only costs the next session the load again.
     partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(partial / "model.safetensors"))
-    config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
-    config["architectures"] = [type(model).__name__]
-    (partial / "config.json").write_text(json.dumps(config))
     try:
+        partial.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(partial / "model.safetensors"))
+        config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}
+        config["architectures"] = [type(model).__name__]
+        (partial / "config.json").write_text(json.dumps(config))
         partial.rename(saved)               # whole or not at all (another session may race us)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
