@@ -298,6 +298,24 @@ u8_block(int kind, __m256i c, const act_i16 *a, int64_t b, int m_rows, const __m
 
 /* Element i of each 128-bit lane of v in all four of that lane (an immediate vpermilps, i a
  * constant once inlined: vpermilps by a vector index cost a broadcast from a general register). */
+/* Groups of 16 (two a block), the run of blocks b0 .. b0 + I16_RUN - 1: its 16 scales as
+ * s0e / s1e (groups g0 g2 g4 g6 | g1 g3 g5 g7 of blocks 0-3 / 4-7) and their minimum terms m0 / m1
+ * (scale * zw + minimum, in the groups' order). The one-row gemv and the many-row kernel both
+ * take them from here, so a row of the one is the other's bit for bit. */
+static inline __attribute__((always_inline)) void
+g16_run_scales(const uint16_t *sc, const uint16_t *mn, int64_t b0, float zw, __m256 *s0e, __m256 *s1e, __m256 *m0,
+               __m256 *m1) {
+    const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+    *s0e = _mm256_permutevar8x32_ps(s0, eo);
+    *s1e = _mm256_permutevar8x32_ps(s1, eo);
+    *m0 = _mm256_fmadd_ps(s0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+        _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
+    *m1 = _mm256_fmadd_ps(s1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
+        _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
+}
+
 static inline __attribute__((always_inline)) __m256 lane_splat(__m256 v, int i) {
     switch (i) {
     case 0: return _mm256_permute_ps(v, 0x00);
@@ -339,14 +357,8 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
     for (int m = 0; m < m_rows; m++) mins[m] = 0.0f;
     for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
-            const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
-            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
-            const __m256 s0e = _mm256_permutevar8x32_ps(s0, eo), s1e = _mm256_permutevar8x32_ps(s1, eo);
-            const __m256 m0 = _mm256_fmadd_ps(s0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
-            const __m256 m1 = _mm256_fmadd_ps(s1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
+            __m256 s0e, s1e, m0, m1;
+            g16_run_scales(sc, mn, b0, zw, &s0e, &s1e, &m0, &m1);
             const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
             __m256 sd0[I16_ROWS], sd1[I16_ROWS];   /* blocks 0-3, 4-7: g0 g2 g4 g6 | g1 g3 g5 g7 */
             for (int m = 0; m < m_rows; m++) {
@@ -656,7 +668,7 @@ static inline __attribute__((always_inline)) void
 u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uint8_t *qh, const uint16_t *sc,
             const uint16_t *mn, int zero, const act_i16 *a, float *res) {
     const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
-    const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
     const float zw = -(float)zero;
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
@@ -665,13 +677,8 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
     for (int64_t r = 0; r < runs; r++) {
         const int64_t b0 = r * I16_RUN;
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15 as g0 g2 g4 g6 | g1 g3 g5 g7 times d, the gemv's sd0 / sd1 */
-            const __m256 g0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
-            const __m256 g1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
-            const __m256 s0 = _mm256_permutevar8x32_ps(g0, eo), s1 = _mm256_permutevar8x32_ps(g1, eo);
-            const __m256 m0 = _mm256_fmadd_ps(g0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(mn + 2 * b0))) : _mm256_setzero_ps());
-            const __m256 m1 = _mm256_fmadd_ps(g1, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-                _mm_loadu_si128((const __m128i *)(mn + 2 * b0 + 8))) : _mm256_setzero_ps());
+            __m256 s0, s1, m0, m1;
+            g16_run_scales(sc, mn, b0, zw, &s0, &s1, &m0, &m1);
             for (int m = 0; m < U8T_ROWS; m++) {
                 const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
                 _mm256_store_ps(sd[m][0], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
