@@ -1,5 +1,6 @@
 """Starting stage processes: ``python -m pipeserve worker --stage S ...`` subprocesses,
-for the driver's node and for ``pipeserve worker`` on another node (one code path).
+for the driver's node and for ``pipeserve worker`` on another node (one code path),
+forked from a zygote that has imported torch once (zygote.py) where it can be.
 
 A stage is its own program: it imports pipeserve, never the user's script,
 so a script without ``if __name__ == "__main__":`` works at PP > 1. The
@@ -24,6 +25,7 @@ from pipeserve.comm.messages import NodeInfo
 from pipeserve.comm.rendezvous import ask_driver
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.pipeline.spec import stages_of_node
+from pipeserve.pipeline.zygote import stage_zygote
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that h
 class StageProcess:
     """One stage subprocess: ``pid``, ``is_alive()``, ``exitcode`` (-N: killed by signal N)."""
 
-    def __init__(self, stage: int, popen: subprocess.Popen) -> None:
+    def __init__(self, stage: int, popen) -> None:   # subprocess.Popen or zygote.ForkedProcess
         self.stage, self.popen, self.pid = stage, popen, popen.pid
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._pump = threading.Thread(target=self._pump_stderr, name=f"stage{stage}-stderr", daemon=True)
@@ -99,11 +101,19 @@ def start_stages(stages: list[int], master_addr: str, master_port: int, key: byt
     paths = [PACKAGE_ROOT] + [p for p in sys.path if p and os.path.isdir(p)]
     env = {**os.environ, KEY_ENV: key.decode(), "PIPESERVE_PARENT_PID": str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    zygote = stage_zygote(env)
     procs = {}
     for stage in stages:
-        popen = subprocess.Popen(stage_command(stage, master_addr, master_port, timeout, rejoin_timeout),
-                                 env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                 errors="replace")
+        command = stage_command(stage, master_addr, master_port, timeout, rejoin_timeout)
+        popen = None
+        if zygote is not None:
+            try:
+                popen = zygote.spawn(command[3:], env, paths)
+            except RuntimeError as exc:
+                logger.warning("%s; starting stage %d as a new interpreter", exc, stage)
+        if popen is None:
+            popen = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     errors="replace")
         procs[stage] = StageProcess(stage, popen)
     return procs
 
