@@ -4,7 +4,6 @@ cleanly."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import threading
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeserve import LLM, SamplingParams
+from tests.procs import descendants, stage_processes
 from tests.test_engine_behaviour import random_prompts, token_lists
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
@@ -105,23 +105,10 @@ def test_killed_stage_fails_every_request_and_leaves_no_process(qwen2):
     # The victim's neighbour may notice first (its send fails): either is named.
     assert all("pipeline stage" in o.error and "died" in o.error for o in outs), outs[0].error
     assert not llm.engine.healthy
-    assert not multiprocessing.active_children()
+    assert not descendants(os.getpid()) & set(pids)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-def _children() -> list[int]:
-    """This process's live child processes (zombies, reaped or not, excluded)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def test_a_tokenizer_that_fails_to_load_stops_the_stages_it_overlapped(qwen2, tmp_path):
@@ -131,9 +118,9 @@ def test_a_tokenizer_that_fails_to_load_stops_the_stages_it_overlapped(qwen2, tm
     for name in ("config.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((Path(path) / name).read_bytes())
     (tmp_path / "tokenizer.json").write_text("{not json")
-    before = set(_children())
+    before = stage_processes(os.getpid())
     with pytest.raises(Exception) as raised:
         LLM(model=path, tokenizer=str(tmp_path), dtype="float32", kv_cache_memory="16MiB",
             pipeline_parallel_size=2, threads_per_stage=1)
     assert "pipeline stage" not in str(raised.value)
-    assert set(_children()) <= before
+    assert stage_processes(os.getpid()) <= before

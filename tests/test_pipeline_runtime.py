@@ -4,7 +4,6 @@ overlap, GPipe bubbles match (P-1)/(M+P-1), and failures end cleanly."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.local_executor import LocalExecutor
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+from tests.procs import descendants, stage_processes
 
 # -- a minimal driver loop: greedy decoding, each sequence with its own KV blocks --
 BLOCKS_PER_SEQ = 4
@@ -83,7 +83,7 @@ def config(pp: int, **kw) -> EngineConfig:
 
 
 def assert_no_process_left(pids: list[int]) -> None:
-    assert not {p.pid for p in multiprocessing.active_children()} & set(pids)
+    assert not descendants(os.getpid()) & set(pids)
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -268,11 +268,11 @@ def test_silent_stage_times_out_and_is_named() -> None:
 
 def test_stage_that_fails_to_load_is_reported() -> None:
     cfg = _synthetic_cfg()
-    before = {p.pid for p in multiprocessing.active_children()}
+    before = stage_processes(os.getpid())
     with pytest.raises(ExecutorError, match=r"(?s)failed to start:.*no such weights"):
         PipelineExecutor(config(2), SyntheticSource(), cfg, uniform_partition(cfg.num_layers, 2), 8, 0,
                          runner_factory=failing_runner)
-    assert {p.pid for p in multiprocessing.active_children()} <= before
+    assert stage_processes(os.getpid()) <= before
 
 
 def test_bad_partition_is_refused_before_spawning() -> None:

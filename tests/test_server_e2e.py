@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pipeserve.sampling_params import SamplingParams
 from tests.checkpoints import build_checkpoint
+from tests.procs import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key"
@@ -80,15 +81,8 @@ def _free_port() -> int:
 
 
 def _children(pid: int) -> set[int]:
-    kids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.add(int(stat.parent.name))
-    return kids
+    """Every live process below ``pid``: its stage zygote and the stages forked from it."""
+    return descendants(pid)
 
 
 def _start_server(model_dir: Path, pp: int, log: Path, *extra: str) -> Server:
