@@ -143,3 +143,23 @@ def test_the_quantized_kernels_compile_for_every_instruction_set(march, tmp_path
                                  "-c", str(build._HERE / f"{name}.c"), "-o", str(tmp_path / f"{name}.o")],
                                 capture_output=True, text=True)
         assert result.returncode == 0, (name, march, result.stderr[-2000:])
+
+
+@skip_without_kernel("quant_matmul")
+def test_forgetting_the_loaded_kernels_reaches_every_holder(fresh, monkeypatch):
+    """What holds a loaded library (the quantized matmuls, the fused elementwise ops, the
+    bfloat16 GEMM, the GGUF repack and widen) is built again after ``forget_loaded``: a test
+    that forces another CC never leaves its build behind for the rest of the process."""
+    from pipeserve.model.packed_linear import gemm_kernel
+    from pipeserve.model.quant.cpu_kernels import cpu_kernels
+    from pipeserve.model.quant.gguf_repack import _c_repack
+    from pipeserve.model.quant.gguf_widen import _c_widen
+    holders = [cpu_kernels, cpu_elementwise, gemm_kernel, _c_repack, _c_widen]
+    native = [holder() for holder in holders]
+    assert all(lib is not None for lib in native)
+    monkeypatch.setenv("CC", _fake_compiler(fresh / "cc", "exit 1"))
+    build.forget_loaded()
+    assert [holder() for holder in holders] == [None] * len(holders)   # each asked the failing CC
+    monkeypatch.delenv("CC")
+    build.forget_loaded()
+    assert all(holder() is not None for holder in holders)

@@ -75,9 +75,24 @@ def _load_once(name: str) -> ctypes.CDLL | KernelBuildError:
         return exc
 
 
+_HOLDERS: list = []
+
+
+def kernel_cache(fn):
+    """``functools.lru_cache`` for a function that returns what holds a loaded kernel (or
+    None after a failed build): ``forget_loaded`` clears it too, so a library built with
+    another CC or cache dir is never kept past the change."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+    _HOLDERS.append(cached)
+    return cached
+
+
 def forget_loaded() -> None:
-    """Forget what this process built or failed to build (tests change CC or the cache dir)."""
+    """Forget what this process built or failed to build, and every ``kernel_cache`` that holds
+    one (tests change CC or the cache dir)."""
     _load_once.cache_clear()
+    for holder in _HOLDERS:
+        holder.cache_clear()
 
 
 def _build_and_load(name: str) -> ctypes.CDLL:

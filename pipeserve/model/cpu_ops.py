@@ -16,10 +16,11 @@ failed build of another kernel file does not switch them off.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 import torch
+
+from pipeserve.kernels.build import kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def _bind(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
     return fn
 
 
-@functools.lru_cache(maxsize=1)
+@kernel_cache
 def cpu_elementwise() -> CpuElementwise | None:
     """The fused kernels, or None (the layers then run their PyTorch ops); a
     failed build is logged once per process."""

@@ -36,6 +36,8 @@ import logging
 
 import torch
 
+from pipeserve.kernels.build import kernel_cache
+
 log = logging.getLogger(__name__)
 
 
@@ -114,7 +116,7 @@ class Bf16Gemm:
             raise RuntimeError(f"bf16_gemm.c returned {rc}")
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_cache
 def gemm_kernel() -> Bf16Gemm | None:
     """The C kernel, or None (why logged once: the layers then use oneDNN's packed weights)."""
     from pipeserve.kernels.build import KernelBuildError

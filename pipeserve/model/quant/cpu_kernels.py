@@ -58,11 +58,11 @@ AVX-512 builds take no i4, q2 or q3
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 import torch
 
+from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.quant.packed import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-@functools.lru_cache(maxsize=1)
+@kernel_cache
 def cpu_kernels() -> QuantKernels | None:
     """The C kernels, or None (then quantized layers dequantize with PyTorch ops);
     logs once which path runs."""

@@ -18,13 +18,13 @@ a scale, far below the quantization step itself.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 import gguf
 import numpy as np
 import torch
 
+from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.quant.gguf_widen import WIDENED
 from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
 
@@ -89,7 +89,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float16).reshape(rows, -1), minv.astype(np.float16).reshape(rows, -1)
 
 
-@functools.lru_cache(maxsize=1)
+@kernel_cache
 def _c_repack() -> ctypes.CDLL | None:
     """kernels/gguf_repack.c (the K-quants in one pass, bit for bit the numpy path below), or
     None: the numpy path, with the reason logged once."""

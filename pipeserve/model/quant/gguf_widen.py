@@ -40,6 +40,7 @@ import gguf
 import numpy as np
 import torch
 
+from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.quant.cpu_kernels import cpu_kernels
 from pipeserve.model.quant.packed import PackedWeight, to_q8
 
@@ -122,7 +123,7 @@ _TYPES = {T.IQ4_NL: (_iq4_nl, "pipeserve_widen_iq4_nl", "i4", 128, 0, 1, 8, 32),
           T.Q2_K: (_q2_k, "pipeserve_widen_q2_k", "q2", 64, 16, 2, 1, 16)}
 
 
-@functools.lru_cache(maxsize=1)
+@kernel_cache
 def _c_widen() -> ctypes.CDLL | None:
     """kernels/gguf_widen.c, or None: the numpy path, with the reason logged once."""
     from pipeserve.kernels.build import KernelBuildError, load_kernel
