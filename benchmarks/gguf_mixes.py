@@ -14,6 +14,13 @@ mixes, with the types it picks per tensor as for any Llama/Qwen3 file:
 over SmolLM2's 49152 tokens. Weights are N(0, 0.02): the tokens they produce mean
 nothing; speed and memory do not depend on them. Writes ``{arch}-{TYPE}.gguf`` and removes
 the float16 source. Needs the optional llama-cpp-python (``pip install 'pipeserve[llamacpp]'``).
+
+``--random-blocks`` needs no llama.cpp: each tensor is written as random valid blocks (float16
+scales of a trained model's size) of the type ``RANDOM_MIXES`` gives its role, an approximation
+of llama.cpp's picks (it varies some roles by layer); the files then hold exactly the mix's
+layouts at their bytes, which is what loading, memory and kernel speed depend on:
+
+    python benchmarks/gguf_mixes.py --out /tmp/gguf-mixes --random-blocks --types Q2_K,Q3_K_M,IQ4_XS
 """
 
 from __future__ import annotations
@@ -28,10 +35,33 @@ SHAPES = {  # hidden, ffn, heads, kv heads, head dim
     "llama": (2048, 5632, 32, 8, 64),
     "qwen3": (2048, 6144, 16, 8, 128),
 }
+# --random-blocks: per file type, (the default type, {role: type}); the head is Q6_K as llama.cpp
+# writes it, the embedding the default type.
+RANDOM_MIXES = {
+    "Q2_K": ("Q2_K", {"attn_v": "Q3_K", "ffn_down": "Q3_K", "attn_output": "Q4_K", "output": "Q6_K"}),
+    "Q3_K_M": ("Q3_K", {"attn_v": "Q4_K", "ffn_down": "Q4_K", "attn_output": "Q4_K", "output": "Q6_K"}),
+    "Q3_K_S": ("Q3_K", {"output": "Q6_K"}),
+    "IQ4_XS": ("IQ4_XS", {"output": "Q6_K"}),
+    "IQ4_NL": ("IQ4_NL", {"output": "Q6_K"}),
+    "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}),
+}
+FLOAT16_OFFSETS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # else (0, 2)
 SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
 
 
-def write_f16(path: Path, arch: str, layers: int, seed: int = 0) -> None:
+def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row bytes] uint8: random blocks of ``qtype`` whose float16 scales are ~2e-4
+    (IQ4_XS: and its 6-bit sub-scales random), so the weights are of a trained model's size."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in FLOAT16_OFFSETS.get(qtype.name, (0, 2)):
+        d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None = None) -> None:
+    """The float16 source model, or (``mix``: a key of RANDOM_MIXES) that mix as random blocks."""
     from pipeserve.model.loader import resolve_model
     hidden, ffn, heads, kv_heads, head_dim = SHAPES[arch]
     src = gguf.GGUFReader(str(resolve_model("smollm2-135m-instruct").path))
@@ -55,15 +85,20 @@ def write_f16(path: Path, arch: str, layers: int, seed: int = 0) -> None:
             w.add_key_value(key, field.contents(), field.types[0])
     for key, value in shape.items():
         w.add_uint32(f"{arch}.{key}", value)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{mix}" if mix else "MOSTLY_F16"))
     rng = np.random.default_rng(seed)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+    def add_matrix(name: str, rows: int, cols: int) -> None:
+        if mix is None:
+            w.add_tensor(name, (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16))
+            return
+        default, roles = RANDOM_MIXES[mix]
+        qtype = gguf.GGMLQuantizationType[roles.get(name.split(".")[-2], default)]
+        w.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
 
-    w.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    add_matrix("token_embd.weight", vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("output.weight", matrix(vocab, hidden))
+    add_matrix("output.weight", vocab, hidden)
     q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         b = f"blk.{i}."
@@ -75,7 +110,7 @@ def write_f16(path: Path, arch: str, layers: int, seed: int = 0) -> None:
         for name, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
                                  ("attn_output", hidden, q), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
                                  ("ffn_down", hidden, ffn)):
-            w.add_tensor(b + name + ".weight", matrix(rows, cols))
+            add_matrix(b + name + ".weight", rows, cols)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -98,8 +133,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--types", default="Q4_K_M,IQ4_XS,Q3_K_M,Q2_K")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--random-blocks", action="store_true",
+                    help="write each mix as random blocks of RANDOM_MIXES' types (no llama.cpp needed)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.random_blocks:
+        for file_type in args.types.split(","):
+            if file_type not in RANDOM_MIXES:
+                raise SystemExit(f"--random-blocks knows the mixes {', '.join(RANDOM_MIXES)}, not {file_type}")
+            write_f16(args.out / f"{args.arch}-{file_type}.gguf", args.arch, args.layers, mix=file_type)
+            print(args.out / f"{args.arch}-{file_type}.gguf")
+        return
     src = args.out / f"{args.arch}-F16.gguf"
     write_f16(src, args.arch, args.layers)
     try:

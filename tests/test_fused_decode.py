@@ -189,8 +189,7 @@ def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):
     layers do."""
     from pipeserve.model.quant.gguf_widen import keeps
     from tests.checkpoints import write_llama_gguf
-    if not keeps("i4"):
-        pytest.skip("this build's quantized kernels take no i4 (an AVX-512 build): IQ4 is widened to q8")
+    assert keeps("i4"), "every build's quantized kernels take i4"
     gguf = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "iq4.gguf",
                             qtype="IQ4_NL", qtypes={"attn_v": "Q4_0", "ffn_up": "Q8_0"})
     source = resolve_model(str(gguf))
@@ -208,8 +207,7 @@ def test_q2_q3_parts_fused_equal_python_layers(threads, tmp_path):
     pipeserve_quant_rows) as the Python layers do."""
     from pipeserve.model.quant.gguf_widen import keeps
     from tests.test_tensor_parallel_quant import Q2_K_TYPES, _kquant_gguf
-    if not keeps("q2"):
-        pytest.skip("this build's quantized kernels take no q2/q3 (an AVX-512 build): Q2_K/Q3_K are widened to q8")
+    assert keeps("q2") and keeps("q3"), "every build's quantized kernels take q2/q3"
     source = resolve_model(str(_kquant_gguf(tmp_path, Q2_K_TYPES, "Q2_K", "q2_k")))
     cfg = source.load_config()
     layer = _fused_equals_python(lambda: _runner(source, cfg), torch.float32, threads, 6).model.layers[0]

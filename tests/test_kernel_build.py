@@ -135,8 +135,8 @@ def test_a_failed_attention_build_leaves_the_fused_kernels_on(fresh, monkeypatch
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512", "sapphirerapids"])
 def test_the_quantized_kernels_compile_for_every_instruction_set(march, tmp_path):
     """The portable, AVX2, AVX-512 (VNNI-less) and AVX512_BF16 + VNNI branches of the quantized
-    kernels and the loader's widening compile, as machines other than this one build them (an
-    AVX-512 build refuses the i4/q2/q3 layouts and keeps their widened q8: it must still compile)."""
+    kernels and the loader's widening compile, as machines other than this one build them (AVX-512
+    ones compile the AVX2 i4/q2/q3 code too; the VNNI-less one has no integer decode for them)."""
     import subprocess
     for name in ("quant_matmul", "quant_gemm", "gguf_widen", "decode_stage"):
         result = subprocess.run([build._compiler(), "-O1", f"-march={march}", "-fopenmp", "-fPIC", "-std=gnu11",

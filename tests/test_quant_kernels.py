@@ -10,7 +10,8 @@ d * (256 * q1 + q2) with two int8 codes (q8 weights) or as d' * q with one int16
 code (q4 weights, d' = max|x| / 32767) and moves it by at most
 d = max|x| / (127 * 256) over its block of 32; AVX2 builds use the int16 code for
 q8 weights and move it by at most d' / 2, and one int8 code for q4/q5/q6/i4/q2/q3 ones
-(max|x| / 127, at most half of it): see ``_int8_activation_bound``.
+(max|x| / 127, at most half of it), as VNNI builds do for i4/q2/q3 (AVX2's kernels there):
+see ``_int8_activation_bound``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-import pipeserve.model.quant.gguf_widen as widen
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
@@ -39,8 +39,7 @@ K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)                 # it cannot: random valid bl
 IQ4 = (T.IQ4_NL, T.IQ4_XS)                          # nor these: random blocks (every byte is valid)
 K2 = (T.Q3_K, T.Q2_K)                               # nor these (their float16 d, dmin set)
 FLOAT16_OFFSETS = {T.Q6_K: (208,), T.Q3_K: (108,), T.Q2_K: (80, 82)}   # others: (0, 2) (IQ4: d at 0)
-COMPACT_KIND = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # widened to q8 where not taken
-INT8_KINDS = ("q4", "q5", "q6", "i4", "q2", "q3")         # AVX2's integer path: int8 activations
+COMPACT_KIND = {T.IQ4_NL: "i4", T.IQ4_XS: "i4", T.Q3_K: "q3", T.Q2_K: "q2"}   # kept so on every build
 ROWS, COLS = 48, 512                                 # COLS: two K-quant super-blocks
 ROW_COUNTS = (1, 3, GEMV_MAX_ROWS, 64)               # decode (gemv) and prefill (tiled) shapes
 needs_kernel = skip_without_kernel("quant_matmul")
@@ -100,29 +99,27 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
 # hold a float16 scale and minimum per 32 weights where the file has 6-bit ones under
 # a float16 per 256 (160 / 144, 192 / 176 bytes per 256), Q6_K a float16 scale per 16
 # where the file has int8 ones (224 / 210). IQ4 as i4: IQ4_NL its block's bytes, IQ4_XS a float16
-# scale per 32 where the file has 6-bit ones under a float16 per 256 (144 / 136); widened to q8
-# where the kernels take no i4 (AVX-512 builds): 34 / 18 and 272 / 136. Q3_K as q3, Q2_K as q2:
-# their code bytes (Q3_K: and hmask), integer sub-scales and float16 d (Q2_K: and dmin) per 256 as
-# the file has them, Q3_K's 6-bit sub-scales a byte each (114 / 110, 84 / 84); widened: 288 / 110, 320 / 84.
+# scale per 32 where the file has 6-bit ones under a float16 per 256 (144 / 136). Q3_K as q3, Q2_K
+# as q2: their code bytes (Q3_K: and hmask), integer sub-scales and float16 d (Q2_K: and dmin) per
+# 256 as the file has them, Q3_K's 6-bit sub-scales a byte each (114 / 110, 84 / 84). Every build
+# keeps them so (AVX-512 ones too: before, they widened IQ4, Q3_K and Q2_K to q8, 1.9-3.8x the file).
 RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
                       T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
                       T.Q3_K: 114 / 110, T.Q2_K: 1.0}
-WIDENED_OVER_FILE = {T.IQ4_NL: 34 / 18, T.IQ4_XS: 272 / 136, T.Q3_K: 288 / 110, T.Q2_K: 320 / 84}
 
 
 def test_kept_bytes_stay_close_to_the_file(gguf_file):
     """5/6-bit codes are kept compact (nibbles + high-bit planes), IQ4's as its nibbles, Q3_K's
     and Q2_K's as their bit pairs (+ hmask) and integer sub-scales, not a byte per code: Q2_K at
-    its file's bytes, Q3_K within 4% of them."""
+    its file's bytes, Q3_K within 4% of them, on every build."""
     path, types = gguf_file
     for i, ttype in enumerate(types):
         packed, _ = _read(path, i)
         block, size = gguf.GGML_QUANT_SIZES[ttype]
         file_bytes = ROWS * COLS // block * size
-        widened = ttype in COMPACT_KIND and not widen.keeps(COMPACT_KIND[ttype])
-        ratio = WIDENED_OVER_FILE[ttype] if widened else RESIDENT_OVER_FILE[ttype]
-        assert packed.nbytes == round(ratio * file_bytes), (ttype.name, packed.nbytes, file_bytes)
-        assert packed.nbytes <= 1.17 * file_bytes or ratio > 1.17
+        assert packed.kind == COMPACT_KIND.get(ttype, packed.kind), ttype.name
+        assert packed.nbytes == round(RESIDENT_OVER_FILE[ttype] * file_bytes), (ttype.name, packed.nbytes, file_bytes)
+        assert packed.nbytes <= 1.17 * file_bytes
 
 
 def test_compact_codes_pack_and_expand_exactly():
@@ -179,8 +176,9 @@ def test_k2_codes_are_the_bit_pairs_and_hmask_bits_in_gguf_order(kind):
 def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts and IQ4_NL/IQ4_XS in i4 give exactly
     what the same codes a byte each (q8, their widened layout) give, on every kernel path: the
-    kernels expand a row (or a panel) into those bytes and run the q8 code. Except AVX2's integer
-    decode path, where q5/q6/i4 take int8 activations and q8 int16 ones: each within its own bound.
+    kernels expand a row (or a panel) into those bytes and run the q8 code. Except the integer
+    decode path where the compact layout takes int8 activations and q8 finer ones (AVX2: q5/q6/i4
+    against int16; VNNI: i4 against two int8 terms, ``act_int8``): each within its own bound.
     (q2/q3 keep integer sub-scales that their q8 rounds to float16: test_k2_paths_match_dequantize.)"""
     path, types = gguf_file
     kernels = cpu_kernels()
@@ -191,11 +189,10 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
         weights.append(w)
     # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
     weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
-    if kernels.takes("i4"):
-        weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
-    own_activations = kernels.isa == "avx2"
+    weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
     for w in weights:
         ttype = w.source
+        own_activations = kernels.act_int8(w.kind)   # int8 activations where q8 takes finer ones
         wide = to_q8(w)
         assert torch.equal(dequantize(w), dequantize(wide)), ttype
         for rows in (1, 2, 3, GEMV_MAX_ROWS, 64):
@@ -203,7 +200,7 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
             if own_activations and kernels.int8_activations(w, x):
                 ref = x.float() @ dequantize(w).t()
                 for got in (kernels.matmul(w, x), kernels.gemv(w, x, int8_act=True)):
-                    assert ((got.float() - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, dtype)).all(), \
+                    assert ((got.float() - ref).abs() <= _int8_activation_bound(w, x, kernels, dtype)).all(), \
                         (ttype, rows)
             else:
                 assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
@@ -228,13 +225,12 @@ def _k2_cases(gguf_file) -> list[PackedWeight]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k2_paths_match_dequantize(gguf_file, dtype):
     """q2/q3 keep Q2_K's / Q3_K's integer sub-scales; every kernel path reads them: matmul
-    (AVX2: int8 activations within their bound up to GEMV_PASSES_MAX_ROWS rows, then tiles), the
-    float gemv and the dequantized tiles within float32 summation (bfloat16: the output's and the
-    tile's rounding). Their q8 widening (AVX-512 builds) rounds d * sub and -dmin * min to float16:
-    within 2^-11 of each."""
+    (AVX2 and VNNI: int8 activations within their bound up to GEMV_PASSES_MAX_ROWS rows, then
+    tiles), the float gemv and the dequantized tiles within float32 summation (bfloat16: the
+    output's and the tile's rounding). Their q8 widening (what a build without q2/q3 kernels would
+    be given) rounds d * sub and -dmin * min to float16: within 2^-11 of each."""
     kernels = cpu_kernels()
-    if not kernels.takes("q2"):
-        pytest.skip(f"this build ({kernels.isa}) takes no q2/q3: the loader widens Q2_K/Q3_K to q8 here")
+    assert kernels.takes("q2") and kernels.takes("q3"), kernels.isa
     for w in _k2_cases(gguf_file):
         wd = dequantize(w)
         scale, minv = (t.abs().repeat_interleave(16, dim=1) if t is not None else 0
@@ -256,8 +252,7 @@ def test_k2_paths_match_dequantize(gguf_file, dtype):
 @needs_kernel
 def test_k2_weights_out_of_whole_super_blocks_are_refused():
     kernels = cpu_kernels()
-    if not kernels.takes("q2"):
-        pytest.skip(f"this build ({kernels.isa}) takes no q2/q3: the loader widens Q2_K/Q3_K to q8 here")
+    assert kernels.takes("q2") and kernels.takes("q3"), kernels.isa
     w = _k2(3, 512, "q2", 1)
     bad = PackedWeight("q2", 16, w.qs, w.scale, w.minv, "q2", w.qh)   # a scale per 16, as the old layout
     for call in (lambda: kernels.gemv(bad, torch.randn(1, 512)), lambda: kernels.dequant_rows(bad, 0, 3, torch.float32)):
@@ -266,19 +261,25 @@ def test_k2_weights_out_of_whole_super_blocks_are_refused():
 
 
 @needs_kernel
-def test_avx2_k2_gemv_is_its_int8_emulation(gguf_file):
-    """AVX2's q2/q3 decode takes integer dots of the codes with the int8 activations times the
-    integer sub-scales, one float multiply per block of 32: it equals x rounded as the kernel
+def test_i4_k2_int8_gemv_is_its_int8_emulation(gguf_file):
+    """The q2/q3 decode (AVX2 and VNNI builds: quant_k2.h) takes integer dots of the codes with the
+    int8 activations times the integer sub-scales, one float multiply per block of 32; i4's
+    (quant_gemv_avx2.h) its codebook values against them: each equals x rounded as the kernel
     rounds it (``_int8_rounded``) times the dequantized weight in float64 to float32 summation
-    error (1e-6 of sum |x| |w|). 1 to GEMV_ONE_CALL_MAX_ROWS rows (the fused decode stage's one
-    call), 37 weight rows (a last partial tile)."""
+    error (1e-6 of sum |x| |w|). 1 to GEMV_ONE_CALL_MAX_ROWS rows where the build takes them in
+    one call (the fused decode stage's; VNNI: up to GEMV_MAX_ROWS), 37 weight rows (a last
+    partial tile)."""
     kernels = cpu_kernels()
-    if kernels.isa != "avx2":
-        pytest.skip("q2/q3 take int8 activations on AVX2 builds only (portable: float; AVX-512: widened to q8)")
-    weights = _k2_cases(gguf_file) + [_k2(37, 768, "q3", 7), _k2(37, 1024, "q2", 8)]
+    if not kernels.act_int8("q2"):
+        pytest.skip(f"i4/q2/q3 take no int8 activations on this build ({kernels.isa}: float)")
+    path, types = gguf_file
+    weights = _k2_cases(gguf_file) + [_k2(37, 768, "q3", 7), _k2(37, 1024, "q2", 8), _i4(37, 736, 9)] + [
+        _read(path, types.index(t))[0] for t in IQ4]
     for rows in (1, 2, 3, 7, GEMV_MAX_ROWS, 9, 17, GEMV_PASSES_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS):
         for w in weights:
             x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+            if not kernels.int8_activations(w, x):   # VNNI: more than GEMV_MAX_ROWS rows in one call
+                continue
             x[0, :32] *= 20                                   # blocks of different steps
             x[-1, -32:] *= 0.01
             wd = dequantize(w).double()
@@ -329,7 +330,7 @@ def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march
                     got = kernels.gemv(w, x, int8_act=False)
                     assert (got - ref).abs().max().item() <= tol, (w.source, rows)
                     err = (kernels.gemv(w, x, int8_act=True) - ref).abs()
-                    assert (err <= _int8_activation_bound(w, x, isa)).all(), (w.source, rows, n_threads)
+                    assert (err <= _int8_activation_bound(w, x, kernels)).all(), (w.source, rows, n_threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -346,8 +347,8 @@ def _check_matmul(w, x: torch.Tensor, kernels) -> None:
     got = kernels.matmul(w, x).float()
     int8 = kernels.int8_activations(w, x[:GEMV_MAX_ROWS]) and (x.shape[0] <= GEMV_PASSES_MAX_ROWS   # as matmul
                                                               or kernels.prompt_takes_int8(w, x))
-    if kernels.isa == "avx2" and w.kind in INT8_KINDS and int8:   # int8 activations
-        assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels.isa, x.dtype)).all(), (w.source, x.shape)
+    if kernels.act_int8(w.kind) and int8:   # int8 activations
+        assert ((got - ref).abs() <= _int8_activation_bound(w, x, kernels, x.dtype)).all(), (w.source, x.shape)
         return
     scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()  # magnitude of the sums
     tol = 1e-5 * scale if x.dtype == torch.float32 else 1e-2 * scale
@@ -440,7 +441,7 @@ def test_mixed_parts_concatenate_outputs_and_torch_path_matches(gguf_file, monke
     monkeypatch.undo()
     kernels = cpu_kernels()
     if kernels is not None:   # each part within its activations' bound (AVX2's Q6_K: int8)
-        bound = torch.cat([_int8_activation_bound(p, x, kernels.isa) if kernels.int8_activations(p, x)
+        bound = torch.cat([_int8_activation_bound(p, x, kernels) if kernels.int8_activations(p, x)
                            else torch.zeros(5, p.out_features) for p in parts], dim=1)
         assert ((layer(x) - ref).abs() < bound.clamp_min(tol)).all()
         layer._decode = None          # bound again, now to each part's decode gemv
@@ -460,16 +461,18 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     assert torch.equal(emb(ids), dequantize(fused, torch.bfloat16)[ids])
 
 
-def _int8_activation_bound(w, x: torch.Tensor, isa: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _int8_activation_bound(w, x: torch.Tensor, kernels: QuantKernels,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[M, N]: sum over blocks of 32 of d * sum |w| in the block, plus float32 slack (and an
-    output's bfloat16 rounding). VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole
-    one where q2 saturates at 127); AVX2: d = max|x| / 65534 (half a step of the int16 code)
-    for q8, max|x| / 254 (half a step of the int8 code) for q4/q5/q6/i4/q2/q3."""
+    output's bfloat16 rounding). One int8 per activation (``kernels.act_int8``: AVX2's
+    q4/q5/q6/i4/q2/q3, VNNI's i4/q2/q3): d = max|x| / 254 (half a step of the int8 code); else
+    VNNI: d = max|x| / (127 * 256) (half a step of q2, or a whole one where q2 saturates at 127);
+    AVX2's q8: d = max|x| / 65534 (half a step of the int16 code)."""
     wd = dequantize(w).abs()                                                   # [N, K]
     blocks = x.float().abs().reshape(x.shape[0], -1, 32)                       # [M, K / 32, 32]
-    per_max = 1 / (127 * 256)
-    if isa == "avx2":
-        per_max = 1 / 254 if w.kind in INT8_KINDS else 1 / 65534
+    per_max = 1 / 65534 if kernels.isa == "avx2" else 1 / (127 * 256)
+    if kernels.act_int8(w.kind):
+        per_max = 1 / 254
     step = (blocks.amax(-1) * per_max).repeat_interleave(32, dim=1)            # [M, K]
     bound = step @ wd.t() + 1e-5 * (x.float().abs() @ wd.t())
     if dtype == torch.bfloat16:
@@ -542,7 +545,7 @@ def test_int8_activation_gemv_within_the_activation_step(gguf_file, rows, thread
         ref = x @ dequantize(w).t()
         got = kernels.gemv(w, x, int8_act=True)           # float32 in and out: no bfloat16 rounding
         err = (got - ref).abs()
-        assert (err <= _int8_activation_bound(w, x, kernels.isa)).all(), (w.source, rows, err.max().item())
+        assert (err <= _int8_activation_bound(w, x, kernels)).all(), (w.source, rows, err.max().item())
         uses_int8 = kernels.int8_activations(w, x)
         if not uses_int8:                                 # neither VNNI nor AVX2: float path
             assert torch.equal(got, kernels.gemv(w, x, int8_act=False)), w.source
@@ -653,7 +656,7 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
             monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
             for rows in (1, 2, 5, 8, 15, 16, 17, 25, 31, 40, 64, 70):
                 assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
-        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels.isa)).all(), q.source
+        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels)).all(), q.source
 
 
 def _q56_variants(cols: int) -> list[PackedWeight]:
@@ -696,4 +699,4 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
                 assert kernels.prompt_takes_int8(q, x[:rows]) == prompts, q.source
                 if prompts:
                     assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
-        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels.isa)).all(), q.source
+        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels)).all(), q.source

@@ -196,11 +196,12 @@ TOP_LOGPROBS = 5
 GREEDY_TOP = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=TOP_LOGPROBS)
 
 
-def int8_activations() -> bool:
-    """Whether decode rounds q4/q5/q6 activations to int8 per block of 32 (AVX2 builds; VNNI
-    builds give q4 int16 ones, and q8 takes int16 or two int8 terms everywhere)."""
+def int8_activations(kinds: tuple[str, ...] = ("q4", "q5", "q6")) -> bool:
+    """Whether decode rounds the activations of any of these layouts to int8 per block of 32
+    (``act_int8``: AVX2 builds' q4/q5/q6/i4/q2/q3, VNNI builds' i4/q2/q3; VNNI builds give q4
+    int16 ones, and q8 takes int16 or two int8 terms everywhere)."""
     kernels = cpu_kernels()
-    return kernels is not None and kernels.isa == "avx2"
+    return kernels is not None and any(kernels.act_int8(kind) for kind in kinds)
 
 
 def assert_logprobs_close(want: list[CompletionOutput], got: list[CompletionOutput]) -> None:
@@ -242,13 +243,14 @@ def generate(model: str, prompts, **kwargs) -> list[CompletionOutput]:
 def test_tensor_parallel_kept_quantized_matches_tp1(gguf_files, tiny_checkpoints, name):
     """float32 activations, or int16 ones (q8): the ranks' partial sums add in another order
     than one matmul, which moved no greedy token on these checkpoints. q4 (Q4_K, int4) and q6
-    (Q6_K) with AVX2's int8 activations: close as vLLM compares (``assert_logprobs_close``)."""
+    (Q6_K) with AVX2's int8 activations, q2/q3 (Q2_K, Q3_K) with AVX2's or VNNI's: close as vLLM
+    compares (``assert_logprobs_close``)."""
     if name == "int4":
         model, quantization = str(tiny_checkpoints("qwen2_bias")), "int4"
     else:
         model, quantization = str(gguf_files[name]), "auto"
     prompts = random_prompts(3, seed=31)
-    if name == "q8_0" or not int8_activations():
+    if name == "q8_0" or not int8_activations(("q2", "q3", "q4", "q6") if name == "q2_k" else ("q4", "q5", "q6")):
         assert run(model, prompts, quantization=quantization, tensor_parallel_size=2) == \
             run(model, prompts, quantization=quantization)
         return

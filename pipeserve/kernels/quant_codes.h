@@ -22,9 +22,10 @@
  * (quant_k2_high). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
  * instructions a run on AVX2, against the two of q5; 2.6 / 3.6 bits a weight cross the bus,
  * sub-scales included (quant_k2.h takes those).
- * i4, q2 and q3 are not taken by AVX-512 builds (quant_takes_kind): their VNNI and many-row
- * paths expand q5/q6 only, so the loader keeps IQ4, Q3_K and Q2_K widened to q8 there
- * (model/quant/gguf_widen.py).
+ * Every build takes all seven layouts (quant_takes_kind). AVX-512 builds expand i4, q2 and q3 with
+ * the AVX2 code here (quant_later_codes32_avx2): their VNNI decode takes AVX2's int8 kernels for
+ * them (quant_matmul.c, AVX2_LATER), their float paths quant_expand_row, the bfloat16 many-row
+ * kernel (quant_gemm.c) dequant32; the VNNI chunk expansion (chunk_codes_hb) is q5/q6's alone.
  */
 #ifndef PIPESERVE_QUANT_CODES_H
 #define PIPESERVE_QUANT_CODES_H
@@ -54,11 +55,8 @@ static inline void quant_i4_run(const uint8_t *q, int8_t *dst) {
 /* Bit-planes above the nibble: 1 for q5, 2 for q6, else 0. */
 static inline int quant_high_bits(int kind) { return kind == 5 || kind == 6 ? kind - 4 : 0; }
 
-/* Whether this build's kernels take layout `kind` (i4, q2, q3: not AVX-512 builds, see above). */
+/* Whether this build's kernels take layout `kind` (every build takes all seven). */
 static inline int quant_takes_kind(int kind) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3) return 0;
-#endif
     return kind == 4 || kind == 8 || quant_is_compact(kind);
 }
 
@@ -87,30 +85,7 @@ static inline void quant_k2_run(const uint8_t *qs, const uint8_t *qh, int64_t hs
         dst[l] = (int8_t)((((lo[l] >> shift) & 3) | (hi ? ((hi[l] >> bit) & 1) << 2 : 0)) - zero);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-
-static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
-    const int hbits = kind - 4;
-    const __m256i lo4 = _mm256_set1_epi8(15), z = _mm256_set1_epi8((char)zero);
-    const __m256i b4 = _mm256_set1_epi8(16), b5 = _mm256_set1_epi8(32);
-    for (int64_t r = 0; r < K / 32; r++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
-        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-        __m256i c = _mm256_and_si256(both, lo4);
-        uint32_t p0;
-        memcpy(&p0, qh + r * 4 * hbits, 4);
-        c = _mm256_mask_add_epi8(c, (__mmask32)p0, c, b4);
-        if (hbits == 2) {
-            uint32_t p1;
-            memcpy(&p1, qh + r * 8 + 4, 4);
-            c = _mm256_mask_add_epi8(c, (__mmask32)p1, c, b5);
-        }
-        _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_sub_epi8(c, z));
-    }
-}
-
-#elif defined(__AVX2__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 
 /* Run r's 32 nibbles as bytes, in weight order: the low halves, then the high halves of its 16 bytes. */
@@ -162,13 +137,49 @@ quant_k2_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int64_t r)
     return c;
 }
 
+/* The 32 int8 codes (code - zero) of i4 / q2 / q3 run r in weight order: what a q8 row holds.
+ * AVX-512 builds take these AVX2 expansions too (quant_expand_row). */
+static inline __attribute__((always_inline)) __m256i
+quant_later_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t r) {
+    if (kind == QUANT_I4) return quant_i4_codes32_avx2(qs, r);
+    return _mm256_sub_epi8(quant_k2_codes32_avx2(kind, qs, qh, r), _mm256_set1_epi8((char)zero));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)   /* -mavx512f implies AVX2 */
+
+static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
+    if (kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3) {
+        for (int64_t r = 0; r < K / 32; r++)
+            _mm256_storeu_si256((__m256i *)(dst + r * 32), quant_later_codes32_avx2(kind, qs, qh, zero, r));
+        return;
+    }
+    const int hbits = kind - 4;
+    const __m256i lo4 = _mm256_set1_epi8(15), z = _mm256_set1_epi8((char)zero);
+    const __m256i b4 = _mm256_set1_epi8(16), b5 = _mm256_set1_epi8(32);
+    for (int64_t r = 0; r < K / 32; r++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
+        const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+        __m256i c = _mm256_and_si256(both, lo4);
+        uint32_t p0;
+        memcpy(&p0, qh + r * 4 * hbits, 4);
+        c = _mm256_mask_add_epi8(c, (__mmask32)p0, c, b4);
+        if (hbits == 2) {
+            uint32_t p1;
+            memcpy(&p1, qh + r * 8 + 4, 4);
+            c = _mm256_mask_add_epi8(c, (__mmask32)p1, c, b5);
+        }
+        _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_sub_epi8(c, z));
+    }
+}
+
+#elif defined(__AVX2__)
+
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
     for (int64_t r = 0; r < K / 32; r++) {
-        __m256i c;
-        if (kind == QUANT_I4) c = quant_i4_codes32_avx2(qs, r);
-        else if (kind == QUANT_Q2 || kind == QUANT_Q3)
-            c = _mm256_sub_epi8(quant_k2_codes32_avx2(kind, qs, qh, r), _mm256_set1_epi8((char)zero));
-        else c = quant_codes32_avx2(kind - 4, qs, qh, zero, r);
+        const __m256i c = kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3
+                              ? quant_later_codes32_avx2(kind, qs, qh, zero, r)
+                              : quant_codes32_avx2(kind - 4, qs, qh, zero, r);
         _mm256_storeu_si256((__m256i *)(dst + r * 32), c);
     }
 }

@@ -19,15 +19,18 @@
  *   are computed once into a 32-entry bf16 table and each run of 32 codes is
  *   one vpermw lookup. q8: 16 codes -> float32 -> fma -> bf16. q5/q6 (compact
  *   5/6-bit codes, quant_codes.h): each run of 32 codes is expanded in registers
- *   (nibbles + masked adds of the high-bit planes), then dequantized as q8.
+ *   (nibbles + masked adds of the high-bit planes), then dequantized as q8; i4 (IQ4's
+ *   codebook indices) by one vpshufb, then as q8; q2/q3 (Q2_K/Q3_K's bit pairs, q3's
+ *   hmask) as the AVX2 kernels expand them, times d * sub per 16 (plus q2's -dmin * min).
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * kind: 4, 8, 5 or 6 (q4, q8, q5, q6); qh and zero: q5/q6's high bits and code offset
- * (ignored otherwise). Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not
- * take (K not a multiple of 32, a q8/q5/q6 group not a multiple of 16 or a q4 group
- * not a multiple of 32). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
+ * kind: 4, 8, 5, 6, 9, 2 or 3 (q4, q8, q5, q6, i4, q2, q3); qh and zero: q5/q6's high bits,
+ * q3's hmask and sub-scales, q2's sub-scales, and the code offset (ignored otherwise). Returns 0;
+ * -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a multiple of 32,
+ * a q8/q5/q6/i4 group not a multiple of 16, a q4 group not a multiple of 32, q2/q3 not in whole
+ * super-blocks of 256 with a scale each). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
  * "none" and the function returns -2: the caller keeps its portable path
  * (dequantized row tiles and PyTorch's matmul).
  */
@@ -45,7 +48,10 @@ const char *pipeserve_quant_gemm_isa(void) {
 
 #ifdef PIPESERVE_BF16_TILES
 
-/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6 only. */
+/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6/q3 only
+ * (q2: qh its sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h);
+ * q2/q3's weights are code * (d * sub) + (-dmin * min) per group of 16 in float32 (d * sub exact,
+ * one rounding), the values of packed.py's dequantize, then rounded to bfloat16. */
 static inline __attribute__((always_inline)) __m512i
 dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
           int64_t group, int64_t k) {
@@ -62,10 +68,30 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
             _mm256_castsi128_si256(_mm_and_si128(v, lo4)), _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
         return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
     }
-    /* q8, q5, q6: group is a multiple of 16 (Q6_K has 16) */
+    if (kind == QUANT_Q2 || kind == QUANT_Q3) {   /* group 256: the run's two groups of 16, d * sub exact */
+        const __m256i c = quant_later_codes32_avx2(kind, q, qh, zero, k / 32);
+        const int64_t sup = k / QUANT_K2_SUPER, g = k % QUANT_K2_SUPER / 16;
+        const uint8_t *h = qh + sup * quant_k2_high(kind);
+        const float d = _cvtsh_ss(s[sup]), m = kind == QUANT_Q2 && b ? _cvtsh_ss(b[sup]) : 0.0f;
+        float sc[2], mn[2];
+        for (int i = 0; i < 2; i++) {
+            sc[i] = kind == QUANT_Q3 ? d * (float)(int8_t)h[32 + g + i] : d * (float)(h[g + i] & 15);
+            mn[i] = kind == QUANT_Q3 ? 0.0f : m * (float)(h[g + i] >> 4);
+        }
+        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))),
+                                          _mm512_set1_ps(sc[0]), _mm512_set1_ps(mn[0]));
+        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))),
+                                          _mm512_set1_ps(sc[1]), _mm512_set1_ps(mn[1]));
+        return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+    }
+    /* q8, q5, q6, i4: group is a multiple of 16 (Q6_K has 16) */
     const int64_t g0 = k / group, g1 = (k + 16) / group;
     __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
-    if (kind == 8) {
+    if (kind == QUANT_I4) {   /* the codebook's values, one vpshufb */
+        const __m256i c = quant_i4_codes32_avx2(q, k / 32);
+        c0 = _mm256_castsi256_si128(c);
+        c1 = _mm256_extracti128_si256(c, 1);
+    } else if (kind == 8) {
         c0 = _mm_loadu_si128((const __m128i *)(q + k));
         c1 = _mm_loadu_si128((const __m128i *)(q + k + 16));
     } else {   /* expanded from the run's nibbles and high-bit planes */
@@ -113,6 +139,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
                          const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
+    if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
     uint32_t *xp = aligned_alloc(64, (size_t)(blocks * 16 * K * 2 + 63) / 64 * 64);

@@ -134,7 +134,7 @@ static int k2_dequant(int kind, const uint8_t *qs, const uint8_t *qh, const uint
     return failed ? -1 : 0;
 }
 
-#ifdef HAVE_AVX2_I16
+#ifdef HAVE_AVX2_INT
 /* Block j's two sub-scales (groups 2j, 2j + 1) of a super-block's 16 bytes (in both lanes) as
  * the high bytes of 16-bit words: sub * 256, group 2j in the low lane, 2j + 1 in the high one. */
 static inline __attribute__((always_inline)) __m256i k2_block_subs(__m256i subs, int j) {

@@ -7,7 +7,7 @@
  * minus a constant `zero`; quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
  * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
- * them on every path; i4, q2, q3: AVX2 and portable builds only, pipeserve_quant_takes). A weight
+ * them on every path; every build takes all seven, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb,
@@ -39,7 +39,8 @@
  *   once per row. Groups of 16 (Q6_K) take this path too: each lane of a chunk is one
  *   group (4 lanes per 16 weights), scaled from two 16-lane vectors of s_w * d, and
  *   the q8 excess term meets per-half-block activation sums. q5/q6 (compact codes)
- *   are expanded in registers to the bytes q8 would load. Error vs float activations per element: at most d (q8:
+ *   are expanded in registers to the bytes q8 would load. i4/q2/q3 take the AVX2 path below instead
+ *   (quant_gemv_avx2.h, quant_k2.h: int8 activations, AVX2_LATER). Error vs float activations per element: at most d (q8:
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
  * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too (quant_gemv_avx2.h):
@@ -56,8 +57,17 @@
 #include "quant_codes.h"
 
 #define MAX_M 4  /* rows of x per pass over the weights (float path) */
-#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* quant_gemv_avx2.h: AVX2 builds' integer decode (HAVE_AVX2_I16), which AVX-512 VNNI builds take
+ * for i4, q2 and q3 (AVX2_LATER) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
 #define HAVE_AVX2_I16 1
+#define HAVE_AVX2_INT 1
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define HAVE_AVX2_INT 1
+#endif
+#endif
+#ifdef HAVE_AVX2_INT
 #include "quant_gemv_avx2.h"
 #endif
 #define GEMV_ROWS 8  /* rows of x per pass on the int8-activation path */
@@ -96,7 +106,7 @@ const char *pipeserve_quant_isa(void) {
 
 /* 1 when this build's kernels take layout `kind` (4, 8, 5, 6, 9 = i4, 2 = q2, 3 = q3): the loader
  * keeps IQ4 / Q2_K / Q3_K weights as i4 / q2 / q3 only where they do, widened to q8 otherwise
- * (AVX-512 builds). */
+ * (every build takes them now; a library from before them answers no, or lacks the question). */
 int pipeserve_quant_takes(int kind) { return quant_takes_kind(kind); }
 
 /* One output row's dot products with `m_rows` rows of x (float32, [m_rows, K]). */
@@ -576,6 +586,14 @@ int pipeserve_quant_i8_applies(int64_t K, int64_t group, int64_t M) {
 #endif
 }
 
+#if defined(HAVE_VNNI) && defined(HAVE_AVX2_INT)
+/* i4, q2 and q3 on VNNI builds: quant_gemv_avx2.h's int8 activations and kernels (k2_rows_many,
+ * rows_many_i16), whose code expansions are AVX2's; the VNNI row_dot_i8 expands q5/q6 only. */
+#define AVX2_LATER(kind) ((kind) == QUANT_I4 || quant_is_k2(kind))
+#else
+#define AVX2_LATER(kind) 0
+#endif
+
 #ifdef HAVE_VNNI
 /* The activation buffer of M rows of K (int8 pairs or int16 chunks, then per block d and
  * the sums); bind_i8 points an act_i8 at one (malloc-aligned) of act_i8_bytes. */
@@ -597,6 +615,20 @@ static void bind_i8(act_i8 *a, void *buf, int64_t M, int64_t K) {
 }
 #endif
 
+/* 1 when this build's integer activations for layout `kind` are one int8 per activation (step
+ * max|x| / 127 of its block of 32): AVX2 builds' q4/q5/q6/i4/q2/q3, and VNNI builds' i4/q2/q3,
+ * which take AVX2's kernels (AVX2_LATER); 0 for the finer int16 or two-int8 codes, or none. */
+int pipeserve_quant_act_int8(int kind) {
+#if defined(HAVE_VNNI)
+    return AVX2_LATER(kind);
+#elif defined(HAVE_AVX2_I16)
+    return act_int8(kind);
+#else
+    (void)kind;
+    return 0;
+#endif
+}
+
 /* Decode in two phases, for callers that run their own threads (decode_stage.c) and for
  * pipeserve_quant_gemv's integer path: pipeserve_quant_prepare quantizes M rows of x once
  * into a buffer of pipeserve_quant_act_bytes, then any thread computes output rows
@@ -605,6 +637,9 @@ static void bind_i8(act_i8 *a, void *buf, int64_t M, int64_t K) {
 int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!quant_takes_kind(kind) || (quant_is_k2(kind) && !k2_shape_ok(K, group))) return 0;
 #if defined(HAVE_VNNI)
+#ifdef HAVE_AVX2_INT
+    if (AVX2_LATER(kind)) return pipeserve_quant_i8_applies(K, group, M) ? i16_act_bytes(M, K) : 0;
+#endif
     return pipeserve_quant_i8_applies(K, group, M) && (kind != 4 || group % QB == 0) ? act_i8_bytes(M, K) : 0;
 #elif defined(HAVE_AVX2_I16)
     return i16_applies(K, group) && (kind != 4 || group % I16_QB == 0) ? i16_act_bytes(M, K) : 0;
@@ -616,6 +651,14 @@ int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M)
 
 void pipeserve_quant_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
 #if defined(HAVE_VNNI)
+#ifdef HAVE_AVX2_INT
+    if (AVX2_LATER(kind)) {
+        act_i16 v;
+        i16_act_bind(&v, act, M, K);
+        quantize_rows_i16(kind, x, M, &v);
+        return;
+    }
+#endif
     act_i8 a;
     bind_i8(&a, act, M, K);
     if (kind == 4) quantize_rows16(x, M, K, &a);
@@ -633,6 +676,15 @@ void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const
                           int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0,
                           int64_t n1, float *out) {
 #if defined(HAVE_VNNI)
+#ifdef HAVE_AVX2_INT
+    if (AVX2_LATER(kind)) {
+        act_i16 v;
+        i16_act_bind(&v, (void *)act, M, K);
+        if (quant_is_k2(kind)) k2_rows_many(kind, M, qs, qh, sc, mn, zero, &v, n0, n1, N, out);
+        else rows_many_i16(kind, M, qs, sc, mn, group / I16_QB, group, &v, n0, n1, N, out, qh, zero);
+        return;
+    }
+#endif
     act_i8 a;
     bind_i8(&a, (void *)act, M, K);
     rows_range_i8(kind, (int)M, qs, sc, mn, group / QB, K, group, &a, n0, n1, N, out, 0, qh, zero);

@@ -51,8 +51,9 @@ integer path, whose activations are int8 for them and int16 for q8. Q2_K's and Q
 keep the files' integer sub-scales under a float16 per 256 weights: their float and tiled paths
 dequantize a row exactly (float32 d * sub, the values of ``dequantize``), where ``to_q8`` rounds
 d * sub to float16, so they are tested against ``dequantize`` rather than their q8 expansion.
-AVX-512 builds take no i4, q2 or q3
-(``takes``): the loader widens IQ4, Q3_K and Q2_K to q8 for them.
+AVX512-VNNI builds take i4, q2 and q3 through AVX2's kernels (int8 activations, AVX2's bound:
+``act_int8``) and their bfloat16 prompt rows through ``gemm`` (quant_gemm.c expands them as AVX2
+does), so every build keeps IQ4, Q3_K and Q2_K at their compact size (``takes``).
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ class QuantKernels:
             self._takes.argtypes, self._takes.restype = [i32], i32
         lib.pipeserve_quant_isa.restype = ctypes.c_char_p
         self.isa = lib.pipeserve_quant_isa().decode()
+        # a build from before the question: AVX2's int8 kinds, VNNI's none
+        act_int8 = getattr(lib, "pipeserve_quant_act_int8", None)
+        if act_int8 is not None:
+            act_int8.argtypes, act_int8.restype = [i32], i32
+        self._act_int8 = act_int8
         # whether decode quantizes activations at all here (VNNI or AVX2 builds): asked of the
         # kernel for the simplest layout it takes (blocks and groups of 32, one row)
         self.has_integer_activations = bool(self._i8_applies(32, 32, 1))
@@ -149,8 +155,17 @@ class QuantKernels:
         self._gemm, self.gemm_isa = _load_gemm()
 
     def takes(self, kind: str) -> bool:
-        """Whether this build's kernels take the layout ``kind`` (i4, q2, q3: AVX2 and portable builds)."""
+        """Whether this build's kernels take the layout ``kind`` (every build takes all seven; a
+        library from before i4/q2/q3, as benchmarks' --compare loads, takes q4/q8/q5/q6)."""
         return bool(self._takes(_KINDS[kind])) if self._takes is not None else kind not in _LATER_KINDS
+
+    def act_int8(self, kind: str) -> bool:
+        """Whether the integer activations of layout ``kind`` are one int8 each (step max|x| / 127
+        of a block of 32): AVX2 builds' q4/q5/q6/i4/q2/q3 and AVX512-VNNI builds' i4/q2/q3 (which
+        take AVX2's kernels, quant_gemv_avx2.h); the others' are int16 or two int8 terms, finer."""
+        if self._act_int8 is None:
+            return self.isa == "avx2" and kind != "q8"
+        return bool(self._act_int8(_KINDS[kind]))
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -185,7 +200,8 @@ class QuantKernels:
     def gemm_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm`` (quant_gemm.c, AVX512_BF16) takes these bfloat16 activations."""
         return (self._gemm is not None and x.dtype == torch.bfloat16 and w.in_features % 32 == 0
-                and w.kind in _GEMM_KINDS and w.group % (32 if w.kind == "q4" else 16) == 0)
+                and w.kind in _GEMM_KINDS and w.group % (32 if w.kind == "q4" else 16) == 0
+                and (w.kind not in ("q2", "q3") or (w.group == 256 and w.in_features % 256 == 0)))
 
     def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
@@ -304,7 +320,7 @@ def _load_gemm():
 
 _KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9, "q2": 2, "q3": 3}
 _LATER_KINDS = ("i4", "q2", "q3")      # builds from before pipeserve_quant_takes have no kernels for these
-_GEMM_KINDS = ("q4", "q8", "q5", "q6")  # quant_gemm.c's (AVX512_BF16 builds, which keep the others widened)
+_GEMM_KINDS = ("q4", "q8", "q5", "q6", "i4", "q2", "q3")  # quant_gemm.c's (AVX512_BF16 builds)
 
 
 def _kind(w: PackedWeight) -> int:

@@ -10,9 +10,8 @@ its hmask, Q2_K's (0..3) the pairs alone: ``q3`` / ``q2`` keep those bytes, the 
 per 16 weights as integers (Q2_K: its scale bytes as they are, a 4-bit scale and minimum each;
 Q3_K: its 6-bit scales, packed in 12 bytes, unpacked to an int8 each, less 32) and the float16
 d (Q2_K: and dmin, negated) per 256: 1.036x Q3_K's file bytes (114 a block against 110) and
-1.00x Q2_K's (84). The AVX2 and portable kernels take all three (``keeps``); AVX-512 builds do
-not (their VNNI and many-row paths would need their own expansions), so there they are widened
-to ``q8``:
+1.00x Q2_K's (84). The kernels of every build take all three (``keeps``; AVX-512 ones through
+the AVX2 expansions since the fourteenth session); a build that did not would be given ``q8``:
 
 A weight of each is a scale times a small integer code, plus a minimum for Q2_K,
 per group of 16 or 32 weights: Q2_K's codes are 0..3, Q3_K's -4..3 and IQ4's
@@ -136,9 +135,9 @@ def _c_widen() -> ctypes.CDLL | None:
 
 def keeps(kind: str) -> bool:
     """Whether tensors of the compact layout ``kind`` (i4, q3, q2) stay in it: where the CPU
-    kernels take the layout (AVX2 and portable builds), or there are none (PyTorch's
-    ``dequantize`` takes every layout). AVX-512 builds have no kernels for them: IQ4, Q3_K
-    and Q2_K are widened to q8 there (logged once)."""
+    kernels take the layout (every build's do), or there are none (PyTorch's ``dequantize``
+    takes every layout). Kernels that answered no would be given IQ4, Q3_K and Q2_K widened
+    to q8 (logged once)."""
     kernels = cpu_kernels()
     if kernels is None or kernels.takes(kind):
         return True

@@ -24,8 +24,8 @@ weights of a row:
   each an index into IQ4's 16 signed values ``IQ4_VALUES`` (-127..113), a scale per
   32 weights, no minimum, ``zero`` 0: 4.5 bits per weight. The kernels look the
   codes up (one byte shuffle per 32 on AVX2) into ``q8``'s int8 codes and run the
-  ``q8`` code on them, as for q5/q6. AVX-512 builds have no i4 kernels; there the
-  loader widens IQ4 to ``q8`` (``gguf_widen``).
+  ``q8`` code on them, as for q5/q6 (AVX-512 builds: the AVX2 lookup, and AVX2's int8
+  decode kernels).
 - ``q2`` / ``q3``: GGUF Q2_K / Q3_K as their files hold them, their integer sub-scales
   included (``K2_SUPER`` = 256 weights a super-block, ``group`` 256): ``qs`` uint8 [out, in / 4],
   per 128 weights 32 bytes, byte l holding weights l, l + 32, l + 64, l + 96 in its bit pairs
@@ -39,8 +39,7 @@ weights of a row:
   The kernels take the codes as they are and the sub-scales as integers (AVX2: an integer dot of
   each 16 with int8 activations times its sub-scale, one float multiply per block of 32;
   ``k2_group_scales`` gives the float32 scale and minimum per 16 the float paths use, exact:
-  a float16 times a 6-bit integer). AVX-512 builds have no q2/q3 kernels, and there the loader
-  widens them to ``q8`` (``to_q8``: those per-16 values rounded to float16).
+  a float16 times a 6-bit integer). AVX-512 builds take the same AVX2 kernels for decode.
 
 A weight is ``scale * (q - zero) + minv`` (``minv`` absent: 0; ``zero`` 0
 except on q5/q6/q3 and Q4_0's q4, whose offset of 8 needs no minimum array), q2/q3's scale and
@@ -194,7 +193,8 @@ def _k2_codes(w: PackedWeight) -> torch.Tensor:
 
 def to_q8(w: PackedWeight) -> PackedWeight:
     """A q5/q6/i4/q2/q3 weight in the byte-per-code ``q8`` layout (the layout they had before
-    the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds: benchmarks compare the two;
+    the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds until the fourteenth session:
+    benchmarks compare the two;
     tests check the kernels agree). q2/q3's scale and minimum per 16 (``k2_group_scales``) are
     rounded to float16 there: at most 2^-11 of each."""
     if w.kind in ("q2", "q3"):
