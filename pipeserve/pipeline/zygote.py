@@ -194,7 +194,7 @@ def stage_zygote(env: dict[str, str]) -> StageZygote | None:
 
 
 def _env_key(env: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_STAGE_ENV))
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_STAGE_ENV and k != ENABLE_ENV))
 
 
 def _pid_alive(pid: int) -> bool:
