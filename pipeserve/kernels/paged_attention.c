@@ -1069,48 +1069,86 @@ void pipeserve_decode_items(const void *plan, const float *q, const void *k_cach
     }
 }
 
+/* The output row of (sequence, head) row bh, from its ranges' parts. */
+static void merge_row(const decode_plan *p, int64_t bh, float *dst) {
+    const int64_t b = bh / p->heads, h = bh % p->heads;
+    const int64_t slot = (p->first_range[b] * p->kv_heads + h / p->group) * p->group + h % p->group;
+    merge_parts(p->parts + slot * p->pstride, p->first_range[b + 1] - p->first_range[b],
+                p->kv_heads * p->group * p->pstride, p->head_dim, dst);
+}
+
 void pipeserve_decode_merge(const void *plan, int64_t bh0, int64_t bh1, float *out) {
     const decode_plan *p = (const decode_plan *)plan;
+    for (int64_t bh = bh0; bh < bh1; bh++) merge_row(p, bh, out + bh * p->head_dim);
+}
+
+/* Merged rows [bh0, bh1) as bfloat16 (rounded to nearest even, as torch's .to). */
+static void merge_bf16(const void *plan, int64_t bh0, int64_t bh1, uint16_t *out) {
+    const decode_plan *p = (const decode_plan *)plan;
+    float row[p->head_dim];
     for (int64_t bh = bh0; bh < bh1; bh++) {
-        const int64_t b = bh / p->heads, h = bh % p->heads;
-        const int64_t slot = (p->first_range[b] * p->kv_heads + h / p->group) * p->group + h % p->group;
-        merge_parts(p->parts + slot * p->pstride, p->first_range[b + 1] - p->first_range[b],
-                    p->kv_heads * p->group * p->pstride, p->head_dim, out + bh * p->head_dim);
+        merge_row(p, bh, row);
+        for (int64_t d = 0; d < p->head_dim; d++) out[bh * p->head_dim + d] = f32_to_bf16(row[d]);
     }
 }
 
-/* q: [batch, heads, head_dim] float32; out: the same shape, float32.
+/* q: [batch, heads, head_dim]; out: the same shape; both float32, or both bfloat16 when
+ * io_bf16 (a bfloat16 model's query read and its output written here, which saves the
+ * caller two conversions per layer: a small decode's glue costs as much as its keys).
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
  * bf16_math: an 8-bit cache may be read as bf16 (the model is bfloat16).
  * Returns 0, or -1 when a work buffer cannot be allocated. */
-int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
-                           const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
-                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int64_t window, float softcap, float *out,
-                           int num_threads, int bf16_math) {
+int pipeserve_paged_decode_io(const void *q, const void *k_cache, const void *v_cache, int dtype,
+                              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale, int64_t window, float softcap, void *out,
+                              int num_threads, int bf16_math, int io_bf16) {
     int64_t rows = 0;
     for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
     if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
-    void *plan = malloc((size_t)pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads));
-    if (!plan) return -1;
+    const int64_t plan_bytes = (pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads) + 63) / 64 * 64;
+    const int64_t nq = batch * heads * head_dim;
+    char *buf = aligned_alloc(64, (size_t)(plan_bytes + (io_bf16 ? nq * (int64_t)sizeof(float) : 0)));
+    if (!buf) return -1;
+    void *plan = buf;
     const int64_t items = pipeserve_decode_plan(plan, context_lens, batch, heads, kv_heads, head_dim, block_size,
                                                 window, num_threads);
     if (items < 0) {
-        free(plan);
+        free(buf);
         return -1;
+    }
+    const float *qf = (const float *)q;
+    if (io_bf16) {
+        float *qw = (float *)(buf + plan_bytes);
+        for (int64_t i = 0; i < nq; i++) qw[i] = bf16_to_f32(((const uint16_t *)q)[i]);
+        qf = qw;
     }
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
-            pipeserve_decode_items(plan, q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
+            pipeserve_decode_items(plan, qf, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
                                    softcap, bf16_math, item, item + 1);
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < batch * heads; bh++) pipeserve_decode_merge(plan, bh, bh + 1, out);
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
+            if (io_bf16) merge_bf16(plan, bh, bh + 1, (uint16_t *)out);
+            else pipeserve_decode_merge(plan, bh, bh + 1, (float *)out);
+        }
     }
-    free(plan);
+    free(buf);
     return 0;
+}
+
+/* pipeserve_paged_decode_io with float32 q and out (the entry point older builds share). */
+int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
+                           const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                           int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int64_t window, float softcap, float *out,
+                           int num_threads, int bf16_math) {
+    return pipeserve_paged_decode_io(q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, batch, heads,
+                                     kv_heads, head_dim, block_size, scale, window, softcap, out, num_threads,
+                                     bf16_math, 0);
 }
 
 /* ---------------------------------------------------------------------------
