@@ -414,13 +414,25 @@ static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, c
 /* head_dim = 16 * nvec (nvec <= 16), any cache dtype: rows widened to float32,
  * FMAs (8-bit rows: scores and probabilities times the rows' scales). Each
  * caller passes constant dtype and nvec. */
+/* A tile's 8-bit codes widened to float32 once (exact: no scale), head_dim apart, so that the
+ * group's heads read floats instead of widening every row again per head for K and for V. */
+static inline __attribute__((always_inline)) void widen_tile(const char *src, int64_t rows, int64_t row_stride,
+                                                             const int dtype, const int64_t nvec, float *dst) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(dst + (j * nvec + v) * 16, load16(src + j * row_stride + 16 * v, dtype));
+}
+
 static inline __attribute__((always_inline)) void attend_range_fma(
         const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nvec,
         float *restrict part) {
     const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_row_bytes(dtype, head_dim), row_stride = r->row_stride;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
     const int quant = is_8bit(dtype);
+    /* What the math reads: the rows in place, or (8-bit) their codes widened per tile. */
+    const int math_dtype = quant ? DT_FLOAT32 : dtype;
+    const int64_t math_elem = quant ? 4 : elem, row_stride = quant ? head_dim * 4 : r->row_stride;
     float ks[TILE], vs[TILE];
+    float kw[quant ? TILE * head_dim : 1], vw[quant ? TILE * head_dim : 1];
     __m512 qs[group * nvec];
     for (int64_t i = 0; i < group * nvec; i++)
         qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
@@ -431,12 +443,18 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         prefetch_ahead(r, &pf, rows, head_bytes);
-        const char *values = r->v + off;
-        if (quant) tile_scales(r->k + off, values, rows, row_stride, dtype, head_dim, ks, vs);
+        const char *keys = r->k + off, *values = r->v + off;
+        if (quant) {
+            tile_scales(keys, values, rows, r->row_stride, dtype, head_dim, ks, vs);
+            widen_tile(keys, rows, r->row_stride, dtype, nvec, kw);
+            widen_tile(values, rows, r->row_stride, dtype, nvec, vw);
+            keys = (const char *)kw;
+            values = (const char *)vw;
+        }
         for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
-                                         dtype, elem, nvec, quant ? ks : NULL, r->softcap, part + g * pstride,
-                                         head_dim);
+            const __m512 pg = tile_probs((const char *)(qs + g * nvec), keys, rows, row_stride, DOT_FMA,
+                                         math_dtype, math_elem, nvec, quant ? ks : NULL, r->softcap,
+                                         part + g * pstride, head_dim);
             _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
         }
         for (int64_t g = 0; g < group; g++) {
@@ -446,7 +464,8 @@ static inline __attribute__((always_inline)) void attend_range_fma(
             for (int64_t i = 0; i < rows; i++) {
                 const __m512 pi = _mm512_set1_ps(p[g][i]);
                 for (int64_t v = 0; v < nvec; v++)
-                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * elem, dtype), a[v]);
+                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * math_elem, math_dtype),
+                                           a[v]);
             }
             for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
         }
