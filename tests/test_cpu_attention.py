@@ -431,3 +431,47 @@ def test_bf16_io_decode_equals_the_float32_entry_point(kernel_isa, cache_dtype, 
         torch.set_num_threads(old)
     assert io.dtype == plain.dtype == torch.bfloat16
     assert torch.equal(io, plain)
+
+
+@needs_kernel
+def test_decode_pool_concurrent_and_repeated_calls_match_one_thread():
+    """The decode's thread pool: many calls in a row (each a new job of the same helpers), and
+    calls from several Python threads at once (one owns the pool, the others run on their
+    callers), all equal to the same step on one thread up to the split's merge order."""
+    import threading
+    from pipeserve.model.attention import ScoreShape
+    cpu = CpuPagedAttention()
+    rng = random.Random("pool")
+    torch.manual_seed(rng.randrange(1 << 30))
+    context_lens = [3000, 5, 700]     # over PARALLEL_MIN_ROWS: two threads split the long one
+    cache, tables = random_paged_batch(rng, [1] * 3, context_lens, 16, 3, 64, torch.float32)
+    q = torch.randn(3, 9, 64)
+    shape = ScoreShape(0.125)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.attend_decodes(q, *cache, cpu.build_metadata([1] * 3, context_lens, tables, 16,
+                                                              torch.device("cpu")).decodes, shape)
+        torch.set_num_threads(2)
+        g = cpu.build_metadata([1] * 3, context_lens, tables, 16, torch.device("cpu")).decodes
+        first = cpu.attend_decodes(q, *cache, g, shape)
+        results, errors = [], []
+
+        def calls() -> None:
+            try:
+                for _ in range(20):
+                    results.append(cpu.attend_decodes(q, *cache, g, shape))
+            except Exception as exc:   # surfaced below: a thread's exception is otherwise lost
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(old)
+    assert not errors and len(results) == 60
+    assert (first - one).abs().max().item() <= 1e-5
+    # Same plan (the step's threads), so the same ranges and merge order whoever ran the items.
+    assert all(torch.equal(r, first) for r in results)
