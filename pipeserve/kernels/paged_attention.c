@@ -1242,7 +1242,8 @@ int pipeserve_paged_decode_io(const void *q, const void *k_cache, const void *v_
     if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
     const int64_t plan_bytes = (pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads) + 63) / 64 * 64;
     const int64_t nq = batch * heads * head_dim;
-    char *buf = aligned_alloc(64, (size_t)(plan_bytes + (io_bf16 ? nq * (int64_t)sizeof(float) : 0)));
+    const int64_t q_bytes = io_bf16 ? (nq * (int64_t)sizeof(float) + 63) / 64 * 64 : 0;   /* sizes: multiples of 64 */
+    char *buf = aligned_alloc(64, (size_t)(plan_bytes + q_bytes));
     if (!buf) return -1;
     void *plan = buf;
     const int64_t items = pipeserve_decode_plan(plan, context_lens, batch, heads, kv_heads, head_dim, block_size,
