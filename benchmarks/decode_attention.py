@@ -126,9 +126,15 @@ def kernel_seconds_per_call(decode, calls: list[tuple]) -> float:
 def with_decode_from(path: str) -> CpuPagedAttention:
     """The cpu backend, its decode entry point taken from the library at ``path`` (same C signature)."""
     backend = CpuPagedAttention()
-    other = ctypes.CDLL(path).pipeserve_paged_decode
+    lib = ctypes.CDLL(path)
+    other = lib.pipeserve_paged_decode
     other.argtypes, other.restype = backend.decode_kernel.argtypes, backend.decode_kernel.restype
     backend.decode_kernel = other
+    # Builds before pipeserve_paged_decode_io: bfloat16 queries take the float32 entry point, as then.
+    other_io = getattr(lib, "pipeserve_paged_decode_io", None)
+    if other_io is not None:
+        other_io.argtypes, other_io.restype = backend.decode_io_kernel.argtypes, backend.decode_io_kernel.restype
+    backend.decode_io_kernel = other_io
     return backend
 
 
@@ -146,16 +152,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--working-set-mb", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--compare-kernel", metavar="SO", default=None,
+    parser.add_argument("--compare-kernel", metavar="SO", action="append", default=[],
                         help="also time the decode entry point of another build of paged_attention.c "
-                             "(e.g. an older one from ~/.cache/pipeserve/kernels), as backend 'other'")
+                             "(e.g. an older one from ~/.cache/pipeserve/kernels), as backend 'other'; "
+                             "repeat it for more builds (other2, other3, ...)")
     parser.add_argument("--kernel-only", action="store_true",
                         help="also time each cpu backend's C entry point without attend_decodes' glue")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     backends = {name: select_backend(name, "cpu") for name in args.backends.split(",")}
-    if args.compare_kernel:
-        backends["other"] = with_decode_from(args.compare_kernel)
+    for i, path in enumerate(args.compare_kernel):
+        backends["other" + (str(i + 1) if i else "")] = with_decode_from(path)
     print(f"read = plain memory read (torch.sum, float32, {args.working_set_mb} MiB, {args.threads} threads), "
           f"measured before each case; block size {args.block_size}; us/call: median of {args.rounds} rounds "
           f"(best beside it); /C = the C entry point without attend_decodes' glue")

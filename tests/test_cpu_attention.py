@@ -384,3 +384,94 @@ def test_many_decodes_over_threads_match_the_reference(kernel_isa, dtype, window
     finally:
         torch.set_num_threads(old)
     assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+
+
+# -- bfloat16 queries and outputs through the kernel (pipeserve_paged_decode_io) -----------------
+
+def _decode_both_entry_points(cpu: CpuPagedAttention, rng: random.Random, context_lens: list[int], heads: int,
+                              kv_heads: int, head_dim: int, block_size: int, cache_dtype: torch.dtype):
+    """(bfloat16-io output, float32-entry-point output) of one decode step of a bfloat16 model."""
+    from pipeserve.model.attention import ScoreShape
+    from pipeserve.model.kv_quant import quantize
+    cache, tables = random_paged_batch(rng, [1] * len(context_lens), context_lens, block_size, kv_heads, head_dim,
+                                       torch.float32)
+    if cache_dtype == torch.int8:
+        cache = tuple(quantize(c, torch.int8) for c in cache)
+    else:
+        cache = tuple(c.to(cache_dtype) for c in cache)
+    q = (4 * torch.randn(len(context_lens), heads, head_dim)).to(torch.bfloat16)
+    meta = cpu.build_metadata([1] * len(context_lens), context_lens, tables, block_size, torch.device("cpu"))
+    shape = ScoreShape(head_dim ** -0.5)
+    io = cpu.attend_decodes(q, cache[0], cache[1], meta.decodes, shape)
+    kernel, cpu.decode_io_kernel = cpu.decode_io_kernel, None    # the float32 entry point and torch's .to
+    try:
+        plain = cpu.attend_decodes(q, cache[0], cache[1], meta.decodes, shape)
+    finally:
+        cpu.decode_io_kernel = kernel
+    return io, plain
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2), (16, 2)])   # GQA ratios 1, 3, 4, 8
+def test_bf16_io_decode_equals_the_float32_entry_point(kernel_isa, cache_dtype, threads, heads, kv_heads):
+    """A bfloat16 model's decodes read q and write out as bfloat16 in the kernel: bit for bit
+    what the float32 entry point gives after torch's conversions (both round to nearest even),
+    at context 1, block boundaries, a long split sequence, and many sequences over threads."""
+    cpu = cpu_backend_on(kernel_isa)
+    rng = random.Random(f"io-{cache_dtype}-{threads}-{heads}-{kv_heads}")
+    torch.manual_seed(rng.randrange(1 << 30))
+    context_lens = [1, 15, 16, 17, 31, 32, 33, 2500] + [rng.randrange(1, 200) for _ in range(40)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        io, plain = _decode_both_entry_points(cpu, rng, context_lens, heads, kv_heads, 64, 16, cache_dtype)
+    finally:
+        torch.set_num_threads(old)
+    assert io.dtype == plain.dtype == torch.bfloat16
+    assert torch.equal(io, plain)
+
+
+@needs_kernel
+def test_decode_pool_concurrent_and_repeated_calls_match_one_thread():
+    """The decode's thread pool: many calls in a row (each a new job of the same helpers), and
+    calls from several Python threads at once (one owns the pool, the others run on their
+    callers), all equal to the same step on one thread up to the split's merge order."""
+    import threading
+    from pipeserve.model.attention import ScoreShape
+    cpu = CpuPagedAttention()
+    rng = random.Random("pool")
+    torch.manual_seed(rng.randrange(1 << 30))
+    context_lens = [3000, 5, 700]     # over PARALLEL_MIN_ROWS: two threads split the long one
+    cache, tables = random_paged_batch(rng, [1] * 3, context_lens, 16, 3, 64, torch.float32)
+    q = torch.randn(3, 9, 64)
+    shape = ScoreShape(0.125)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.attend_decodes(q, *cache, cpu.build_metadata([1] * 3, context_lens, tables, 16,
+                                                              torch.device("cpu")).decodes, shape)
+        torch.set_num_threads(2)
+        g = cpu.build_metadata([1] * 3, context_lens, tables, 16, torch.device("cpu")).decodes
+        first = cpu.attend_decodes(q, *cache, g, shape)
+        results, errors = [], []
+
+        def calls() -> None:
+            try:
+                for _ in range(20):
+                    results.append(cpu.attend_decodes(q, *cache, g, shape))
+            except Exception as exc:   # surfaced below: a thread's exception is otherwise lost
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        torch.set_num_threads(old)
+    assert not errors and len(results) == 60
+    assert (first - one).abs().max().item() <= 1e-5
+    # Same plan (the step's threads), so the same ranges and merge order whoever ran the items.
+    assert all(torch.equal(r, first) for r in results)

@@ -39,6 +39,8 @@
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
  *   and unnormalised output, and a last pass merges the ranges of a sequence
  *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
+ * - Threads: the decode's own pool (run_items), not an OpenMP team, so that a call never
+ *   waits for a thread the OS has not scheduled (the prefill keeps OpenMP).
  * - Vector paths: AVX-512 (16 lanes; AVX512_BF16 products for bf16 rows), else AVX2 +
  *   FMA + F16C (8 lanes, the same single pass: attend_range_avx2), else portable C
  *   (pipeserve_decode_isa says which was compiled).
@@ -50,6 +52,9 @@
  *   dequantized in memory and the sum of probabilities is untouched.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,8 +99,9 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 #define SPLIT_PER_THREAD 8
 #define SPLIT_MIN_KEYS 128
 /* A step of fewer (key, kv head) rows than this runs on the calling thread: at ~40 ns
- * a row on one AVX2 core that is under ~80 us, less than a thread team's fork and join
- * cost once the machine is loaded (the join waits for every thread to be scheduled). */
+ * a row on one AVX2 core that is under ~80 us, not worth waking a helper (measured with
+ * OpenMP teams, whose join waited for every thread to be scheduled; run_items' helpers
+ * no longer make the caller wait, but a wake-up still costs a few us). */
 #define PARALLEL_MIN_ROWS 2048
 
 /* Row of `n` cache elements -> float32. */
@@ -408,13 +414,25 @@ static inline __attribute__((always_inline)) __m512 tile_probs(const char *qh, c
 /* head_dim = 16 * nvec (nvec <= 16), any cache dtype: rows widened to float32,
  * FMAs (8-bit rows: scores and probabilities times the rows' scales). Each
  * caller passes constant dtype and nvec. */
+/* A tile's 8-bit codes widened to float32 once (exact: no scale), head_dim apart, so that the
+ * group's heads read floats instead of widening every row again per head for K and for V. */
+static inline __attribute__((always_inline)) void widen_tile(const char *src, int64_t rows, int64_t row_stride,
+                                                             const int dtype, const int64_t nvec, float *dst) {
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(dst + (j * nvec + v) * 16, load16(src + j * row_stride + 16 * v, dtype));
+}
+
 static inline __attribute__((always_inline)) void attend_range_fma(
         const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nvec,
         float *restrict part) {
     const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_row_bytes(dtype, head_dim), row_stride = r->row_stride;
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
     const int quant = is_8bit(dtype);
+    /* What the math reads: the rows in place, or (8-bit) their codes widened per tile. */
+    const int math_dtype = quant ? DT_FLOAT32 : dtype;
+    const int64_t math_elem = quant ? 4 : elem, row_stride = quant ? head_dim * 4 : r->row_stride;
     float ks[TILE], vs[TILE];
+    float kw[quant ? TILE * head_dim : 1], vw[quant ? TILE * head_dim : 1];
     __m512 qs[group * nvec];
     for (int64_t i = 0; i < group * nvec; i++)
         qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
@@ -425,12 +443,18 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         prefetch_ahead(r, &pf, rows, head_bytes);
-        const char *values = r->v + off;
-        if (quant) tile_scales(r->k + off, values, rows, row_stride, dtype, head_dim, ks, vs);
+        const char *keys = r->k + off, *values = r->v + off;
+        if (quant) {
+            tile_scales(keys, values, rows, r->row_stride, dtype, head_dim, ks, vs);
+            widen_tile(keys, rows, r->row_stride, dtype, nvec, kw);
+            widen_tile(values, rows, r->row_stride, dtype, nvec, vw);
+            keys = (const char *)kw;
+            values = (const char *)vw;
+        }
         for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * nvec), r->k + off, rows, row_stride, DOT_FMA,
-                                         dtype, elem, nvec, quant ? ks : NULL, r->softcap, part + g * pstride,
-                                         head_dim);
+            const __m512 pg = tile_probs((const char *)(qs + g * nvec), keys, rows, row_stride, DOT_FMA,
+                                         math_dtype, math_elem, nvec, quant ? ks : NULL, r->softcap,
+                                         part + g * pstride, head_dim);
             _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
         }
         for (int64_t g = 0; g < group; g++) {
@@ -440,7 +464,8 @@ static inline __attribute__((always_inline)) void attend_range_fma(
             for (int64_t i = 0; i < rows; i++) {
                 const __m512 pi = _mm512_set1_ps(p[g][i]);
                 for (int64_t v = 0; v < nvec; v++)
-                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * elem, dtype), a[v]);
+                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * math_elem, math_dtype),
+                                           a[v]);
             }
             for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
         }
@@ -1069,48 +1094,189 @@ void pipeserve_decode_items(const void *plan, const float *q, const void *k_cach
     }
 }
 
+/* The output row of (sequence, head) row bh, from its ranges' parts. */
+static void merge_row(const decode_plan *p, int64_t bh, float *dst) {
+    const int64_t b = bh / p->heads, h = bh % p->heads;
+    const int64_t slot = (p->first_range[b] * p->kv_heads + h / p->group) * p->group + h % p->group;
+    merge_parts(p->parts + slot * p->pstride, p->first_range[b + 1] - p->first_range[b],
+                p->kv_heads * p->group * p->pstride, p->head_dim, dst);
+}
+
 void pipeserve_decode_merge(const void *plan, int64_t bh0, int64_t bh1, float *out) {
     const decode_plan *p = (const decode_plan *)plan;
+    for (int64_t bh = bh0; bh < bh1; bh++) merge_row(p, bh, out + bh * p->head_dim);
+}
+
+/* Merged rows [bh0, bh1) as bfloat16 (rounded to nearest even, as torch's .to). */
+static void merge_bf16(const void *plan, int64_t bh0, int64_t bh1, uint16_t *out) {
+    const decode_plan *p = (const decode_plan *)plan;
+    float row[p->head_dim];
     for (int64_t bh = bh0; bh < bh1; bh++) {
-        const int64_t b = bh / p->heads, h = bh % p->heads;
-        const int64_t slot = (p->first_range[b] * p->kv_heads + h / p->group) * p->group + h % p->group;
-        merge_parts(p->parts + slot * p->pstride, p->first_range[b + 1] - p->first_range[b],
-                    p->kv_heads * p->group * p->pstride, p->head_dim, out + bh * p->head_dim);
+        merge_row(p, bh, row);
+        for (int64_t d = 0; d < p->head_dim; d++) out[bh * p->head_dim + d] = f32_to_bf16(row[d]);
     }
 }
 
-/* q: [batch, heads, head_dim] float32; out: the same shape, float32.
+/* ---------------------------------------------------------------------------
+ * The decode's threads: a pool whose caller never waits for a helper that has not
+ * started. An OpenMP team joins at a barrier, so on a loaded machine (other jobs, other
+ * pipeline stages) a call waited for its second thread to be scheduled: two-thread
+ * calls measured 3-10x slower than one thread at load 3-6 on 2 cores. Here the caller
+ * wakes the helpers and claims items itself; a helper that wakes late finds none left,
+ * and the caller waits only for items a helper has already claimed.
+ * One call uses the pool at a time; a second concurrent call (another stage's thread)
+ * runs on its caller alone. After a fork the child has no helpers: its calls run on
+ * the caller alone.
+ * ------------------------------------------------------------------------- */
+typedef struct {
+    const void *plan;
+    const float *q;
+    const void *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    int64_t max_blocks;
+    float scale, softcap;
+    int dtype, bf16_math;
+} decode_job;
+
+#define POOL_MAX_HELPERS 63
+
+static inline void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+static struct {
+    pthread_mutex_t lock;          /* guards generation, job, items, helpers */
+    pthread_cond_t wake;
+    pthread_mutex_t in_use;        /* held by the call that owns the pool */
+    uint64_t generation;
+    const decode_job *job;
+    int64_t items;
+    int helpers;
+    _Atomic uint64_t claim;        /* (generation mod 2^32) << 32 | next item */
+    _Atomic int64_t done;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, NULL, 0, 0, 0, 0};
+
+/* Items of job `gen` while any are left: each claimed by one compare-and-swap, which fails
+ * once the pool has moved to another job. */
+static void run_claims(uint64_t gen, const decode_job *j, int64_t items) {
+    const uint64_t tag = (gen & 0xffffffffu) << 32;
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        if ((c & ~(uint64_t)0xffffffffu) != tag || (int64_t)(c & 0xffffffffu) >= items) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &c, c + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        const int64_t item = (int64_t)(c & 0xffffffffu);
+        pipeserve_decode_items(j->plan, j->q, j->k_cache, j->v_cache, j->dtype, j->block_tables, j->max_blocks,
+                               j->context_lens, j->scale, j->softcap, j->bf16_math, item, item + 1);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
+}
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        const decode_job *j = pool.job;
+        const int64_t items = pool.items;
+        pthread_mutex_unlock(&pool.lock);
+        /* j stays valid while the job's items are unclaimed: the caller waits for every claimed item. */
+        run_claims(seen, j, items);
+    }
+    return NULL;
+}
+
+/* Items [0, items) of job j on the caller and up to num_threads - 1 helpers. */
+static void run_items(const decode_job *j, int64_t items, int num_threads) {
+    int helpers = num_threads - 1 < POOL_MAX_HELPERS ? num_threads - 1 : POOL_MAX_HELPERS;
+    if (helpers < 1 || items < 2 || pthread_mutex_trylock(&pool.in_use) != 0) {
+        pipeserve_decode_items(j->plan, j->q, j->k_cache, j->v_cache, j->dtype, j->block_tables, j->max_blocks,
+                               j->context_lens, j->scale, j->softcap, j->bf16_math, 0, items);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    while (pool.helpers < helpers) {   /* started once, on the first call that asks for them */
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &attr, pool_helper, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;            /* fewer helpers: the caller claims more */
+        pool.helpers++;
+    }
+    const uint64_t gen = ++pool.generation;
+    pool.job = j;
+    pool.items = items;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.claim, (gen & 0xffffffffu) << 32, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_claims(gen, j, items);
+    /* Items a helper holds: spin a little, then yield (the helper may wait for this core). */
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < items; spins++) {
+        if (spins < 2000) spin_pause();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&pool.in_use);
+}
+
+/* q: [batch, heads, head_dim]; out: the same shape; both float32, or both bfloat16 when
+ * io_bf16 (a bfloat16 model's query read and its output written here, which saves the
+ * caller two conversions per layer: a small decode's glue costs as much as its keys).
  * block_tables: [batch, max_blocks] int64; context_lens: [batch] int64 (>= 1).
  * window: sliding window in tokens (0: none); softcap: logit soft cap (0: none).
  * bf16_math: an 8-bit cache may be read as bf16 (the model is bfloat16).
  * Returns 0, or -1 when a work buffer cannot be allocated. */
+int pipeserve_paged_decode_io(const void *q, const void *k_cache, const void *v_cache, int dtype,
+                              const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
+                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t block_size, float scale, int64_t window, float softcap, void *out,
+                              int num_threads, int bf16_math, int io_bf16) {
+    int64_t rows = 0;
+    for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
+    if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
+    const int64_t plan_bytes = (pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads) + 63) / 64 * 64;
+    const int64_t nq = batch * heads * head_dim;
+    const int64_t q_bytes = io_bf16 ? (nq * (int64_t)sizeof(float) + 63) / 64 * 64 : 0;   /* sizes: multiples of 64 */
+    char *buf = aligned_alloc(64, (size_t)(plan_bytes + q_bytes));
+    if (!buf) return -1;
+    void *plan = buf;
+    const int64_t items = pipeserve_decode_plan(plan, context_lens, batch, heads, kv_heads, head_dim, block_size,
+                                                window, num_threads);
+    if (items < 0) {
+        free(buf);
+        return -1;
+    }
+    const float *qf = (const float *)q;
+    if (io_bf16) {
+        float *qw = (float *)(buf + plan_bytes);
+        for (int64_t i = 0; i < nq; i++) qw[i] = bf16_to_f32(((const uint16_t *)q)[i]);
+        qf = qw;
+    }
+    const decode_job job = {plan, qf, k_cache, v_cache, block_tables, context_lens, max_blocks, scale, softcap,
+                            dtype, bf16_math};
+    run_items(&job, items, num_threads);
+    /* The merge is a few FMAs per head and range: the caller's alone. */
+    if (io_bf16) merge_bf16(plan, 0, batch * heads, (uint16_t *)out);
+    else pipeserve_decode_merge(plan, 0, batch * heads, (float *)out);
+    free(buf);
+    return 0;
+}
+
+/* pipeserve_paged_decode_io with float32 q and out (the entry point older builds share). */
 int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_cache, int dtype,
                            const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens,
                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int64_t window, float softcap, float *out,
                            int num_threads, int bf16_math) {
-    int64_t rows = 0;
-    for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
-    if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
-    void *plan = malloc((size_t)pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads));
-    if (!plan) return -1;
-    const int64_t items = pipeserve_decode_plan(plan, context_lens, batch, heads, kv_heads, head_dim, block_size,
-                                                window, num_threads);
-    if (items < 0) {
-        free(plan);
-        return -1;
-    }
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++)
-            pipeserve_decode_items(plan, q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
-                                   softcap, bf16_math, item, item + 1);
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < batch * heads; bh++) pipeserve_decode_merge(plan, bh, bh + 1, out);
-    }
-    free(plan);
-    return 0;
+    return pipeserve_paged_decode_io(q, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, batch, heads,
+                                     kv_heads, head_dim, block_size, scale, window, softcap, out, num_threads,
+                                     bf16_math, 0);
 }
 
 /* ---------------------------------------------------------------------------

@@ -42,6 +42,10 @@ class CpuPagedAttention(TorchPagedAttention):
         self.decode_kernel.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                  ctypes.c_float, i64, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
         self.decode_kernel.restype = ctypes.c_int
+        # The same with bfloat16 q and out (a bfloat16 model's decodes, no conversions around the call).
+        self.decode_io_kernel = lib.pipeserve_paged_decode_io
+        self.decode_io_kernel.argtypes = [*self.decode_kernel.argtypes, ctypes.c_int]
+        self.decode_io_kernel.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
         self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
                                   ctypes.c_float, ptr, ctypes.c_int]
@@ -113,23 +117,28 @@ class CpuPagedAttention(TorchPagedAttention):
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
         step = self.decode_args(g)
-        if q.shape[0] == step.batch and q.dtype == torch.float32 and q.is_contiguous():
-            qb = q   # every row a decode, in batch order (query_index is increasing)
+        bf16 = q.dtype == torch.bfloat16
+        # Every row a decode, in batch order (query_index is increasing): q is the kernel's as it is.
+        in_order = q.shape[0] == step.batch and q.is_contiguous()
+        if in_order and bf16 and self.decode_io_kernel is not None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16)
+            rc = self.decode_io_kernel(*self.decode_kernel_args(q, k_cache, v_cache, step, shape, out, True), 1)
         else:
-            qb = q.index_select(0, g.query_index).float().contiguous()        # [B, heads, D]
-        out = torch.empty(qb.shape, dtype=torch.float32)
-        rc = self.decode_kernel(*self.decode_kernel_args(qb, k_cache, v_cache, step, shape, out,
-                                                         bf16_math=q.dtype == torch.bfloat16))
+            qb = q if in_order and q.dtype == torch.float32 else q.index_select(0, g.query_index).float().contiguous()
+            out = torch.empty(qb.shape, dtype=torch.float32)                  # [B, heads, D]
+            rc = self.decode_kernel(*self.decode_kernel_args(qb, k_cache, v_cache, step, shape, out, bf16))
+            out = out if q.dtype == torch.float32 else out.to(q.dtype)
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffer")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out
 
     @staticmethod
     def decode_kernel_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: _DecodeStep,
                            shape: ScoreShape, out: torch.Tensor, bf16_math: bool) -> tuple:
-        """``decode_kernel``'s arguments: q and out [B, heads, D] float32 contiguous, a cache dtype the
-        kernel reads (``attend_decodes`` checks both); bf16_math: the model is bfloat16, so an
-        8-bit cache may be read through bf16 products."""
+        """``decode_kernel``'s arguments: q and out [B, heads, D] float32 contiguous (bfloat16 for
+        ``decode_io_kernel``, which takes one more: 1), a cache dtype the kernel reads
+        (``attend_decodes`` checks both); bf16_math: the model is bfloat16, so an 8-bit cache may be
+        read through bf16 products."""
         return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], step.tables_ptr,
                 step.max_blocks, step.lens_ptr, step.batch, q.shape[1], k_cache.shape[2], q.shape[2],
                 step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(), step.threads,
