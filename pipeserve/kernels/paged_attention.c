@@ -39,8 +39,6 @@
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
  *   and unnormalised output, and a last pass merges the ranges of a sequence
  *   (out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r).
- * - Threads: the decode's own pool (run_items), not an OpenMP team, so that a call never
- *   waits for a thread the OS has not scheduled (the prefill keeps OpenMP).
  * - Vector paths: AVX-512 (16 lanes; AVX512_BF16 products for bf16 rows), else AVX2 +
  *   FMA + F16C (8 lanes, the same single pass: attend_range_avx2), else portable C
  *   (pipeserve_decode_isa says which was compiled).
@@ -52,9 +50,6 @@
  *   dequantized in memory and the sum of probabilities is untouched.
  */
 #include <math.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,9 +94,8 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 #define SPLIT_PER_THREAD 8
 #define SPLIT_MIN_KEYS 128
 /* A step of fewer (key, kv head) rows than this runs on the calling thread: at ~40 ns
- * a row on one AVX2 core that is under ~80 us, not worth waking a helper (measured with
- * OpenMP teams, whose join waited for every thread to be scheduled; run_items' helpers
- * no longer make the caller wait, but a wake-up still costs a few us). */
+ * a row on one AVX2 core that is under ~80 us, less than a thread team's fork and join
+ * cost once the machine is loaded (the join waits for every thread to be scheduled). */
 #define PARALLEL_MIN_ROWS 2048
 
 /* Row of `n` cache elements -> float32. */
@@ -1117,114 +1111,6 @@ static void merge_bf16(const void *plan, int64_t bh0, int64_t bh1, uint16_t *out
     }
 }
 
-/* ---------------------------------------------------------------------------
- * The decode's threads: a pool whose caller never waits for a helper that has not
- * started. An OpenMP team joins at a barrier, so on a loaded machine (other jobs, other
- * pipeline stages) a call waited for its second thread to be scheduled: two-thread
- * calls measured 3-10x slower than one thread at load 3-6 on 2 cores. Here the caller
- * wakes the helpers and claims items itself; a helper that wakes late finds none left,
- * and the caller waits only for items a helper has already claimed.
- * One call uses the pool at a time; a second concurrent call (another stage's thread)
- * runs on its caller alone. After a fork the child has no helpers: its calls run on
- * the caller alone.
- * ------------------------------------------------------------------------- */
-typedef struct {
-    const void *plan;
-    const float *q;
-    const void *k_cache, *v_cache;
-    const int64_t *block_tables, *context_lens;
-    int64_t max_blocks;
-    float scale, softcap;
-    int dtype, bf16_math;
-} decode_job;
-
-#define POOL_MAX_HELPERS 63
-
-static inline void spin_pause(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-static struct {
-    pthread_mutex_t lock;          /* guards generation, job, items, helpers */
-    pthread_cond_t wake;
-    pthread_mutex_t in_use;        /* held by the call that owns the pool */
-    uint64_t generation;
-    const decode_job *job;
-    int64_t items;
-    int helpers;
-    _Atomic uint64_t claim;        /* (generation mod 2^32) << 32 | next item */
-    _Atomic int64_t done;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, 0, NULL, 0, 0, 0, 0};
-
-/* Items of job `gen` while any are left: each claimed by one compare-and-swap, which fails
- * once the pool has moved to another job. */
-static void run_claims(uint64_t gen, const decode_job *j, int64_t items) {
-    const uint64_t tag = (gen & 0xffffffffu) << 32;
-    for (;;) {
-        uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
-        if ((c & ~(uint64_t)0xffffffffu) != tag || (int64_t)(c & 0xffffffffu) >= items) return;
-        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &c, c + 1, memory_order_acq_rel,
-                                                   memory_order_relaxed))
-            continue;
-        const int64_t item = (int64_t)(c & 0xffffffffu);
-        pipeserve_decode_items(j->plan, j->q, j->k_cache, j->v_cache, j->dtype, j->block_tables, j->max_blocks,
-                               j->context_lens, j->scale, j->softcap, j->bf16_math, item, item + 1);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-    }
-}
-
-static void *pool_helper(void *arg) {
-    (void)arg;
-    uint64_t seen = 0;
-    for (;;) {
-        pthread_mutex_lock(&pool.lock);
-        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
-        seen = pool.generation;
-        const decode_job *j = pool.job;
-        const int64_t items = pool.items;
-        pthread_mutex_unlock(&pool.lock);
-        /* j stays valid while the job's items are unclaimed: the caller waits for every claimed item. */
-        run_claims(seen, j, items);
-    }
-    return NULL;
-}
-
-/* Items [0, items) of job j on the caller and up to num_threads - 1 helpers. */
-static void run_items(const decode_job *j, int64_t items, int num_threads) {
-    int helpers = num_threads - 1 < POOL_MAX_HELPERS ? num_threads - 1 : POOL_MAX_HELPERS;
-    if (helpers < 1 || items < 2 || pthread_mutex_trylock(&pool.in_use) != 0) {
-        pipeserve_decode_items(j->plan, j->q, j->k_cache, j->v_cache, j->dtype, j->block_tables, j->max_blocks,
-                               j->context_lens, j->scale, j->softcap, j->bf16_math, 0, items);
-        return;
-    }
-    pthread_mutex_lock(&pool.lock);
-    while (pool.helpers < helpers) {   /* started once, on the first call that asks for them */
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int rc = pthread_create(&t, &attr, pool_helper, NULL);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;            /* fewer helpers: the caller claims more */
-        pool.helpers++;
-    }
-    const uint64_t gen = ++pool.generation;
-    pool.job = j;
-    pool.items = items;
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.claim, (gen & 0xffffffffu) << 32, memory_order_release);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    run_claims(gen, j, items);
-    /* Items a helper holds: spin a little, then yield (the helper may wait for this core). */
-    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < items; spins++) {
-        if (spins < 2000) spin_pause();
-        else sched_yield();
-    }
-    pthread_mutex_unlock(&pool.in_use);
-}
-
 /* q: [batch, heads, head_dim]; out: the same shape; both float32, or both bfloat16 when
  * io_bf16 (a bfloat16 model's query read and its output written here, which saves the
  * caller two conversions per layer: a small decode's glue costs as much as its keys).
@@ -1258,12 +1144,18 @@ int pipeserve_paged_decode_io(const void *q, const void *k_cache, const void *v_
         for (int64_t i = 0; i < nq; i++) qw[i] = bf16_to_f32(((const uint16_t *)q)[i]);
         qf = qw;
     }
-    const decode_job job = {plan, qf, k_cache, v_cache, block_tables, context_lens, max_blocks, scale, softcap,
-                            dtype, bf16_math};
-    run_items(&job, items, num_threads);
-    /* The merge is a few FMAs per head and range: the caller's alone. */
-    if (io_bf16) merge_bf16(plan, 0, batch * heads, (uint16_t *)out);
-    else pipeserve_decode_merge(plan, 0, batch * heads, (float *)out);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++)
+            pipeserve_decode_items(plan, qf, k_cache, v_cache, dtype, block_tables, max_blocks, context_lens, scale,
+                                   softcap, bf16_math, item, item + 1);
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < batch * heads; bh++) {
+            if (io_bf16) merge_bf16(plan, bh, bh + 1, (uint16_t *)out);
+            else pipeserve_decode_merge(plan, bh, bh + 1, (float *)out);
+        }
+    }
     free(buf);
     return 0;
 }
