@@ -146,7 +146,7 @@ def test_the_quantized_kernels_compile_for_every_instruction_set(march, tmp_path
 
 
 @skip_without_kernel("quant_matmul")
-def test_forgetting_the_loaded_kernels_reaches_every_holder(fresh, monkeypatch):
+def test_forgetting_the_loaded_kernels_reaches_every_holder(monkeypatch, tmp_path):
     """What holds a loaded library (the quantized matmuls, the fused elementwise ops, the
     bfloat16 GEMM, the GGUF repack and widen) is built again after ``forget_loaded``: a test
     that forces another CC never leaves its build behind for the rest of the process."""
@@ -155,11 +155,13 @@ def test_forgetting_the_loaded_kernels_reaches_every_holder(fresh, monkeypatch):
     from pipeserve.model.quant.gguf_repack import _c_repack
     from pipeserve.model.quant.gguf_widen import _c_widen
     holders = [cpu_kernels, cpu_elementwise, gemm_kernel, _c_repack, _c_widen]
-    native = [holder() for holder in holders]
-    assert all(lib is not None for lib in native)
-    monkeypatch.setenv("CC", _fake_compiler(fresh / "cc", "exit 1"))
-    build.forget_loaded()
-    assert [holder() for holder in holders] == [None] * len(holders)   # each asked the failing CC
-    monkeypatch.delenv("CC")
-    build.forget_loaded()
     assert all(holder() is not None for holder in holders)
+    monkeypatch.setenv("PIPESERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", _fake_compiler(tmp_path / "cc", "exit 1"))
+    build.forget_loaded()
+    try:
+        assert [holder() for holder in holders] == [None] * len(holders)   # each asked the failing CC
+    finally:
+        monkeypatch.undo()
+        build.forget_loaded()
+    assert all(holder() is not None for holder in holders)              # the native build again

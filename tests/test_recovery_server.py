@@ -66,27 +66,39 @@ async def _stream_all(server, on_progress=None) -> list[tuple[str, str | None]]:
 
 
 class HealthWatch(threading.Thread):
-    """Polls /health from the moment the fault is injected: when it turned 503 and back to 200."""
+    """Polls /health (one kept-alive connection, every 10 ms) from the moment it is armed (at
+    once, or by ``arm()`` when the fault is injected): when it turned 503 and back to 200. A
+    restart takes a few tenths of a second, so the watch runs before the fault and the pause
+    it must see is not lost to a new connection's set-up."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, armed: bool = True) -> None:
         super().__init__(daemon=True)
         self.url, self.start_t = url, time.monotonic()
         self.down_at: float | None = None
         self.up_at: float | None = None
         self.stop = threading.Event()
+        self.armed = threading.Event()
+        if armed:
+            self.armed.set()
+
+    def arm(self) -> None:
+        self.start_t = time.monotonic()
+        self.armed.set()
 
     def run(self) -> None:
-        while not self.stop.is_set() and self.up_at is None:
-            try:
-                code = httpx.get(f"{self.url}/health", timeout=5).status_code
-            except httpx.HTTPError:
-                code = None
-            now = time.monotonic() - self.start_t
-            if code == 503 and self.down_at is None:
-                self.down_at = now
-            elif code == 200 and self.down_at is not None:
-                self.up_at = now
-            time.sleep(0.05)
+        with httpx.Client(timeout=5) as client:
+            while not self.stop.is_set() and self.up_at is None:
+                try:
+                    code = client.get(f"{self.url}/health").status_code
+                except httpx.HTTPError:
+                    code = None
+                if self.armed.is_set():
+                    now = time.monotonic() - self.start_t
+                    if code == 503 and self.down_at is None:
+                        self.down_at = now
+                    elif code == 200 and self.down_at is not None:
+                        self.up_at = now
+                time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +121,17 @@ def test_server_streams_survive_a_failed_stage(server, undisturbed, fault, capsy
     before = _metrics(server)
     victim = int(_metric(before, "pipeserve_stage_pid", 'stage="1"'))
     restarts = _metric(before, "pipeserve_stage_restarts_total") or 0.0
-    watch = HealthWatch(server.url)
+    watch = HealthWatch(server.url, armed=False)
+    watch.start()
 
     def inject(chunks: int) -> None:
-        if chunks == STREAMS * 8 and not watch.is_alive():      # every stream is mid-generation
+        if chunks == STREAMS * 8 and not watch.armed.is_set():      # every stream is mid-generation
+            watch.arm()
             os.kill(victim, getattr(signal, fault))
-            watch.start_t = time.monotonic()
-            watch.start()
 
     try:
         got = asyncio.run(_stream_all(server, inject))
-        assert watch.is_alive() or watch.up_at is not None, "the fault was never injected"
+        assert watch.armed.is_set(), "the fault was never injected"
         watch.join(30)
     finally:
         watch.stop.set()
