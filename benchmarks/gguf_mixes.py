@@ -6,7 +6,7 @@ shape in float16, SmolLM2's tokenizer and chat template copied from the built-in
 and has llama.cpp's own quantizer (llama-cpp-python's ``llama_model_quantize``) write the
 mixes, with the types it picks per tensor as for any Llama/Qwen3 file:
 
-    python benchmarks/gguf_mixes.py --out /tmp/gguf-mixes [--arch llama|qwen3] [--layers 12] \\
+    PYTHONPATH=$PWD python benchmarks/gguf_mixes.py --out /tmp/gguf-mixes [--arch llama|qwen3] [--layers 12] \\
         [--types Q4_K_M,IQ4_XS,Q3_K_M,Q2_K]
 
 ``llama``: width 2048, 32 query / 8 KV heads of 64, FFN 5632 (TinyLlama's widths);
@@ -20,7 +20,7 @@ scales of a trained model's size) of the type ``RANDOM_MIXES`` gives its role, a
 of llama.cpp's picks (it varies some roles by layer); the files then hold exactly the mix's
 layouts at their bytes, which is what loading, memory and kernel speed depend on:
 
-    python benchmarks/gguf_mixes.py --out /tmp/gguf-mixes --random-blocks --types Q2_K,Q3_K_M,IQ4_XS
+    PYTHONPATH=$PWD python benchmarks/gguf_mixes.py --out /tmp/gguf-mixes --random-blocks --types Q2_K,Q3_K_M,IQ4_XS
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+
+from tests.checkpoints import random_quant_blocks
 
 SHAPES = {  # hidden, ffn, heads, kv heads, head dim
     "llama": (2048, 5632, 32, 8, 64),
@@ -45,19 +47,7 @@ RANDOM_MIXES = {
     "IQ4_NL": ("IQ4_NL", {"output": "Q6_K"}),
     "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}),
 }
-FLOAT16_OFFSETS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # else (0, 2)
 SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
-
-
-def random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, row bytes] uint8: random blocks of ``qtype`` whose float16 scales are ~2e-4
-    (IQ4_XS: and its 6-bit sub-scales random), so the weights are of a trained model's size."""
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in FLOAT16_OFFSETS.get(qtype.name, (0, 2)):
-        d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(rows, -1)
 
 
 def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None = None) -> None:
@@ -94,7 +84,7 @@ def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None
             return
         default, roles = RANDOM_MIXES[mix]
         qtype = gguf.GGMLQuantizationType[roles.get(name.split(".")[-2], default)]
-        w.add_tensor(name, random_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+        w.add_tensor(name, random_quant_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
 
     add_matrix("token_embd.weight", vocab, hidden)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))

@@ -241,6 +241,24 @@ def quantize_iq4_nl(array: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), packed], axis=-1).reshape(rows, -1)
 
 
+# Where a block's float16 d (and dmin) sit; other types: (0, 2). IQ4_XS: d only (its 6-bit
+# sub-scales stay random).
+KQUANT_FLOAT16_OFFSETS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def random_quant_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, row bytes] uint8: random blocks of GGML type ``qtype`` (gguf's writer cannot
+    quantize to K-quants) whose float16 scales are ~2e-4, so the weights are of a trained
+    model's size (|w| < ~0.5)."""
+    import gguf
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for off in KQUANT_FLOAT16_OFFSETS.get(qtype.name, (0, 2)):
+        d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
 def lazy_builds(root: Path, build) -> Callable[[str], Path]:
     """kind -> ``build(kind, root / kind)``, built on first use and kept."""
     built: dict[str, Path] = {}

@@ -30,28 +30,13 @@ KQUANT_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=
 KQUANT_TYPES = {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}
 # Its Q2_K mix, roughly: Q3_K for attn_v and ffn_down, Q4_K for attn_output, Q6_K the head, Q2_K elsewhere.
 Q2_K_TYPES = {"attn_v": "Q3_K", "ffn_down": "Q3_K", "attn_output": "Q4_K", "output": "Q6_K"}
-FLOAT16_OFFSETS = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82)}   # d (and dmin) in a block; others (0, 2)
-
-
-def _k_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks (gguf's writer cannot quantize to K-quants) with small float16
-    scales, so the weights are of a trained model's size (|w| < ~0.5)."""
-    import gguf
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    for off in FLOAT16_OFFSETS.get(qtype.name, (0, 2)):
-        d = (2e-4 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16)
-        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(rows, -1)
-
-
 def _kquant_gguf(root: Path, types: dict = KQUANT_TYPES, default: str = "Q4_K", name: str = "q4_k_m") -> Path:
     """A tiny random Llama as a Q4_K_M-style GGUF (Q4_K, with Q6_K tensors; or ``types`` by
     tensor, ``default`` elsewhere), F32 norms."""
     import gguf
     from transformers import LlamaConfig
 
-    from tests.checkpoints import _COMMON, _write_metadata, finish_gguf, save_tiny_tokenizer
+    from tests.checkpoints import _COMMON, _write_metadata, finish_gguf, random_quant_blocks, save_tiny_tokenizer
     cfg = LlamaConfig(**{**_COMMON, **KQUANT_CONFIG}, rope_theta=10000.0)
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * 64
     rng = np.random.default_rng(5)
@@ -66,7 +51,7 @@ def _kquant_gguf(root: Path, types: dict = KQUANT_TYPES, default: str = "Q4_K", 
     _write_metadata(writer, cfg)
     for name, (rows, cols) in shapes.items():
         qtype = gguf.GGMLQuantizationType[types.get(name.split(".")[-1], default)]
-        writer.add_tensor(f"{name}.weight", _k_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
+        writer.add_tensor(f"{name}.weight", random_quant_blocks(qtype, rows, cols, rng), raw_dtype=qtype)
     norms = ["output_norm"] + [f"blk.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("attn_norm", "ffn_norm")]
     for name in norms:
         writer.add_tensor(f"{name}.weight", (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32))
