@@ -85,14 +85,17 @@ def _children(pid: int) -> set[int]:
     return descendants(pid)
 
 
-def _start_server(model_dir: Path, pp: int, log: Path, *extra: str) -> Server:
+def _start_server(model_dir: Path, pp: int, log: Path, *extra: str, new_session: bool = False) -> Server:
+    """``new_session``: the server leads its own process group (a test may signal the group,
+    as a terminal's Ctrl-C does)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pipeserve.entrypoints.cli", "serve", "--model", str(model_dir),
            "-pp", str(pp), "--port", str(port), "--api-key", KEY, "--served-model-name", NAME,
            "--max-request-bytes", "65536", "--max-queue", "200", "--shutdown-timeout", "5", *ENGINE_ARGS, *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:

@@ -1,9 +1,12 @@
 """SIGTERM with long requests in flight: the server gives them ``--shutdown-timeout`` seconds, then
 aborts them and exits, leaving no process behind. Its own server (the shared one in
-test_server_e2e.py lets its last stream finish)."""
+test_server_e2e.py lets its last stream finish). Ctrl-C (SIGINT to the whole process group, the
+stages included) is a graceful shutdown too."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 import time
@@ -58,3 +61,27 @@ def _running(server) -> float:
     except httpx.HTTPError:
         return 0.0
     return metrics.get(("pipeserve_num_requests_running", ()), 0.0)
+
+
+def test_ctrl_c_to_the_process_group_lets_the_stream_finish(tmp_path):
+    """A terminal's Ctrl-C reaches the server and every stage: the stages leave it to the server,
+    whose graceful shutdown lets the running stream end normally, then stops them."""
+    model_dir = build_checkpoint("llama_tied_gqa", tmp_path / "tiny")
+    server = _start_server(model_dir, 2, tmp_path / "server.log", new_session=True)
+    try:
+        children = _children(server.proc.pid)
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 60, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")   # the request is running
+            os.killpg(server.proc.pid, signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
+        log = server.log.read_text()
+        assert "KeyboardInterrupt" not in log and "pipeline failed" not in log, log[-3000:]
+        assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
+    finally:
+        _stop(server)

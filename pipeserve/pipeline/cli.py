@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 
@@ -57,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "cluster_key", None):   # `pipeserve serve --node-rank R` on another node
             os.environ.setdefault(KEY_ENV, args.cluster_key)
         if stage is not None:
+            # Ctrl-C reaches the whole process group: it is the driver's (or node worker's) to
+            # handle, which stops its stages once in-flight requests are done; a stage that
+            # died of it would fail them. A stage whose parent is gone exits on its own.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             if not os.environ.get(KEY_ENV):
                 raise ValueError(f"set ${KEY_ENV} to the driver's cluster key")
             key = os.environ[KEY_ENV].encode()

@@ -249,7 +249,6 @@ def _become_stage(request: dict, stderr_fd: int) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
