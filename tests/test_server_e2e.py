@@ -112,6 +112,21 @@ def _start_server(model_dir: Path, pp: int, log: Path, *extra: str, new_session:
         time.sleep(0.2)
 
 
+def _stream_finishes_across(server: Server, fault, max_tokens: int = 40) -> None:
+    """A stream runs, ``fault()`` (a signal) lands mid-way; the stream still ends normally and
+    the server then exits 0."""
+    body = {"model": NAME, "prompt": "hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the request is running
+        fault()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
+
+
 def _stop(server: Server) -> None:
     if server.proc.poll() is None:
         server.proc.kill()
@@ -306,16 +321,7 @@ def test_sigterm_finishes_cleanly(server):
     """Runs last in this module: SIGTERM lets the in-flight stream finish, then stops the server,
     its engine and every stage process, and the process exits 0."""
     children = _children(server.proc.pid)
-    body = {"model": NAME, "prompt": "hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")  # the request is running
-        server.proc.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-    assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
+    _stream_finishes_across(server, lambda: server.proc.send_signal(signal.SIGTERM))
     assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
 
 

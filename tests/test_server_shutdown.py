@@ -5,7 +5,6 @@ stages included) is a graceful shutdown too."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.checkpoints import build_checkpoint
-from tests.test_server_e2e import KEY, NAME, _children, _start_server, _stop, _wait_for
+from tests.test_server_e2e import KEY, NAME, _children, _start_server, _stop, _stream_finishes_across, _wait_for
 
 SHUTDOWN_TIMEOUT = 3.0
 
@@ -70,16 +69,7 @@ def test_ctrl_c_to_the_process_group_lets_the_stream_finish(tmp_path):
     server = _start_server(model_dir, 2, tmp_path / "server.log", new_session=True)
     try:
         children = _children(server.proc.pid)
-        body = {"model": NAME, "prompt": "hello", "max_tokens": 60, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")   # the request is running
-            os.killpg(server.proc.pid, signal.SIGINT)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]", rest[-3:]
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
-        assert server.proc.wait(30) == 0, server.log.read_text()[-3000:]
+        _stream_finishes_across(server, lambda: os.killpg(server.proc.pid, signal.SIGINT), max_tokens=60)
         log = server.log.read_text()
         assert "KeyboardInterrupt" not in log and "pipeline failed" not in log, log[-3000:]
         assert _wait_for(lambda: not any(Path(f"/proc/{c}").exists() for c in children), 10.0), children
