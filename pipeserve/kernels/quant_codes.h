@@ -63,6 +63,12 @@ static inline int quant_takes_kind(int kind) {
 /* q2/q3: weights per super-block (a float16 scale, 16 integer sub-scales), and the qh bytes of one. */
 #define QUANT_K2_SUPER 256
 static inline int64_t quant_k2_high(int kind) { return kind == QUANT_Q3 ? 48 : 16; }
+/* Group g's (of 16) scale d * sub and minimum -dmin * min in super-block qh bytes `h`, from its
+ * float d and m (q3, or q2 without minimums: m 0). Exact: a float16 times an integer below 64. */
+static inline void quant_k2_group(int kind, const uint8_t *h, int g, float d, float m, float *s, float *b) {
+    *s = kind == QUANT_Q3 ? d * (float)(int8_t)h[32 + g] : d * (float)(h[g] & 15);
+    *b = kind == QUANT_Q3 ? 0.0f : m * (float)(h[g] >> 4);
+}
 
 /* Bytes of one row's codes in `qs` (nibbles for q4/q5/q6/i4, bit pairs for q2/q3) and in `qh`
  * (high-bit planes; q2/q3: the sub-scales, q3's hmask before them). */

@@ -74,10 +74,7 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
         const uint8_t *h = qh + sup * quant_k2_high(kind);
         const float d = _cvtsh_ss(s[sup]), m = kind == QUANT_Q2 && b ? _cvtsh_ss(b[sup]) : 0.0f;
         float sc[2], mn[2];
-        for (int i = 0; i < 2; i++) {
-            sc[i] = kind == QUANT_Q3 ? d * (float)(int8_t)h[32 + g + i] : d * (float)(h[g + i] & 15);
-            mn[i] = kind == QUANT_Q3 ? 0.0f : m * (float)(h[g + i] >> 4);
-        }
+        for (int i = 0; i < 2; i++) quant_k2_group(kind, h, (int)g + i, d, m, sc + i, mn + i);
         const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c))),
                                           _mm512_set1_ps(sc[0]), _mm512_set1_ps(mn[0]));
         const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1))),

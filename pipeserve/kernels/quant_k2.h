@@ -48,10 +48,7 @@ static inline void k2_group_scales(int kind, const uint8_t *qh, const uint16_t *
     for (int64_t j = 0; j < K / QUANT_K2_SUPER; j++) {
         const float d = f16_to_f32(sc[j]), m = kind == QUANT_Q2 && mn ? f16_to_f32(mn[j]) : 0.0f;
         const uint8_t *h = qh + j * hs;
-        for (int g = 0; g < 16; g++) {
-            s[16 * j + g] = kind == QUANT_Q3 ? d * (float)(int8_t)h[32 + g] : d * (float)(h[g] & 15);
-            b[16 * j + g] = kind == QUANT_Q3 ? 0.0f : m * (float)(h[g] >> 4);
-        }
+        for (int g = 0; g < 16; g++) quant_k2_group(kind, h, g, d, m, s + 16 * j + g, b + 16 * j + g);
     }
 }
 
