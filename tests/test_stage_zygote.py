@@ -34,7 +34,7 @@ def own_zygote(monkeypatch):
     made = []
 
     def make(env):
-        z = zygote.StageZygote({k: v for k, v in env.items() if k != KEY_ENV})
+        z = zygote.StageZygote(env)
         made.append(z)
         return z
     yield make
@@ -142,7 +142,7 @@ def test_a_zygote_that_cannot_import_sends_stages_the_old_way(monkeypatch, tmp_p
     # a request fails with a message, and the launcher starts the stage as a new interpreter.
     (tmp_path / "torch.py").write_text("raise ImportError('no torch on this path')\n")
     env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path), launcher.PACKAGE_ROOT]))
-    broken = zygote.StageZygote({k: v for k, v in env.items() if k != KEY_ENV})
+    broken = zygote.StageZygote(env)
     try:
         assert broken.proc.wait(timeout=60) != 0
         with pytest.raises(RuntimeError, match="did not start"):

@@ -40,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "PIPESERVE_STAGE_ZYGOTE"
 # Set per stage by the launcher; any other difference from the zygote's environment means
-# "start a fresh interpreter".
-PER_STAGE_ENV = (KEY_ENV, "PIPESERVE_PARENT_PID", "PYTHONPATH")
+# "start a fresh interpreter". The zygote itself never holds the first two (its PYTHONPATH
+# finds the package).
+PARENT_ENV = "PIPESERVE_PARENT_PID"   # read by stage_process._exit_with_parent
+PER_STAGE_ENV = (KEY_ENV, PARENT_ENV, "PYTHONPATH")
 PRELOAD = ("torch", "pipeserve.pipeline.cli", "pipeserve.pipeline.stage_process",
            "pipeserve.pipeline.stage_worker", "pipeserve.worker.model_runner")
 MAX_MESSAGE = 1 << 20
@@ -67,10 +69,12 @@ class ForkedProcess:
 
 
 class StageZygote:
-    """The driver's handle on its zygote process (one per driver process, made on first use)."""
+    """The driver's handle on its zygote process (one per driver process, made on first use),
+    started with the stages' environment ``env`` less the cluster key and parent pid."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env_key = _env_key(env)
+        env = {k: v for k, v in env.items() if k not in (KEY_ENV, PARENT_ENV)}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeserve.pipeline.zygote", str(theirs.fileno())],
@@ -88,7 +92,7 @@ class StageZygote:
     def spawn(self, argv: list[str], env: dict[str, str], path: list[str]) -> ForkedProcess:
         """Fork one stage running ``python -m pipeserve <argv>``; RuntimeError if the zygote is gone."""
         read_fd, write_fd = os.pipe()
-        request = json.dumps({"argv": argv, "env": {**env, "PIPESERVE_PARENT_PID": str(self.proc.pid)},
+        request = json.dumps({"argv": argv, "env": {**env, PARENT_ENV: str(self.proc.pid)},
                               "cwd": os.getcwd(), "path": path}).encode()
         try:
             with self._lock:
@@ -189,7 +193,7 @@ def stage_zygote(env: dict[str, str]) -> StageZygote | None:
             _zygote.close()   # gone, or made for an environment no running stage still needs
             _zygote = None
         if _zygote is None:
-            _zygote = StageZygote({k: v for k, v in env.items() if k not in PER_STAGE_ENV[:2]})
+            _zygote = StageZygote(env)
         return _zygote if _zygote.env_key == _env_key(env) else None
 
 
