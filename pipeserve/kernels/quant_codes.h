@@ -94,6 +94,14 @@ static inline void quant_k2_run(const uint8_t *qs, const uint8_t *qh, int64_t hs
 #if defined(__AVX2__)
 #include <immintrin.h>
 
+/* Where the decode gemvs prefetch the weight rows they read next (quant_matmul.c's rows_i8,
+ * quant_gemv_avx2.h's prefetch_row): into L2, not L1. A row's worth of L1 prefetches at once
+ * (up to 40 lines) fills the core's miss buffers and stalls the loads the gemv is waiting on;
+ * into L2 the same lines arrive as the L2 streamer's do. One decode token's gemvs of a Llama
+ * Q8_0 / Q4_K_M file from memory, Zen 4: 45.2 -> 29.2 ms / 40.6 -> 31-37 ms at one thread,
+ * Q4_K_M 29.3 -> 24.0 ms at two; the AVX2 build there 31.5 -> 27.2 ms (benchmarks/README.md). */
+#define QUANT_PREFETCH_HINT _MM_HINT_T1
+
 /* Run r's 32 nibbles as bytes, in weight order: the low halves, then the high halves of its 16 bytes. */
 static inline __attribute__((always_inline)) __m256i quant_nibbles32_avx2(const uint8_t *qs, int64_t r) {
     const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));

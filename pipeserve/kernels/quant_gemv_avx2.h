@@ -480,14 +480,14 @@ row_dot_i16(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint1
 }
 
 /* Weight row f's codes, high bits (qh: high bytes a row, may be 0), scales and minimums
- * (mn may be NULL; per_row of each a row) into L1. */
+ * (mn may be NULL; per_row of each a row) into L2 (QUANT_PREFETCH_HINT says why not L1). */
 static inline __attribute__((always_inline)) void
 prefetch_row(const uint8_t *qs, int64_t row_bytes, const uint8_t *qh, int64_t high, const uint16_t *sc,
              const uint16_t *mn, int64_t per_row, int64_t f) {
-    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), _MM_HINT_T0);
-    for (int64_t o = 0; o < high; o += 64) _mm_prefetch((const char *)(qh + f * high + o), _MM_HINT_T0);
-    _mm_prefetch((const char *)(sc + f * per_row), _MM_HINT_T0);
-    if (mn) _mm_prefetch((const char *)(mn + f * per_row), _MM_HINT_T0);
+    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(qs + f * row_bytes + o), QUANT_PREFETCH_HINT);
+    for (int64_t o = 0; o < high; o += 64) _mm_prefetch((const char *)(qh + f * high + o), QUANT_PREFETCH_HINT);
+    _mm_prefetch((const char *)(sc + f * per_row), QUANT_PREFETCH_HINT);
+    if (mn) _mm_prefetch((const char *)(mn + f * per_row), QUANT_PREFETCH_HINT);
 }
 
 /* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched

@@ -522,7 +522,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
 }
 
 /* Output rows [n0, n1) for m_rows rows of x; the codes of row n + PF_ROWS are prefetched
- * while row n is computed. */
+ * (into L2: QUANT_PREFETCH_HINT) while row n is computed. */
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
@@ -531,11 +531,11 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
     for (int64_t n = n0; n < n1; n++) {
         if (n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), QUANT_PREFETCH_HINT);
             for (int64_t o = 0; o < high_bytes; o += 64)
-                _mm_prefetch((const char *)(qh + (n + PF_ROWS) * high_bytes + o), _MM_HINT_T0);
-            _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), _MM_HINT_T0);
-            if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), _MM_HINT_T0);
+                _mm_prefetch((const char *)(qh + (n + PF_ROWS) * high_bytes + o), QUANT_PREFETCH_HINT);
+            _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), QUANT_PREFETCH_HINT);
+            if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), QUANT_PREFETCH_HINT);
         }
         float res[GEMV_ROWS];
         row_dot_i8(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
