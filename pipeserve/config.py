@@ -82,6 +82,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks per stage (pipeserve/model/tensor_parallel.py)
     tp_all_reduce: str = "shm"                # shm (shared memory, one host) | gloo
     threads_per_stage: int | None = None      # per rank; default: cores // (P * T)
+    adaptive_threads: bool = True             # fewer threads while other work holds the cores (worker/thread_governor.py)
     pp_partition: str = "balanced"            # balanced | uniform | auto | "a,b,c"
     pp_schedule: str = "async"                # async | gpipe | interleaved
     pp_max_inflight: int | None = None        # default: P

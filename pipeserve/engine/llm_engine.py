@@ -27,6 +27,7 @@ from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batc
 from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
+from pipeserve.worker import thread_governor
 from pipeserve.worker.model_runner import check_kv_fits
 from pipeserve.worker.step import StepInput, StepOutput
 
@@ -148,7 +149,7 @@ class LLMEngine:
         if self.config.pipeline_parallel_size == 1 and self.config.tensor_parallel_size == 1:
             from pipeserve.worker.local_executor import LocalExecutor
             from pipeserve.worker.model_runner import ModelRunner
-            torch.set_num_threads(self.config.stage_threads)
+            thread_governor.start(self.config.stage_threads, self.config.adaptive_threads)
             runner = ModelRunner(self.source, self.model_config, start_layer=0,
                                  end_layer=self.model_config.num_layers, is_first=True, is_last=True,
                                  dtype=self.dtype, device=torch.device(self._device(0)),

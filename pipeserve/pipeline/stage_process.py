@@ -27,6 +27,7 @@ from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
 from pipeserve.pipeline.spec import PipelineSpec, node_of_stage, stages_of_node
 from pipeserve.pipeline.stage_worker import STOPPED, StageWorker
+from pipeserve.worker import thread_governor
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     spec = join_driver(transport, addr, port, Hello(stage + 1, os.getpid(), host, listen_port),
                        timeout).to_spec()
     transport.world_size = spec.num_stages + 1
-    torch.set_num_threads(spec.config.stage_threads)
+    thread_governor.start(spec.config.stage_threads, spec.config.adaptive_threads)
     device = stage_device(spec, stage)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -266,6 +266,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
 
     from pipeserve.pipeline.spec import SpecWire
     from pipeserve.pipeline.stage_process import _exit_with_parent, build_runners
+    from pipeserve.worker import thread_governor
     from pipeserve.worker.step import StepInput
     from pipeserve.worker.step_wire import from_wire
     _exit_with_parent()
@@ -277,7 +278,7 @@ def run_follower(stage: int, tp_rank: int, store_port: int, key: bytes, timeout_
         return 2
     spec = from_wire(SpecWire, json.loads(text), "spec").to_spec()
     size = spec.config.tensor_parallel_size
-    torch.set_num_threads(spec.config.stage_threads)
+    thread_governor.start(spec.config.stage_threads, spec.config.adaptive_threads)
     try:
         group = _group_for(spec, stage, tp_rank, store.get("shm").decode() or None)   # map it before joining
     except Exception:

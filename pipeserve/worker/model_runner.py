@@ -23,6 +23,7 @@ from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader import ModelSource, load_model
 from pipeserve.model.quant.load import describe, weight_bytes
 from pipeserve.sampling.sampler import Sampler
+from pipeserve.worker import thread_governor
 from pipeserve.worker.step import SampledToken, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
         """Non-last stage: hidden states [num_tokens, hidden]. Last stage: the sampled tokens."""
+        thread_governor.tick()
         self._move_blocks(step)
         hidden = self._forward(step, hidden_states)
         if not self.is_last:
