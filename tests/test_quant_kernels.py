@@ -24,8 +24,9 @@ import torch
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
-from pipeserve.model.quant.cpu_kernels import (GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS,
-                                               PROMPT_INT8_KINDS, PROMPT_INT8_MAX_ROWS, QuantKernels, cpu_kernels)
+from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS,
+                                               GEMV_PASSES_MAX_ROWS, PROMPT_INT8_KINDS, PROMPT_INT8_MAX_ROWS,
+                                               QuantKernels, cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
                                           expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
@@ -178,7 +179,9 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     what the same codes a byte each (q8, their widened layout) give, on every kernel path: the
     kernels expand a row (or a panel) into those bytes and run the q8 code. Except the integer
     decode path where the compact layout takes int8 activations and q8 finer ones (AVX2: q5/q6/i4
-    against int16; VNNI: i4 against two int8 terms, ``act_int8``): each within its own bound.
+    against int16; VNNI: i4 against two int8 terms, ``act_int8``), or the same two int8 terms in
+    its own arithmetic (VNNI's q5/q6: raw codes in q4's order, their offset in the minimums term):
+    each within its own bound.
     (q2/q3 keep integer sub-scales that their q8 rounds to float16: test_k2_paths_match_dequantize.)"""
     path, types = gguf_file
     kernels = cpu_kernels()
@@ -193,19 +196,25 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     for w in weights:
         ttype = w.source
         own_activations = kernels.act_int8(w.kind)   # int8 activations where q8 takes finer ones
+        own_arithmetic = own_activations or (kernels.isa == "avx512-vnni" and w.kind in ("q5", "q6"))
         wide = to_q8(w)
         assert torch.equal(dequantize(w), dequantize(wide)), ttype
         for rows in (1, 2, 3, GEMV_MAX_ROWS, 64):
             x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            if own_activations and kernels.int8_activations(w, x):
+            if own_arithmetic and kernels.int8_activations(w, x):
                 ref = x.float() @ dequantize(w).t()
-                for got in (kernels.matmul(w, x), kernels.gemv(w, x, int8_act=True)):
+                gots = [kernels.gemv(w, x, int8_act=True)]
+                if not own_activations and rows >= GEMM_MIN_ROWS and kernels.gemm_applies(w, x):
+                    assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)   # the tiles
+                else:
+                    gots.append(kernels.matmul(w, x))
+                for got in gots:
                     assert ((got.float() - ref).abs() <= _int8_activation_bound(w, x, kernels, dtype)).all(), \
                         (ttype, rows)
             else:
                 assert torch.equal(kernels.matmul(w, x), kernels.matmul(wide, x)), (ttype, rows)
             if rows <= GEMV_MAX_ROWS:
-                for i8 in (False, True) if not own_activations else (False,):
+                for i8 in (False, True) if not own_arithmetic else (False,):
                     assert torch.equal(kernels.gemv(w, x, int8_act=i8), kernels.gemv(wide, x, int8_act=i8)), \
                         (ttype, rows, i8)
             assert torch.equal(kernels.tiled(w, x), kernels.tiled(wide, x)), (ttype, rows)

@@ -10,8 +10,8 @@
  * them on every path; every build takes all seven, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
- * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb,
- * quant_gemv_avx2.h's block_codes_u8) into the bytes a q8 row holds; the float and
+ * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb: the raw
+ * codes in q4's order; quant_gemv_avx2.h's block_codes_u8: the bytes a q8 row holds); the float and
  * dequantize paths expand a row into a per-thread scratch row (in L1) just before using
  * it as q8.
  *
@@ -38,8 +38,9 @@
  *   minimums meet d * sum(x') once per 16 blocks, and the lanes are summed
  *   once per row. Groups of 16 (Q6_K) take this path too: each lane of a chunk is one
  *   group (4 lanes per 16 weights), scaled from two 16-lane vectors of s_w * d, and
- *   the q8 excess term meets per-half-block activation sums. q5/q6 (compact codes)
- *   are expanded in registers to the bytes q8 would load. i4/q2/q3 take the AVX2 path below instead
+ *   the offset term meets per-half-block activation sums. q5/q6 (compact codes) take
+ *   q8's two int8 terms, their raw codes expanded in registers in q4's order (chunk_codes_hb;
+ *   their -zero * s_w term as q4's). i4/q2/q3 take the AVX2 path below instead
  *   (quant_gemv_avx2.h, quant_k2.h: int8 activations, AVX2_LATER). Error vs float activations per element: at most d (q8:
  *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
  *   at most max|x| / 32512 of the block.
@@ -296,16 +297,17 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
 /* Activations of the int8 path, per row of x, quantized once per call:
  * x1, x2 [M, chunks, 64] int8, the two terms of x ~ d * (256 * q1 + q2) per block of 32
  * (d = max|x| / 127 / 256), each chunk of two blocks b, b + 1 in the order the weight
- * unpack produces (q4: x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32]; q8: x_b, x_b+1;
+ * unpack produces (q4, and q5/q6's two terms: x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32];
+ * q8: x_b, x_b+1;
  * a trailing odd block pairs with zeros); xd, xc [M, nbp] float (nbp = blocks rounded up
  * to 16, zero padded): d and d * (256 * sum q1 + sum q2) per block.
  * q1 = round(x / 256d); q2 = the remainder rounded in steps of d (|q2| <= 128, clamped
  * to 127): about 15 bits per activation, finer than the bfloat16 input. */
 typedef struct {
-    int8_t *x1, *x2;    /* q8 weights: two int8 terms */
+    int8_t *x1, *x2;    /* q8/q5/q6 weights: two int8 terms */
     int16_t *xw;        /* q4 weights: one int16 term, [M, chunks, 64] */
     float *xd, *xc;
-    float *xc16;        /* q8 codes, groups of 16 (Q6_K): d * (256 * sum q1 + sum q2) per half block, [M, 2 * nbp] */
+    float *xc16;        /* int8 terms, groups of 16 (Q6_K): d * (256 * sum q1 + sum q2) per half block, [M, 2 * nbp] */
     int64_t nb, nch, nbp;
 } act_i8;
 
@@ -333,7 +335,7 @@ static void quantize_rows16(const float *x, int64_t M, int64_t K, const act_i8 *
     }
 }
 
-static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a) {
+static void quantize_rows(int kind, const float *x, int64_t M, int64_t K, const act_i8 *a) {
     const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
     const __m512 k256 = _mm512_set1_ps(256.0f);
     for (int64_t m = 0; m < M; m++) {
@@ -359,7 +361,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, const act_i8 *a)
             const __m512i jv = _mm512_max_epi32(_mm512_min_epi32(
                 _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, rv), k256)), hi), lo);
             const int64_t c = (m * a->nch + b / 2) * CHUNK;
-            const int64_t p0 = (b & 1) * 32, p1 = p0 + 16;
+            /* q8: x_b, x_b+1; q5/q6: q4's order, x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32] */
+            const int64_t p0 = (b & 1) * (kind == 8 ? 32 : 16), p1 = p0 + (kind == 8 ? 16 : 32);
             _mm_storeu_si128((__m128i *)(a->x1 + c + p0), _mm512_cvtsepi32_epi8(iu));
             _mm_storeu_si128((__m128i *)(a->x1 + c + p1), _mm512_cvtsepi32_epi8(iv));
             _mm_storeu_si128((__m128i *)(a->x2 + c + p0), _mm512_cvtepi32_epi8(ju));
@@ -392,24 +395,40 @@ static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t 
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
-/* q5/q6: the codes of the chunk starting at block b as 64 unsigned bytes (code - zero + 128),
- * expanded in registers from 32 nibble bytes and the blocks' high-bit planes (quant_codes.h):
- * the same bytes chunk_codes8 loads from a q8 row. */
+/* q5/q6: the raw codes (0-63, nothing subtracted: the kernel folds `zero` into the minimums
+ * term as q4 does) of the chunk starting at block b as 64 bytes in q4's order
+ * [b 0-15, b+1 0-15, b 16-31, b+1 16-31], the order of their activations. From 32 nibble
+ * bytes and the blocks' high-bit planes (quant_codes.h): the nibble bytes broadcast to both
+ * halves, the upper half shifted right by 4, masked; then per plane one vpshufbitqmb picks
+ * each byte's bit from its block's plane (the planes of blocks b, b + 1 permuted into the
+ * qwords of their bytes) and a masked add adds 16 << p. Fewer instructions than the weight
+ * order, whose masks want the planes of two blocks joined in general registers. */
 static inline __attribute__((always_inline)) __m512i
-chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half, int zero) {
+chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half) {
     const int hbits = kind - 4;
     const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
                              : _mm256_loadu_si256((const __m256i *)(q + b * 16));
-    /* [low nibbles b, b + 1 | high nibbles b, b + 1] -> weight order [b 0-15, b 16-31, b+1 0-15, b+1 16-31] */
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    __m512i c = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(15));
-    for (int p = 0; p < hbits; p++) {
-        uint32_t lo = 0, hi = 0;
-        memcpy(&lo, qh + (b * hbits + p) * 4, 4);
-        if (!half) memcpy(&hi, qh + ((b + 1) * hbits + p) * 4, 4);
-        c = _mm512_mask_add_epi8(c, (__mmask64)lo | (__mmask64)hi << 32, c, _mm512_set1_epi8((char)(16 << p)));
+    __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                                 _mm512_set1_epi8(15));
+    /* qwords [b, b, b+1, b+1, b, b, b+1, b+1] of the blocks' planes (hbits * 4 bytes a block;
+     * q5: a qword's low half its block's plane) */
+    __m512i planes;
+    if (hbits == 2) {
+        const __m128i v = half ? _mm_loadl_epi64((const __m128i *)(qh + b * 8)) : _mm_loadu_si128((const __m128i *)(qh + b * 8));
+        planes = _mm512_permutexvar_epi64(_mm512_set_epi64(1, 1, 0, 0, 1, 1, 0, 0), _mm512_castsi128_si512(v));
+    } else {
+        const __m128i v = half ? _mm_loadu_si32(qh + b * 4) : _mm_loadl_epi64((const __m128i *)(qh + b * 4));
+        planes = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+                                          _mm512_castsi128_si512(v));
     }
-    return _mm512_add_epi8(c, _mm512_set1_epi8((char)(128 - zero)));
+    /* byte i is weight (i % 16) + (i >= 32 ? 16 : 0) of its block: that bit of plane 0, + 32 of plane 1 */
+    const __m512i bit0 = _mm512_set_epi64(0x1f1e1d1c1b1a1918, 0x1716151413121110, 0x1f1e1d1c1b1a1918, 0x1716151413121110,
+                                          0x0f0e0d0c0b0a0908, 0x0706050403020100, 0x0f0e0d0c0b0a0908, 0x0706050403020100);
+    c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit0), c, _mm512_set1_epi8(16));
+    if (hbits == 2)
+        c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, _mm512_add_epi8(bit0, _mm512_set1_epi8(32))),
+                                 c, _mm512_set1_epi8(32));
+    return c;
 }
 
 /* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
@@ -424,7 +443,8 @@ static inline __attribute__((always_inline)) __m512 chunk_dot4(const uint8_t *q,
         _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xw)), hi, _mm512_loadu_si512(xw + 32)));
 }
 
-/* 256 * dot(w, q1) + dot(w, q2) per lane: |.| < 2^31 for codes <= 255 */
+/* 256 * dot(w, q1) + dot(w, q2) per lane: |.| < 2^31 for codes <= 255 (exact in float
+ * below 2^24, as for q5/q6's raw codes <= 63) */
 static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const int8_t *x1, const int8_t *x2) {
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
         _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x1)), 8),
@@ -432,12 +452,13 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
 }
 
 /* One weight row against m_rows quantized rows of x. Per chunk of 64 weights: the codes
- * as 64 unsigned bytes (q8: loaded; q5/q6: expanded in registers), two vpdpbusd into 16
- * int32 lanes (q4: two vpdpwssd), then one FMA with each lane's s_w * d_x, taken from a
- * 16-block vector of them by a permute. Minimums (and q8's -128 * s_w) meet the block sums
- * d * sum(x') in one FMA per 16 blocks. Groups of 16 (Q6_K; `per` 0): lane l of a chunk is
- * group l / 4 of it, so the 32 groups of 16 blocks are two vectors of s_w * d_x, read with
- * one two-source permute per chunk, and the -128 * s_w term meets the half-block sums.
+ * as 64 unsigned bytes (q8: loaded, + 128; q5/q6: expanded in registers, raw), two vpdpbusd
+ * into 16 int32 lanes (q4: two vpdpwssd), then one FMA with each lane's s_w * d_x, taken from
+ * a 16-block vector of them by a permute. Minimums (and q8's -128 * s_w, q4/q5/q6's
+ * -zero * s_w) meet the block sums d * sum(x') in one FMA per 16 blocks. Groups of 16 (Q6_K;
+ * `per` 0): each lane of a chunk is in one group (four lanes a group), so the 32 groups of 16
+ * blocks are two vectors of s_w * d_x, read with one two-source permute per chunk, and the
+ * offset term meets the half-block sums.
  * Even and odd chunks go to separate accumulators (two FMA chains in flight); all lanes
  * are summed once at the end of the row. kind and m_rows are constants where this is inlined. */
 static inline __attribute__((always_inline)) void
@@ -446,9 +467,13 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
     const int g16 = per == 0;
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
-    /* lane -> scale within the chunk: lanes 0-7 block b, 8-15 block b + 1; groups of 16: lane / 4 */
-    const __m512i first = g16 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                              : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    /* lane -> scale within the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q4), groups of 16 lane / 4
+     * (q8); q5/q6 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
+    const int hb = kind == 5 || kind == 6;
+    const __m512i first = g16 ? (hb ? _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0))
+                              : (hb ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                    : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
     __m512 acc[GEMV_ROWS], acc2[GEMV_ROWS];
@@ -464,8 +489,9 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
                             : _mm512_setzero_ps();
             __m512 mw1 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), mn + 2 * g + 16))
                             : _mm512_setzero_ps();
-            mw0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(-128.0f), mw0);   /* codes enter as q + 128 */
-            mw1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(-128.0f), mw1);
+            const __m512 off = _mm512_set1_ps(kind == 8 ? -128.0f : -(float)zero);   /* as below */
+            mw0 = _mm512_fmadd_ps(s0, off, mw0);
+            mw1 = _mm512_fmadd_ps(s1, off, mw1);
             for (int m = 0; m < m_rows; m++) {
                 const __m512 d = _mm512_loadu_ps(a->xd + m * nbp + g);
                 sd[m] = _mm512_mul_ps(s0, _mm512_permutexvar_ps(dup_lo, d));
@@ -477,8 +503,8 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         } else {
             const __m512 s = block_scales(sc, g, n, per);
             __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
-            /* q8/q5/q6 codes enter as q + 128; q4 codes carry their offset `zero` (Q4_0: 8) */
-            mw = _mm512_fmadd_ps(s, _mm512_set1_ps(kind != 4 ? -128.0f : -(float)zero), mw);
+            /* q8 codes enter as q + 128; q4/q5/q6 codes carry their offset `zero` (Q4_0: 8, Q6_K: 32) */
+            mw = _mm512_fmadd_ps(s, _mm512_set1_ps(kind == 8 ? -128.0f : -(float)zero), mw);
             for (int m = 0; m < m_rows; m++) {
                 sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
                 acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
@@ -490,7 +516,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
          * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
 #define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
-#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : chunk_codes_hb(kind, q, qh, c, half, zero))
+#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : chunk_codes_hb(kind, q, qh, c, half))
 #define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
@@ -662,7 +688,7 @@ void pipeserve_quant_prepare(int kind, int64_t K, const float *x, int64_t M, voi
     act_i8 a;
     bind_i8(&a, act, M, K);
     if (kind == 4) quantize_rows16(x, M, K, &a);
-    else quantize_rows(x, M, K, &a);
+    else quantize_rows(kind, x, M, K, &a);
 #elif defined(HAVE_AVX2_I16)
     act_i16 a;
     i16_act_bind(&a, act, M, K);
