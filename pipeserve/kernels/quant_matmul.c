@@ -41,9 +41,9 @@
  *   the offset term meets per-half-block activation sums. q5/q6 (compact codes) take
  *   q8's two int8 terms, their raw codes expanded in registers in q4's order (chunk_codes_hb;
  *   their -zero * s_w term as q4's). i4/q2/q3 take the AVX2 path below instead
- *   (quant_gemv_avx2.h, quant_k2.h: int8 activations, AVX2_LATER). Error vs float activations per element: at most d (q8:
- *   half a step of q2, a whole one where it saturates) or d / 2 (q4), both
- *   at most max|x| / 32512 of the block.
+ *   (quant_gemv_avx2.h, quant_k2.h: int8 activations, AVX2_LATER). Error vs float activations
+ *   per element: at most d (q8, q5, q6: half a step of q2, a whole one where it saturates) or
+ *   d / 2 (q4), both at most max|x| / 32512 of the block.
  * AVX2 + FMA + F16C builds without AVX-512 ("avx2") take integer activations too (quant_gemv_avx2.h):
  *   int16 for q8, error at most max|x| / 65534 of the block per element; int8 for q4/q5/q6/i4/q2/q3, at most
  *   max|x| / 254 (their codes meet it in vpmaddubsw, as llama.cpp's Q8 activations do); their float
@@ -408,13 +408,14 @@ chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int hal
     const int hbits = kind - 4;
     const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
                              : _mm256_loadu_si256((const __m256i *)(q + b * 16));
-    __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                                 _mm512_set1_epi8(15));
+    const __m512i up = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);   /* the upper half's high nibbles */
+    __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), up), _mm512_set1_epi8(15));
     /* qwords [b, b, b+1, b+1, b, b, b+1, b+1] of the blocks' planes (hbits * 4 bytes a block;
      * q5: a qword's low half its block's plane) */
     __m512i planes;
     if (hbits == 2) {
-        const __m128i v = half ? _mm_loadl_epi64((const __m128i *)(qh + b * 8)) : _mm_loadu_si128((const __m128i *)(qh + b * 8));
+        const __m128i *p = (const __m128i *)(qh + b * 8);
+        const __m128i v = half ? _mm_loadl_epi64(p) : _mm_loadu_si128(p);
         planes = _mm512_permutexvar_epi64(_mm512_set_epi64(1, 1, 0, 0, 1, 1, 0, 0), _mm512_castsi128_si512(v));
     } else {
         const __m128i v = half ? _mm_loadu_si32(qh + b * 4) : _mm_loadl_epi64((const __m128i *)(qh + b * 4));
@@ -422,12 +423,14 @@ chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int hal
                                           _mm512_castsi128_si512(v));
     }
     /* byte i is weight (i % 16) + (i >= 32 ? 16 : 0) of its block: that bit of plane 0, + 32 of plane 1 */
-    const __m512i bit0 = _mm512_set_epi64(0x1f1e1d1c1b1a1918, 0x1716151413121110, 0x1f1e1d1c1b1a1918, 0x1716151413121110,
-                                          0x0f0e0d0c0b0a0908, 0x0706050403020100, 0x0f0e0d0c0b0a0908, 0x0706050403020100);
+    const __m512i bit0 = _mm512_set_epi64(0x1f1e1d1c1b1a1918, 0x1716151413121110, 0x1f1e1d1c1b1a1918,
+                                          0x1716151413121110, 0x0f0e0d0c0b0a0908, 0x0706050403020100,
+                                          0x0f0e0d0c0b0a0908, 0x0706050403020100);
     c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit0), c, _mm512_set1_epi8(16));
-    if (hbits == 2)
-        c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, _mm512_add_epi8(bit0, _mm512_set1_epi8(32))),
-                                 c, _mm512_set1_epi8(32));
+    if (hbits == 2) {
+        const __m512i bit1 = _mm512_add_epi8(bit0, _mm512_set1_epi8(32));
+        c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit1), c, _mm512_set1_epi8(32));
+    }
     return c;
 }
 
@@ -467,7 +470,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
     const int g16 = per == 0;
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
-    /* lane -> scale within the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q4), groups of 16 lane / 4
+    /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q4), groups of 16 lane / 4
      * (q8); q5/q6 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
     const int hb = kind == 5 || kind == 6;
     const __m512i first = g16 ? (hb ? _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0)
