@@ -132,7 +132,7 @@ def test_a_failed_attention_build_leaves_the_fused_kernels_on(fresh, monkeypatch
 
 
 @skip_without_kernel("quant_matmul")
-@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512", "sapphirerapids"])
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512", "cascadelake", "sapphirerapids"])
 def test_the_quantized_kernels_compile_for_every_instruction_set(march, tmp_path):
     """The portable, AVX2, AVX-512 (VNNI-less) and AVX512_BF16 + VNNI branches of the quantized
     kernels and the loader's widening compile, as machines other than this one build them (AVX-512

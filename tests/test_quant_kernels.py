@@ -344,6 +344,35 @@ def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march
         torch.set_num_threads(threads)
 
 
+@needs_kernel
+def test_a_vnni_build_without_bitalg_computes_the_same_bits(gguf_file, tmp_path):
+    """VNNI CPUs without AVX512_BITALG (Cascade Lake) build chunk_codes_hb's q5/q6 expansion
+    from masks joined in general registers instead of vpshufbitqmb: the same codes in the same
+    order, so -march=cascadelake gives this machine's native build's bits on the integer path,
+    every kept type, 1 to GEMV_MAX_ROWS rows (float activations: within float rounding)."""
+    import ctypes
+    import subprocess
+
+    from pipeserve.kernels.build import _HERE, _compiler
+    kernels = cpu_kernels()
+    if kernels.isa != "avx512-vnni" or not _cpu_has("avx512_bitalg"):
+        pytest.skip(f"needs a VNNI CPU with AVX512_BITALG to compare against (this build: {kernels.isa})")
+    lib = tmp_path / "cascadelake.so"
+    subprocess.run([_compiler(), "-O3", "-march=cascadelake", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    other = QuantKernels(ctypes.CDLL(str(lib)))
+    assert other.isa == "avx512-vnni"
+    cases = _int8_cases(gguf_file, kernels)
+    assert {w.kind for w in cases} >= {"q5", "q6"}
+    for w in cases:
+        for rows in (1, 3, GEMV_MAX_ROWS):
+            x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(other.gemv(w, x, int8_act=True), kernels.gemv(w, x, int8_act=True)), (w.source, rows)
+            # float paths: the compiler vectorizes their reductions to each -march's width
+            torch.testing.assert_close(other.gemv(w, x, int8_act=False), kernels.gemv(w, x, int8_act=False),
+                                       rtol=1e-5, atol=1e-5)
+
+
 def test_rotary_rows_are_unpermuted_on_the_codes(gguf_file):
     path, _ = gguf_file
     reader = GGUFWeightReader(path, CFG)

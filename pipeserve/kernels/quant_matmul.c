@@ -402,7 +402,8 @@ static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t 
  * halves, the upper half shifted right by 4, masked; then per plane one vpshufbitqmb picks
  * each byte's bit from its block's plane (the planes of blocks b, b + 1 permuted into the
  * qwords of their bytes) and a masked add adds 16 << p. Fewer instructions than the weight
- * order, whose masks want the planes of two blocks joined in general registers. */
+ * order, whose masks want the planes of two blocks joined in general registers (as VNNI
+ * builds without AVX512_BITALG still do, in this order: the same codes). */
 static inline __attribute__((always_inline)) __m512i
 chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half) {
     const int hbits = kind - 4;
@@ -410,6 +411,19 @@ chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int hal
                              : _mm256_loadu_si256((const __m256i *)(q + b * 16));
     const __m512i up = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);   /* the upper half's high nibbles */
     __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), up), _mm512_set1_epi8(15));
+#ifndef __AVX512BITALG__
+    /* VNNI without BITALG (Cascade Lake): each plane's mask joined in general registers, byte i
+     * taking bit i % 16 (+ 16 from byte 32 on) of block b's plane (bytes 0-15, 32-47) or b + 1's */
+    for (int p = 0; p < hbits; p++) {
+        uint32_t lo = 0, hi = 0;
+        memcpy(&lo, qh + (b * hbits + p) * 4, 4);
+        if (!half) memcpy(&hi, qh + ((b + 1) * hbits + p) * 4, 4);
+        const __mmask64 m = (uint64_t)(lo & 0xffff) | (uint64_t)(hi & 0xffff) << 16 | (uint64_t)(lo >> 16) << 32
+                            | (uint64_t)(hi >> 16) << 48;
+        c = _mm512_mask_add_epi8(c, m, c, _mm512_set1_epi8((char)(16 << p)));
+    }
+    return c;
+#else
     /* qwords [b, b, b+1, b+1, b, b, b+1, b+1] of the blocks' planes (hbits * 4 bytes a block;
      * q5: a qword's low half its block's plane) */
     __m512i planes;
@@ -432,6 +446,7 @@ chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int hal
         c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit1), c, _mm512_set1_epi8(32));
     }
     return c;
+#endif
 }
 
 /* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
