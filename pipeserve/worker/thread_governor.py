@@ -82,7 +82,8 @@ class ThreadGovernor:
         return min(float(len(self.cpus)), own + max(0.0, idle - self._idle0) / wall)
 
     def tick(self) -> None:
-        if self._clock() - self._t0 < self.interval_s:
+        wall = self._clock() - self._t0
+        if wall < self.interval_s:
             return
         cores = self.available()
         self._mark()
@@ -97,7 +98,7 @@ class ThreadGovernor:
         if want != self.threads:
             logger.info("stage threads %d -> %d: %.2f of %d cores free for this process over the last %.1f s "
                         "(--no-adaptive-threads keeps %d)", self.threads, want, cores, len(self.cpus),
-                        self.interval_s, self.max_threads)
+                        wall, self.max_threads)
             self.threads = want
             self.changes += 1
             self._set(want)
@@ -111,7 +112,7 @@ def start(threads: int, adaptive: bool) -> None:
     global _governor
     torch.set_num_threads(threads)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    _governor = ThreadGovernor(threads, cpus=cpus) if adaptive and threads > 1 and idle_seconds(cpus) else None
+    _governor = ThreadGovernor(threads, cpus=cpus) if adaptive and threads > 1 and idle_seconds(cpus) is not None else None
 
 
 def tick() -> None:
