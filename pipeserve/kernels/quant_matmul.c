@@ -566,14 +566,17 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
 }
 
 /* Output rows [n0, n1) for m_rows rows of x; the codes of row n + PF_ROWS are prefetched
- * (into L2: QUANT_PREFETCH_HINT) while row n is computed. */
+ * (into L2: QUANT_PREFETCH_HINT) while row n is computed, but q6's: its gemv is bound by issuing
+ * vector operations (~4.7 cycles per 32 weights, ~11 GB/s a thread), the hardware prefetchers
+ * keep up with that, and the prefetch instructions took issue slots (a Q6_K token's gemvs from
+ * memory 39.8 -> 36.7 ms at one thread, 43.0 -> 42.0 at two; Zen 4). */
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
         const uint8_t *qh, int zero) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     for (int64_t n = n0; n < n1; n++) {
-        if (n + PF_ROWS < N) {
+        if (kind != 6 && n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), QUANT_PREFETCH_HINT);
             for (int64_t o = 0; o < high_bytes; o += 64)
