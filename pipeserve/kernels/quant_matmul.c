@@ -494,6 +494,9 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
                                     : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
     const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    /* what each code's scale meets in the minimum term: q8 codes enter as q + 128; q4/q5/q6 codes
+     * carry their offset `zero` (Q4_0: 8, Q6_K: 32) */
+    const __m512 off = _mm512_set1_ps(kind == 8 ? -128.0f : -(float)zero);
     __m512 acc[GEMV_ROWS], acc2[GEMV_ROWS];
     for (int m = 0; m < m_rows; m++) acc[m] = acc2[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16) {
@@ -507,7 +510,6 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
                             : _mm512_setzero_ps();
             __m512 mw1 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), mn + 2 * g + 16))
                             : _mm512_setzero_ps();
-            const __m512 off = _mm512_set1_ps(kind == 8 ? -128.0f : -(float)zero);   /* as below */
             mw0 = _mm512_fmadd_ps(s0, off, mw0);
             mw1 = _mm512_fmadd_ps(s1, off, mw1);
             for (int m = 0; m < m_rows; m++) {
@@ -521,8 +523,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         } else {
             const __m512 s = block_scales(sc, g, n, per);
             __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
-            /* q8 codes enter as q + 128; q4/q5/q6 codes carry their offset `zero` (Q4_0: 8, Q6_K: 32) */
-            mw = _mm512_fmadd_ps(s, _mm512_set1_ps(kind == 8 ? -128.0f : -(float)zero), mw);
+            mw = _mm512_fmadd_ps(s, off, mw);
             for (int m = 0; m < m_rows; m++) {
                 sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
                 acc2[m] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(a->xc + m * nbp + g), acc2[m]);
