@@ -306,22 +306,27 @@ def _cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
+def _kernels_for(march: str, tmp_path) -> QuantKernels:
+    """quant_matmul.c built for ``-march=march`` (as that CPU would build it), loaded."""
+    import ctypes
+    import subprocess
+
+    from pipeserve.kernels.build import _HERE, _compiler
+    lib = tmp_path / f"{march}.so"
+    subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+    return QuantKernels(ctypes.CDLL(str(lib)))
+
+
 @needs_kernel
 @pytest.mark.parametrize("march,isa", [("x86-64", "portable"), ("haswell", "avx2")])
 def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march, isa):
     """quant_matmul.c built without AVX-512, as CPUs without it run it: the portable path
     and the AVX2 + FMA + F16C one (-march=haswell), against dequantize-then-matmul, every
     kept type, decode (float and integer activations) and tiled shapes, 1 and 2 threads."""
-    import ctypes
-    import subprocess
-
-    from pipeserve.kernels.build import _HERE, _compiler
     if isa == "avx2" and not _cpu_has("avx2", "fma", "f16c"):
         pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
-    lib = tmp_path / f"{isa}.so"
-    subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    kernels = QuantKernels(ctypes.CDLL(str(lib)))
+    kernels = _kernels_for(march, tmp_path)
     assert kernels.isa == isa
     assert kernels.has_integer_activations == (isa == "avx2")
     threads = torch.get_num_threads()
@@ -350,17 +355,10 @@ def test_a_vnni_build_without_bitalg_computes_the_same_bits(gguf_file, tmp_path)
     from masks joined in general registers instead of vpshufbitqmb: the same codes in the same
     order, so -march=cascadelake gives this machine's native build's bits on the integer path,
     every kept type, 1 to GEMV_MAX_ROWS rows (float activations: within float rounding)."""
-    import ctypes
-    import subprocess
-
-    from pipeserve.kernels.build import _HERE, _compiler
     kernels = cpu_kernels()
     if kernels.isa != "avx512-vnni" or not _cpu_has("avx512_bitalg"):
         pytest.skip(f"needs a VNNI CPU with AVX512_BITALG to compare against (this build: {kernels.isa})")
-    lib = tmp_path / "cascadelake.so"
-    subprocess.run([_compiler(), "-O3", "-march=cascadelake", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    other = QuantKernels(ctypes.CDLL(str(lib)))
+    other = _kernels_for("cascadelake", tmp_path)
     assert other.isa == "avx512-vnni"
     cases = _int8_cases(gguf_file, kernels)
     assert {w.kind for w in cases} >= {"q5", "q6"}
