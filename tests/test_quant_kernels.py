@@ -29,7 +29,7 @@ from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_MAX_ROWS, GEM
                                                QuantKernels, cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
 from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
-                                          expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
+                                          Q6_HALF, expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
 from pipeserve.model.quant.packed import k2_group_scales as packed_k2_scales
 from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
@@ -134,6 +134,20 @@ def test_compact_codes_pack_and_expand_exactly():
         assert torch.equal(dequantize(w), (q.float() - zero)), kind
 
 
+def test_q6_holds_q6_k_bytes_and_refuses_rows_it_cannot_hold():
+    """q6 is Q6_K's own ql / qh: weight 64 + l in the high nibble of byte l of a run of 128, its top
+    bits in pair 2 of high-bit byte l % 32; rows must be whole runs of 128."""
+    codes = torch.zeros(1, 256, dtype=torch.uint8)
+    codes[0, 64 + 5] = 0b101101        # nibble 13, top bits 2
+    codes[0, 128 + 32 + 7] = 0b110000  # second run: nibble 0, top bits 3
+    qs, qh = pack_high_codes(codes, 2)
+    assert qs[0, 5] == 13 << 4 and qh[0, 5] == 2 << 4
+    assert qs[0, 64 + 32 + 7] == 0 and qh[0, 32 + 7] == 3 << 2
+    assert int(qs.count_nonzero()) == 1 and int(qh.count_nonzero()) == 2
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pack_high_codes(torch.zeros(2, 736, dtype=torch.uint8), 2)
+
+
 def test_i4_codes_are_the_codebook_entries_of_the_nibbles():
     nibbles = torch.randint(0, 16, (5, 256), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     w = PackedWeight("i4", 32, pack_nibbles(nibbles), torch.full((5, 8), 0.5, dtype=torch.float16), None, "test")
@@ -191,7 +205,7 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
         assert w.kind == ("q6" if ttype == T.Q6_K else "q5"), ttype.name
         weights.append(w)
     # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
-    weights += [_compact(9, 736, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
+    weights += [_compact(9, 768, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
     weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
     for w in weights:
         ttype = w.source
@@ -562,8 +576,8 @@ def _int8_cases(gguf_file, kernels: QuantKernels):
     q4 = quantize_weight(odd, 4, 32)
     q4_0 = PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)   # as Q4_0: offset, no minimums
     return cases + [q4, q4_0, quantize_weight(odd, 8, 32),
-                    _compact(9, 736, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
-                    _compact(9, 736, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
+                    _compact(9, 768, "q6", 16, 32, False, 9), _compact(9, 736, "q5", 32, 16, True, 10),
+                    _compact(9, 768, "q6", 16, 0, True, 11),                   # groups of 16 with minimums
                     *([_i4(9, 736, 12)] if kernels.takes("i4") else []),
                     *([_k2(9, 768, "q3", 15), _k2(9, 1280, "q2", 16)] if kernels.takes("q3") else []),
                     quantize_weight(w, 8, 32), quantize_weight(w, 4, 64)]     # odd row count
@@ -699,8 +713,10 @@ def _q56_variants(cols: int) -> list[PackedWeight]:
     """37 random weight rows of ``cols`` in the q5/q6 layouts of each GGUF type that maps to them:
     Q5_0 (q5, groups of 32, ``zero`` 16), Q5_1 and Q5_K (q5, groups of 32, minimums), Q6_K (q6,
     groups of 16, ``zero`` 32); and q6 in groups of 16 with minimums, which no GGUF type has."""
-    return [_compact(37, cols, "q5", 32, 16, False, cols), _compact(37, cols, "q5", 32, 0, True, cols + 1),
-            _compact(37, cols, "q6", 16, 32, False, cols + 2), _compact(37, cols, "q6", 16, 0, True, cols + 3)]
+    q5 = [_compact(37, cols, "q5", 32, 16, False, cols), _compact(37, cols, "q5", 32, 0, True, cols + 1)]
+    if cols % Q6_HALF:   # q6 keeps Q6_K's runs of 128
+        return q5
+    return q5 + [_compact(37, cols, "q6", 16, 32, False, cols + 2), _compact(37, cols, "q6", 16, 0, True, cols + 3)]
 
 
 @needs_kernel

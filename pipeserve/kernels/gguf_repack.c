@@ -7,7 +7,8 @@
  *
  * Each function takes `blocks` blocks of one row after another (rows * blocks_per_row), shared
  * over `num_threads` threads (the stage's), and writes, per block of 256 weights: qs 128 bytes (q4 nibbles: byte j of a run of 32 holds
- * weights j and j + 16), qh (q5: 4 bytes a run, q6: 8), and the scales (and minimums).
+ * weights j and j + 16; q6: Q6_K's ql as it is), qh (q5: 4 bytes a run; q6: Q6_K's 64 as they are),
+ * and the scales (and minimums).
  */
 #include <math.h>
 #include <stdint.h>
@@ -84,22 +85,10 @@ void pipeserve_repack_q6_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8
                            int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
-        uint8_t codes[32];
         const uint8_t *b = in + i * 210;
         const int8_t *sc = (const int8_t *)(b + 192);
-        for (int r = 0; r < 8; r++) {   /* run r = 4 h + k: ql half h, bytes 32 (k % 2), nibble k / 2; qh >> 2k */
-            const int h = r / 4, k = r % 4;
-            const uint8_t *ql = b + 64 * h + 32 * (k % 2), *hb = b + 128 + 32 * h;
-            uint32_t planes[2] = {0, 0};
-            for (int w = 0; w < 32; w++) {
-                codes[w] = (uint8_t)((ql[w] >> (4 * (k / 2))) & 15);
-                const int high = (hb[w] >> (2 * k)) & 3;
-                planes[0] |= (uint32_t)(high & 1) << w;
-                planes[1] |= (uint32_t)(high >> 1) << w;
-            }
-            nibbles(codes, qs + i * 128 + 16 * r);
-            memcpy(qh + i * 64 + 8 * r, planes, 8);
-        }
+        memcpy(qs + i * 128, b, 128);        /* the q6 layout is Q6_K's ql and qh */
+        memcpy(qh + i * 64, b + 128, 64);
         const float d = half_to_float(read_u16(b + 208));
         for (int j = 0; j < 16; j++) scale[i * 16 + j] = float_to_half(d * (float)sc[j]);
     }

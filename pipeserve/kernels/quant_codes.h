@@ -2,15 +2,21 @@
  * pipeserve/model/quant/packed.py), IQ4's 4-bit codebook indices (layout "i4") and Q2_K's /
  * Q3_K's 2/3-bit codes (layouts "q2" / "q3") expanded into int8 codes, the "q8" layout.
  *
- * A row of K weights is K / 2 nibble bytes (per run of 32: byte j holds weight j
- * low, weight j + 16 high) and K / 32 * 4 * hbits bytes of high bits (per run:
- * hbits little-endian 32-bit planes, bit j of plane p = bit 4 + p of weight j).
- * code = nibble | plane bits << 4, minus `zero`. i4 is q4's nibbles alone, each an index into
+ * q5: a row of K weights is K / 2 nibble bytes (per run of 32: byte j holds weight j
+ * low, weight j + 16 high) and K / 32 * 4 bytes of high bits (per run a little-endian
+ * 32-bit plane, bit j = bit 4 of weight j).
+ * q6 keeps GGUF Q6_K's own code bytes: per 128 weights (QUANT_Q6_HALF) 64 nibble bytes, byte l
+ * holding weight l low and weight 64 + l high, and 32 bytes of high bit pairs, byte l holding
+ * bits 4-5 of weights l, 32 + l, 64 + l, 96 + l in its bit pairs 0, 2, 4, 6. So run r's 32 codes
+ * (weights 32r ..) are one 32-byte nibble load shifted by 4 * (r % 4 / 2), masked, or'ed with
+ * one 32-byte load of high bits shifted into bits 4-5: five instructions, and a 64-weight chunk's
+ * three (quant_matmul.c's chunk_codes6), against the 7-16 of bit-planes (measured: benchmarks/README.md).
+ * code = nibble | high bits << 4, minus `zero`. i4 is q4's nibbles alone, each an index into
  * IQ4's 16 signed values (QUANT_IQ4_VALUES; code = value[nibble], no `zero`): one byte
  * shuffle per 32 weights on AVX2, as llama.cpp does. quant_expand_row serves the float
  * decode and tiled paths (a row into an L1 scratch row, then their q8 code); the VNNI
- * decode path (quant_matmul.c, chunk_codes_hb), the AVX2 decode path (quant_gemv_avx2.h:
- * quant_codes32_avx2 for groups of 32, block_codes_eo for groups of 16) and the many-row kernel
+ * decode path (quant_matmul.c, chunk_codes_hb / chunk_codes6), the AVX2 decode path (quant_gemv_avx2.h:
+ * quant_q5_codes32_avx2 / quant_q6_codes32_avx2) and the many-row kernel
  * (quant_gemm.c, dequant32) expand in registers. Either way the weights cross the memory bus at
  * 4.5-7 bits each (i4: 4.5).
  *
@@ -25,7 +31,7 @@
  * Every build takes all seven layouts (quant_takes_kind). AVX-512 builds expand i4, q2 and q3 with
  * the AVX2 code here (quant_later_codes32_avx2): their VNNI decode takes AVX2's int8 kernels for
  * them (quant_matmul.c, AVX2_LATER), their float paths quant_expand_row, the bfloat16 many-row
- * kernel (quant_gemm.c) dequant32; the VNNI chunk expansion (chunk_codes_hb) is q5/q6's alone.
+ * kernel (quant_gemm.c) dequant32; the VNNI chunk expansions are q5's and q6's alone.
  */
 #ifndef PIPESERVE_QUANT_CODES_H
 #define PIPESERVE_QUANT_CODES_H
@@ -52,8 +58,18 @@ static inline void quant_i4_run(const uint8_t *q, int8_t *dst) {
     }
 }
 
-/* Bit-planes above the nibble: 1 for q5, 2 for q6, else 0. */
+/* Bits above the nibble: 1 for q5, 2 for q6, else 0. */
 static inline int quant_high_bits(int kind) { return kind == 5 || kind == 6 ? kind - 4 : 0; }
+
+/* q6: weights in one self-contained stretch of nibble and high-bit bytes (64 + 32); rows are a
+ * multiple of it (packed.py checks). */
+#define QUANT_Q6_HALF 128
+/* q6 weight k's raw code (0..63): the portable expansion, and the reference of the others. */
+static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k) {
+    const int64_t h = k / QUANT_Q6_HALF, l = k % QUANT_Q6_HALF;
+    const int nib = (qs[h * 64 + l % 64] >> (4 * (int)(l / 64))) & 15;
+    return nib | ((qh[h * 32 + l % 32] >> (2 * (int)(l / 32))) & 3) << 4;
+}
 
 /* Whether this build's kernels take layout `kind` (every build takes all seven). */
 static inline int quant_takes_kind(int kind) {
@@ -108,21 +124,34 @@ static inline __attribute__((always_inline)) __m256i quant_nibbles32_avx2(const 
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
 }
 
-/* The 32 codes of run r as int8 (code - zero), in weight order: the nibbles plus each plane's bit, spread to a byte per weight
- * by a byte shuffle (byte j / 8 of the plane to byte j) and a compare with bit j % 8. */
+/* The 32 codes of q5 run r as int8 (code - zero), in weight order: the nibbles plus the plane's bit, spread to a byte per
+ * weight by a byte shuffle (byte j / 8 of the plane to byte j) and a compare with bit j % 8. */
 static inline __attribute__((always_inline)) __m256i
-quant_codes32_avx2(int hbits, const uint8_t *qs, const uint8_t *qh, int zero, int64_t r) {
-    __m256i c = quant_nibbles32_avx2(qs, r);
+quant_q5_codes32_avx2(const uint8_t *qs, const uint8_t *qh, int zero, int64_t r) {
+    const __m256i c = quant_nibbles32_avx2(qs, r);
     const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
                                              0x0101010101010101, 0x0000000000000000);
     const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    for (int p = 0; p < hbits; p++) {
-        uint32_t plane;
-        memcpy(&plane, qh + (r * hbits + p) * 4, 4);
-        const __m256i sel = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)plane), spread), bit);
-        c = _mm256_add_epi8(c, _mm256_and_si256(_mm256_cmpeq_epi8(sel, bit), _mm256_set1_epi8((char)(16 << p))));
-    }
-    return _mm256_sub_epi8(c, _mm256_set1_epi8((char)zero));
+    uint32_t plane;
+    memcpy(&plane, qh + r * 4, 4);
+    const __m256i sel = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)plane), spread), bit);
+    const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(sel, bit), _mm256_set1_epi8(16));
+    return _mm256_sub_epi8(_mm256_add_epi8(c, high), _mm256_set1_epi8((char)zero));
+}
+
+/* The 32 raw codes (0..63, nothing subtracted) of q6 run r in weight order: its stretch's nibble
+ * bytes (weights 0-63 low, 64-127 high) shifted into place and masked, or'ed with its high-bit
+ * bytes' pair r % 4 moved to bits 4-5 (a 16-bit shift moves no bit of a pair across a byte
+ * boundary into bits 4-5 of either byte). Shifts are immediates where r % 4 is constant. */
+static inline __attribute__((always_inline)) __m256i
+quant_q6_codes32_avx2(const uint8_t *qs, const uint8_t *qh, int64_t r) {
+    const int k = (int)(r % 4);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + r / 4 * 64 + 32 * (k & 1)));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(qh + r / 4 * 32));
+    const __m256i nib = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+    const __m256i hb = k == 0 ? _mm256_slli_epi16(h, 4) : k == 1 ? _mm256_slli_epi16(h, 2)
+                     : k == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_or_si256(nib, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
 }
 
 /* The 32 int8 codebook values of i4 run r, in weight order: its nibbles looked up in one
@@ -163,27 +192,22 @@ quant_later_codes32_avx2(int kind, const uint8_t *qs, const uint8_t *qh, int zer
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)   /* -mavx512f implies AVX2 */
 
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
-    if (kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3) {
+    if (kind != 5) {   /* i4, q2, q3, q6: AVX2's expansions */
+        const __m256i z = _mm256_set1_epi8((char)zero);
         for (int64_t r = 0; r < K / 32; r++)
-            _mm256_storeu_si256((__m256i *)(dst + r * 32), quant_later_codes32_avx2(kind, qs, qh, zero, r));
+            _mm256_storeu_si256((__m256i *)(dst + r * 32),
+                                kind == 6 ? _mm256_sub_epi8(quant_q6_codes32_avx2(qs, qh, r), z)
+                                          : quant_later_codes32_avx2(kind, qs, qh, zero, r));
         return;
     }
-    const int hbits = kind - 4;
-    const __m256i lo4 = _mm256_set1_epi8(15), z = _mm256_set1_epi8((char)zero);
-    const __m256i b4 = _mm256_set1_epi8(16), b5 = _mm256_set1_epi8(32);
+    const __m256i lo4 = _mm256_set1_epi8(15), z = _mm256_set1_epi8((char)zero), b4 = _mm256_set1_epi8(16);
     for (int64_t r = 0; r < K / 32; r++) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(qs + r * 16));
         const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-        __m256i c = _mm256_and_si256(both, lo4);
         uint32_t p0;
-        memcpy(&p0, qh + r * 4 * hbits, 4);
-        c = _mm256_mask_add_epi8(c, (__mmask32)p0, c, b4);
-        if (hbits == 2) {
-            uint32_t p1;
-            memcpy(&p1, qh + r * 8 + 4, 4);
-            c = _mm256_mask_add_epi8(c, (__mmask32)p1, c, b5);
-        }
-        _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_sub_epi8(c, z));
+        memcpy(&p0, qh + r * 4, 4);
+        const __m256i c = _mm256_and_si256(both, lo4);
+        _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_sub_epi8(_mm256_mask_add_epi8(c, (__mmask32)p0, c, b4), z));
     }
 }
 
@@ -191,9 +215,9 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
     for (int64_t r = 0; r < K / 32; r++) {
-        const __m256i c = kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3
-                              ? quant_later_codes32_avx2(kind, qs, qh, zero, r)
-                              : quant_codes32_avx2(kind - 4, qs, qh, zero, r);
+        const __m256i c = kind == 6 ? _mm256_sub_epi8(quant_q6_codes32_avx2(qs, qh, r), _mm256_set1_epi8((char)zero))
+                        : kind == 5 ? quant_q5_codes32_avx2(qs, qh, zero, r)
+                                    : quant_later_codes32_avx2(kind, qs, qh, zero, r);
         _mm256_storeu_si256((__m256i *)(dst + r * 32), c);
     }
 }
@@ -201,7 +225,6 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 #else
 
 static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K, int8_t *dst) {
-    const int hbits = quant_high_bits(kind);
     for (int64_t r = 0; r < K / 32; r++) {
         if (kind == QUANT_I4) {
             quant_i4_run(qs + r * 16, dst + r * 32);
@@ -211,12 +234,15 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
             quant_k2_run(qs, kind == QUANT_Q3 ? qh : NULL, 48, zero, r, dst + r * 32);
             continue;
         }
-        uint32_t p[2] = {0, 0};
-        memcpy(p, qh + r * 4 * hbits, 4 * (size_t)hbits);
+        if (kind == 6) {
+            for (int j = 0; j < 32; j++) dst[r * 32 + j] = (int8_t)(quant_q6_code(qs, qh, r * 32 + j) - zero);
+            continue;
+        }
+        uint32_t p;   /* q5 */
+        memcpy(&p, qh + r * 4, 4);
         for (int j = 0; j < 32; j++) {
             const uint8_t nib = j < 16 ? qs[r * 16 + j] & 15 : qs[r * 16 + j - 16] >> 4;
-            const int code = nib | (int)((p[0] >> j) & 1) << 4 | (int)((p[1] >> j) & 1) << 5;
-            dst[r * 32 + j] = (int8_t)(code - zero);
+            dst[r * 32 + j] = (int8_t)((nib | (int)((p >> j) & 1) << 4) - zero);
         }
     }
 }

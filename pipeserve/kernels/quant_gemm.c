@@ -84,25 +84,23 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
     /* q8, q5, q6, i4: group is a multiple of 16 (Q6_K has 16) */
     const int64_t g0 = k / group, g1 = (k + 16) / group;
     __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
-    if (kind == QUANT_I4) {   /* the codebook's values, one vpshufb */
-        const __m256i c = quant_i4_codes32_avx2(q, k / 32);
+    if (kind == QUANT_I4 || kind == 6) {   /* the codebook's values (one vpshufb), or q6's own bytes */
+        const __m256i c = kind == 6 ? _mm256_sub_epi8(quant_q6_codes32_avx2(q, qh, k / 32), _mm256_set1_epi8((char)zero))
+                                    : quant_i4_codes32_avx2(q, k / 32);
         c0 = _mm256_castsi256_si128(c);
         c1 = _mm256_extracti128_si256(c, 1);
     } else if (kind == 8) {
         c0 = _mm_loadu_si128((const __m128i *)(q + k));
         c1 = _mm_loadu_si128((const __m128i *)(q + k + 16));
-    } else {   /* expanded from the run's nibbles and high-bit planes */
-        const int hbits = kind - 4;
+    } else {   /* q5: expanded from the run's nibbles and high-bit plane */
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
         c0 = _mm_and_si128(v, lo4);
         c1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-        for (int p = 0; p < hbits; p++) {
-            uint32_t plane;
-            memcpy(&plane, qh + (k / 32 * hbits + p) * 4, 4);
-            const __m128i add = _mm_set1_epi8((char)(16 << p));
-            c0 = _mm_mask_add_epi8(c0, (__mmask16)plane, c0, add);
-            c1 = _mm_mask_add_epi8(c1, (__mmask16)(plane >> 16), c1, add);
-        }
+        uint32_t plane;
+        memcpy(&plane, qh + k / 32 * 4, 4);
+        const __m128i add = _mm_set1_epi8(16);
+        c0 = _mm_mask_add_epi8(c0, (__mmask16)plane, c0, add);
+        c1 = _mm_mask_add_epi8(c1, (__mmask16)(plane >> 16), c1, add);
         c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
         c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
     }

@@ -24,8 +24,8 @@
  * `zero` left to the minimum term) meet x in one vpmaddubsw (|pair| <= 2 * 63 * 127 < 32767:
  * no saturation) and one vpmaddwd with ones, 4 weights per int32 lane (low lane weights 0-15,
  * one group of 16 or half a group of 32), one conversion and one FMA: 16 instructions a Q6_K
- * block against 19 widening to int16 (benchmarks/gemv_avx2_bench.py --kinds). Half of
- * Q6_K's are the spread of its two bit-planes (packed.py) into bytes.
+ * block against 19 widening to int16 (benchmarks/gemv_avx2_bench.py --kinds) while q6 held
+ * bit-planes, half of them their spread into bytes; 9 since q6 keeps Q6_K's own bytes (packed.py).
  * i4 (IQ4_NL/IQ4_XS) takes int8 too: its codebook values (one vpshufb, quant_i4_codes32_avx2)
  * are signed (-127..113), so they enter vpmaddubsw as |w| against x with w's signs (vpsignb,
  * llama.cpp's mul_sum_i8_pairs; |pair| <= 2 * 127 * 127 < 32767). Measured against int16
@@ -184,14 +184,10 @@ static inline __attribute__((always_inline)) void block_codes_i16(const uint8_t 
 }
 
 /* The 32 raw codes (nothing subtracted: `zero` is folded into the minimum term) of q5/q6
- * block b as bytes in weight order, weights 0-15 (group 2b of 16) in the low lane. q5:
- * quant_codes32_avx2. q6: the nibbles by a per-lane shift of the block's 16 bytes; the high
- * bits as int16 per weight, then as the high byte of a word (odd weights) or the low one:
- * a byte shuffle of the block's planes puts in int16 lane w the plane byte holding weight
- * 2w's bit (plane 0 in the low byte, plane 1 in the high one); a shift of 0 or 4 per dword
- * brings that bit to position 0 or 2 and weight 2w + 1's to 1 or 3; one vpand each keeps the
- * even / odd weights' bits and one vpmaddubsw each weighs them 16 and 32 (16 / 2^pos, an
- * integer for pos <= 3, hence the shift). */
+ * block b as bytes in weight order, weights 0-15 (group 2b of 16) in the low lane:
+ * quant_q5_codes32_avx2 (a byte shuffle and a compare spread the plane's bits) and
+ * quant_q6_codes32_avx2 (Q6_K's own bytes: one shift of nibbles, one of high bits, three
+ * logic operations). */
 static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
@@ -199,22 +195,8 @@ block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16)), lo = _mm_set1_epi8(15);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo), _mm_and_si128(v, lo));
     }
-    if (kind == 5) return quant_codes32_avx2(1, q, qh, 0, b);
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)));
-    const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                         _mm256_set1_epi8(15));
-    int64_t p;
-    memcpy(&p, qh + b * 8, 8);
-    const __m256i idx = _mm256_setr_epi8(0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1, 5, 1, 5,
-                                         2, 6, 2, 6, 2, 6, 2, 6, 3, 7, 3, 7, 3, 7, 3, 7);
-    const __m256i t = _mm256_srlv_epi32(_mm256_shuffle_epi8(_mm256_set1_epi64x(p), idx),
-                                        _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
-    /* per dword: the low word's bits at 0 (even weights) / 1 (odd), the high word's at 2 / 3,
-     * weighed 16 32 4 8: the odd weights' come out doubled, and a shift by 7 puts them in the high byte */
-    const __m256i k = _mm256_set1_epi32(0x08042010);
-    const __m256i he = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x04040101)), k);
-    const __m256i ho2 = _mm256_maddubs_epi16(_mm256_and_si256(t, _mm256_set1_epi32(0x08080202)), k);
-    return _mm256_or_si256(nib, _mm256_or_si256(he, _mm256_slli_epi16(ho2, 7)));
+    if (kind == 5) return quant_q5_codes32_avx2(q, qh, 0, b);
+    return quant_q6_codes32_avx2(q, qh, b);
 }
 
 /* The 32 codes of q8 block b in even/odd order: *e holds weights 2w | 16 + 2w, *o weights
@@ -746,7 +728,7 @@ u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *
 }
 
 /* q5/q6 output rows [n0, n1) for M rows of x (u8_many_applies): tiles of weight rows whose raw
- * codes (block_codes_u8: 10-15 instructions a block) are expanded once into U8T_CODES bytes of
+ * codes (block_codes_u8: 6-13 instructions a block) are expanded once into U8T_CODES bytes of
  * scratch, against every U8T_ROWS rows of x in turn (u8_row_tile), the last M % U8T_ROWS rows as
  * rows_range_i16. Returns -1 when the scratch cannot be had, then nothing is written. */
 static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,

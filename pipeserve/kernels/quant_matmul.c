@@ -3,15 +3,16 @@
  * Layouts: a row of `K` weights is K / group float16 scales (and minimums)
  * plus codes, either "q4" (16 bytes per 32 weights: weight j in the low
  * nibble of byte j, weight j + 16 in its high nibble) or "q8" (one int8 per
- * weight), or "q5" / "q6" (q4's nibbles plus 1 / 2 bit-planes of high bits,
- * minus a constant `zero`; quant_codes.h), or "i4" (q4's nibbles, each an index into
+ * weight), or "q5" (q4's nibbles plus a bit-plane of high bits) or "q6" (Q6_K's own
+ * nibble and high-bit-pair bytes), minus a constant `zero` (quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
  * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
  * them on every path; every build takes all seven, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
- * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb: the raw
- * codes in q4's order; quant_gemv_avx2.h's block_codes_u8: the bytes a q8 row holds); the float and
+ * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb: q5's raw
+ * codes in q4's order; chunk_codes6: q6's in weight order; quant_gemv_avx2.h's block_codes_u8:
+ * the bytes a q8 row holds); the float and
  * dequantize paths expand a row into a per-thread scratch row (in L1) just before using
  * it as q8.
  *
@@ -39,8 +40,8 @@
  *   once per row. Groups of 16 (Q6_K) take this path too: each lane of a chunk is one
  *   group (4 lanes per 16 weights), scaled from two 16-lane vectors of s_w * d, and
  *   the offset term meets per-half-block activation sums. q5/q6 (compact codes) take
- *   q8's two int8 terms, their raw codes expanded in registers in q4's order (chunk_codes_hb;
- *   their -zero * s_w term as q4's). i4/q2/q3 take the AVX2 path below instead
+ *   q8's two int8 terms, their raw codes expanded in registers (chunk_codes_hb: q5 in q4's
+ *   order; chunk_codes6: q6 in weight order, as q8; their -zero * s_w term as q4's). i4/q2/q3 take the AVX2 path below instead
  *   (quant_gemv_avx2.h, quant_k2.h: int8 activations, AVX2_LATER). Error vs float activations
  *   per element: at most d (q8, q5, q6: half a step of q2, a whole one where it saturates) or
  *   d / 2 (q4), both at most max|x| / 32512 of the block.
@@ -297,8 +298,8 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
 /* Activations of the int8 path, per row of x, quantized once per call:
  * x1, x2 [M, chunks, 64] int8, the two terms of x ~ d * (256 * q1 + q2) per block of 32
  * (d = max|x| / 127 / 256), each chunk of two blocks b, b + 1 in the order the weight
- * unpack produces (q4, and q5/q6's two terms: x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32];
- * q8: x_b, x_b+1;
+ * unpack produces (q4, and q5's two terms: x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32];
+ * q8, q6: x_b, x_b+1;
  * a trailing odd block pairs with zeros); xd, xc [M, nbp] float (nbp = blocks rounded up
  * to 16, zero padded): d and d * (256 * sum q1 + sum q2) per block.
  * q1 = round(x / 256d); q2 = the remainder rounded in steps of d (|q2| <= 128, clamped
@@ -361,8 +362,9 @@ static void quantize_rows(int kind, const float *x, int64_t M, int64_t K, const 
             const __m512i jv = _mm512_max_epi32(_mm512_min_epi32(
                 _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sv, rv), k256)), hi), lo);
             const int64_t c = (m * a->nch + b / 2) * CHUNK;
-            /* q8: x_b, x_b+1; q5/q6: q4's order, x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32] */
-            const int64_t p0 = (b & 1) * (kind == 8 ? 32 : 16), p1 = p0 + (kind == 8 ? 16 : 32);
+            /* q8, q6: x_b, x_b+1; q5: q4's order, x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32] */
+            const int in_order = kind == 8 || kind == 6;
+            const int64_t p0 = (b & 1) * (in_order ? 32 : 16), p1 = p0 + (in_order ? 16 : 32);
             _mm_storeu_si128((__m128i *)(a->x1 + c + p0), _mm512_cvtsepi32_epi8(iu));
             _mm_storeu_si128((__m128i *)(a->x1 + c + p1), _mm512_cvtsepi32_epi8(iv));
             _mm_storeu_si128((__m128i *)(a->x2 + c + p0), _mm512_cvtepi32_epi8(ju));
@@ -395,58 +397,58 @@ static inline __attribute__((always_inline)) __m512i chunk_codes8(const uint8_t 
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 
-/* q5/q6: the raw codes (0-63, nothing subtracted: the kernel folds `zero` into the minimums
+/* q5: the raw codes (0-31, nothing subtracted: the kernel folds `zero` into the minimums
  * term as q4 does) of the chunk starting at block b as 64 bytes in q4's order
  * [b 0-15, b+1 0-15, b 16-31, b+1 16-31], the order of their activations. From 32 nibble
  * bytes and the blocks' high-bit planes (quant_codes.h): the nibble bytes broadcast to both
- * halves, the upper half shifted right by 4, masked; then per plane one vpshufbitqmb picks
- * each byte's bit from its block's plane (the planes of blocks b, b + 1 permuted into the
- * qwords of their bytes) and a masked add adds 16 << p. Fewer instructions than the weight
- * order, whose masks want the planes of two blocks joined in general registers (as VNNI
- * builds without AVX512_BITALG still do, in this order: the same codes). */
+ * halves, the upper half shifted right by 4, masked; then one vpshufbitqmb picks each byte's
+ * bit from its block's plane (the planes of blocks b, b + 1 permuted into the qwords of their
+ * bytes) and a masked add adds 16. Fewer instructions than the weight order, whose mask wants
+ * the planes of two blocks joined in general registers (as VNNI builds without AVX512_BITALG
+ * still do, in this order: the same codes). */
 static inline __attribute__((always_inline)) __m512i
-chunk_codes_hb(int kind, const uint8_t *q, const uint8_t *qh, int64_t b, int half) {
-    const int hbits = kind - 4;
+chunk_codes_hb(const uint8_t *q, const uint8_t *qh, int64_t b, int half) {
     const __m256i raw = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(q + b * 16)))
                              : _mm256_loadu_si256((const __m256i *)(q + b * 16));
     const __m512i up = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);   /* the upper half's high nibbles */
-    __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), up), _mm512_set1_epi8(15));
+    const __m512i c = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(raw), up), _mm512_set1_epi8(15));
 #ifndef __AVX512BITALG__
-    /* VNNI without BITALG (Cascade Lake): each plane's mask joined in general registers, byte i
+    /* VNNI without BITALG (Cascade Lake): the plane's mask joined in general registers, byte i
      * taking bit i % 16 (+ 16 from byte 32 on) of block b's plane (bytes 0-15, 32-47) or b + 1's */
-    for (int p = 0; p < hbits; p++) {
-        uint32_t lo = 0, hi = 0;
-        memcpy(&lo, qh + (b * hbits + p) * 4, 4);
-        if (!half) memcpy(&hi, qh + ((b + 1) * hbits + p) * 4, 4);
-        const __mmask64 m = (uint64_t)(lo & 0xffff) | (uint64_t)(hi & 0xffff) << 16 | (uint64_t)(lo >> 16) << 32
-                            | (uint64_t)(hi >> 16) << 48;
-        c = _mm512_mask_add_epi8(c, m, c, _mm512_set1_epi8((char)(16 << p)));
-    }
-    return c;
+    uint32_t lo = 0, hi = 0;
+    memcpy(&lo, qh + b * 4, 4);
+    if (!half) memcpy(&hi, qh + (b + 1) * 4, 4);
+    const __mmask64 m = (uint64_t)(lo & 0xffff) | (uint64_t)(hi & 0xffff) << 16 | (uint64_t)(lo >> 16) << 32
+                        | (uint64_t)(hi >> 16) << 48;
 #else
-    /* qwords [b, b, b+1, b+1, b, b, b+1, b+1] of the blocks' planes (hbits * 4 bytes a block;
-     * q5: a qword's low half its block's plane) */
-    __m512i planes;
-    if (hbits == 2) {
-        const __m128i *p = (const __m128i *)(qh + b * 8);
-        const __m128i v = half ? _mm_loadl_epi64(p) : _mm_loadu_si128(p);
-        planes = _mm512_permutexvar_epi64(_mm512_set_epi64(1, 1, 0, 0, 1, 1, 0, 0), _mm512_castsi128_si512(v));
-    } else {
-        const __m128i v = half ? _mm_loadu_si32(qh + b * 4) : _mm_loadl_epi64((const __m128i *)(qh + b * 4));
-        planes = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
-                                          _mm512_castsi128_si512(v));
-    }
-    /* byte i is weight (i % 16) + (i >= 32 ? 16 : 0) of its block: that bit of plane 0, + 32 of plane 1 */
+    /* dwords [b x 4, b+1 x 4, b x 4, b+1 x 4] of the blocks' planes; byte i is weight
+     * (i % 16) + (i >= 32 ? 16 : 0) of its block: that bit of its qword */
+    const __m128i v = half ? _mm_loadu_si32(qh + b * 4) : _mm_loadl_epi64((const __m128i *)(qh + b * 4));
+    const __m512i planes = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0),
+                                                    _mm512_castsi128_si512(v));
     const __m512i bit0 = _mm512_set_epi64(0x1f1e1d1c1b1a1918, 0x1716151413121110, 0x1f1e1d1c1b1a1918,
                                           0x1716151413121110, 0x0f0e0d0c0b0a0908, 0x0706050403020100,
                                           0x0f0e0d0c0b0a0908, 0x0706050403020100);
-    c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit0), c, _mm512_set1_epi8(16));
-    if (hbits == 2) {
-        const __m512i bit1 = _mm512_add_epi8(bit0, _mm512_set1_epi8(32));
-        c = _mm512_mask_add_epi8(c, _mm512_bitshuffle_epi64_mask(planes, bit1), c, _mm512_set1_epi8(32));
-    }
-    return c;
+    const __mmask64 m = _mm512_bitshuffle_epi64_mask(planes, bit0);
 #endif
+    return _mm512_mask_add_epi8(c, m, c, _mm512_set1_epi8(16));
+}
+
+/* q6: the raw codes (0-63; `zero` folded into the minimums term) of the chunk starting at block
+ * b (even) in weight order, from Q6_K's own bytes (quant_codes.h): blocks 4h, 4h + 1 are the low
+ * nibbles of stretch h's 64 nibble bytes, blocks 4h + 2, 4h + 3 their high nibbles (one 16-bit
+ * shift); the high bits: the stretch's 32 bytes in both halves, each qword rotated to bring the
+ * chunk's bit pair to bits 4-5 (pair 0 | 1 of each byte for the first chunk, 2 | 3 for the second),
+ * masked, and joined to the nibbles by one vpternlog: three or four instructions, where
+ * chunk_codes_hb's q5 takes five. */
+static inline __attribute__((always_inline)) __m512i chunk_codes6(const uint8_t *q, const uint8_t *qh, int64_t b) {
+    const int second = (int)(b >> 1) & 1;
+    const __m512i v = _mm512_loadu_si512(q + b / 4 * 64);
+    const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + b / 4 * 32)));
+    const __m512i rot = second ? _mm512_set_epi64(62, 62, 62, 62, 0, 0, 0, 0) : _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
+    const __m512i hb = _mm512_and_si512(_mm512_rolv_epi64(h, rot), _mm512_set1_epi8(0x30));
+    /* (A & C) | B: A the nibbles, B the high bits, C 0x0f */
+    return _mm512_ternarylogic_epi64(second ? _mm512_srli_epi16(v, 4) : v, hb, _mm512_set1_epi8(15), 0xec);
 }
 
 /* q4: dot products of the chunk starting at block b with 16-bit activations: the 32 code
@@ -485,9 +487,9 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
     const int g16 = per == 0;
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
-    /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q4), groups of 16 lane / 4
-     * (q8); q5/q6 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
-    const int hb = kind == 5 || kind == 6;
+    /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q6, q4), groups of 16 lane / 4
+     * (q8, q6); q5 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
+    const int hb = kind == 5;
     const __m512i first = g16 ? (hb ? _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0)
                                     : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0))
                               : (hb ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
@@ -535,7 +537,8 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
          * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
 #define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
-#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : chunk_codes_hb(kind, q, qh, c, half))
+#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : kind == 6 ? chunk_codes6(q, qh, c) \
+                                                                : chunk_codes_hb(q, qh, c, half))
 #define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */

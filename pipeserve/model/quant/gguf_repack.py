@@ -8,8 +8,8 @@ move into their own float16 array. The K-quants are re-laid out once at load:
 
 - Q4_K -> q4 with one scale and minimum per 32 weights (d·sc and -dmin·m);
 - Q5_K -> q5, the same scales and minimums (6 bits per weight, file 5.5);
-- Q6_K -> q6 with one scale per 16 weights (d·sc) and ``zero`` 32 (7 bits
-  per weight, file 6.5625).
+- Q6_K -> q6, its code bytes as they are, one scale per 16 weights (d·sc) and ``zero``
+  32 (7 bits per weight, file 6.5625).
 The K-quants' two-level scales (a float16 times a 6/8-bit integer) are
 multiplied out and rounded to float16: a relative change of at most 2^-11 of
 a scale, far below the quantization step itself.
@@ -163,11 +163,8 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     fast = _c_k_quant("Q6_K", blocks, rows)
     if fast is not None:
         return fast
-    ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64)
-    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
-    low = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 2, 4, 32)
-    high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3)     # [rows, blocks, 2, 4, 32]
-    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1), 2)
+    qs = _t(np.ascontiguousarray(blocks[..., 0:128]).reshape(rows, -1))    # Q6_K's own bytes: packed.py's q6
+    qh = _t(np.ascontiguousarray(blocks[..., 128:192]).reshape(rows, -1))
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)   # [rows, blocks, 16]
     d = _f16(blocks, 208).astype(np.float32)[..., None]
     scale = (d * sc).astype(np.float16).reshape(rows, -1)

@@ -9,12 +9,17 @@ weights of a row:
   j + 16 in its high nibble (GGUF's Q4_0/Q4_1 block order, so those bytes are
   copied as they are).
 - ``q8``: 8-bit codes, ``qs`` int8 [out, in].
-- ``q5`` / ``q6``: 5- or 6-bit codes 0..31 / 0..63 stored compactly: the low
-  4 bits as ``q4``'s ``qs``, the high bits in ``qh`` uint8 [out, in / 32 * 4 * hbits]
-  (hbits = 1 / 2): per run of 32 weights, ``hbits`` little-endian 32-bit planes,
-  bit j of plane p being bit 4 + p of weight j's code (GGUF's Q5_0/Q5_1 block
-  order for hbits = 1, so those bytes are copied as they are). ``zero`` is
-  subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
+- ``q5``: 5-bit codes 0..31 stored compactly: the low 4 bits as ``q4``'s ``qs``, the
+  fifth in ``qh`` uint8 [out, in / 32 * 4]: per run of 32 weights a little-endian 32-bit
+  plane, bit j being bit 4 of weight j's code (GGUF's Q5_0/Q5_1 block order, so those
+  bytes are copied as they are).
+- ``q6``: 6-bit codes 0..63 in GGUF Q6_K's own bytes (copied as they are), ``in`` a multiple of
+  ``Q6_HALF`` (128): per 128 weights 64 bytes of ``qs`` (uint8 [out, in / 2]), byte l holding
+  weight l in its low nibble and weight 64 + l in its high one, and 32 bytes of ``qh`` (uint8
+  [out, in / 4]), byte l holding the top two bits of weights l, 32 + l, 64 + l, 96 + l in its
+  bit pairs 0, 2, 4, 6. So 32 consecutive codes are one shifted, masked nibble load or'ed with
+  one shifted, masked high-bit load (a bit-plane layout, as q5's, took 7-16 instructions).
+- For both, ``zero`` is subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
   per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
   the kernels expand the codes into ``q8``'s int8 codes where they compute (in
   registers on the VNNI decode and many-row paths, a scratch row in cache on
@@ -57,7 +62,8 @@ import numpy as np
 import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
-HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bit-planes above the nibble
+HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bits above the nibble
+Q6_HALF = 128                    # q6: weights per self-contained run of nibble and high-bit bytes
 CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbles)
 K2_SUPER = 256                                 # q2/q3: weights per super-block (a scale, 16 sub-scales)
 K2_HIGH = {"q2": 16, "q3": 48}                 # q2/q3: ``qh`` bytes per super-block (q3: hmask, sub-scales)
@@ -72,10 +78,15 @@ class PackedWeight:
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
-    qh: torch.Tensor | None = None   # q5/q6: uint8 [out, in / 32 * 4 * hbits] high-bit planes;
+    qh: torch.Tensor | None = None   # q5: uint8 [out, in / 8] high-bit planes; q6: [out, in / 4] bit pairs;
                                      # q2/q3: [out, in / 256 * K2_HIGH] sub-scales (q3: hmask first)
     zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
+
+    def __post_init__(self) -> None:
+        if self.kind == "q6" and self.qs.dim() == 2 and self.in_features % Q6_HALF:
+            raise ValueError(f"a q6 weight holds Q6_K's runs of {Q6_HALF} weights; rows of {self.in_features} "
+                             "are not whole runs")
 
     @property
     def out_features(self) -> int:
@@ -168,14 +179,19 @@ def expand_codes(w: PackedWeight) -> torch.Tensor:
         return values[_nibbles(w.qs).long()]
     if w.kind in ("q2", "q3"):
         return _k2_codes(w)
-    rows, hbits = w.out_features, HIGH_BITS[w.kind]
+    rows = w.out_features
+    if w.kind == "q6":
+        ql = w.qs.view(rows, -1, Q6_HALF // 2)                             # [out, in / 128, 64]
+        low = torch.cat([ql & 15, ql >> 4], dim=-1).to(torch.int16)        # weights 0-63, then 64-127
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql.device).view(4, 1)
+        high = (w.qh.view(rows, -1, 1, Q6_HALF // 4) >> shifts) & 3        # [out, in / 128, 4, 32]: 32p + l
+        q = low | (high.reshape(low.shape).to(torch.int16) << 4)
+        return (q - w.zero).to(torch.int8).reshape(rows, -1)
     q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
-    planes = w.qh.view(rows, -1, hbits, 4)                                 # [out, in / 32, hbits, 4 bytes]
+    planes = w.qh.view(rows, -1, 4)                                        # [out, in / 32, 4 bytes]
     shifts = torch.arange(8, device=planes.device, dtype=torch.uint8)
-    bits = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1, hbits, SUB).to(torch.int16)
-    for p in range(hbits):
-        q = q | (bits[:, :, p] << (4 + p))
-    return (q - w.zero).to(torch.int8).reshape(rows, -1)
+    bits = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1, SUB).to(torch.int16)
+    return ((q | (bits << 4)) - w.zero).to(torch.int8).reshape(rows, -1)
 
 
 def _k2_codes(w: PackedWeight) -> torch.Tensor:
@@ -204,16 +220,30 @@ def to_q8(w: PackedWeight) -> PackedWeight:
 
 
 def pack_high_codes(q: torch.Tensor, hbits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes uint8 [out, in] (0 .. 2^(4 + hbits) - 1) -> q5/q6 (``qs``, ``qh``)."""
-    high = q.numpy() >> 4
-    return pack_nibbles(q & 15), pack_planes(high, hbits)
+    """codes uint8 [out, in] (0 .. 2^(4 + hbits) - 1) -> q5 (hbits 1) or q6 (hbits 2) ``qs``, ``qh``."""
+    if hbits == 2:
+        return pack_q6(q)
+    return pack_nibbles(q & 15), pack_planes(q.numpy() >> 4, hbits)
+
+
+def pack_q6(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes uint8 [out, in] (0..63), ``in`` a multiple of 128 -> q6 ``qs``, ``qh`` (Q6_K's bytes)."""
+    rows, cols = q.shape
+    if cols % Q6_HALF:
+        raise ValueError(f"q6 keeps Q6_K's bytes, whose runs are {Q6_HALF} weights: in_features {cols} is not a "
+                         f"multiple of {Q6_HALF}")
+    h = q.reshape(rows, -1, Q6_HALF)                                          # [out, in / 128, 128]
+    qs = (h[..., :64] & 15) | ((h[..., 64:] & 15) << 4)
+    top = (h >> 4).reshape(rows, -1, 4, 32)                                   # [out, in / 128, 4, 32]: 32p + l
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+    return qs.reshape(rows, -1).contiguous(), qh.reshape(rows, -1).contiguous()
 
 
 def pack_planes(high: np.ndarray, hbits: int) -> torch.Tensor:
     """The codes' bits above the nibble, uint8 [out, in] (0 .. 2^hbits - 1) -> ``qh``
     [out, in / 32 * 4 * hbits]: per run of 32 weights, ``hbits`` little-endian 32-bit planes
     (np.packbits in little bit order puts weight j at bit j % 8 of byte j // 8, so bit j
-    of the word). A loader's hot path: a 70B model's Q5_K/Q6_K tensors go through it."""
+    of the word). A loader's hot path: a 70B model's Q5_K tensors go through it."""
     rows = high.shape[0]
     runs = high.reshape(rows, -1, 1, SUB)                                      # [out, in / 32, 1, 32]
     bits = (runs >> np.arange(hbits, dtype=np.uint8).reshape(hbits, 1)) & 1    # [out, in / 32, hbits, 32]
