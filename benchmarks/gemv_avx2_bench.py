@@ -21,6 +21,8 @@ but the embedding, repacked as the loader does, one row of x, one thread, in fil
 weights come from memory): ms per token, best of ``--rounds`` alternating builds, which a paused
 or busy host slows alike (a Q4_K_M file: how much its Q6_K tensors cost beside its Q4_K ones).
 
+``--march haswell`` builds both sides as an AVX2 CPU would (the kernels that CPU runs, timed here).
+
     PYTHONPATH=$PWD python benchmarks/gemv_avx2_bench.py [--compare HEAD] [--threads 1,2] [--kinds [--types T,...]]
 """
 
@@ -50,18 +52,24 @@ KINDS = (T.Q4_K, T.Q6_K, T.Q5_K, T.Q5_0, T.Q5_1, T.Q8_0)
 KIND_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (8192, 8192))
 
 
-def lib_at(rev: str) -> ctypes.CDLL:
-    """quant_matmul.c and the kernel headers as of git revision ``rev``, built with the project's flags."""
+def lib_at(rev: str | None, march: str | None = None) -> ctypes.CDLL:
+    """quant_matmul.c and the kernel headers as of git revision ``rev`` (None: the working tree),
+    built with the project's flags, or for ``-march=march`` (an older CPU's build, run here)."""
     root = Path(__file__).resolve().parents[1]
     tmp = Path(tempfile.mkdtemp(prefix="gemv-avx2-"))
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "pipeserve/kernels/"], cwd=root, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for name in names:
-        if name.endswith((".c", ".h")):
-            (tmp / Path(name).name).write_text(subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, check=True,
-                                                              capture_output=True, text=True).stdout)
-    subprocess.run([_compiler(), *_FLAGS, str(tmp / "quant_matmul.c"), "-o", str(tmp / "old.so"), "-lm"], check=True)
-    return ctypes.CDLL(str(tmp / "old.so"))
+    if rev is None:
+        src = root / "pipeserve" / "kernels"
+    else:
+        src = tmp
+        names = subprocess.run(["git", "ls-tree", "--name-only", rev, "pipeserve/kernels/"], cwd=root, check=True,
+                               capture_output=True, text=True).stdout.split()
+        for name in names:
+            if name.endswith((".c", ".h")):
+                (tmp / Path(name).name).write_text(subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root,
+                                                                  check=True, capture_output=True, text=True).stdout)
+    flags = [f"-march={march}" if f == "-march=native" and march else f for f in _FLAGS]
+    subprocess.run([_compiler(), *flags, str(src / "quant_matmul.c"), "-o", str(tmp / "lib.so"), "-lm"], check=True)
+    return ctypes.CDLL(str(tmp / "lib.so"))
 
 
 class Rows:
@@ -198,10 +206,11 @@ def main() -> None:
     parser.add_argument("--kinds", action="store_true", help="the hot measure per GGUF type, long rows too")
     parser.add_argument("--types", default=",".join(t.name for t in KINDS), help="--kinds: which GGUF types")
     parser.add_argument("--gguf", metavar="FILE", help="time one decode token's gemvs of this GGUF file")
+    parser.add_argument("--march", help="build both for this -march (e.g. haswell: an AVX2 CPU's kernels, run here)")
     args = parser.parse_args()
-    libs = {"tree": load_kernel("quant_matmul")}
+    libs = {"tree": lib_at(None, args.march) if args.march else load_kernel("quant_matmul")}
     if args.compare:
-        libs[args.compare] = lib_at(args.compare)
+        libs[args.compare] = lib_at(args.compare, args.march)
     kernels = {label: QuantKernels(lib) for label, lib in libs.items()}
     print(f"isa={kernels['tree'].isa}")
     torch.set_num_threads(1)

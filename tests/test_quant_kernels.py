@@ -332,6 +332,21 @@ def _kernels_for(march: str, tmp_path) -> QuantKernels:
     return QuantKernels(ctypes.CDLL(str(lib)))
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory) -> QuantKernels:
+    """The kernels an AVX2 + FMA + F16C CPU runs: this build's where it is one, else quant_matmul.c
+    built for -march=haswell, where this CPU can run it (an AVX-512 one), so the AVX2-only paths
+    are tested here too."""
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.isa == "avx2":
+        return kernels
+    if not _cpu_has("avx2", "fma", "f16c"):
+        pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
+    kernels = _kernels_for("haswell", tmp_path_factory.mktemp("haswell"))
+    assert kernels.isa == "avx2"
+    return kernels
+
+
 @needs_kernel
 @pytest.mark.parametrize("march,isa", [("x86-64", "portable"), ("haswell", "avx2")])
 def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march, isa):
@@ -623,7 +638,7 @@ def _q4_variants(cols: int) -> list[PackedWeight]:
 
 @needs_kernel
 @pytest.mark.parametrize("cols", [192, 384, 672, 864, 1536])
-def test_avx2_q4_gemv_is_its_int8_emulation(cols):
+def test_avx2_q4_gemv_is_its_int8_emulation(cols, avx2_kernels):
     """AVX2's q4 decode is the integer dot of its int8 activations with the codes, scaled: it
     equals x rounded as the kernel rounds it (``_int8_rounded``) times the dequantized weight
     in float64 to float32 summation error (1e-6 of sum |x| |w|), far inside the activation
@@ -631,9 +646,7 @@ def test_avx2_q4_gemv_is_its_int8_emulation(cols):
     21 and 27: an odd count has a lone last block, outside the pairs) and whole rows; 1 to
     GEMV_ONE_CALL_MAX_ROWS rows of x (the fused decode stage's one call), 37 weight rows (the
     last rows' short runs), Q4_1's minimums, Q4_0's offset, groups of 64."""
-    kernels = cpu_kernels()
-    if kernels.isa != "avx2":
-        pytest.skip("q4 takes int8 activations on AVX2 builds only (VNNI: int16)")
+    kernels = avx2_kernels
     weights = _q4_variants(cols)
     for rows in (1, 2, 3, 7, GEMV_MAX_ROWS, 9, 17, GEMV_PASSES_MAX_ROWS, GEMV_ONE_CALL_MAX_ROWS):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
@@ -685,7 +698,7 @@ def test_a_few_more_rows_than_the_gemv_take_it_in_passes(gguf_file):
 
 @needs_kernel
 @pytest.mark.parametrize("cols", [256, 576, 608, 736, 1536])
-def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
+def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch, avx2_kernels):
     """AVX2's q4 takes the integer gemv at every row count (``prompt_takes_int8``); from
     Q4T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, q4_rows_many: 4 rows of x
     per weight row, then the last rows as before) gives each row the same bits as that row
@@ -693,9 +706,7 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch):
     count (37: short last tiles and runs): a matmul row does not depend on the rows batched
     with it (attention's float order still depends on a prompt's chunking). Widths: 8, 18, 19 (odd: a lone last
     block), 23 and 48 blocks; Q4_1's minimums, Q4_0's offset, groups of 64 (the old passes)."""
-    kernels = cpu_kernels()
-    if kernels.isa != "avx2":
-        pytest.skip("q4 prompts take the integer gemv on AVX2 builds only")
+    kernels = avx2_kernels
     weights = _q4_variants(cols)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(1))
     x[3, :32] *= 20
@@ -721,7 +732,7 @@ def _q56_variants(cols: int) -> list[PackedWeight]:
 
 @needs_kernel
 @pytest.mark.parametrize("cols", [256, COLS, 576, 608, 736, 1536])
-def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch):
+def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
     """AVX2's q5/q6 gemv gives each row of x the bits of that row alone at any row count: from
     U8T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, u8_rows_many: 4 rows of x per
     weight row), below it the passes, whose scalar minimum terms are spelt out so that no row of a
@@ -730,9 +741,7 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
     up to PROMPT_INT8_MAX_ROWS rows, the tiles beyond), so does ``matmul``. Widths: 8, 16, 18, 19,
     23 and 48 blocks (not a multiple of 8: the blocks after the runs of 8); the file's Q5_0, Q5_1,
     Q5_K and Q6_K (COLS)."""
-    kernels = cpu_kernels()
-    if kernels.isa != "avx2":
-        pytest.skip("q5/q6 take int8 activations and the many-row integer kernel on AVX2 builds only")
+    kernels = avx2_kernels
     weights = _q56_variants(cols)
     if cols == COLS:
         path, types = gguf_file
