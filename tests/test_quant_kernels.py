@@ -320,16 +320,21 @@ def _cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
+_BUILT: dict[str, QuantKernels] = {}   # march -> its build, once per module run
+
+
 def _kernels_for(march: str, tmp_path) -> QuantKernels:
     """quant_matmul.c built for ``-march=march`` (as that CPU would build it), loaded."""
     import ctypes
     import subprocess
 
     from pipeserve.kernels.build import _HERE, _compiler
-    lib = tmp_path / f"{march}.so"
-    subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                    str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
-    return QuantKernels(ctypes.CDLL(str(lib)))
+    if march not in _BUILT:
+        lib = tmp_path / f"{march}.so"
+        subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+                        str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
+        _BUILT[march] = QuantKernels(ctypes.CDLL(str(lib)))
+    return _BUILT[march]
 
 
 @pytest.fixture(scope="module")
