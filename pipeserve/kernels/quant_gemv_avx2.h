@@ -25,7 +25,7 @@
  * no saturation) and one vpmaddwd with ones, 4 weights per int32 lane (low lane weights 0-15,
  * one group of 16 or half a group of 32), one conversion and one FMA: 16 instructions a Q6_K
  * block against 19 widening to int16 (benchmarks/gemv_avx2_bench.py --kinds) while q6 held
- * bit-planes, half of them their spread into bytes; 9 since q6 keeps Q6_K's own bytes (packed.py).
+ * bit-planes, half of them their spread into bytes; about 11 since q6 keeps Q6_K's own bytes (packed.py).
  * i4 (IQ4_NL/IQ4_XS) takes int8 too: its codebook values (one vpshufb, quant_i4_codes32_avx2)
  * are signed (-127..113), so they enter vpmaddubsw as |w| against x with w's signs (vpsignb,
  * llama.cpp's mul_sum_i8_pairs; |pair| <= 2 * 127 * 127 < 32767). Measured against int16
@@ -186,8 +186,8 @@ static inline __attribute__((always_inline)) void block_codes_i16(const uint8_t 
 /* The 32 raw codes (nothing subtracted: `zero` is folded into the minimum term) of q5/q6
  * block b as bytes in weight order, weights 0-15 (group 2b of 16) in the low lane:
  * quant_q5_codes32_avx2 (a byte shuffle and a compare spread the plane's bits) and
- * quant_q6_codes32_avx2 (Q6_K's own bytes: one shift of nibbles, one of high bits, three
- * logic operations). */
+ * quant_q6_codes32_avx2 (Q6_K's own bytes: two loads, each shifted by a count and masked, the
+ * high bits shifted into place, one or). */
 static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
