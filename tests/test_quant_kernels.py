@@ -204,7 +204,8 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
         w = _read(path, types.index(ttype))[0]
         assert w.kind == ("q6" if ttype == T.Q6_K else "q5"), ttype.name
         weights.append(w)
-    # 23 blocks of 32 (odd last block, short last run of 16 blocks), 9 rows (a partial panel)
+    # 23 blocks of 32 (odd last block, short last run of 16 blocks; q6: 24, its rows are whole
+    # runs of 128), 9 rows (a partial panel)
     weights += [_compact(9, 768, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
     weights += [_read(path, types.index(t))[0] for t in IQ4] + [_i4(9, 736, 3)]
     for w in weights:

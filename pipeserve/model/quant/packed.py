@@ -62,7 +62,6 @@ import numpy as np
 import torch
 
 SUB = 32  # weights per nibble run; every group is a multiple of it
-HIGH_BITS = {"q5": 1, "q6": 2}   # compact layouts: bits above the nibble
 Q6_HALF = 128                    # q6: weights per self-contained run of nibble and high-bit bytes
 CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbles)
 K2_SUPER = 256                                 # q2/q3: weights per super-block (a scale, 16 sub-scales)
