@@ -24,6 +24,8 @@ class _FirstTokenClock:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.first is None:
+            if scores.is_cuda:   # the logits exist once the queued kernels ran
+                torch.cuda.synchronize(scores.device)
             self.first = time.perf_counter()
         return scores
 
@@ -54,7 +56,7 @@ def left_padded(batch: list[BenchRequest], pad_id: int) -> tuple[torch.Tensor, t
 
 def run_batch(model, batch: list[BenchRequest], pad_id: int, temperature: float,
               wave_start: float) -> list[RequestRecord]:
-    ids, mask = left_padded(batch, pad_id)
+    ids, mask = (t.to(model.device) for t in left_padded(batch, pad_id))
     new_tokens = max(r.output_len for r in batch)
     clock = _FirstTokenClock()
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
@@ -63,6 +65,8 @@ def run_batch(model, batch: list[BenchRequest], pad_id: int, temperature: float,
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, pad_token_id=pad_id, logits_processor=[clock],
                        **sampling)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     end = time.perf_counter()
     ttft = (clock.first or end) - wave_start
     return [RequestRecord(prompt_len=r.prompt_len, output_len=r.output_len, ttft=ttft,

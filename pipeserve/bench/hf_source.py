@@ -25,11 +25,12 @@ def load_hf_tokenizer(model: str, tokenizer: str | None = None):
     return tok
 
 
-def load_hf_model(model: str, dtype: str):
+def load_hf_model(model: str, dtype: str, device: str = "cpu"):
+    """transformers' model on ``device`` (the engine's: a CUDA run is compared with transformers on the GPU)."""
     import torch
     from transformers import AutoModelForCausalLM
     torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" else dtype)
     directory, gguf = hf_location(model)
     kwargs = {"gguf_file": gguf} if gguf else {}
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
-    return hf.eval()
+    return hf.to(device).eval()

@@ -161,7 +161,7 @@ def hf_runs(config: EngineConfig, requests: list[BenchRequest], batch_sizes: lis
     import torch
     torch.set_num_threads(os.cpu_count() or 1)  # the whole machine, as pipeserve's stages share it
     dtype = args.hf_dtype or config.dtype
-    model = load_hf_model(config.model, dtype)
+    model = load_hf_model(config.model, dtype, config.device)
     for size in batch_sizes:
         warm = [BenchRequest(r.prompt_token_ids[:32], 8) for r in requests[:max(0, args.num_warmup)]]
         if warm:

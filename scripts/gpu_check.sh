@@ -1,0 +1,67 @@
+#!/bin/bash
+# The CUDA checks as one device call (CI has no GPU and never runs them).
+#
+#   here:   bash scripts/gpu_check.sh prepare    # the wheels the device image lacks (gguf), into .whl/
+#   there:  the device tool's run, carry [".whl"], command "bash scripts/gpu_check.sh run", timeout_s 540
+#
+# run: installs .whl/ into /tmp/site; prints the GPU; runs tests/test_cuda.py (one GPU) and
+# tests/test_tensor_parallel_cuda.py (its cases need 2-4 GPUs and say so); builds a random Llama of
+# SmolLM2's shape there (no model file travels: the GGUF is over the tree's size limit) and runs
+# `pipeserve bench throughput` beside transformers on it, float32 and bfloat16. Everything it
+# prints is also written under $OUT. DEVICE=cpu NUM=4 runs the same steps here, to check the script.
+set -u
+DEVICE=${DEVICE:-cuda}
+NUM=${NUM:-64}
+case "${1:-}" in
+prepare)
+    grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+    mkdir -p .whl
+    version=$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl "gguf==$version"
+    ls -la .whl
+    ;;
+run)
+    set -o pipefail
+    OUT=${OUT:-/tmp/gpu-check}
+    mkdir -p "$OUT"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site:$PWD
+    else
+        export PYTHONPATH=$PWD
+    fi
+    export PYTHONUNBUFFERED=1
+    { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/gpu.txt"
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
+        | tee "$OUT/tests.txt"
+    python3 - <<'PY' 2>&1 | tee "$OUT/model.txt"
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.checkpoints import TINY_VOCAB, save_tiny_tokenizer
+
+# SmolLM2-135M's shape, the tests' small vocabulary (the benchmark's prompts are ids of the tokenizer)
+cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+torch.manual_seed(0)
+out = Path("/tmp/smol-random")
+AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+save_tiny_tokenizer(out)
+print("random SmolLM2-shaped Llama in", out)
+PY
+    for dtype in float32 bfloat16; do
+        python3 -m pipeserve.entrypoints.cli bench throughput --model /tmp/smol-random --device "$DEVICE" \
+            --dtype "$dtype" --backend pipeserve,hf --num-prompts "$NUM" --input-len 128 --output-len 128 \
+            --temperature 0 --no-progress 2>&1 | tee "$OUT/bench_$dtype.txt"
+    done
+    ;;
+*)
+    echo "usage: bash scripts/gpu_check.sh prepare|run" >&2
+    exit 2
+    ;;
+esac
