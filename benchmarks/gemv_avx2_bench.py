@@ -17,8 +17,9 @@ and 8192 (Llama 3 8B / 70B): cycles per 32 weights and GB/s of codes + scales (+
 read from L2, where the q4 pair path sets the pace for the others (``--types Q6_K,Q4_K``: only those).
 
 ``--gguf FILE`` times one decode token's gemvs of a GGUF file instead (every quantized 2-D weight
-but the embedding, repacked as the loader does, one row of x, one thread, in file order, so the
-weights come from memory): ms per token, best of ``--rounds`` alternating builds, which a paused
+but the embedding, repacked as the loader does, one row of x, in file order, so the weights come
+from memory; at each of ``--threads``: one thread calls pipeserve_quant_rows on activations prepared
+once, more take the decode path, ``QuantKernels.decode_fn``): ms per token, best of ``--rounds`` alternating builds, which a paused
 or busy host slows alike (a Q4_K_M file: how much its Q6_K tensors cost beside its Q4_K ones).
 
 ``--march haswell`` builds both sides as an AVX2 CPU would (the kernels that CPU runs, timed here).
@@ -156,18 +157,27 @@ def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None
             print(f"  {ttype.name:5} {w.kind} g{w.group:<2} {n:>5}x{k:<5} ({rows:>3} rows)  {cells}" + _ratio(t))
 
 
-def gguf_token(libs: dict, path: str, rounds: int) -> None:
+def gguf_token(libs: dict, path: str, rounds: int, threads: tuple[int, ...] = (1,)) -> None:
     reader = gguf.GGUFReader(path)
     weights = [repack(t.tensor_type, np.asarray(t.data).reshape(int(t.shape[1]), -1)) for t in reader.tensors
                if len(t.shape) == 2 and t.name != "token_embd.weight" and t.tensor_type not in (T.F32, T.F16, T.BF16)]
     types = sorted({w.source for w in weights})
-    runs = {}
-    for label, lib in libs.items():
-        rows = [(Rows(lib, w, torch.randn(1, w.in_features)), w.out_features) for w in weights]
-        runs[label] = lambda rows=rows: [r(0, n) for r, n in rows]
-    t = side_by_side(runs, rounds, 1)
-    cells = "  ".join(f"[{label}] {s * 1e3:6.1f} ms" for label, s in t.items())
-    print(f"one token of {path} ({len(weights)} gemvs: {', '.join(types)}), one thread:  {cells}" + _ratio(t))
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        runs = {}
+        for label, lib in libs.items():
+            if n_threads == 1:   # pipeserve_quant_rows on activations prepared once
+                rows = [(Rows(lib, w, torch.randn(1, w.in_features)), w.out_features) for w in weights]
+                runs[label] = lambda rows=rows: [r(0, n) for r, n in rows]
+            else:                # the decode path: activations prepared per call, rows over the threads
+                kern = QuantKernels(lib)
+                fns = [(kern.decode_fn(w), torch.randn(1, w.in_features)) for w in weights]
+                runs[label] = lambda fns=fns: [f(x) for f, x in fns]
+        t = side_by_side(runs, rounds, 1)
+        cells = "  ".join(f"[{label}] {s * 1e3:6.1f} ms" for label, s in t.items())
+        print(f"one token of {path} ({len(weights)} gemvs: {', '.join(types)}), {n_threads} thread(s):  {cells}"
+              + _ratio(t))
+    torch.set_num_threads(1)
 
 
 def chain(kernels: dict, threads: int, rounds: int) -> None:
@@ -215,7 +225,7 @@ def main() -> None:
     print(f"isa={kernels['tree'].isa}")
     torch.set_num_threads(1)
     if args.gguf:
-        gguf_token(libs, args.gguf, args.rounds)
+        gguf_token(libs, args.gguf, args.rounds, tuple(int(t) for t in args.threads.split(",")))
         return
     if args.kinds:
         hot_kinds(libs, args.ghz or _tsc_ghz(), args.rounds, tuple(T[name] for name in args.types.split(",")))
