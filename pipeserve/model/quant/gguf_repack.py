@@ -154,7 +154,7 @@ def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
     low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1              # [rows, blocks, 8, 32]
-    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1), 1)
+    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1))
     scale, minv = _k_scales(blocks)
     return PackedWeight("q5", 32, qs, _t(scale), _t(minv), "Q5_K", qh)
 

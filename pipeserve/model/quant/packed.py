@@ -222,7 +222,7 @@ def pack_high_codes(q: torch.Tensor, hbits: int) -> tuple[torch.Tensor, torch.Te
     """codes uint8 [out, in] (0 .. 2^(4 + hbits) - 1) -> q5 (hbits 1) or q6 (hbits 2) ``qs``, ``qh``."""
     if hbits == 2:
         return pack_q6(q)
-    return pack_nibbles(q & 15), pack_planes(q.numpy() >> 4, hbits)
+    return pack_nibbles(q & 15), pack_planes(q.numpy() >> 4)
 
 
 def pack_q6(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,15 +238,12 @@ def pack_q6(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qs.reshape(rows, -1).contiguous(), qh.reshape(rows, -1).contiguous()
 
 
-def pack_planes(high: np.ndarray, hbits: int) -> torch.Tensor:
-    """The codes' bits above the nibble, uint8 [out, in] (0 .. 2^hbits - 1) -> ``qh``
-    [out, in / 32 * 4 * hbits]: per run of 32 weights, ``hbits`` little-endian 32-bit planes
-    (np.packbits in little bit order puts weight j at bit j % 8 of byte j // 8, so bit j
-    of the word). A loader's hot path: a 70B model's Q5_K tensors go through it."""
+def pack_planes(high: np.ndarray) -> torch.Tensor:
+    """q5's fifth bits, uint8 [out, in] (0 or 1) -> ``qh`` [out, in / 8]: per run of 32 weights a
+    little-endian 32-bit plane (np.packbits in little bit order puts weight j at bit j % 8 of byte
+    j // 8, so bit j of the word). A loader's hot path: a 70B model's Q5_K tensors go through it."""
     rows = high.shape[0]
-    runs = high.reshape(rows, -1, 1, SUB)                                      # [out, in / 32, 1, 32]
-    bits = (runs >> np.arange(hbits, dtype=np.uint8).reshape(hbits, 1)) & 1    # [out, in / 32, hbits, 32]
-    return torch.from_numpy(np.packbits(bits, axis=-1, bitorder="little").reshape(rows, -1))
+    return torch.from_numpy(np.packbits(high.reshape(rows, -1, SUB) & 1, axis=-1, bitorder="little").reshape(rows, -1))
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
