@@ -43,9 +43,9 @@ import torch
 from benchmarks.quant_gemv_bw import COLD_BYTES, LAYERS, SHAPES, _copies, _weight
 from benchmarks.quant_kernels import timed
 from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
-from pipeserve.model.quant.cpu_kernels import QuantKernels, _weight_args
+from pipeserve.model.quant.cpu_kernels import Q4K, QuantKernels, _weight_args
 from pipeserve.model.quant.gguf_repack import repack
-from pipeserve.model.quant.packed import Q6_HALF, PackedWeight
+from pipeserve.model.quant.packed import K4_SUPER, k4_group_scales, Q6_HALF, PackedWeight
 
 HOT_BYTES = 256 << 10   # codes + scales a hot run reads: within L2 (512 KB a core here)
 T = gguf.GGMLQuantizationType
@@ -82,6 +82,11 @@ class Rows:
         lib.pipeserve_quant_act_bytes.restype = i64
         lib.pipeserve_quant_prepare.argtypes = [i32, i64, ptr, i64, ptr]
         lib.pipeserve_quant_rows.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, ptr, i64, i64, i64, ptr]
+        lib.pipeserve_quant_takes.argtypes, lib.pipeserve_quant_takes.restype = [i32], i32
+        if w.two_level and not lib.pipeserve_quant_takes(Q4K):   # a build from before Q4_K's two-level
+            scale, minv = k4_group_scales(w)                     # scales: its float16 ones per run of 32
+            w = PackedWeight("q4", 32, w.qs, scale.half(), minv.half(), w.source)
+        self.w = w   # held: the arguments point into its tensors
         self.args = _weight_args(w)
         kind, k = self.args[0], self.args[5]
         self.act = torch.empty(lib.pipeserve_quant_act_bytes(kind, k, self.args[6], x.shape[0]), dtype=torch.uint8)
@@ -127,7 +132,8 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
     random blocks with modest float16 scales (the kernels' speed does not depend on the codes).
     A row shorter than a super-block multiple (SmolLM2's 576 for the K-quants) is the first k
     weights of a longer repacked row: every array of a layout holds a row's groups in order
-    (but q6's, whose runs are 128 weights: such rows are refused there)."""
+    (but q6's, whose runs are 128 weights, and Q4_K's two-level scales, per 256: such rows are
+    refused there; real files store such tensors in another type)."""
     block, size = gguf.GGML_QUANT_SIZES[ttype]
     wide = -(-k // block) * block
     try:
@@ -146,7 +152,7 @@ def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None
     rng = np.random.default_rng(0)
     for ttype in types:
         for n, k in KIND_SHAPES:
-            if ttype == T.Q6_K and k % Q6_HALF:   # q6 keeps Q6_K's runs of 128: no SmolLM2-width rows
+            if k % {T.Q6_K: Q6_HALF, T.Q4_K: K4_SUPER}.get(ttype, 1):   # no SmolLM2-width rows (above)
                 continue
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))

@@ -28,8 +28,9 @@ from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_MAX_ROWS, GEM
                                                GEMV_PASSES_MAX_ROWS, PROMPT_INT8_KINDS, PROMPT_INT8_MAX_ROWS,
                                                QuantKernels, cpu_kernels)
 from pipeserve.model.quant.modules import QuantEmbedding, QuantLinear
-from pipeserve.model.quant.packed import (IQ4_VALUES, PackedWeight, can_concat, concat_rows, dequantize,
-                                          Q6_HALF, expand_codes, pack_high_codes, pack_nibbles, quantize_weight, to_q8)
+from pipeserve.model.quant.packed import (IQ4_VALUES, K4_HIGH, K4_SUPER, PackedWeight, can_concat, concat_rows,
+                                          dequantize, Q6_HALF, expand_codes, pack_high_codes, pack_nibbles,
+                                          quantize_weight, to_q8)
 from pipeserve.model.quant.packed import k2_group_scales as packed_k2_scales
 from tests.checkpoints import finish_gguf
 from tests.kernels import skip_without_kernel
@@ -87,7 +88,8 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
         packed, reference = _read(path, i)
         assert packed is not None and packed.source == ttype.name
         got = dequantize(packed)
-        if ttype in LEGACY or ttype in K2:   # same float16 scales (q2/q3: and integer sub-scales): exact
+        if ttype in LEGACY or ttype in K2 or ttype == T.Q4_K:   # same float16 scales (q2/q3/Q4_K: and
+            # integer sub-scales, multiplied out exactly in float32 as gguf does): exact
             assert torch.equal(got, reference), ttype.name
         else:                 # d·sc rounded to float16: at most 2^-11 of a scale per code step
             tol = 2.0 ** -11 * reference.abs().max().item() + 1e-6
@@ -105,7 +107,7 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
 # 256 as the file has them, Q3_K's 6-bit sub-scales a byte each (114 / 110, 84 / 84). Every build
 # keeps them so (AVX-512 ones too: before, they widened IQ4, Q3_K and Q2_K to q8, 1.9-3.8x the file).
 RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
-                      T.Q4_K: 160 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
+                      T.Q4_K: 148 / 144, T.Q5_K: 192 / 176, T.Q6_K: 224 / 210, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
                       T.Q3_K: 114 / 110, T.Q2_K: 1.0}
 
 
@@ -427,6 +429,27 @@ def _check_matmul(w, x: torch.Tensor, kernels) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("cols", [256, 768, 1536])
+def test_q4_two_level_scales_on_every_path(cols):
+    """Q4_K's two-level scales (packed.py) on this build's decode, pass, many-row and tile paths,
+    float32 and bfloat16: each within its bound of dequantize-then-matmul, the dequantized rows bit
+    for bit ``dequantize`` (d * sub exact in float32 on every path). Rows of 1, 3 and 6 super-blocks:
+    at 768 the VNNI decode's last 16 runs hold one super-block alone."""
+    kernels = cpu_kernels()
+    w = next(v for v in _q4_variants(cols) if v.two_level)
+    assert torch.equal(kernels.dequant_rows(w, 0, w.out_features, torch.float32), dequantize(w))
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, GEMV_MAX_ROWS, GEMV_PASSES_MAX_ROWS, 70):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            _check_matmul(w, x, kernels)
+            if rows <= GEMV_MAX_ROWS:   # the float decode too
+                ref = x.float() @ dequantize(w).t()
+                err = (kernels.gemv(w, x, int8_act=False).float() - ref).abs().max().item()
+                scale = (x.float().abs() @ dequantize(w).abs().t()).max().item()
+                assert err <= (1e-5 if dtype == torch.float32 else 1e-2) * scale, (cols, rows, dtype)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", ROW_COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_dequantize_then_matmul(gguf_file, rows, dtype):
@@ -525,6 +548,11 @@ def test_same_layout_parts_concatenate_rows_and_embedding_reads_rows(gguf_file):
     a, b = _read(path, types.index(T.Q4_K))[0], _read(path, types.index(T.Q4_1))[0]
     with pytest.raises(ValueError, match="different layouts"):   # Q4_0 has a code offset, Q4_1 minimums
         concat_rows([_read(path, types.index(T.Q4_0))[0], b])
+    with pytest.raises(ValueError, match="different layouts"):   # Q4_K's scales are two-level, Q4_1's not
+        concat_rows([a, b])
+    for a, b in ((a, a.rows(torch.arange(ROWS - 1, -1, -1))), (b, _read(path, types.index(T.Q4_1))[0])):
+        fused = concat_rows([a, b])
+        assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
     fused = concat_rows([a, b])
     assert torch.equal(dequantize(fused), torch.cat([dequantize(a), dequantize(b)]))
     emb = QuantEmbedding(fused, torch.bfloat16)
@@ -635,10 +663,18 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
 
 def _q4_variants(cols: int) -> list[PackedWeight]:
     """37 random weight rows of ``cols`` as Q4_1-like q4 (minimums), with Q4_0's code offset
-    instead, and in groups of 64 where the width allows."""
-    w = torch.randn(37, cols, generator=torch.Generator().manual_seed(cols)) * 0.05
+    instead, in groups of 64 where the width allows, and with Q4_K's two-level scales (random d,
+    dmin and 6-bit sub-scales) where it is whole super-blocks."""
+    gen = torch.Generator().manual_seed(cols)
+    w = torch.randn(37, cols, generator=gen) * 0.05
     q4 = quantize_weight(w, 4, 32)
     weights = [q4, PackedWeight("q4", 32, q4.qs, q4.scale, None, "q4/32 zero 8", None, 8)]
+    if cols % K4_SUPER == 0:
+        supers = (37, cols // K4_SUPER)
+        d = (torch.rand(supers, generator=gen) * 2e-3 + 1e-4).half()
+        dmin = -(torch.rand(supers, generator=gen) * 2e-3).half()
+        sub = torch.randint(0, 64, (37, cols // K4_SUPER * K4_HIGH), generator=gen, dtype=torch.uint8)
+        weights.append(PackedWeight("q4", 32, q4.qs, d, dmin, "q4 two-level", sub))
     return weights + ([quantize_weight(w, 4, 64)] if cols % 64 == 0 else [])
 
 

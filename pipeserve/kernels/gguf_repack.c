@@ -7,8 +7,8 @@
  *
  * Each function takes `blocks` blocks of one row after another (rows * blocks_per_row), shared
  * over `num_threads` threads (the stage's), and writes, per block of 256 weights: qs 128 bytes (q4 nibbles: byte j of a run of 32 holds
- * weights j and j + 16; q6: Q6_K's ql as it is), qh (q5: 4 bytes a run; q6: Q6_K's 64 as they are),
- * and the scales (and minimums).
+ * weights j and j + 16; q6: Q6_K's ql as it is), qh (q4: the 16 sub-scale bytes; q5: 4 bytes a run;
+ * q6: Q6_K's 64 as they are), and the scales (and minimums).
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,8 +44,10 @@ static void nibbles(const uint8_t *codes, uint8_t *out) {
     for (int j = 0; j < 16; j++) out[j] = (uint8_t)(codes[j] | (codes[j + 16] << 4));
 }
 
+/* Q4_K keeps its two-level scales (quant_codes.h's q4k): d as it is, -dmin (the sign bit flipped:
+ * exact), and the sub-scales, then the sub-minimums, one byte each (16 bytes in qh). */
 void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint16_t *scale, uint16_t *minv,
-                           int num_threads) {
+                           uint8_t *qh, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = in + i * 144, *q = b + 16;
@@ -57,7 +59,14 @@ void pipeserve_repack_q4_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint1
                 o[32 * c + 16 + j] = (uint8_t)((lo[j] >> 4) | (hi[j] & 0xF0));
             }
         }
-        k_scales(b, scale + i * 8, minv + i * 8);
+        scale[i] = read_u16(b);
+        minv[i] = (uint16_t)(read_u16(b + 2) ^ 0x8000u);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            scale_min(b + 4, j, &sc, &m);
+            qh[i * 16 + j] = (uint8_t)sc;
+            qh[i * 16 + 8 + j] = (uint8_t)m;
+        }
     }
 }
 

@@ -39,10 +39,17 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4, 2 q2, 3 q3. */
+#include "half.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4, 2 q2, 3 q3,
+ * QUANT_Q4K q4 with Q4_K's two-level scales (below). */
 #define QUANT_I4 9
 #define QUANT_Q2 2
 #define QUANT_Q3 3
+#define QUANT_Q4K 10
 static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Whether the codes are expanded into q8's int8 codes where they are computed with. */
@@ -71,9 +78,56 @@ static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k)
     return nib | ((qh[h * 32 + l % 32] >> (2 * (int)(l / 32))) & 3) << 4;
 }
 
-/* Whether this build's kernels take layout `kind` (every build takes all seven). */
+/* Whether this build's kernels take layout `kind` (every build takes all eight). */
 static inline int quant_takes_kind(int kind) {
-    return kind == 4 || kind == 8 || quant_is_compact(kind);
+    return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);
+}
+
+/* q4k (packed.py's q4 with qh): q4's codes, and Q4_K's scales as the file holds them: per 256
+ * weights (QUANT_Q4K_SUPER) a float16 d in `sc` and -dmin in `mn`, and 16 bytes in `qh`, the
+ * eight 6-bit sub-scales of its runs of 32, then their eight sub-minimums: 4.625 bits a weight,
+ * where q4's float16 scale and minimum per 32 took 5. Run r's scale is d * sub and its minimum
+ * -dmin * min in float32, exact (a float16 times an integer below 64; as ggml dequantizes them,
+ * and packed.py's dequantize): the integer decode paths compute them in registers (quant_matmul.c's
+ * q4k_block_scales, quant_gemv_avx2.h's q4k_run_scales); the float, dequantize and bfloat16
+ * many-row paths expand a row's (or a panel's) into float32 scratch (quant_q4k_scales) and read
+ * them where q4 reads its float16 ones (quant_scale_at). */
+#define QUANT_Q4K_SUPER 256
+#define QUANT_Q4K_HIGH 16
+static inline int q4k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_SUPER == 0 && group == 32; }
+/* The layout whose codes a kernel computes with (q4k: q4's). */
+static inline int quant_codes_kind(int kind) { return kind == QUANT_Q4K ? 4 : kind; }
+
+/* `rows` consecutive q4k rows of K weights (sc, mn, qh at the first one): their scales and
+ * minimums per run of 32 in float32, K / 32 a row, into s and b (row-major). */
+static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K,
+                                    int64_t rows, float *s, float *b) {
+    const int64_t supers = rows * (K / QUANT_Q4K_SUPER);
+    for (int64_t i = 0; i < supers; i++) {
+        const uint8_t *h = qh + i * QUANT_Q4K_HIGH;
+#if defined(__F16C__) && defined(__AVX2__)
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[i])), m = _mm256_set1_ps(_cvtsh_ss(mn[i]));
+        _mm256_storeu_ps(s + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)h)))));
+        _mm256_storeu_ps(b + 8 * i, _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)(h + 8))))));
+#else
+        const float d = half_to_float(sc[i]), m = half_to_float(mn[i]);
+        for (int j = 0; j < 8; j++) {
+            s[8 * i + j] = d * (float)h[j];
+            b[8 * i + j] = m * (float)h[8 + j];
+        }
+#endif
+    }
+}
+
+/* A q4 run's scale (or minimum) g: float16, or (f32: q4k's scratch) float32. */
+static inline float quant_scale_at(const uint16_t *p, int64_t g, int f32) {
+#if defined(__F16C__)
+    return f32 ? ((const float *)p)[g] : _cvtsh_ss(p[g]);
+#else
+    return f32 ? ((const float *)p)[g] : half_to_float(p[g]);
+#endif
 }
 
 /* q2/q3: weights per super-block (a float16 scale, 16 integer sub-scales), and the qh bytes of one. */
@@ -93,6 +147,7 @@ static inline int64_t quant_row_bytes(int kind, int64_t K) {
 }
 static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
     if (kind == QUANT_Q2 || kind == QUANT_Q3) return K / QUANT_K2_SUPER * quant_k2_high(kind);
+    if (kind == QUANT_Q4K) return K / QUANT_Q4K_SUPER * QUANT_Q4K_HIGH;
     return K / 8 * quant_high_bits(kind);
 }
 

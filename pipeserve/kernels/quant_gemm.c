@@ -26,11 +26,13 @@
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * kind: 4, 8, 5, 6, 9, 2 or 3 (q4, q8, q5, q6, i4, q2, q3); qh and zero: q5/q6's high bits,
- * q3's hmask and sub-scales, q2's sub-scales, and the code offset (ignored otherwise). Returns 0;
+ * kind: 4, 8, 5, 6, 9, 2, 3 or 10 (q4, q8, q5, q6, i4, q2, q3, q4k: each panel's scales expanded into
+ * q4's first, quant_codes.h); qh and zero: q5/q6's high bits, q3's hmask and sub-scales, q2's and
+ * q4k's sub-scales, and the code offset (ignored otherwise). Returns 0;
  * -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a multiple of 32,
  * a q8/q5/q6/i4 group not a multiple of 16, a q4 group not a multiple of 32, q2/q3 not in whole
- * super-blocks of 256 with a scale each). Without AVX512_BF16, pipeserve_quant_gemm_isa() says
+ * super-blocks of 256 with a scale each, q4k not in whole super-blocks of 256). Without
+ * AVX512_BF16, pipeserve_quant_gemm_isa() says
  * "none" and the function returns -2: the caller keeps its portable path
  * (dequantized row tiles and PyTorch's matmul).
  */
@@ -54,13 +56,13 @@ const char *pipeserve_quant_gemm_isa(void) {
  * one rounding), the values of packed.py's dequantize, then rounded to bfloat16. */
 static inline __attribute__((always_inline)) __m512i
 dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
-          int64_t group, int64_t k) {
-    if (kind == 4) {   /* group is a multiple of 32: one table per run */
+          int64_t group, int64_t k, int f32) {
+    if (kind == 4) {   /* group is a multiple of 32: one table per run; f32: q4k's float32 scales */
         const int64_t g = k / group;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const float sg = _cvtsh_ss(s[g]);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
+        const float sg = quant_scale_at(s, g, f32);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
         const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg),
-                                            _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)zero * sg));
+                                            _mm512_set1_ps((b ? quant_scale_at(b, g, f32) : 0.0f) - (float)zero * sg));
         /* table[i] = bf16(i * scale + min - zero * scale), i < 16 (entries 16..31 unused) */
         const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
@@ -114,15 +116,27 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
 /* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
  * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
 static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
-                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero) {
+                          int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero,
+                          float *scales) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
+    const uint16_t *rs[NB], *rm[NB];   /* each row's scales and minimums (q4k: float32, expanded into `scales`) */
+    for (int64_t j = 0; j < rows; j++) {
+        const int64_t n = n0 + j;
+        rs[j] = kind == QUANT_Q4K ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
+        rm[j] = kind == QUANT_Q4K ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
+    }
+    if (kind == QUANT_Q4K) {
+        const int64_t sup = K / QUANT_Q4K_SUPER;
+        quant_q4k_scales(sc + n0 * sup, mn + n0 * sup, qh + n0 * high_bytes, K, rows, scales, scales + NB * groups);
+    }
+    const int ck = quant_codes_kind(kind);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            r[j] = j < rows ? dequant32(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero,
-                                        sc + n * groups, mn ? mn + n * groups : NULL, group, k)
+            r[j] = j < rows ? dequant32(ck, qs + n * row_bytes, qh && ck != 4 ? qh + n * high_bytes : NULL, zero,
+                                        rs[j], rm[j], group, k, kind == QUANT_Q4K)
                             : _mm512_setzero_si512();
         }
         transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
@@ -134,6 +148,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
                          const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
+    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
     if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
@@ -144,7 +159,9 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        const int ok = wp != NULL;
+        /* q4k: a panel's scales and minimums, expanded (quant_codes.h) */
+        float *scales = kind == QUANT_Q4K ? malloc(sizeof(float) * 2 * NB * (K / 32)) : NULL;
+        const int ok = wp != NULL && (kind != QUANT_Q4K || scales != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -153,12 +170,13 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
         for (int64_t pn = 0; pn < panels; pn++) {
             if (!ok) continue;
             const int64_t n0 = pn * NB, cols = N - n0 < NB ? N - n0 : NB;
-            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero);
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, wp, qh, zero, scales);
             for (int64_t mb = 0; mb < blocks; mb++)
                 micro_rows(xp + mb * (K / 2) * 16, wp, K, out, N, n0, mb * 16,
                            M - mb * 16 < 16 ? M - mb * 16 : 16, (__mmask16)((1u << cols) - 1u));
         }
         free(wp);
+        free(scales);
     }
     free(xp);
     return failed ? -1 : 0;

@@ -80,7 +80,23 @@ typedef struct {
  * 0..63, unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4's
  * signed codebook values (-127..113) enter as |w| against x with w's sign (u8_block). */
 static inline int act_int8(int kind) {
-    return kind == 4 || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+    return kind == 4 || kind == QUANT_Q4K || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2
+           || kind == QUANT_Q3;
+}
+
+/* q4's codes and activations (q4, and q4k: q4 with Q4_K's two-level scales). */
+#define IS_Q4(kind) ((kind) == 4 || (kind) == QUANT_Q4K)
+
+/* q4k: run (super-block) u's 8 scales d * sub and minimums -dmin * min, exact in float32, from its
+ * d, -dmin and 16 sub-scale bytes (quant_codes.h): one widening, conversion and product each, where
+ * q4's float16 run is one load and conversion. */
+static inline __attribute__((always_inline)) void
+q4k_run_scales(const uint16_t *d, const uint16_t *dm, const uint8_t *h, int64_t u, __m256 *s, __m256 *b) {
+    const uint8_t *p = h + u * QUANT_Q4K_HIGH;
+    *s = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[u])),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p))));
+    *b = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dm[u])),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
 
 static inline float hsum8(__m256 v) {
@@ -116,7 +132,7 @@ static inline int64_t q4_x8_offset(int64_t nb, int64_t b, int half) {
 /* Block b of row m of int8 x, in weight order (q4's pair order undone). */
 static inline __attribute__((always_inline)) __m256i x8_block(int kind, const act_i16 *a, int m, int64_t b) {
     const int8_t *x = a->x8 + m * a->K;
-    if (kind != 4) return _mm256_loadu_si256((const __m256i *)(x + b * I16_QB));
+    if (!IS_Q4(kind)) return _mm256_loadu_si256((const __m256i *)(x + b * I16_QB));
     return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(x + q4_x8_offset(a->nb, b, 1))),
                             _mm_loadu_si128((const __m128i *)(x + q4_x8_offset(a->nb, b, 0))));
 }
@@ -191,7 +207,7 @@ static inline __attribute__((always_inline)) void block_codes_i16(const uint8_t 
 static inline __attribute__((always_inline)) __m256i
 block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
     if (kind == QUANT_I4) return quant_i4_codes32_avx2(q, b);   /* signed: u8_block takes |w| */
-    if (kind == 4) {   /* q4: a lone block (its pairs take q4_pair_i8) */
+    if (IS_Q4(kind)) {   /* q4: a lone block (its pairs take q4_pair_i8) */
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16)), lo = _mm_set1_epi8(15);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo), _mm_and_si128(v, lo));
     }
@@ -333,7 +349,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, int64_t b0,
             __m256 *acc, __m256 *acc2, __m256 *accm, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
-    const int g16 = kind != 4 && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
+    const int g16 = !IS_Q4(kind) && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind != 8 ? -(float)zero : 0.0f;   /* q4/q5/q6 codes keep their offset */
     float mins[I16_ROWS];
     for (int m = 0; m < m_rows; m++) mins[m] = 0.0f;
@@ -367,15 +383,20 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
         }
         float sd[I16_ROWS][I16_RUN] __attribute__((aligned(32)));
         __m256 sdv[I16_ROWS];   /* q4: s_w * d in registers, for q4_run_pairs */
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
-        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps());
+        __m256 s, mw;
+        if (kind == QUANT_Q4K) {   /* a run is a super-block: sc, mn its d, -dmin; qh its sub-scales */
+            q4k_run_scales(sc, mn, qh, b0 / I16_RUN, &s, &mw);
+        } else {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+            mw = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps();
+        }
+        mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw);
         for (int m = 0; m < m_rows; m++) {
             sdv[m] = _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0));
-            if (kind != 4) _mm256_store_ps(sd[m], sdv[m]);
+            if (!IS_Q4(kind)) _mm256_store_ps(sd[m], sdv[m]);
             accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + b0), accm[m]);
         }
-        if (kind == 4) {
+        if (IS_Q4(kind)) {
             q4_run_pairs(q + b0 * 16, a, b0, m_rows, I16_RUN / 2, sdv, acc, acc2);
             continue;
         }
@@ -398,7 +419,8 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             }
         }
     }
-    if (kind == 4 && per == 1 && b0 + 2 <= nb && b0 + I16_RUN <= left) {   /* q4: a shorter last run's pairs */
+    if (kind == 4 && per == 1 && b0 + 2 <= nb && b0 + I16_RUN <= left) {   /* q4: a shorter last run's pairs
+                                                                          * (q4k rows are whole runs) */
         const int n = (int)(nb - b0) & ~1;   /* the vector loads read on into the next row: masked */
         const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)n), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256 s = _mm256_cvtph_ps(_mm_and_si128(_mm_loadu_si128((const __m128i *)(sc + b0)), keep));
@@ -479,7 +501,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = K / group;
+    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
@@ -500,6 +522,7 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
                                                    zero); break; }
     switch (kind) {
     case 4: ALL(4) break;
+    case QUANT_Q4K: ALL(QUANT_Q4K) break;
     case 5: ALL(5) break;
     case 6: ALL(6) break;
     case QUANT_I4: ALL(QUANT_I4) break;
@@ -550,16 +573,18 @@ static inline void q4_pair_scales(const act_i16 *a, int64_t pairs, __m256 *dd) {
  * rows): row_dot_i16 at 8 rows held acc, acc2, accm and both rows' scales (24 + 16) and spilled.
  * The blocks after the full runs take row_dot_i16_from. */
 static inline __attribute__((always_inline)) void
-q4_row_tile(const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t left, const act_i16 *a,
-            const __m256 *dd, int64_t pairs, float *res) {
+q4_row_tile(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, const uint16_t *mn, int zero,
+            int64_t left, const act_i16 *a, const __m256 *dd, int64_t pairs, float *res) {
     const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
     const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), lo = _mm256_set1_epi8(15);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
     for (int m = 0; m < Q4T_ROWS; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
     for (int64_t r = 0; r < runs; r++) {
-        const __m256 se = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN))),
-                                                   eo);
+        __m256 s = _mm256_setzero_ps(), unused;
+        if (kind == QUANT_Q4K) q4k_run_scales(sc, mn, qh, r, &s, &unused);   /* q4k: made per run */
+        else s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+        const __m256 se = _mm256_permutevar8x32_ps(s, eo);
         for (int j = 0; j < I16_RUN / 2; j++) {
             const int64_t b = r * I16_RUN + 2 * j;
             const __m256 ss = lane_splat(se, j);
@@ -579,22 +604,28 @@ q4_row_tile(const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, 
     }
     const float zw = -(float)zero;
     for (int64_t r = 0; r < runs; r++) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
-        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps());
+        __m256 s, mw0;
+        if (kind == QUANT_Q4K) {
+            q4k_run_scales(sc, mn, qh, r, &s, &mw0);
+        } else {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+            mw0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps();
+        }
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw0);
         for (int m = 0; m < Q4T_ROWS; m++)
             accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
     }
-    row_dot_i16_from(4, q, NULL, zero, sc, mn, 1, left, a, Q4T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
+    row_dot_i16_from(kind, q, qh, zero, sc, mn, 1, left, a, Q4T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
 }
 
 /* q4 output rows [n0, n1) for M rows of x (groups of 32, at least one run of blocks): tiles of
  * weight rows against every Q4T_ROWS rows of x in turn (q4_row_tile), the last M % Q4T_ROWS
  * rows as rows_range_i16. Returns -1 when its scratch (the activation scales of Q4T_ROWS rows)
  * cannot be had, then nothing is written. */
-static int q4_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, const act_i16 *a,
-                        int64_t n0, int64_t n1, int64_t N, float *out, int zero) {
-    const int64_t K = a->K, pairs = a->nb / I16_RUN * (I16_RUN / 2), row_bytes = K / 2, groups = K / I16_QB;
+static int q4_rows_many(int kind, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
+                        const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero) {
+    const int64_t K = a->K, pairs = a->nb / I16_RUN * (I16_RUN / 2), row_bytes = K / 2;
+    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / I16_QB, high = quant_high_row_bytes(kind, K);
     __m256 *dd = aligned_alloc(32, (size_t)(Q4T_ROWS * pairs * sizeof(__m256)));
     if (!dd) return -1;
     const int64_t tile = row_bytes >= Q4T_TILE / 4 ? 4 : Q4T_TILE / row_bytes, full = M / Q4T_ROWS * Q4T_ROWS;
@@ -605,14 +636,18 @@ static int q4_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const 
             q4_pair_scales(&v, pairs, dd);
             for (int64_t n = t0; n < t1; n++) {
                 float res[Q4T_ROWS];
-                q4_row_tile(qs + n * row_bytes, sc + n * groups, mn ? mn + n * groups : NULL, zero,
-                            (N - n) * groups, &v, dd, pairs, res);
+                if (kind == QUANT_Q4K)
+                    q4_row_tile(QUANT_Q4K, qs + n * row_bytes, qh + n * high, sc + n * groups, mn + n * groups,
+                                zero, (N - n) * groups, &v, dd, pairs, res);
+                else
+                    q4_row_tile(4, qs + n * row_bytes, NULL, sc + n * groups, mn ? mn + n * groups : NULL, zero,
+                                (N - n) * groups, &v, dd, pairs, res);
                 for (int m = 0; m < Q4T_ROWS; m++) out[(m0 + m) * N + n] = res[m];
             }
         }
         if (full < M) {
             const act_i16 v = act_i16_rows(a, full);
-            rows_range_i16(4, (int)(M - full), qs, sc, mn, 1, I16_QB, &v, t0, t1, N, out + full * N, NULL, zero);
+            rows_range_i16(kind, (int)(M - full), qs, sc, mn, 1, I16_QB, &v, t0, t1, N, out + full * N, qh, zero);
         }
     }
     free(dd);
@@ -756,8 +791,8 @@ static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t
         rows_range_i16(kind, (int)M, qs, sc, mn, per, group, a, n0, n1, N, out, qh, zero);
         return;
     }
-    if (kind == 4 && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
-        && q4_rows_many(M, qs, sc, mn, a, n0, n1, N, out, zero) == 0)
+    if (IS_Q4(kind) && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
+        && q4_rows_many(kind, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;
     if (M >= U8T_MIN_ROWS && u8_many_applies(kind, per, a)
         && u8_rows_many(kind, per, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)

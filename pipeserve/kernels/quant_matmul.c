@@ -7,7 +7,9 @@
  * nibble and high-bit-pair bytes), minus a constant `zero` (quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
  * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
- * them on every path; every build takes all seven, pipeserve_quant_takes). A weight
+ * them on every path), or "q4k" (q4's codes under Q4_K's two-level scales: every path expands
+ * a few rows' scales into q4's in L1 scratch, quant_codes.h, and runs q4's code; every build
+ * takes all eight, pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb: q5's raw
@@ -117,14 +119,15 @@ int pipeserve_quant_takes(int kind) { return quant_takes_kind(kind); }
 
 static inline __attribute__((always_inline)) void
 row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
-        const float *x, int m_rows, float *res) {
+        const float *x, int m_rows, float *res, int f32) {
     __m512 acc0[MAX_M], acc1[MAX_M];
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
-        /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot). */
-        const float sg = _cvtsh_ss(sc[g]);
+        /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot);
+         * f32: q4k's float32 scratch */
+        const float sg = quant_scale_at(sc, g, f32);
         const __m512 s = _mm512_set1_ps(sg);
-        const __m512 b = _mm512_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+        const __m512 b = _mm512_set1_ps((mn ? quant_scale_at(mn, g, f32) : 0.0f) - (float)zero * sg);
         if (kind == 4) {  /* group is a multiple of 32 */
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
@@ -154,13 +157,13 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int 
  * chains are in flight instead of two (one chain is bound by FMA latency). */
 static void two_rows_dot1(int kind, const uint8_t *qa, const uint8_t *qb, const uint16_t *sa,
                           const uint16_t *sb, const uint16_t *ma, const uint16_t *mb, int zero, int64_t K,
-                          int64_t group, const float *x, float *res) {
+                          int64_t group, const float *x, float *res, int f32) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
     for (int64_t g = 0; g < K / group; g++) {
-        const float fa = _cvtsh_ss(sa[g]), fb = _cvtsh_ss(sb[g]);
+        const float fa = quant_scale_at(sa, g, f32), fb = quant_scale_at(sb, g, f32);
         const __m512 s_a = _mm512_set1_ps(fa), s_b = _mm512_set1_ps(fb);
-        const __m512 m_a = _mm512_set1_ps((ma ? _cvtsh_ss(ma[g]) : 0.0f) - (float)zero * fa);
-        const __m512 m_b = _mm512_set1_ps((mb ? _cvtsh_ss(mb[g]) : 0.0f) - (float)zero * fb);
+        const __m512 m_a = _mm512_set1_ps((ma ? quant_scale_at(ma, g, f32) : 0.0f) - (float)zero * fa);
+        const __m512 m_b = _mm512_set1_ps((mb ? quant_scale_at(mb, g, f32) : 0.0f) - (float)zero * fb);
         if (kind == 4) {
             for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                 const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
@@ -216,21 +219,21 @@ weights_avx2(int kind, const uint8_t *q, int64_t k, __m256 s, __m256 b, __m256 *
 /* Group g's scale and offset, broadcast: a weight is code * s + b (b: its minimum, less
  * `zero` codes' worth of scale). */
 static inline __attribute__((always_inline)) void
-group_scale_avx2(const uint16_t *sc, const uint16_t *mn, int zero, int64_t g, __m256 *s, __m256 *b) {
-    const float sg = _cvtsh_ss(sc[g]);
+group_scale_avx2(const uint16_t *sc, const uint16_t *mn, int zero, int64_t g, __m256 *s, __m256 *b, int f32) {
+    const float sg = quant_scale_at(sc, g, f32);
     *s = _mm256_set1_ps(sg);
-    *b = _mm256_set1_ps((mn ? _cvtsh_ss(mn[g]) : 0.0f) - (float)zero * sg);
+    *b = _mm256_set1_ps((mn ? quant_scale_at(mn, g, f32) : 0.0f) - (float)zero * sg);
 }
 
 static inline __attribute__((always_inline)) void
 row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K, int64_t group,
-        const float *x, int m_rows, float *res) {
+        const float *x, int m_rows, float *res, int f32) {
     __m256 acc0[MAX_M], acc1[MAX_M];
     const int step = kind == 4 ? 32 : 16, nw = step / 8;   /* a q8 group may be 16 (Q6_K) */
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         __m256 s, b;
-        group_scale_avx2(sc, mn, zero, g, &s, &b);
+        group_scale_avx2(sc, mn, zero, g, &s, &b, f32);
         for (int64_t k = g * group; k < (g + 1) * group; k += step) {
             __m256 w[4];
             weights_avx2(kind, q, k, s, b, w);
@@ -255,11 +258,11 @@ static inline __m128i bf16x8(__m256 v) {
 
 /* One row of codes (q4 nibbles, or int8) dequantized into out[o, o + K). */
 static void dequant_row_avx2(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero,
-                             int64_t K, int64_t group, void *out, int out_bf16, int64_t o) {
+                             int64_t K, int64_t group, void *out, int out_bf16, int64_t o, int f32) {
     const int step = kind == 4 ? 32 : 16, nw = step / 8;
     for (int64_t g = 0; g < K / group; g++) {
         __m256 s, b;
-        group_scale_avx2(sc, mn, zero, g, &s, &b);
+        group_scale_avx2(sc, mn, zero, g, &s, &b, f32);
         for (int64_t k = g * group; k < (g + 1) * group; k += step) {
             __m256 w[4];
             weights_avx2(kind, q, k, s, b, w);
@@ -272,10 +275,11 @@ static void dequant_row_avx2(int kind, const uint8_t *q, const uint16_t *sc, con
 }
 #else
 static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
-                           int64_t group, const float *x, int m_rows, float *res) {
+                           int64_t group, const float *x, int m_rows, float *res, int f32) {
     for (int m = 0; m < m_rows; m++) res[m] = 0.0f;
     for (int64_t g = 0; g < K / group; g++) {
-        const float s = f16_to_f32(sc[g]), b = (mn ? f16_to_f32(mn[g]) : 0.0f) - (float)zero * s;
+        const float s = f32 ? ((const float *)sc)[g] : f16_to_f32(sc[g]);
+        const float b = (mn ? f32 ? ((const float *)mn)[g] : f16_to_f32(mn[g]) : 0.0f) - (float)zero * s;
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             const int64_t j = k % 32, base = k - j;
             const float code = kind == 4 ? (float)(j < 16 ? q[base / 2 + j] & 15 : q[base / 2 + j - 16] >> 4)
@@ -471,6 +475,37 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
         w, _mm512_loadu_si512(x2)));
 }
 
+/* q4k: the scales and minimums of blocks [g, g + n) of a row (g a multiple of 16, n 8 or 16:
+ * whole super-blocks), d * sub and -dmin * min exact in float32 as quant_q4k_scales makes them,
+ * in registers (lanes >= n are 0): the super-blocks' 16 sub-scale bytes, reordered (sub | sub |
+ * min | min), widened, times d (or -dmin) of each lane's super-block. Per 16 blocks about ten
+ * more instructions than q4's two float16 loads: 2.85-2.98 cycles per 32 weights hot against
+ * q4's 2.70, where a scratch of the rows' scales (the other paths') took 3.25, and these
+ * products rounded through float16 in registers 4.4 (Zen 4's vcvtps2ph of a zmm is slow). */
+static inline __attribute__((always_inline)) void
+q4k_block_scales(const uint16_t *d, const uint16_t *dm, const uint8_t *h, int64_t g, int n, __m512 *s, __m512 *b) {
+    const int64_t u = g / 8;
+    __m128i sub, low, dd, mm;
+    if (n == 16) {
+        const __m256i v = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(h + u * QUANT_Q4K_HIGH)), 0xd8);
+        sub = _mm256_castsi256_si128(v);
+        low = _mm256_extracti128_si256(v, 1);
+        dd = _mm_loadu_si32(d + u);
+        mm = _mm_loadu_si32(dm + u);
+    } else {   /* the row's last super-block alone: nothing read past it */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(h + u * QUANT_Q4K_HIGH));
+        sub = _mm_move_epi64(v);
+        low = _mm_srli_si128(v, 8);
+        dd = _mm_cvtsi32_si128(d[u]);
+        mm = _mm_cvtsi32_si128(dm[u]);
+    }
+    const __m512i two = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512 sd = _mm512_permutexvar_ps(two, _mm512_castps128_ps512(_mm_cvtph_ps(dd)));
+    const __m512 sm = _mm512_permutexvar_ps(two, _mm512_castps128_ps512(_mm_cvtph_ps(mm)));
+    *s = _mm512_mul_ps(sd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub)));
+    *b = _mm512_mul_ps(sm, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)));
+}
+
 /* One weight row against m_rows quantized rows of x. Per chunk of 64 weights: the codes
  * as 64 unsigned bytes (q8: loaded, + 128; q5/q6: expanded in registers, raw), two vpdpbusd
  * into 16 int32 lanes (q4: two vpdpwssd), then one FMA with each lane's s_w * d_x, taken from
@@ -485,7 +520,7 @@ static inline __attribute__((always_inline)) void
 row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *sc, const uint16_t *mn,
            int64_t per, const act_i8 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
-    const int g16 = per == 0;
+    const int g16 = per == 0, q4 = kind == 4 || kind == QUANT_Q4K;   /* q4k: q4's codes, its own scales */
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
     /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q6, q4), groups of 16 lane / 4
      * (q8, q6); q5 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
@@ -523,8 +558,13 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
                 acc2[m] = _mm512_fmadd_ps(mw1, _mm512_loadu_ps(xc + 16), acc2[m]);
             }
         } else {
-            const __m512 s = block_scales(sc, g, n, per);
-            __m512 mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
+            __m512 s, mw;
+            if (kind == QUANT_Q4K) {
+                q4k_block_scales(sc, mn, qh, g, n, &s, &mw);
+            } else {
+                s = block_scales(sc, g, n, per);
+                mw = mn ? block_scales(mn, g, n, per) : _mm512_setzero_ps();
+            }
             mw = _mm512_fmadd_ps(s, off, mw);
             for (int m = 0; m < m_rows; m++) {
                 sd[m] = _mm512_mul_ps(s, _mm512_loadu_ps(a->xd + m * nbp + g));
@@ -535,7 +575,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         int64_t b = g;
         /* the dot products of chunk c (blocks c, c + 1; half: c is the row's odd last block)
          * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
-#define DOT(c, half, m) (kind == 4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
+#define DOT(c, half, m) (q4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
 #define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : kind == 6 ? chunk_codes6(q, qh, c) \
                                                                 : chunk_codes_hb(q, qh, c, half))
@@ -543,21 +583,21 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
             const __m512i idx2 = _mm512_add_epi32(idx, step);
-            if (kind != 4) w8 = CODES(b, 0);
+            if (!q4) w8 = CODES(b, 0);
             for (int m = 0; m < m_rows; m++)
                 acc[m] = _mm512_fmadd_ps(DOT(b, 0, m), SCALE(m, idx), acc[m]);
-            if (kind != 4) w8 = CODES(b + 2, 0);
+            if (!q4) w8 = CODES(b + 2, 0);
             for (int m = 0; m < m_rows; m++)
                 acc2[m] = _mm512_fmadd_ps(DOT(b + 2, 0, m), SCALE(m, idx2), acc2[m]);
             idx = _mm512_add_epi32(idx2, step);
         }
         if (b < g + n) {   /* one more chunk, full or the row's odd last block */
-            if (kind != 4) w8 = CODES(b, b + 1 == nb);
+            if (!q4) w8 = CODES(b, b + 1 == nb);
             for (int m = 0; m < m_rows; m++)
                 acc[m] = _mm512_fmadd_ps(DOT(b, b + 1 == nb, m), SCALE(m, idx), acc[m]);
             if (b + 2 < g + n) {   /* and one after it (three chunks left: only in a short last group) */
                 idx = _mm512_add_epi32(idx, step);
-                if (kind != 4) w8 = CODES(b + 2, b + 3 == nb);
+                if (!q4) w8 = CODES(b + 2, b + 3 == nb);
                 for (int m = 0; m < m_rows; m++)
                     acc2[m] = _mm512_fmadd_ps(DOT(b + 2, b + 3 == nb, m), SCALE(m, idx), acc2[m]);
             }
@@ -578,7 +618,8 @@ static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
         const uint8_t *qh, int zero) {
-    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
+    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
         if (kind != 6 && n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
@@ -604,7 +645,13 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
 #define ALL(k) switch (m_rows) { CASE(k, 1) CASE(k, 2) CASE(k, 3) CASE(k, 4) CASE(k, 5) CASE(k, 6) CASE(k, 7) \
                                  default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, \
                                                   out_bf16, qh, zero); break; }
-    switch (kind) { case 4: ALL(4) break; case 5: ALL(5) break; case 6: ALL(6) break; default: ALL(8) break; }
+    switch (kind) {
+    case 4: ALL(4) break;
+    case QUANT_Q4K: ALL(QUANT_Q4K) break;
+    case 5: ALL(5) break;
+    case 6: ALL(6) break;
+    default: ALL(8) break;
+    }
 #undef ALL
 #undef CASE
 }
@@ -613,12 +660,12 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
 /* Specialised per m_rows so the compiler unrolls the row loop and keeps the
  * accumulators in registers. */
 static void rows_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int zero, int64_t K,
-                     int64_t group, const float *x, int m_rows, float *res) {
+                     int64_t group, const float *x, int m_rows, float *res, int f32) {
     switch (m_rows) {
-    case 1: row_dot(kind, q, sc, mn, zero, K, group, x, 1, res); break;
-    case 2: row_dot(kind, q, sc, mn, zero, K, group, x, 2, res); break;
-    case 3: row_dot(kind, q, sc, mn, zero, K, group, x, 3, res); break;
-    default: row_dot(kind, q, sc, mn, zero, K, group, x, 4, res); break;
+    case 1: row_dot(kind, q, sc, mn, zero, K, group, x, 1, res, f32); break;
+    case 2: row_dot(kind, q, sc, mn, zero, K, group, x, 2, res, f32); break;
+    case 3: row_dot(kind, q, sc, mn, zero, K, group, x, 3, res, f32); break;
+    default: row_dot(kind, q, sc, mn, zero, K, group, x, 4, res, f32); break;
     }
 }
 
@@ -687,6 +734,8 @@ int pipeserve_quant_act_int8(int kind) {
  * this build has no integer activations for the layout (the float path then runs). */
 int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!quant_takes_kind(kind) || (quant_is_k2(kind) && !k2_shape_ok(K, group))) return 0;
+    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return 0;
+    kind = quant_codes_kind(kind);   /* q4k's activations are q4's */
 #if defined(HAVE_VNNI)
 #ifdef HAVE_AVX2_INT
     if (AVX2_LATER(kind)) return pipeserve_quant_i8_applies(K, group, M) ? i16_act_bytes(M, K) : 0;
@@ -701,6 +750,7 @@ int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M)
 }
 
 void pipeserve_quant_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
+    kind = quant_codes_kind(kind);
 #if defined(HAVE_VNNI)
 #ifdef HAVE_AVX2_INT
     if (AVX2_LATER(kind)) {
@@ -753,6 +803,7 @@ void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const
 #endif
 }
 
+
 /* out [M, N] = xf [M, K] . W^T through the two phases, threads over contiguous, equal
  * ranges of output rows (as schedule(static)). Returns 0, or -1 when scratch cannot be had. */
 static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
@@ -774,17 +825,28 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
     return 0;
 }
 
-/* kind: 4, 8, 5, 6, 9, 2 or 3 (q4, q8, q5, q6, i4, q2, q3); mn may be NULL; qh and zero: q5/q6/q3's high bits and
+/* q4k row n's float32 scales, then its minimums, expanded into buf (2 * K / 32); returns buf (as the
+ * float16 pointer the float paths take, with their f32 flag). */
+static const uint16_t *q4k_row(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K, int64_t n,
+                               float *buf) {
+    const int64_t sup = K / QUANT_Q4K_SUPER;
+    quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * sup * QUANT_Q4K_HIGH, K, 1, buf, buf + K / 32);
+    return (const uint16_t *)buf;
+}
+
+/* kind: 4, 8, 5, 6, 9, 2, 3 or 10 (q4, q8, q5, q6, i4, q2, q3, q4k); mn may be NULL; qh and zero: q5/q6/q3's high bits and
  * code offset (ignored otherwise; last, so callers built against the two-layout
  * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, -1 when scratch cannot be allocated, -2 for a
  * layout this build does not take (pipeserve_quant_takes), -3 for q2/q3 arguments not in
- * whole super-blocks with a scale each (quant_k2.h). */
+ * whole super-blocks with a scale each (quant_k2.h) or q4k arguments not in whole super-blocks of 256
+ * in groups of 32. */
 int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                          int64_t N, int64_t K, int64_t group, const void *x, int x_bf16, int64_t M,
                          void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     if (!quant_takes_kind(kind)) return -2;
     if (quant_is_k2(kind) && !k2_shape_ok(K, group)) return -3;
+    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
@@ -799,20 +861,25 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
         free(xf);
         return rc;
     }
-    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
-    const int z4 = kind == 4 ? zero : 0;   /* compact codes leave their expansion with zero subtracted */
+    const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
+    const int z4 = ck == 4 ? zero : 0;   /* compact codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
+    const int f32 = kind == QUANT_Q4K;   /* scales: q4k's float32 scratch (SC, MN) */
     int failed = 0;
     /* row n's codes (q5/q6/i4: expanded into buf) */
 #define ROW(n, buf) (ck == 4 ? qs + (n) * (K / 2) : quant_q8_row(kind, qs, qh, zero, K, (n), (buf)))
+    /* row n's scales and minimums (q4k: expanded into `scales`, slot i of two) */
+#define SC(n, i) (f32 ? q4k_row(sc, mn, qh, K, (n), scales + (i) * 2 * groups) : sc + (n) * groups)
+#define MN(n, i) (f32 ? (const uint16_t *)(scales + (i) * 2 * groups + groups) : mn ? mn + (n) * groups : NULL)
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t *scratch = compact ? aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64) : NULL;
-        if (compact && !scratch) {
+        float *scales = f32 ? malloc(sizeof(float) * 4 * groups) : NULL;
+        if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) {
 #pragma omp atomic write
             failed = 1;
         }
-        const int ok = !compact || scratch;
+        const int ok = (!compact || scratch) && (kind != QUANT_Q4K || scales);
 #ifdef HAVE_TWO_ROWS
         if (M == 1) {
 #pragma omp for schedule(static)
@@ -821,15 +888,14 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
                 if (!ok) continue;
                 if (n + 1 == N) {   /* an odd last row */
                     float res[1];
-                    rows_dot(ck, ROW(n, scratch), sc + n * groups, mn ? mn + n * groups : NULL, z4, K, group, xf, 1,
-                             res);
+                    rows_dot(ck, ROW(n, scratch), SC(n, 0), MN(n, 0), z4, K, group, xf, 1, res, f32);
                     store(out, out_bf16, n, res[0]);
                     continue;
                 }
                 float res[2];
                 const uint8_t *qa = ROW(n, scratch), *qb = ROW(n + 1, scratch + K);
-                two_rows_dot1(ck, qa, qb, sc + n * groups, sc + (n + 1) * groups, mn ? mn + n * groups : NULL,
-                              mn ? mn + (n + 1) * groups : NULL, z4, K, group, xf, res);
+                const uint16_t *sa = SC(n, 0), *sb = SC(n + 1, 1);
+                two_rows_dot1(ck, qa, qb, sa, sb, MN(n, 0), MN(n + 1, 1), z4, K, group, xf, res, f32);
                 store(out, out_bf16, n, res[0]);
                 store(out, out_bf16, n + 1, res[1]);
             }
@@ -840,16 +906,17 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
             for (int64_t n = 0; n < N; n++) {
                 if (!ok) continue;
                 const uint8_t *q = ROW(n, scratch);
-                const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+                const uint16_t *s = SC(n, 0), *b = MN(n, 0);
                 for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
                     float res[MAX_M];
                     const int m_rows = M - m0 < MAX_M ? (int)(M - m0) : MAX_M;
-                    rows_dot(ck, q, s, b, z4, K, group, xf + m0 * K, m_rows, res);
+                    rows_dot(ck, q, s, b, z4, K, group, xf + m0 * K, m_rows, res, f32);
                     for (int m = 0; m < m_rows; m++) store(out, out_bf16, (m0 + m) * N + n, res[m]);
                 }
             }
         }
         free(scratch);
+        free(scales);
     }
     free(xf);
     return failed ? -1 : 0;
@@ -864,27 +931,31 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
     if (quant_is_k2(kind))
         return k2_shape_ok(K, group) ? k2_dequant(kind, qs, qh, sc, mn, zero, K, r0, r1, out, out_bf16, num_threads)
                                      : -3;
-    const int ck = kind == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = kind == 4 ? zero : 0;
+    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
+    const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = ck == 4 ? zero : 0;
     const int64_t groups = K / group;
+    const int f32 = kind == QUANT_Q4K;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t *scratch = compact ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
-        if (compact && !scratch) {
+        float *scales = f32 ? malloc(sizeof(float) * 2 * groups) : NULL;
+        if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t n = r0; n < r1; n++) {
-            if (compact && !scratch) continue;
+            if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) continue;
             const uint8_t *q = ROW(n, scratch);
-            const uint16_t *s = sc + n * groups, *b = mn ? mn + n * groups : NULL;
+            const uint16_t *s = SC(n, 0), *b = MN(n, 0);
             const int64_t o = (n - r0) * K;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
             if (ck == 4) {   /* the prefill tile path's common case, vectorised */
                 for (int64_t g = 0; g < groups; g++) {
-                    const float sg = _cvtsh_ss(s[g]);
-                    const __m512 sv = _mm512_set1_ps(sg), bv = _mm512_set1_ps((b ? _cvtsh_ss(b[g]) : 0.0f) - (float)z4 * sg);
+                    const float sg = quant_scale_at(s, g, f32);
+                    const __m512 sv = _mm512_set1_ps(sg);
+                    const __m512 bv = _mm512_set1_ps((b ? quant_scale_at(b, g, f32) : 0.0f) - (float)z4 * sg);
                     for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
                         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
                         const __m512 w0 = _mm512_fmadd_ps(
@@ -903,11 +974,12 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
                 continue;
             }
 #elif defined(HAVE_AVX2_I16)
-            dequant_row_avx2(ck, q, s, b, z4, K, group, out, out_bf16, o);
+            dequant_row_avx2(ck, q, s, b, z4, K, group, out, out_bf16, o, f32);
             continue;
 #endif
             for (int64_t g = 0; g < groups; g++) {
-                const float scale = f16_to_f32(s[g]), bias = (b ? f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;
+                const float scale = f32 ? ((const float *)s)[g] : f16_to_f32(s[g]);
+                const float bias = (b ? f32 ? ((const float *)b)[g] : f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;
                 const int step = ck == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
                 for (int64_t k = g * group; k < (g + 1) * group; k += step) {
                     float w[32];
@@ -931,7 +1003,10 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
             }
         }
         free(scratch);
+        free(scales);
     }
     return failed ? -1 : 0;
 }
+#undef MN
+#undef SC
 #undef ROW

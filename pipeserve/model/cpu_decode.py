@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
-from pipeserve.model.quant.cpu_kernels import _KINDS, GEMM_MIN_ROWS, GEMV_PASSES_MAX_ROWS, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_PASSES_MAX_ROWS, _kind, cpu_kernels
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel
@@ -175,7 +175,7 @@ def _qlinear(parts) -> _QLinear:
 def _qweight(w) -> _QWeight:
     return _QWeight(w.qs.data_ptr(), None if w.qh is None else w.qh.data_ptr(), w.scale.data_ptr(),
                     None if w.minv is None else w.minv.data_ptr(), w.out_features, w.in_features, w.group,
-                    _KINDS[w.kind], w.zero)
+                    _kind(w), w.zero)
 
 
 def fused_decode(model: LlamaModel) -> FusedDecode | None:
@@ -243,7 +243,7 @@ def _build(model: LlamaModel) -> FusedDecode | str:
         attn, mlp = layer.self_attn, layer.mlp
         ws = tuple(tuple(linear.parts) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
         for w in (part for parts in ws for part in parts):
-            if act_bytes(_KINDS[w.kind], w.in_features, w.group, 1) <= 0:
+            if act_bytes(_kind(w), w.in_features, w.group, 1) <= 0:
                 return (f"no integer-activation decode kernel on this CPU for {w.source} "
                         f"(group {w.group}, in_features {w.in_features})")
         weights.append(ws)

@@ -323,8 +323,12 @@ _LATER_KINDS = ("i4", "q2", "q3")      # builds from before pipeserve_quant_take
 _GEMM_KINDS = ("q4", "q8", "q5", "q6", "i4", "q2", "q3")  # quant_gemm.c's (AVX512_BF16 builds)
 
 
+Q4K = 10   # q4 with Q4_K's two-level scales (packed.py), quant_codes.h's QUANT_Q4K
+
+
 def _kind(w: PackedWeight) -> int:
-    return _KINDS[w.kind]
+    """The layout as the C functions take it (a two-level q4 is its own, "q4k")."""
+    return Q4K if w.two_level else _KINDS[w.kind]
 
 
 def _check(rc: int, w: PackedWeight) -> None:
@@ -335,8 +339,8 @@ def _check(rc: int, w: PackedWeight) -> None:
         raise ValueError(f"this build of the quantized kernels does not take the {w.kind} layout of {w.source} "
                          "(IQ4, Q3_K and Q2_K are widened to q8 at load where it does not)")
     if rc == -3:
-        raise ValueError(f"{w.source} ({w.kind}): q2/q3 weights come in whole super-blocks of 256 with a scale "
-                         f"each, not in_features {w.in_features} in groups of {w.group}")
+        raise ValueError(f"{w.source} ({w.kind}): q2/q3 weights and q4 with two-level scales come in whole "
+                         f"super-blocks of 256, not in_features {w.in_features} in groups of {w.group}")
     if rc != 0:
         raise RuntimeError(f"quantized matmul refused its arguments (code {rc})")
 

@@ -6,13 +6,16 @@ keep theirs as q5 (nibbles and the 32 high bits of a block are that layout;
 Q5_0's offset of 16 becomes ``zero``), Q8_0 keeps its int8 codes; the scales
 move into their own float16 array. The K-quants are re-laid out once at load:
 
-- Q4_K -> q4 with one scale and minimum per 32 weights (d·sc and -dmin·m);
-- Q5_K -> q5, the same scales and minimums (6 bits per weight, file 5.5);
+- Q4_K -> q4 with its two-level scales as the file holds them (packed.py: d and -dmin per
+  256 weights, the 6-bit sub-scales and sub-minimums a byte each in ``qh``; 4.625 bits per
+  weight, file 4.5);
+- Q5_K -> q5 with one scale and minimum per 32 weights (d·sc and -dmin·m; 6 bits per
+  weight, file 5.5);
 - Q6_K -> q6, its code bytes as they are, one scale per 16 weights (d·sc) and ``zero``
   32 (7 bits per weight, file 6.5625).
-The K-quants' two-level scales (a float16 times a 6/8-bit integer) are
-multiplied out and rounded to float16: a relative change of at most 2^-11 of
-a scale, far below the quantization step itself.
+Where the two-level scales (a float16 times a 6/8-bit integer) are multiplied out (Q5_K, Q6_K),
+they are rounded to float16: a relative change of at most 2^-11 of a scale, far below the
+quantization step itself. Q4_K's are exact (its kernels multiply them out in float32).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.quant.gguf_widen import WIDENED
-from pipeserve.model.quant.packed import PackedWeight, pack_nibbles, pack_planes
+from pipeserve.model.quant.packed import K4_HIGH, PackedWeight, pack_nibbles, pack_planes
 
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
@@ -100,7 +103,7 @@ def _c_repack() -> ctypes.CDLL | None:
         log.warning("GGUF K-quant repack in numpy (slower loads): %s", str(exc).splitlines()[0])
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p, ctypes.c_int]
+    lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
     lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
     lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p, ctypes.c_int]
     return lib
@@ -115,7 +118,7 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
     per_row = blocks.shape[1]                                    # blocks of 256 weights a row
     n = rows * per_row
     qs = torch.empty(rows, per_row * 128, dtype=torch.uint8)
-    scale = torch.empty(rows, per_row * (16 if kind == "Q6_K" else 8), dtype=torch.float16)
+    scale = torch.empty(rows, per_row * {"Q6_K": 16, "Q5_K": 8}.get(kind, 1), dtype=torch.float16)
     data = np.ascontiguousarray(blocks)                          # held: the C call reads it
     src, threads = data.ctypes.data, torch.get_num_threads()
     if kind == "Q6_K":
@@ -128,8 +131,9 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
         lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr(),
                                   threads)
         return PackedWeight("q5", 32, qs, scale, minv, "Q5_K", qh)
-    lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr(), threads)
-    return PackedWeight("q4", 32, qs, scale, minv, "Q4_K")
+    qh = torch.empty(rows, per_row * K4_HIGH, dtype=torch.uint8)
+    lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr(), qh.data_ptr(), threads)
+    return PackedWeight("q4", 32, qs, scale, minv, "Q4_K", qh)
 
 
 def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -142,8 +146,11 @@ def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 16:144].reshape(rows, -1, 4, 2, 16)
     lo, hi = qs[..., 0, :], qs[..., 1, :]                               # bytes j, j + 16 of each chunk
     runs = np.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], axis=3)   # [rows, blocks, 4, 2, 16]
-    scale, minv = _k_scales(blocks)
-    return PackedWeight("q4", 32, _t(runs.reshape(rows, -1)), _t(scale), _t(minv), "Q4_K")
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))   # [rows * blocks, 8] each
+    qh = np.concatenate([sc.reshape(rows, -1, 8), m.reshape(rows, -1, 8)], axis=2).astype(np.uint8)
+    minv = -_f16(blocks, 2)                                              # exact: a sign
+    return PackedWeight("q4", 32, _t(runs.reshape(rows, -1)), _t(_f16(blocks, 0)), _t(minv), "Q4_K",
+                        _t(qh.reshape(rows, -1)))
 
 
 def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:

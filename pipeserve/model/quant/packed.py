@@ -7,7 +7,14 @@ weights of a row:
 - ``q4``: 4-bit codes 0..15, ``qs`` uint8 [out, in / 2]. Each run of 32
   weights is 16 bytes: byte j holds weight j in its low nibble and weight
   j + 16 in its high nibble (GGUF's Q4_0/Q4_1 block order, so those bytes are
-  copied as they are).
+  copied as they are). With ``qh`` (GGUF Q4_K, "q4k" to the kernels) its scales are the
+  file's two levels: ``scale`` / ``minv`` float16 [out, in / 256] are each super-block's d and
+  -dmin, and ``qh`` uint8 [out, in / 256 * ``K4_HIGH``] per super-block the eight 6-bit
+  sub-scales of its runs of 32, then their eight sub-minimums. Run r's scale is d * sub_r,
+  its minimum -dmin * min_r, exact in float32 as ggml computes them (``k4_group_scales``; the
+  VNNI decode in registers, the other paths into float32 scratch in L1, the AVX2 integer
+  path rounded to float16): 4.625 bits per weight (the file 4.5), where a float16 scale and
+  minimum per run took 5.
 - ``q8``: 8-bit codes, ``qs`` int8 [out, in].
 - ``q5``: 5-bit codes 0..31 stored compactly: the low 4 bits as ``q4``'s ``qs``, the
   fifth in ``qh`` uint8 [out, in / 32 * 4]: per run of 32 weights a little-endian 32-bit
@@ -66,6 +73,7 @@ Q6_HALF = 128                    # q6: weights per self-contained run of nibble 
 CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbles)
 K2_SUPER = 256                                 # q2/q3: weights per super-block (a scale, 16 sub-scales)
 K2_HIGH = {"q2": 16, "q3": 48}                 # q2/q3: ``qh`` bytes per super-block (q3: hmask, sub-scales)
+K4_SUPER, K4_HIGH = 256, 16                    # q4 with two-level scales: weights and ``qh`` bytes per super-block
 IQ4_VALUES = tuple(int(v) for v in gguf.quants.IQ4_NL.kvalues)   # i4's codebook: -127 .. 113
 
 
@@ -86,6 +94,15 @@ class PackedWeight:
         if self.kind == "q6" and self.qs.dim() == 2 and self.in_features % Q6_HALF:
             raise ValueError(f"a q6 weight holds Q6_K's runs of {Q6_HALF} weights; rows of {self.in_features} "
                              "are not whole runs")
+        if self.two_level and self.qs.dim() == 2 and (self.in_features % K4_SUPER or self.group != SUB
+                                                      or self.minv is None):
+            raise ValueError(f"a q4 weight with two-level scales holds Q4_K's super-blocks of {K4_SUPER} weights "
+                             f"in runs of {SUB} with minimums; got rows of {self.in_features}, group {self.group}")
+
+    @property
+    def two_level(self) -> bool:
+        """q4 with Q4_K's two-level scales (the module doc)."""
+        return self.kind == "q4" and self.qh is not None
 
     @property
     def out_features(self) -> int:
@@ -116,14 +133,16 @@ class PackedWeight:
 def can_concat(parts: list[PackedWeight]) -> bool:
     first = parts[0]
     return all(p.kind == first.kind and p.group == first.group and (p.minv is None) == (first.minv is None)
-               and p.zero == first.zero and p.in_features == first.in_features for p in parts)
+               and p.two_level == first.two_level and p.zero == first.zero and p.in_features == first.in_features
+               for p in parts)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack matrices of one layout along the output dimension (fused q/k/v, gate/up)."""
     if not can_concat(parts):
         raise ValueError("cannot stack weights of different layouts as one: "
-                         + ", ".join(f"{p.source} ({p.kind}, group {p.group}, zero {p.zero}, "
+                         + ", ".join(f"{p.source} ({p.kind}{' two-level' if p.two_level else ''}, group {p.group}, "
+                                     f"zero {p.zero}, "
                                      f"{'with' if p.minv is not None else 'no'} minimum)" for p in parts))
     first = parts[0]
     cat = (lambda get: torch.cat([get(p) for p in parts], dim=0))
@@ -146,10 +165,22 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     else:
         q = expand_codes(w).view(rows, -1, w.group).float() if w.kind != "q4" else \
             _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
-    out = q * w.scale.float().unsqueeze(-1)
-    if w.minv is not None:
-        out = out + w.minv.float().unsqueeze(-1)
+    scale, minv = k4_group_scales(w) if w.two_level else (w.scale, w.minv)
+    out = q * scale.float().unsqueeze(-1)
+    if minv is not None:
+        out = out + minv.float().unsqueeze(-1)
     return out.reshape(rows, -1).to(dtype)
+
+
+def k4_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A two-level q4 weight's scale and minimum per run of 32, float32 [out, in / 32] each:
+    d * sub and -dmin * min, exact (a float16 times an integer below 64), as ggml dequantizes
+    Q4_K and the kernels compute them."""
+    rows = w.out_features
+    sub = w.qh.view(rows, -1, 2, K4_HIGH // 2).float()                      # [out, in / 256, sc | min, 8]
+    scale = w.scale.float().unsqueeze(-1) * sub[:, :, 0]
+    minv = w.minv.float().unsqueeze(-1) * sub[:, :, 1]
+    return scale.reshape(rows, -1), minv.reshape(rows, -1)
 
 
 def k2_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
