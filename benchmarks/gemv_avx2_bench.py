@@ -73,6 +73,16 @@ def lib_at(rev: str | None, march: str | None = None) -> ctypes.CDLL:
     return ctypes.CDLL(str(tmp / "lib.so"))
 
 
+def for_build(lib: ctypes.CDLL, w: PackedWeight) -> PackedWeight:
+    """``w`` as the build ``lib`` takes it: a build from before Q4_K's two-level scales gets the
+    float16 scale and minimum per run of 32 it held then (each d * sub rounded to float16)."""
+    lib.pipeserve_quant_takes.argtypes, lib.pipeserve_quant_takes.restype = [ctypes.c_int], ctypes.c_int
+    if not w.two_level or lib.pipeserve_quant_takes(Q4K):
+        return w
+    scale, minv = k4_group_scales(w)
+    return PackedWeight("q4", 32, w.qs, scale.half(), minv.half(), w.source)
+
+
 class Rows:
     """pipeserve_quant_prepare / pipeserve_quant_rows of one build, bound to one weight and x."""
 
@@ -82,11 +92,7 @@ class Rows:
         lib.pipeserve_quant_act_bytes.restype = i64
         lib.pipeserve_quant_prepare.argtypes = [i32, i64, ptr, i64, ptr]
         lib.pipeserve_quant_rows.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, ptr, i64, i64, i64, ptr]
-        lib.pipeserve_quant_takes.argtypes, lib.pipeserve_quant_takes.restype = [i32], i32
-        if w.two_level and not lib.pipeserve_quant_takes(Q4K):   # a build from before Q4_K's two-level
-            scale, minv = k4_group_scales(w)                     # scales: its float16 ones per run of 32
-            w = PackedWeight("q4", 32, w.qs, scale.half(), minv.half(), w.source)
-        self.w = w   # held: the arguments point into its tensors
+        self.w = w = for_build(lib, w)   # held: the arguments point into its tensors
         self.args = _weight_args(w)
         kind, k = self.args[0], self.args[5]
         self.act = torch.empty(lib.pipeserve_quant_act_bytes(kind, k, self.args[6], x.shape[0]), dtype=torch.uint8)
@@ -177,7 +183,7 @@ def gguf_token(libs: dict, path: str, rounds: int, threads: tuple[int, ...] = (1
                 runs[label] = lambda rows=rows: [r(0, n) for r, n in rows]
             else:                # the decode path: activations prepared per call, rows over the threads
                 kern = QuantKernels(lib)
-                fns = [(kern.decode_fn(w), torch.randn(1, w.in_features)) for w in weights]
+                fns = [(kern.decode_fn(for_build(lib, w)), torch.randn(1, w.in_features)) for w in weights]
                 runs[label] = lambda fns=fns: [f(x) for f, x in fns]
         t = side_by_side(runs, rounds, 1)
         cells = "  ".join(f"[{label}] {s * 1e3:6.1f} ms" for label, s in t.items())
