@@ -28,7 +28,8 @@
  * (quant_k2_high). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
  * instructions a run on AVX2, against the two of q5; 2.6 / 3.6 bits a weight cross the bus,
  * sub-scales included (quant_k2.h takes those).
- * Every build takes all seven layouts (quant_takes_kind). AVX-512 builds expand i4, q2 and q3 with
+ * Every build takes all seven layouts, and q4 with Q4_K's two-level scales (quant_takes_kind).
+ * AVX-512 builds expand i4, q2 and q3 with
  * the AVX2 code here (quant_later_codes32_avx2): their VNNI decode takes AVX2's int8 kernels for
  * them (quant_matmul.c, AVX2_LATER), their float paths quant_expand_row, the bfloat16 many-row
  * kernel (quant_gemm.c) dequant32; the VNNI chunk expansions are q5's and q6's alone.
@@ -40,7 +41,7 @@
 #include <string.h>
 
 #include "half.h"
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
