@@ -43,9 +43,9 @@ import torch
 from benchmarks.quant_gemv_bw import COLD_BYTES, LAYERS, SHAPES, _copies, _weight
 from benchmarks.quant_kernels import timed
 from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
-from pipeserve.model.quant.cpu_kernels import Q4K, QuantKernels, _weight_args
+from pipeserve.model.quant.cpu_kernels import QuantKernels, _kind, _weight_args
 from pipeserve.model.quant.gguf_repack import repack
-from pipeserve.model.quant.packed import K4_SUPER, k4_group_scales, Q6_HALF, PackedWeight
+from pipeserve.model.quant.packed import K4_SUPER, k4_group_scales, k6_group_scales, Q6_HALF, PackedWeight
 
 HOT_BYTES = 256 << 10   # codes + scales a hot run reads: within L2 (512 KB a core here)
 T = gguf.GGMLQuantizationType
@@ -74,11 +74,14 @@ def lib_at(rev: str | None, march: str | None = None) -> ctypes.CDLL:
 
 
 def for_build(lib: ctypes.CDLL, w: PackedWeight) -> PackedWeight:
-    """``w`` as the build ``lib`` takes it: a build from before Q4_K's two-level scales gets the
-    float16 scale and minimum per run of 32 it held then (each d * sub rounded to float16)."""
+    """``w`` as the build ``lib`` takes it: a build from before Q4_K's / Q6_K's two-level scales
+    gets the float16 scales (and minimums) per group it held then (each d * sub rounded)."""
     lib.pipeserve_quant_takes.argtypes, lib.pipeserve_quant_takes.restype = [ctypes.c_int], ctypes.c_int
-    if not w.two_level or lib.pipeserve_quant_takes(Q4K):
+    if not w.two_level or lib.pipeserve_quant_takes(_kind(w)):
         return w
+    if w.kind == "q6":
+        return PackedWeight("q6", 16, w.qs, k6_group_scales(w).half(), None, w.source,
+                            w.qh[:, w.in_features // 16:].contiguous(), w.zero)
     scale, minv = k4_group_scales(w)
     return PackedWeight("q4", 32, w.qs, scale.half(), minv.half(), w.source)
 
@@ -158,7 +161,7 @@ def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None
     rng = np.random.default_rng(0)
     for ttype in types:
         for n, k in KIND_SHAPES:
-            if k % {T.Q6_K: Q6_HALF, T.Q4_K: K4_SUPER}.get(ttype, 1):   # no SmolLM2-width rows (above)
+            if k % K4_SUPER and ttype in (T.Q6_K, T.Q4_K):   # no SmolLM2-width rows (above)
                 continue
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))

@@ -90,15 +90,18 @@ void pipeserve_repack_q5_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8
     }
 }
 
+/* Q6_K keeps its two-level scales (quant_codes.h's q6k): d as it is, and a row's qh is its blocks'
+ * sixteen int8 sub-scales each, then their high bits (64 bytes each); `per_row` blocks a row. */
 void pipeserve_repack_q6_k(const uint8_t *in, int64_t blocks, uint8_t *qs, uint8_t *qh, uint16_t *scale,
-                           int num_threads) {
+                           int64_t per_row, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *b = in + i * 210;
-        const int8_t *sc = (const int8_t *)(b + 192);
+        const int64_t row = i / per_row, j = i % per_row;
+        uint8_t *h = qh + row * per_row * 80;
         memcpy(qs + i * 128, b, 128);        /* the q6 layout is Q6_K's ql and qh */
-        memcpy(qh + i * 64, b + 128, 64);
-        const float d = half_to_float(read_u16(b + 208));
-        for (int j = 0; j < 16; j++) scale[i * 16 + j] = float_to_half(d * (float)sc[j]);
+        memcpy(h + j * 16, b + 192, 16);
+        memcpy(h + per_row * 16 + j * 64, b + 128, 64);
+        scale[i] = read_u16(b + 208);
     }
 }

@@ -46,16 +46,17 @@
 #endif
 
 /* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4, 2 q2, 3 q3,
- * QUANT_Q4K q4 with Q4_K's two-level scales (below). */
+ * QUANT_Q4K q4 with Q4_K's two-level scales, QUANT_Q6K q6 with Q6_K's (below). */
 #define QUANT_I4 9
 #define QUANT_Q2 2
 #define QUANT_Q3 3
 #define QUANT_Q4K 10
+#define QUANT_Q6K 11
 static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Whether the codes are expanded into q8's int8 codes where they are computed with. */
 static inline int quant_is_compact(int kind) {
-    return kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+    return kind == 5 || kind == 6 || kind == QUANT_Q6K || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 /* An i4 run's 32 codebook values from its 16 bytes, in weight order (low nibbles, then high
  * ones), one table lookup each: the portable expansion, and gguf_widen.c's widening of IQ4 to q8. */
@@ -81,7 +82,7 @@ static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k)
 
 /* Whether this build's kernels take layout `kind` (every build takes all eight). */
 static inline int quant_takes_kind(int kind) {
-    return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);
+    return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);   /* q6k: compact */
 }
 
 /* q4k (packed.py's q4 with qh): q4's codes, and Q4_K's scales as the file holds them: per 256
@@ -96,8 +97,23 @@ static inline int quant_takes_kind(int kind) {
 #define QUANT_Q4K_SUPER 256
 #define QUANT_Q4K_HIGH 16
 static inline int q4k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_SUPER == 0 && group == 32; }
-/* The layout whose codes a kernel computes with (q4k: q4's). */
-static inline int quant_codes_kind(int kind) { return kind == QUANT_Q4K ? 4 : kind; }
+/* q6k (packed.py's q6 with two-level scales): q6's codes and high bits, and Q6_K's scales as the
+ * file holds them: a float16 d per 256 weights in `sc`, and its sixteen int8 sub-scales (one per
+ * 16 weights) in `qh` before the row's high bits (a row's qh: K / 16 bytes of sub-scales, then K / 4
+ * of high bits; so a row is read forward: with them after the high bits, the jump back from them to
+ * the high bits at every 16 blocks cost a q6 decode from memory ~25 %): 6.5625 bits a weight, the file's, where a float16 scale per 16 took 7. Group g's
+ * scale is d * sub_g in float32, exact; no minimums. Taken as q4k's: in registers on the integer
+ * decodes, float32 scratch elsewhere. */
+static inline int q6k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_SUPER == 0 && group == 16; }
+/* Either two-level layout, and the scales a row of it holds in `sc` (one per 256 weights). */
+static inline int quant_two_level(int kind) { return kind == QUANT_Q4K || kind == QUANT_Q6K; }
+/* The layout whose codes a kernel computes with (q4k: q4's, q6k: q6's). */
+static inline int quant_codes_kind(int kind) { return kind == QUANT_Q4K ? 4 : kind == QUANT_Q6K ? 6 : kind; }
+/* q6k row `qh`'s sub-scales (its first K / 16 bytes), and any row's high bits (q6k: after them). */
+static inline const int8_t *quant_q6k_sub(const uint8_t *qh, int64_t K) { (void)K; return (const int8_t *)qh; }
+static inline const uint8_t *quant_high_bits_at(int kind, const uint8_t *qh, int64_t K) {
+    return kind == QUANT_Q6K && qh ? qh + K / 16 : qh;
+}
 
 /* `rows` consecutive q4k rows of K weights (sc, mn, qh at the first one): their scales and
  * minimums per run of 32 in float32, K / 32 a row, into s and b (row-major). */
@@ -122,7 +138,24 @@ static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, cons
     }
 }
 
-/* A q4 run's scale (or minimum) g: float16, or (f32: q4k's scratch) float32. */
+/* One q6k row (sc, qh at it): its scales per 16 weights in float32, K / 16 of them, into s. */
+static inline void quant_q6k_scales(const uint16_t *sc, const uint8_t *qh, int64_t K, float *s) {
+    const int8_t *sub = quant_q6k_sub(qh, K);
+    for (int64_t i = 0; i < K / QUANT_Q4K_SUPER; i++) {
+#if defined(__F16C__) && defined(__AVX2__)
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[i]));
+        _mm256_storeu_ps(s + 16 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(sub + 16 * i))))));
+        _mm256_storeu_ps(s + 16 * i + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(sub + 16 * i + 8))))));
+#else
+        const float d = half_to_float(sc[i]);
+        for (int j = 0; j < 16; j++) s[16 * i + j] = d * (float)sub[16 * i + j];
+#endif
+    }
+}
+
+/* A q4 run's scale (or minimum) g: float16, or (f32: q4k's / q6k's scratch) float32. */
 static inline float quant_scale_at(const uint16_t *p, int64_t g, int f32) {
 #if defined(__F16C__)
     return f32 ? ((const float *)p)[g] : _cvtsh_ss(p[g]);
@@ -149,6 +182,7 @@ static inline int64_t quant_row_bytes(int kind, int64_t K) {
 static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
     if (kind == QUANT_Q2 || kind == QUANT_Q3) return K / QUANT_K2_SUPER * quant_k2_high(kind);
     if (kind == QUANT_Q4K) return K / QUANT_Q4K_SUPER * QUANT_Q4K_HIGH;
+    if (kind == QUANT_Q6K) return K / 16 + K / 4;   /* the sub-scales, then q6's high bits */
     return K / 8 * quant_high_bits(kind);
 }
 
@@ -311,8 +345,9 @@ static inline void quant_expand_row(int kind, const uint8_t *qs, const uint8_t *
 static inline const uint8_t *quant_q8_row(int kind, const uint8_t *qs, const uint8_t *qh, int zero, int64_t K,
                                           int64_t n, int8_t *scratch) {
     if (!quant_is_compact(kind)) return qs + n * K;
-    quant_expand_row(kind, qs + n * quant_row_bytes(kind, K), qh ? qh + n * quant_high_row_bytes(kind, K) : NULL,
-                     zero, K, scratch);
+    quant_expand_row(quant_codes_kind(kind), qs + n * quant_row_bytes(kind, K),
+                     qh ? quant_high_bits_at(kind, qh + n * quant_high_row_bytes(kind, K), K) : NULL, zero, K,
+                     scratch);
     return (const uint8_t *)scratch;
 }
 

@@ -106,10 +106,10 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
         c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
         c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
     }
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),
-        _mm512_set1_ps(_cvtsh_ss(s[g0])), _mm512_set1_ps(b ? _cvtsh_ss(b[g0]) : 0.0f));
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),    /* f32: q6k's scales */
+        _mm512_set1_ps(quant_scale_at(s, g0, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g0, f32) : 0.0f));
     const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
-        _mm512_set1_ps(_cvtsh_ss(s[g1])), _mm512_set1_ps(b ? _cvtsh_ss(b[g1]) : 0.0f));
+        _mm512_set1_ps(quant_scale_at(s, g1, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g1, f32) : 0.0f));
     return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
 }
 
@@ -120,23 +120,28 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
                           float *scales) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
-    const uint16_t *rs[NB], *rm[NB];   /* each row's scales and minimums (q4k: float32, expanded into `scales`) */
+    /* each row's scales and minimums (q4k, q6k: float32, expanded into `scales`) */
+    const uint16_t *rs[NB], *rm[NB];
+    const int two = quant_two_level(kind);
     for (int64_t j = 0; j < rows; j++) {
         const int64_t n = n0 + j;
-        rs[j] = kind == QUANT_Q4K ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
+        rs[j] = two ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
         rm[j] = kind == QUANT_Q4K ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
     }
-    if (kind == QUANT_Q4K) {
-        const int64_t sup = K / QUANT_Q4K_SUPER;
+    const int64_t sup = K / QUANT_Q4K_SUPER;
+    if (kind == QUANT_Q4K)
         quant_q4k_scales(sc + n0 * sup, mn + n0 * sup, qh + n0 * high_bytes, K, rows, scales, scales + NB * groups);
-    }
+    if (kind == QUANT_Q6K)
+        for (int64_t j = 0; j < rows; j++)
+            quant_q6k_scales(sc + (n0 + j) * sup, qh + (n0 + j) * high_bytes, K, scales + j * groups);
     const int ck = quant_codes_kind(kind);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            r[j] = j < rows ? dequant32(ck, qs + n * row_bytes, qh && ck != 4 ? qh + n * high_bytes : NULL, zero,
-                                        rs[j], rm[j], group, k, kind == QUANT_Q4K)
+            r[j] = j < rows ? dequant32(ck, qs + n * row_bytes,
+                                        qh && ck != 4 ? quant_high_bits_at(kind, qh + n * high_bytes, K) : NULL, zero,
+                                        rs[j], rm[j], group, k, two)
                             : _mm512_setzero_si512();
         }
         transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
@@ -148,7 +153,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
                          const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
-    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
+    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
     if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
@@ -160,8 +165,8 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
         /* q4k: a panel's scales and minimums, expanded (quant_codes.h) */
-        float *scales = kind == QUANT_Q4K ? malloc(sizeof(float) * 2 * NB * (K / 32)) : NULL;
-        const int ok = wp != NULL && (kind != QUANT_Q4K || scales != NULL);
+        float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
+        const int ok = wp != NULL && (!quant_two_level(kind) || scales != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;

@@ -80,8 +80,8 @@ typedef struct {
  * 0..63, unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4's
  * signed codebook values (-127..113) enter as |w| against x with w's sign (u8_block). */
 static inline int act_int8(int kind) {
-    return kind == 4 || kind == QUANT_Q4K || kind == 5 || kind == 6 || kind == QUANT_I4 || kind == QUANT_Q2
-           || kind == QUANT_Q3;
+    return kind == 4 || kind == QUANT_Q4K || kind == 5 || kind == 6 || kind == QUANT_Q6K || kind == QUANT_I4
+           || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 
 /* q4's codes and activations (q4, and q4k: q4 with Q4_K's two-level scales). */
@@ -301,11 +301,19 @@ u8_block(int kind, __m256i c, const act_i16 *a, int64_t b, int m_rows, const __m
  * (scale * zw + minimum, in the groups' order). The one-row gemv and the many-row kernel both
  * take them from here, so a row of the one is the other's bit for bit. */
 static inline __attribute__((always_inline)) void
-g16_run_scales(const uint16_t *sc, const uint16_t *mn, int64_t b0, float zw, __m256 *s0e, __m256 *s1e, __m256 *m0,
-               __m256 *m1) {
+g16_run_scales(const uint16_t *sc, const uint16_t *mn, const int8_t *sub, int64_t b0, float zw, __m256 *s0e,
+               __m256 *s1e, __m256 *m0, __m256 *m1) {
     const __m256i eo = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
-    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+    __m256 s0, s1;
+    if (sub) {   /* q6k: the run is super-block b0 / 8, its d times its 16 sub-scales, exact */
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[b0 / I16_RUN]));
+        s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sub + 2 * b0)))));
+        s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(sub + 2 * b0 + 8)))));
+    } else {
+        s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0)));
+        s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * b0 + 8)));
+    }
     *s0e = _mm256_permutevar8x32_ps(s0, eo);
     *s1e = _mm256_permutevar8x32_ps(s1, eo);
     *m0 = _mm256_fmadd_ps(s0, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
@@ -349,6 +357,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, int64_t b0,
             __m256 *acc, __m256 *acc2, __m256 *accm, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
+    const uint8_t *hq = quant_high_bits_at(kind, qh, K);   /* q5/q6's high bits (q6k: after its scales) */
     const int g16 = !IS_Q4(kind) && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind != 8 ? -(float)zero : 0.0f;   /* q4/q5/q6 codes keep their offset */
     float mins[I16_ROWS];
@@ -356,7 +365,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
     for (; per <= 1 && b0 + I16_RUN <= nb; b0 += I16_RUN) {
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15, two per block */
             __m256 s0e, s1e, m0, m1;
-            g16_run_scales(sc, mn, b0, zw, &s0e, &s1e, &m0, &m1);
+            g16_run_scales(sc, mn, kind == QUANT_Q6K ? quant_q6k_sub(qh, K) : NULL, b0, zw, &s0e, &s1e, &m0, &m1);
             const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3), hi = _mm256_setr_epi32(4, 5, 6, 7, 4, 5, 6, 7);
             __m256 sd0[I16_ROWS], sd1[I16_ROWS];   /* blocks 0-3, 4-7: g0 g2 g4 g6 | g1 g3 g5 g7 */
             for (int m = 0; m < m_rows; m++) {
@@ -372,7 +381,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
                 for (int m = 0; m < m_rows; m++)
                     s[m] = lane_splat(j < 4 ? sd0[m] : sd1[m], j & 3);
                 if (act_int8(kind)) {
-                    u8_block(kind, block_codes_u8(kind, q, qh, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
+                    u8_block(kind, block_codes_u8(kind, q, hq, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
                     continue;
                 }
                 __m256i e, o;
@@ -404,7 +413,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             if (act_int8(kind)) {
                 __m256 s[I16_ROWS];
                 for (int m = 0; m < m_rows; m++) s[m] = _mm256_broadcast_ss(&sd[m][j]);
-                u8_block(kind, block_codes_u8(kind, q, qh, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
+                u8_block(kind, block_codes_u8(kind, q, hq, b0 + j), a, b0 + j, m_rows, s, j & 1 ? acc2 : acc);
                 continue;
             }
             __m256i c0, c1;
@@ -451,7 +460,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
                         : kind == 4 ? fmaf(w0, a->sum[m * nbp + b], mins[m]) : add_mul_ss(mins[m], w0, a->sum[m * nbp + b]);
             }
             if (act_int8(kind)) {
-                u8_block(kind, block_codes_u8(kind, q, qh, b), a, b, m_rows, s, acc);
+                u8_block(kind, block_codes_u8(kind, q, hq, b), a, b, m_rows, s, acc);
                 continue;
             }
             __m256i e, o;
@@ -501,7 +510,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
+    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
@@ -525,6 +534,7 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
     case QUANT_Q4K: ALL(QUANT_Q4K) break;
     case 5: ALL(5) break;
     case 6: ALL(6) break;
+    case QUANT_Q6K: ALL(QUANT_Q6K) break;
     case QUANT_I4: ALL(QUANT_I4) break;
     default: ALL(8) break;
     }
@@ -667,7 +677,7 @@ static int q4_rows_many(int kind, int64_t M, const uint8_t *qs, const uint8_t *q
 /* Whether u8_rows_many takes this layout: q5/q6 (Q5_0/Q5_1/Q5_K in groups of 32, Q6_K in groups
  * of 16; per: blocks per group, 0 for 16) with at least one run of blocks. */
 static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
-    return (kind == 5 || kind == 6) && per <= 1 && a->nb >= I16_RUN;
+    return (kind == 5 || kind == 6 || kind == QUANT_Q6K) && per <= 1 && a->nb >= I16_RUN;
 }
 
 /* One q5/q6 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
@@ -695,7 +705,7 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
         const int64_t b0 = r * I16_RUN;
         if (g16) {   /* groups 2 * b0 ... 2 * b0 + 15 as g0 g2 g4 g6 | g1 g3 g5 g7 times d, the gemv's sd0 / sd1 */
             __m256 s0, s1, m0, m1;
-            g16_run_scales(sc, mn, b0, zw, &s0, &s1, &m0, &m1);
+            g16_run_scales(sc, mn, kind == QUANT_Q6K ? quant_q6k_sub(qh, K) : NULL, b0, zw, &s0, &s1, &m0, &m1);
             for (int m = 0; m < U8T_ROWS; m++) {
                 const __m256 d = _mm256_loadu_ps(a->d + m * nbp + b0);
                 _mm256_store_ps(sd[m][0], _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(d, lo)));
@@ -738,13 +748,15 @@ u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *
                 const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero,
                 int64_t tile, uint8_t *codes) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = K / (g16 ? 16 : I16_QB), runs = a->nb / I16_RUN, full = M / U8T_ROWS * U8T_ROWS;
+    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / (g16 ? 16 : I16_QB);   /* scales a row */
+    const int64_t runs = a->nb / I16_RUN, full = M / U8T_ROWS * U8T_ROWS;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
         const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
         for (int64_t n = t0; n < t1; n++)   /* the runs' raw codes, once for all rows of x */
             for (int64_t b = 0; b < runs * I16_RUN; b++)
                 _mm256_store_si256((__m256i *)(codes + (n - t0) * K + b * I16_QB),
-                                   block_codes_u8(kind, qs + n * row_bytes, qh + n * high_bytes, b));
+                                   block_codes_u8(kind, qs + n * row_bytes,
+                                                  quant_high_bits_at(kind, qh + n * high_bytes, K), b));
         for (int64_t m0 = 0; m0 < full; m0 += U8T_ROWS) {
             const act_i16 v = act_i16_rows(a, m0);
             for (int64_t n = t0; n < t1; n++) {
@@ -774,6 +786,7 @@ static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, con
     if (!codes) return -1;
     if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (kind == QUANT_Q6K) u8_rows_many_of(QUANT_Q6K, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (per == 1) u8_rows_many_of(6, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else u8_rows_many_of(6, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     free(codes);

@@ -521,6 +521,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
            int64_t per, const act_i8 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
     const int g16 = per == 0, q4 = kind == 4 || kind == QUANT_Q4K;   /* q4k: q4's codes, its own scales */
+    const uint8_t *hq = quant_high_bits_at(kind, qh, nb * QB);         /* q5/q6's high bits (q6k: after its scales) */
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
     /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q6, q4), groups of 16 lane / 4
      * (q8, q6); q5 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
@@ -541,8 +542,18 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
         __m512 sd[GEMV_ROWS], sd1[GEMV_ROWS];   /* sd1: groups of 16 only, the run's second 16 groups */
         if (g16) {
             const int n0 = 2 * n < 16 ? 2 * n : 16, n1 = 2 * n - n0;
-            const __m512 s0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), sc + 2 * g));
-            const __m512 s1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), sc + 2 * g + 16));
+            __m512 s0, s1;
+            if (kind == QUANT_Q6K) {   /* groups 0-15 of these 16 blocks are super-block g / 8, 16-31 the next */
+                const int8_t *sub = quant_q6k_sub(qh, nb * QB) + 2 * g;   /* before the row's high bits */
+                s0 = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(sc[g / 8])),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sub))));
+                s1 = n1 ? _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(sc[g / 8 + 1])), _mm512_cvtepi32_ps(
+                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub + 16)))))
+                        : _mm512_setzero_ps();
+            } else {
+                s0 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), sc + 2 * g));
+                s1 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), sc + 2 * g + 16));
+            }
             __m512 mw0 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n0) - 1), mn + 2 * g))
                             : _mm512_setzero_ps();
             __m512 mw1 = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << n1) - 1), mn + 2 * g + 16))
@@ -577,7 +588,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
          * with row m of x, as 16 float lanes; the codes of the chunk (q8, q5, q6) into w8 */
 #define DOT(c, half, m) (q4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
-#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : kind == 6 ? chunk_codes6(q, qh, c) \
+#define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : quant_codes_kind(kind) == 6 ? chunk_codes6(q, hq, c) \
                                                                 : chunk_codes_hb(q, qh, c, half))
 #define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
@@ -619,9 +630,9 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
         const uint8_t *qh, int zero) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
+    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
-        if (kind != 6 && n + PF_ROWS < N) {
+        if (quant_codes_kind(kind) != 6 && n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), QUANT_PREFETCH_HINT);
             for (int64_t o = 0; o < high_bytes; o += 64)
@@ -650,6 +661,7 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
     case QUANT_Q4K: ALL(QUANT_Q4K) break;
     case 5: ALL(5) break;
     case 6: ALL(6) break;
+    case QUANT_Q6K: ALL(QUANT_Q6K) break;
     default: ALL(8) break;
     }
 #undef ALL
@@ -734,8 +746,8 @@ int pipeserve_quant_act_int8(int kind) {
  * this build has no integer activations for the layout (the float path then runs). */
 int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!quant_takes_kind(kind) || (quant_is_k2(kind) && !k2_shape_ok(K, group))) return 0;
-    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return 0;
-    kind = quant_codes_kind(kind);   /* q4k's activations are q4's */
+    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return 0;
+    kind = quant_codes_kind(kind);   /* q4k's activations are q4's, q6k's q6's */
 #if defined(HAVE_VNNI)
 #ifdef HAVE_AVX2_INT
     if (AVX2_LATER(kind)) return pipeserve_quant_i8_applies(K, group, M) ? i16_act_bytes(M, K) : 0;
@@ -825,12 +837,14 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
     return 0;
 }
 
-/* q4k row n's float32 scales, then its minimums, expanded into buf (2 * K / 32); returns buf (as the
- * float16 pointer the float paths take, with their f32 flag). */
-static const uint16_t *q4k_row(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K, int64_t n,
-                               float *buf) {
+/* Two-level row n's float32 scales expanded into buf: q4k's per 32 then its minimums (2 * K / 32),
+ * q6k's per 16 (K / 16); returns buf (as the float16 pointer the float paths take, with their f32
+ * flag). */
+static const uint16_t *two_level_row(int kind, const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K,
+                                     int64_t n, float *buf) {
     const int64_t sup = K / QUANT_Q4K_SUPER;
-    quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * sup * QUANT_Q4K_HIGH, K, 1, buf, buf + K / 32);
+    if (kind == QUANT_Q6K) quant_q6k_scales(sc + n * sup, qh + n * quant_high_row_bytes(kind, K), K, buf);
+    else quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * sup * QUANT_Q4K_HIGH, K, 1, buf, buf + K / 32);
     return (const uint16_t *)buf;
 }
 
@@ -846,7 +860,7 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     if (!quant_takes_kind(kind)) return -2;
     if (quant_is_k2(kind) && !k2_shape_ok(K, group)) return -3;
-    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
+    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
@@ -864,22 +878,23 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
     const int z4 = ck == 4 ? zero : 0;   /* compact codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
-    const int f32 = kind == QUANT_Q4K;   /* scales: q4k's float32 scratch (SC, MN) */
+    const int f32 = quant_two_level(kind);   /* scales: q4k's / q6k's float32 scratch (SC, MN) */
     int failed = 0;
     /* row n's codes (q5/q6/i4: expanded into buf) */
 #define ROW(n, buf) (ck == 4 ? qs + (n) * (K / 2) : quant_q8_row(kind, qs, qh, zero, K, (n), (buf)))
     /* row n's scales and minimums (q4k: expanded into `scales`, slot i of two) */
-#define SC(n, i) (f32 ? q4k_row(sc, mn, qh, K, (n), scales + (i) * 2 * groups) : sc + (n) * groups)
-#define MN(n, i) (f32 ? (const uint16_t *)(scales + (i) * 2 * groups + groups) : mn ? mn + (n) * groups : NULL)
+#define SC(n, i) (f32 ? two_level_row(kind, sc, mn, qh, K, (n), scales + (i) * 2 * groups) : sc + (n) * groups)
+#define MN(n, i) (kind == QUANT_Q4K ? (const uint16_t *)(scales + (i) * 2 * groups + groups) \
+                                    : mn ? mn + (n) * groups : NULL)
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t *scratch = compact ? aligned_alloc(64, (size_t)(2 * K + 63) / 64 * 64) : NULL;
         float *scales = f32 ? malloc(sizeof(float) * 4 * groups) : NULL;
-        if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) {
+        if ((compact && !scratch) || (f32 && !scales)) {
 #pragma omp atomic write
             failed = 1;
         }
-        const int ok = (!compact || scratch) && (kind != QUANT_Q4K || scales);
+        const int ok = (!compact || scratch) && (!f32 || scales);
 #ifdef HAVE_TWO_ROWS
         if (M == 1) {
 #pragma omp for schedule(static)
@@ -931,22 +946,22 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
     if (quant_is_k2(kind))
         return k2_shape_ok(K, group) ? k2_dequant(kind, qs, qh, sc, mn, zero, K, r0, r1, out, out_bf16, num_threads)
                                      : -3;
-    if (kind == QUANT_Q4K && !q4k_shape_ok(K, group)) return -3;
+    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
     const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = ck == 4 ? zero : 0;
     const int64_t groups = K / group;
-    const int f32 = kind == QUANT_Q4K;
+    const int f32 = quant_two_level(kind);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         int8_t *scratch = compact ? aligned_alloc(64, (size_t)(K + 63) / 64 * 64) : NULL;
         float *scales = f32 ? malloc(sizeof(float) * 2 * groups) : NULL;
-        if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) {
+        if ((compact && !scratch) || (f32 && !scales)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t n = r0; n < r1; n++) {
-            if ((compact && !scratch) || (kind == QUANT_Q4K && !scales)) continue;
+            if ((compact && !scratch) || (f32 && !scales)) continue;
             const uint8_t *q = ROW(n, scratch);
             const uint16_t *s = SC(n, 0), *b = MN(n, 0);
             const int64_t o = (n - r0) * K;

@@ -11,11 +11,12 @@ move into their own float16 array. The K-quants are re-laid out once at load:
   weight, file 4.5);
 - Q5_K -> q5 with one scale and minimum per 32 weights (d·sc and -dmin·m; 6 bits per
   weight, file 5.5);
-- Q6_K -> q6, its code bytes as they are, one scale per 16 weights (d·sc) and ``zero``
-  32 (7 bits per weight, file 6.5625).
-Where the two-level scales (a float16 times a 6/8-bit integer) are multiplied out (Q5_K, Q6_K),
-they are rounded to float16: a relative change of at most 2^-11 of a scale, far below the
-quantization step itself. Q4_K's are exact (its kernels multiply them out in float32).
+- Q6_K -> q6 with its code bytes and two-level scales as they are (packed.py: d per 256 weights,
+  the int8 sub-scales per 16 before a row's high bits in ``qh``) and ``zero`` 32: 6.5625 bits per
+  weight, the file's.
+Where the two-level scales (a float16 times a 6/8-bit integer) are multiplied out (Q5_K), they
+are rounded to float16: a relative change of at most 2^-11 of a scale, far below the
+quantization step itself. Q4_K's and Q6_K's are exact (their kernels multiply them out in float32).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.quant.gguf_widen import WIDENED
-from pipeserve.model.quant.packed import K4_HIGH, PackedWeight, pack_nibbles, pack_planes
+from pipeserve.model.quant.packed import K4_HIGH, K6_SUB, PackedWeight, pack_nibbles, pack_planes
 
 log = logging.getLogger(__name__)
 T = gguf.GGMLQuantizationType
@@ -105,7 +106,7 @@ def _c_repack() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
     lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
-    lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p, ctypes.c_int]
+    lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p, i64, ctypes.c_int]
     return lib
 
 
@@ -118,12 +119,12 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
     per_row = blocks.shape[1]                                    # blocks of 256 weights a row
     n = rows * per_row
     qs = torch.empty(rows, per_row * 128, dtype=torch.uint8)
-    scale = torch.empty(rows, per_row * {"Q6_K": 16, "Q5_K": 8}.get(kind, 1), dtype=torch.float16)
+    scale = torch.empty(rows, per_row * (8 if kind == "Q5_K" else 1), dtype=torch.float16)
     data = np.ascontiguousarray(blocks)                          # held: the C call reads it
     src, threads = data.ctypes.data, torch.get_num_threads()
     if kind == "Q6_K":
-        qh = torch.empty(rows, per_row * 64, dtype=torch.uint8)
-        lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), threads)
+        qh = torch.empty(rows, per_row * (64 + K6_SUB), dtype=torch.uint8)
+        lib.pipeserve_repack_q6_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), per_row, threads)
         return PackedWeight("q6", 16, qs, scale, None, "Q6_K", qh, 32)
     minv = torch.empty_like(scale)
     if kind == "Q5_K":
@@ -171,11 +172,9 @@ def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     if fast is not None:
         return fast
     qs = _t(np.ascontiguousarray(blocks[..., 0:128]).reshape(rows, -1))    # Q6_K's own bytes: packed.py's q6
-    qh = _t(np.ascontiguousarray(blocks[..., 128:192]).reshape(rows, -1))
-    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)   # [rows, blocks, 16]
-    d = _f16(blocks, 208).astype(np.float32)[..., None]
-    scale = (d * sc).astype(np.float16).reshape(rows, -1)
-    return PackedWeight("q6", 16, qs, _t(scale), None, "Q6_K", qh, 32)
+    high, sub = blocks[..., 128:192].reshape(rows, -1), blocks[..., 192:208].reshape(rows, -1)
+    qh = _t(np.concatenate([sub, high], axis=1))                              # a row's sub-scales, then high bits
+    return PackedWeight("q6", 16, qs, _t(_f16(blocks, 208)), None, "Q6_K", qh, 32)
 
 
 _REPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,

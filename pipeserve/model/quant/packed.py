@@ -26,6 +26,11 @@ weights of a row:
   [out, in / 4]), byte l holding the top two bits of weights l, 32 + l, 64 + l, 96 + l in its
   bit pairs 0, 2, 4, 6. So 32 consecutive codes are one shifted, masked nibble load or'ed with
   one shifted, masked high-bit load (a bit-plane layout, as q5's, took 7-16 instructions).
+  GGUF's Q6_K keeps its two-level scales too ("q6k" to the kernels): ``scale`` float16
+  [out, in / 256] is each super-block's d, and a row's ``qh`` holds its int8 sub-scales, one per
+  16 weights (in / 16 bytes), then its high bits (in / 4 bytes; first, the sub-scales are read in
+  step with them): group g's scale is d * sub_g, exact in float32 (``k6_group_scales``): 6.5625
+  bits per weight, the file's.
 - For both, ``zero`` is subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
   per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
   the kernels expand the codes into ``q8``'s int8 codes where they compute (in
@@ -74,6 +79,7 @@ CODES_PER_BYTE = {"q8": 1, "q2": 4, "q3": 4}   # in ``qs``; the others: 2 (nibbl
 K2_SUPER = 256                                 # q2/q3: weights per super-block (a scale, 16 sub-scales)
 K2_HIGH = {"q2": 16, "q3": 48}                 # q2/q3: ``qh`` bytes per super-block (q3: hmask, sub-scales)
 K4_SUPER, K4_HIGH = 256, 16                    # q4 with two-level scales: weights and ``qh`` bytes per super-block
+K6_SUB = 16                                    # q6 with two-level scales: sub-scale bytes per super-block
 IQ4_VALUES = tuple(int(v) for v in gguf.quants.IQ4_NL.kvalues)   # i4's codebook: -127 .. 113
 
 
@@ -85,7 +91,7 @@ class PackedWeight:
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
-    qh: torch.Tensor | None = None   # q5: uint8 [out, in / 8] high-bit planes; q6: [out, in / 4] bit pairs;
+    qh: torch.Tensor | None = None   # q5: uint8 [out, in / 8] high-bit planes; q6: [out, in / 4] bit pairs (two-level: in / 16 sub-scales first);
                                      # q2/q3: [out, in / 256 * K2_HIGH] sub-scales (q3: hmask first)
     zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
@@ -94,15 +100,23 @@ class PackedWeight:
         if self.kind == "q6" and self.qs.dim() == 2 and self.in_features % Q6_HALF:
             raise ValueError(f"a q6 weight holds Q6_K's runs of {Q6_HALF} weights; rows of {self.in_features} "
                              "are not whole runs")
-        if self.two_level and self.qs.dim() == 2 and (self.in_features % K4_SUPER or self.group != SUB
-                                                      or self.minv is None):
+        if self.kind == "q4" and self.two_level and self.qs.dim() == 2 and (
+                self.in_features % K4_SUPER or self.group != SUB or self.minv is None):
             raise ValueError(f"a q4 weight with two-level scales holds Q4_K's super-blocks of {K4_SUPER} weights "
                              f"in runs of {SUB} with minimums; got rows of {self.in_features}, group {self.group}")
+        if self.kind == "q6" and self.two_level and (self.in_features % K4_SUPER or self.group != 16
+                                                     or self.minv is not None):
+            raise ValueError(f"a q6 weight with two-level scales holds Q6_K's super-blocks of {K4_SUPER} weights "
+                             f"in groups of 16 without minimums; got rows of {self.in_features}, group {self.group}")
 
     @property
     def two_level(self) -> bool:
-        """q4 with Q4_K's two-level scales (the module doc)."""
-        return self.kind == "q4" and self.qh is not None
+        """q4 or q6 with Q4_K's / Q6_K's two-level scales (the module doc): q4 with ``qh``, q6 whose
+        ``qh`` rows hold sub-scales beside the high bits."""
+        if self.kind == "q4":
+            return self.qh is not None
+        return (self.kind == "q6" and self.qh is not None and self.qh.dim() == 2
+                and self.qh.shape[1] == self.in_features // 4 + self.in_features // 16)
 
     @property
     def out_features(self) -> int:
@@ -165,7 +179,8 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     else:
         q = expand_codes(w).view(rows, -1, w.group).float() if w.kind != "q4" else \
             _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
-    scale, minv = k4_group_scales(w) if w.two_level else (w.scale, w.minv)
+    scale, minv = (k4_group_scales(w) if w.kind == "q4" else (k6_group_scales(w), None)) if w.two_level \
+        else (w.scale, w.minv)
     out = q * scale.float().unsqueeze(-1)
     if minv is not None:
         out = out + minv.float().unsqueeze(-1)
@@ -181,6 +196,13 @@ def k4_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.scale.float().unsqueeze(-1) * sub[:, :, 0]
     minv = w.minv.float().unsqueeze(-1) * sub[:, :, 1]
     return scale.reshape(rows, -1), minv.reshape(rows, -1)
+
+
+def k6_group_scales(w: PackedWeight) -> torch.Tensor:
+    """A two-level q6 weight's scale per group of 16, float32 [out, in / 16]: d * sub, exact."""
+    rows, k = w.out_features, w.in_features
+    sub = w.qh[:, :k // 16].view(torch.int8).float().view(rows, -1, K6_SUB)   # [out, in / 256, 16]
+    return (w.scale.float().unsqueeze(-1) * sub).reshape(rows, -1)
 
 
 def k2_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -214,7 +236,8 @@ def expand_codes(w: PackedWeight) -> torch.Tensor:
         ql = w.qs.view(rows, -1, Q6_HALF // 2)                             # [out, in / 128, 64]
         low = torch.cat([ql & 15, ql >> 4], dim=-1).to(torch.int16)        # weights 0-63, then 64-127
         shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql.device).view(4, 1)
-        high = (w.qh.view(rows, -1, 1, Q6_HALF // 4) >> shifts) & 3        # [out, in / 128, 4, 32]: 32p + l
+        qh = w.qh[:, w.in_features // 16:] if w.two_level else w.qh         # the high bits (two-level: after scales)
+        high = (qh.reshape(rows, -1, 1, Q6_HALF // 4) >> shifts) & 3        # [out, in / 128, 4, 32]: 32p + l
         q = low | (high.reshape(low.shape).to(torch.int16) << 4)
         return (q - w.zero).to(torch.int8).reshape(rows, -1)
     q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
@@ -242,7 +265,10 @@ def to_q8(w: PackedWeight) -> PackedWeight:
     the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds until the fourteenth session:
     benchmarks compare the two;
     tests check the kernels agree). q2/q3's scale and minimum per 16 (``k2_group_scales``) are
-    rounded to float16 there: at most 2^-11 of each."""
+    rounded to float16 there: at most 2^-11 of each. Q4_K's / Q6_K's two-level weights are refused
+    (q4 has no q8 form; a float16 per group would not hold d * sub exactly)."""
+    if w.two_level:
+        raise ValueError(f"{w.source}: a weight with two-level scales is not widened to q8")
     if w.kind in ("q2", "q3"):
         scale, minv = k2_group_scales(w)
         return PackedWeight("q8", 16, expand_codes(w), scale.half(), None if minv is None else minv.half(), w.source)
