@@ -45,7 +45,7 @@ from benchmarks.quant_kernels import timed
 from pipeserve.kernels.build import _FLAGS, _compiler, load_kernel
 from pipeserve.model.quant.cpu_kernels import QuantKernels, _kind, _weight_args
 from pipeserve.model.quant.gguf_repack import repack
-from pipeserve.model.quant.packed import K4_SUPER, k4_group_scales, k6_group_scales, Q6_HALF, PackedWeight
+from pipeserve.model.quant.packed import K4_SUPER, PackedWeight, k4_group_scales, k6_group_scales
 
 HOT_BYTES = 256 << 10   # codes + scales a hot run reads: within L2 (512 KB a core here)
 T = gguf.GGMLQuantizationType
@@ -141,7 +141,7 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
     random blocks with modest float16 scales (the kernels' speed does not depend on the codes).
     A row shorter than a super-block multiple (SmolLM2's 576 for the K-quants) is the first k
     weights of a longer repacked row: every array of a layout holds a row's groups in order
-    (but q6's, whose runs are 128 weights, and Q4_K's two-level scales, per 256: such rows are
+    (but Q4_K's and Q6_K's two-level scales, per 256 weights: such rows are
     refused there; real files store such tensors in another type)."""
     block, size = gguf.GGML_QUANT_SIZES[ttype]
     wide = -(-k // block) * block
