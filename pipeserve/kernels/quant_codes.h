@@ -28,7 +28,8 @@
  * (quant_k2_high). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
  * instructions a run on AVX2, against the two of q5; 2.6 / 3.6 bits a weight cross the bus,
  * sub-scales included (quant_k2.h takes those).
- * Every build takes all seven layouts, and q4 with Q4_K's two-level scales (quant_takes_kind).
+ * Every build takes all seven layouts, and q4 / q6 with Q4_K's / Q6_K's two-level scales
+ * (quant_takes_kind).
  * AVX-512 builds expand i4, q2 and q3 with
  * the AVX2 code here (quant_later_codes32_avx2): their VNNI decode takes AVX2's int8 kernels for
  * them (quant_matmul.c, AVX2_LATER), their float paths quant_expand_row, the bfloat16 many-row
@@ -80,7 +81,7 @@ static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k)
     return nib | ((qh[h * 32 + l % 32] >> (2 * (int)(l / 32))) & 3) << 4;
 }
 
-/* Whether this build's kernels take layout `kind` (every build takes all eight). */
+/* Whether this build's kernels take layout `kind` (every build takes all nine). */
 static inline int quant_takes_kind(int kind) {
     return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);   /* q6k: compact */
 }
@@ -101,9 +102,9 @@ static inline int q4k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_
  * file holds them: a float16 d per 256 weights in `sc`, and its sixteen int8 sub-scales (one per
  * 16 weights) in `qh` before the row's high bits (a row's qh: K / 16 bytes of sub-scales, then K / 4
  * of high bits; so a row is read forward: with them after the high bits, the jump back from them to
- * the high bits at every 16 blocks cost a q6 decode from memory ~25 %): 6.5625 bits a weight, the file's, where a float16 scale per 16 took 7. Group g's
- * scale is d * sub_g in float32, exact; no minimums. Taken as q4k's: in registers on the integer
- * decodes, float32 scratch elsewhere. */
+ * the high bits at every 16 blocks cost a q6 decode from memory ~25 %): 6.5625 bits a weight, the
+ * file's, where a float16 scale per 16 took 7. Group g's scale is d * sub_g in float32, exact; no
+ * minimums. Taken as q4k's: in registers on the integer decodes, float32 scratch elsewhere. */
 static inline int q6k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_SUPER == 0 && group == 16; }
 /* Either two-level layout, and the scales a row of it holds in `sc` (one per 256 weights). */
 static inline int quant_two_level(int kind) { return kind == QUANT_Q4K || kind == QUANT_Q6K; }

@@ -7,9 +7,10 @@
  * nibble and high-bit-pair bytes), minus a constant `zero` (quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
  * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
- * them on every path), or "q4k" (q4's codes under Q4_K's two-level scales: every path expands
- * a few rows' scales into q4's in L1 scratch, quant_codes.h, and runs q4's code; every build
- * takes all eight, pipeserve_quant_takes). A weight
+ * them on every path), or "q4k" / "q6k" (q4's / q6's codes under Q4_K's / Q6_K's two-level
+ * scales, d * sub exact in float32: in registers on the integer decodes, float32 scratch in L1
+ * on the float and dequantize paths, quant_codes.h; every build takes all nine,
+ * pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
  * path expands each chunk of 64 (AVX2: block of 32) in registers (chunk_codes_hb: q5's raw
@@ -124,7 +125,7 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int 
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot);
-         * f32: q4k's float32 scratch */
+         * f32: q4k's / q6k's float32 scratch */
         const float sg = quant_scale_at(sc, g, f32);
         const __m512 s = _mm512_set1_ps(sg);
         const __m512 b = _mm512_set1_ps((mn ? quant_scale_at(mn, g, f32) : 0.0f) - (float)zero * sg);

@@ -32,7 +32,7 @@ weights of a row:
   step with them): group g's scale is d * sub_g, exact in float32 (``k6_group_scales``): 6.5625
   bits per weight, the file's.
 - For both, ``zero`` is subtracted from every code (Q5_0: 16, Q6_K: 32), so signed codes need no
-  per-group minimum. 5.5-7 bits per weight with the scales, as in the file;
+  per-group minimum. 5.5-6.5625 bits per weight with the scales, as in the file;
   the kernels expand the codes into ``q8``'s int8 codes where they compute (in
   registers on the VNNI decode and many-row paths, a scratch row in cache on
   the float decode and tiled paths) and run the ``q8`` code on them
