@@ -139,6 +139,15 @@ static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, cons
     }
 }
 
+/* The cases of a switch over `kind` that instantiates a row kernel per layout (ALL(k): k a
+ * constant there) for the layouts with scales per group: q4, q4k, q5, q6, q6k. */
+#define QUANT_GROUP_KIND_CASES(ALL) \
+    case 4: ALL(4) break; \
+    case QUANT_Q4K: ALL(QUANT_Q4K) break; \
+    case 5: ALL(5) break; \
+    case 6: ALL(6) break; \
+    case QUANT_Q6K: ALL(QUANT_Q6K) break;
+
 /* One q6k row (sc, qh at it): its scales per 16 weights in float32, K / 16 of them, into s. */
 static inline void quant_q6k_scales(const uint16_t *sc, const uint8_t *qh, int64_t K, float *s) {
     const int8_t *sub = quant_q6k_sub(qh, K);

@@ -530,11 +530,7 @@ static void rows_range_i16(int kind, int m_rows, const uint8_t *qs, const uint16
                                  default: rows_i16(k, I16_ROWS, qs, sc, mn, per, group, a, n0, n1, N, out, qh, \
                                                    zero); break; }
     switch (kind) {
-    case 4: ALL(4) break;
-    case QUANT_Q4K: ALL(QUANT_Q4K) break;
-    case 5: ALL(5) break;
-    case 6: ALL(6) break;
-    case QUANT_Q6K: ALL(QUANT_Q6K) break;
+    QUANT_GROUP_KIND_CASES(ALL)
     case QUANT_I4: ALL(QUANT_I4) break;
     default: ALL(8) break;
     }

@@ -658,11 +658,7 @@ static void rows_range_i8(int kind, int m_rows, const uint8_t *qs, const uint16_
                                  default: rows_i8(k, GEMV_ROWS, qs, sc, mn, per, K, group, a, n0, n1, N, out, \
                                                   out_bf16, qh, zero); break; }
     switch (kind) {
-    case 4: ALL(4) break;
-    case QUANT_Q4K: ALL(QUANT_Q4K) break;
-    case 5: ALL(5) break;
-    case 6: ALL(6) break;
-    case QUANT_Q6K: ALL(QUANT_Q6K) break;
+    QUANT_GROUP_KIND_CASES(ALL)
     default: ALL(8) break;
     }
 #undef ALL
