@@ -74,16 +74,17 @@ def lib_at(rev: str | None, march: str | None = None) -> ctypes.CDLL:
 
 
 def for_build(lib: ctypes.CDLL, w: PackedWeight) -> PackedWeight:
-    """``w`` as the build ``lib`` takes it: a build from before Q4_K's / Q6_K's two-level scales
-    gets the float16 scales (and minimums) per group it held then (each d * sub rounded)."""
+    """``w`` as the build ``lib`` takes it: a build from before Q4_K's / Q5_K's / Q6_K's two-level
+    scales gets the float16 scales (and minimums) per group it held then (each d * sub rounded)."""
     lib.pipeserve_quant_takes.argtypes, lib.pipeserve_quant_takes.restype = [ctypes.c_int], ctypes.c_int
     if not w.two_level or lib.pipeserve_quant_takes(_kind(w)):
         return w
     if w.kind == "q6":
         return PackedWeight("q6", 16, w.qs, k6_group_scales(w).half(), None, w.source,
                             w.qh[:, w.in_features // 16:].contiguous(), w.zero)
-    scale, minv = k4_group_scales(w)
-    return PackedWeight("q4", 32, w.qs, scale.half(), minv.half(), w.source)
+    scale, minv = k4_group_scales(w)   # q4 / q5: the q5 planes after the sub-scales
+    planes = w.qh[:, w.in_features // 16:].contiguous() if w.kind == "q5" else None
+    return PackedWeight(w.kind, 32, w.qs, scale.half(), minv.half(), w.source, planes, w.zero)
 
 
 class Rows:
@@ -141,7 +142,7 @@ def gguf_weight(ttype: T, n: int, k: int, rng: np.random.Generator) -> PackedWei
     random blocks with modest float16 scales (the kernels' speed does not depend on the codes).
     A row shorter than a super-block multiple (SmolLM2's 576 for the K-quants) is the first k
     weights of a longer repacked row: every array of a layout holds a row's groups in order
-    (but Q4_K's and Q6_K's two-level scales, per 256 weights: such rows are
+    (but Q4_K's, Q5_K's and Q6_K's two-level scales, per 256 weights: such rows are
     refused there; real files store such tensors in another type)."""
     block, size = gguf.GGML_QUANT_SIZES[ttype]
     wide = -(-k // block) * block
@@ -161,7 +162,7 @@ def hot_kinds(libs: dict, ghz: float, rounds: int, types: tuple = KINDS) -> None
     rng = np.random.default_rng(0)
     for ttype in types:
         for n, k in KIND_SHAPES:
-            if k % K4_SUPER and ttype in (T.Q6_K, T.Q4_K):   # no SmolLM2-width rows (above)
+            if k % K4_SUPER and ttype in (T.Q6_K, T.Q5_K, T.Q4_K):   # no SmolLM2-width rows (above)
                 continue
             probe = gguf_weight(ttype, 1, k, rng)
             rows = min(n, max(1, HOT_BYTES // probe.nbytes))

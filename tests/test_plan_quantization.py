@@ -41,6 +41,9 @@ def test_bits_per_weight():
     assert weight_format("iq4_xs").bits == 4.25 and weight_format("iq4_xs").bytes == 4.5 / 8
     assert weight_format("q3_k_m").bytes == pytest.approx(3.91 * 1.033 / 8, rel=1e-3)
     assert weight_format("q2_k").bytes == pytest.approx(3.35 * 1.006 / 8, rel=1e-3)
+    # Q5_K as Q4_K: its two-level scales kept (5.625 bits against the file's 5.5)
+    assert weight_format("q5_k_m").bytes == pytest.approx(5.68 * 1.020 / 8, rel=1e-3)
+    assert weight_format("q5_k_s").bytes == pytest.approx(5.52 * 1.023 / 8, rel=1e-3)
     assert weight_format("int8").bits == 8.5 and weight_format("int4").bits == 5.0   # group 32, float16 scale (+ min)
     assert weight_format("bf16").bytes == 2 and weight_format("f32").head_bytes == 4
     with pytest.raises(PlanInputError, match="unknown --quantization 'q4_k_x'.*q4_k_m"):

@@ -88,26 +88,25 @@ def test_every_kept_type_reads_back_as_gguf_dequantizes_it(gguf_file):
         packed, reference = _read(path, i)
         assert packed is not None and packed.source == ttype.name
         got = dequantize(packed)
-        if ttype in LEGACY or ttype in K2 or ttype in (T.Q4_K, T.Q6_K):   # same float16 scales (q2/q3,
-            # Q4_K, Q6_K: and integer sub-scales, multiplied out exactly in float32 as gguf does): exact
+        if ttype in LEGACY or ttype in K2 or ttype in K_QUANTS:   # same float16 scales (q2/q3, Q4_K,
+            # Q5_K, Q6_K: and integer sub-scales, multiplied out exactly in float32 as gguf does): exact
             assert torch.equal(got, reference), ttype.name
-        else:                 # d·sc rounded to float16: at most 2^-11 of a scale per code step
+        else:                 # IQ4_XS: d·sc rounded to float16, at most 2^-11 of a scale per code step
             tol = 2.0 ** -11 * reference.abs().max().item() + 1e-6
             assert (got - reference).abs().max().item() <= tol, ttype.name
 
 
 # Resident bytes per weight in memory over bytes per weight in the file, per kept type:
 # legacy types keep their block's bytes (scales moved to their own array; Q4_0's and
-# Q5_0's offsets are the weight's ``zero``, not a minimum array); Q4_K/Q5_K
-# Q4_K its two-level scales with the 6-bit ones a byte each (148 / 144 bytes per 256), Q5_K a
-# float16 scale and minimum per 32 weights where the file has 6-bit ones under a float16 per 256
-# (192 / 176), Q6_K its file's bytes. IQ4 as i4: IQ4_NL its block's bytes, IQ4_XS a float16
+# Q5_0's offsets are the weight's ``zero``, not a minimum array); Q4_K and Q5_K
+# their two-level scales with the 6-bit ones a byte each (148 / 144, 180 / 176 bytes per 256),
+# Q6_K its file's bytes. IQ4 as i4: IQ4_NL its block's bytes, IQ4_XS a float16
 # scale per 32 where the file has 6-bit ones under a float16 per 256 (144 / 136). Q3_K as q3, Q2_K
 # as q2: their code bytes (Q3_K: and hmask), integer sub-scales and float16 d (Q2_K: and dmin) per
 # 256 as the file has them, Q3_K's 6-bit sub-scales a byte each (114 / 110, 84 / 84). Every build
 # keeps them so (AVX-512 ones too: before, they widened IQ4, Q3_K and Q2_K to q8, 1.9-3.8x the file).
 RESIDENT_OVER_FILE = {T.Q4_0: 1.0, T.Q4_1: 1.0, T.Q5_0: 1.0, T.Q5_1: 1.0, T.Q8_0: 1.0,
-                      T.Q4_K: 148 / 144, T.Q5_K: 192 / 176, T.Q6_K: 1.0, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
+                      T.Q4_K: 148 / 144, T.Q5_K: 180 / 176, T.Q6_K: 1.0, T.IQ4_NL: 1.0, T.IQ4_XS: 144 / 136,
                       T.Q3_K: 114 / 110, T.Q2_K: 1.0}
 
 
@@ -202,13 +201,13 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     path, types = gguf_file
     kernels = cpu_kernels()
     weights = []
-    for ttype in (T.Q5_0, T.Q5_1, T.Q5_K):
+    for ttype in (T.Q5_0, T.Q5_1):
         w = _read(path, types.index(ttype))[0]
         assert w.kind == "q5", ttype.name
         weights.append(w)
-    # the file's Q6_K keeps its two-level scales, which q8's float16 ones cannot hold exactly
-    # (test_two_level_scales_on_every_path); q6 with a float16 scale per 16 here
-    assert _read(path, types.index(T.Q6_K))[0].two_level
+    # the file's Q5_K and Q6_K keep their two-level scales, which q8's float16 ones cannot hold
+    # exactly (test_two_level_scales_on_every_path); q5 / q6 with float16 scales here
+    assert all(_read(path, types.index(t))[0].two_level for t in (T.Q5_K, T.Q6_K))
     # 23 blocks of 32 (odd last block, short last run of 16 blocks; q6: 24, its rows are whole
     # runs of 128), 9 rows (a partial panel)
     weights += [_compact(9, 768, "q6", 16, 32, False, 1), _compact(9, 736, "q5", 32, 0, True, 2)]
@@ -432,15 +431,16 @@ def _check_matmul(w, x: torch.Tensor, kernels) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q4", "q6"])
+@pytest.mark.parametrize("kind", ["q4", "q5", "q6"])
 @pytest.mark.parametrize("cols", [256, 768, 1536])
 def test_two_level_scales_on_every_path(kind, cols):
-    """Q4_K's and Q6_K's two-level scales (packed.py) on this build's decode, pass, many-row and tile
+    """Q4_K's, Q5_K's and Q6_K's two-level scales (packed.py) on this build's decode, pass, many-row and tile
     paths, float32 and bfloat16: each within its bound of dequantize-then-matmul, the dequantized
     rows bit for bit ``dequantize`` (d * sub exact in float32 on every path). Rows of 1, 3 and 6
     super-blocks: at 768 the VNNI decode's last 16 blocks hold one super-block alone."""
     kernels = cpu_kernels()
-    w = next(v for v in _q4_variants(cols) if v.two_level) if kind == "q4" else _q6_two_level(37, cols, cols)
+    w = next(v for v in _q4_variants(cols) if v.two_level) if kind == "q4" else \
+        _q5_two_level(37, cols, cols) if kind == "q5" else _q6_two_level(37, cols, cols)
     assert w.two_level
     assert torch.equal(kernels.dequant_rows(w, 0, w.out_features, torch.float32), dequantize(w))
     for dtype in (torch.float32, torch.bfloat16):
@@ -603,6 +603,17 @@ def _q6_two_level(rows: int, cols: int, seed: int) -> PackedWeight:
     d = (0.002 * torch.rand(rows, cols // K4_SUPER, generator=gen) + 1e-4).half()
     sub = torch.randint(-128, 128, (rows, cols // 16), generator=gen).to(torch.int8).view(torch.uint8)
     return PackedWeight("q6", 16, flat.qs, d, None, "q6 two-level", torch.cat([sub, flat.qh], dim=1), 32)
+
+
+def _q5_two_level(rows: int, cols: int, seed: int) -> PackedWeight:
+    """A random q5 weight with Q5_K's two-level scales (d and -dmin per 256, 6-bit sub-scales and
+    sub-minimums before each row's high-bit planes), ``zero`` 0."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = _compact(rows, cols, "q5", 32, 0, True, seed)
+    d = (0.002 * torch.rand(rows, cols // K4_SUPER, generator=gen) + 1e-4).half()
+    dmin = -(0.002 * torch.rand(rows, cols // K4_SUPER, generator=gen)).half()
+    sub = torch.randint(0, 64, (rows, cols // 16), generator=gen, dtype=torch.uint8)
+    return PackedWeight("q5", 32, flat.qs, d, dmin, "q5 two-level", torch.cat([sub, flat.qh], dim=1))
 
 
 def _i4(rows: int, cols: int, seed: int) -> PackedWeight:
@@ -779,14 +790,15 @@ def test_avx2_q4_prompt_rows_are_their_decode_bit_for_bit(cols, monkeypatch, avx
 
 def _q56_variants(cols: int) -> list[PackedWeight]:
     """37 random weight rows of ``cols`` in the q5/q6 layouts of each GGUF type that maps to them:
-    Q5_0 (q5, groups of 32, ``zero`` 16), Q5_1 and Q5_K (q5, groups of 32, minimums), Q6_K (q6,
-    groups of 16, ``zero`` 32, and with its two-level scales where the width is whole super-blocks);
+    Q5_0 (q5, groups of 32, ``zero`` 16), Q5_1 (q5, groups of 32, minimums), Q6_K (q6, groups of
+    16, ``zero`` 32), and Q5_K and Q6_K with their two-level scales where the width is whole super-blocks;
     and q6 in groups of 16 with minimums, which no GGUF type has."""
     q5 = [_compact(37, cols, "q5", 32, 16, False, cols), _compact(37, cols, "q5", 32, 0, True, cols + 1)]
     if cols % Q6_HALF:   # q6 keeps Q6_K's runs of 128
         return q5
     q6 = [_compact(37, cols, "q6", 16, 32, False, cols + 2), _compact(37, cols, "q6", 16, 0, True, cols + 3)]
-    return q5 + q6 + ([_q6_two_level(37, cols, cols + 4)] if cols % K4_SUPER == 0 else [])
+    two = [_q5_two_level(37, cols, cols + 5), _q6_two_level(37, cols, cols + 4)] if cols % K4_SUPER == 0 else []
+    return q5 + q6 + two
 
 
 @needs_kernel

@@ -28,7 +28,7 @@
  * (quant_k2_high). code = low | high << 2, minus `zero` (Q3_K: 4). Three (q2) or six (q3)
  * instructions a run on AVX2, against the two of q5; 2.6 / 3.6 bits a weight cross the bus,
  * sub-scales included (quant_k2.h takes those).
- * Every build takes all seven layouts, and q4 / q6 with Q4_K's / Q6_K's two-level scales
+ * Every build takes all seven layouts, and q4 / q5 / q6 with Q4_K's / Q5_K's / Q6_K's two-level scales
  * (quant_takes_kind).
  * AVX-512 builds expand i4, q2 and q3 with
  * the AVX2 code here (quant_later_codes32_avx2): their VNNI decode takes AVX2's int8 kernels for
@@ -47,17 +47,19 @@
 #endif
 
 /* Layout kinds as the C functions take them: 4 q4, 8 q8, 5 q5, 6 q6, QUANT_I4 i4, 2 q2, 3 q3,
- * QUANT_Q4K q4 with Q4_K's two-level scales, QUANT_Q6K q6 with Q6_K's (below). */
+ * QUANT_Q4K q4 with Q4_K's two-level scales, QUANT_Q5K q5 with Q5_K's, QUANT_Q6K q6 with Q6_K's
+ * (below). */
 #define QUANT_I4 9
 #define QUANT_Q2 2
 #define QUANT_Q3 3
 #define QUANT_Q4K 10
 #define QUANT_Q6K 11
+#define QUANT_Q5K 12
 static const int8_t QUANT_IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* Whether the codes are expanded into q8's int8 codes where they are computed with. */
 static inline int quant_is_compact(int kind) {
-    return kind == 5 || kind == 6 || kind == QUANT_Q6K || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
+    return kind == 5 || kind == 6 || kind == QUANT_Q5K || kind == QUANT_Q6K || kind == QUANT_I4 || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 /* An i4 run's 32 codebook values from its 16 bytes, in weight order (low nibbles, then high
  * ones), one table lookup each: the portable expansion, and gguf_widen.c's widening of IQ4 to q8. */
@@ -83,7 +85,7 @@ static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k)
 
 /* Whether this build's kernels take layout `kind` (every build takes all nine). */
 static inline int quant_takes_kind(int kind) {
-    return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);   /* q6k: compact */
+    return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);   /* q5k, q6k: compact */
 }
 
 /* q4k (packed.py's q4 with qh): q4's codes, and Q4_K's scales as the file holds them: per 256
@@ -106,23 +108,38 @@ static inline int q4k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_
  * file's, where a float16 scale per 16 took 7. Group g's scale is d * sub_g in float32, exact; no
  * minimums. Taken as q4k's: in registers on the integer decodes, float32 scratch elsewhere. */
 static inline int q6k_shape_ok(int64_t K, int64_t group) { return K % QUANT_Q4K_SUPER == 0 && group == 16; }
-/* Either two-level layout, and the scales a row of it holds in `sc` (one per 256 weights). */
-static inline int quant_two_level(int kind) { return kind == QUANT_Q4K || kind == QUANT_Q6K; }
-/* The layout whose codes a kernel computes with (q4k: q4's, q6k: q6's). */
-static inline int quant_codes_kind(int kind) { return kind == QUANT_Q4K ? 4 : kind == QUANT_Q6K ? 6 : kind; }
-/* q6k row `qh`'s sub-scales (its first K / 16 bytes), and any row's high bits (q6k: after them). */
+/* q5k (packed.py's q5 with two-level scales): q5's codes and high-bit planes, and Q5_K's scales
+ * as q4k holds Q4_K's (the same two levels: d, -dmin per 256 in `sc`, `mn`, and per 256 the eight
+ * 6-bit sub-scales then the eight sub-minimums), a row's 16-byte groups of them in `qh` before its
+ * high-bit planes (K / 16 bytes, then K / 8; forward, as q6k): 5.625 bits a weight (the file 5.5),
+ * where a float16 scale and minimum per 32 took 6. Its scales are q4k's everywhere (quant_k4_scales). */
+/* The two-level layouts, and the scales a row of one holds in `sc` (one per 256 weights). */
+static inline int quant_two_level(int kind) { return kind == QUANT_Q4K || kind == QUANT_Q5K || kind == QUANT_Q6K; }
+/* The layouts whose scales are Q4_K's two levels (d, -dmin and 16 sub-scale bytes per 256): q4k, q5k. */
+static inline int quant_k4_scales(int kind) { return kind == QUANT_Q4K || kind == QUANT_Q5K; }
+/* Whether K and group fit the layout: the two-level ones hold whole super-blocks of 256, in
+ * groups of 32 (q4k, q5k) or 16 (q6k). */
+static inline int quant_shape_ok(int kind, int64_t K, int64_t group) {
+    return quant_k4_scales(kind) ? q4k_shape_ok(K, group) : kind == QUANT_Q6K ? q6k_shape_ok(K, group) : 1;
+}
+/* The layout whose codes a kernel computes with (q4k: q4's, q5k: q5's, q6k: q6's). */
+static inline int quant_codes_kind(int kind) {
+    return kind == QUANT_Q4K ? 4 : kind == QUANT_Q5K ? 5 : kind == QUANT_Q6K ? 6 : kind;
+}
+/* q6k row `qh`'s sub-scales (its first K / 16 bytes), and any row's high bits (q5k, q6k: after
+ * their K / 16 bytes of sub-scales). */
 static inline const int8_t *quant_q6k_sub(const uint8_t *qh, int64_t K) { (void)K; return (const int8_t *)qh; }
 static inline const uint8_t *quant_high_bits_at(int kind, const uint8_t *qh, int64_t K) {
-    return kind == QUANT_Q6K && qh ? qh + K / 16 : qh;
+    return (kind == QUANT_Q6K || kind == QUANT_Q5K) && qh ? qh + K / 16 : qh;
 }
 
-/* `rows` consecutive q4k rows of K weights (sc, mn, qh at the first one): their scales and
- * minimums per run of 32 in float32, K / 32 a row, into s and b (row-major). */
-static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K,
-                                    int64_t rows, float *s, float *b) {
-    const int64_t supers = rows * (K / QUANT_Q4K_SUPER);
+/* `rows` consecutive q4k / q5k rows of K weights (sc, mn, qh at the first one, `hstride` qh bytes
+ * a row): their scales and minimums per run of 32 in float32, K / 32 a row, into s and b (row-major). */
+static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t hstride,
+                                    int64_t K, int64_t rows, float *s, float *b) {
+    const int64_t per = K / QUANT_Q4K_SUPER, supers = rows * per;
     for (int64_t i = 0; i < supers; i++) {
-        const uint8_t *h = qh + i * QUANT_Q4K_HIGH;
+        const uint8_t *h = qh + i / per * hstride + i % per * QUANT_Q4K_HIGH;
 #if defined(__F16C__) && defined(__AVX2__)
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[i])), m = _mm256_set1_ps(_cvtsh_ss(mn[i]));
         _mm256_storeu_ps(s + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -140,11 +157,12 @@ static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, cons
 }
 
 /* The cases of a switch over `kind` that instantiates a row kernel per layout (ALL(k): k a
- * constant there) for the layouts with scales per group: q4, q4k, q5, q6, q6k. */
+ * constant there) for the layouts with scales per group: q4, q4k, q5, q5k, q6, q6k. */
 #define QUANT_GROUP_KIND_CASES(ALL) \
     case 4: ALL(4) break; \
     case QUANT_Q4K: ALL(QUANT_Q4K) break; \
     case 5: ALL(5) break; \
+    case QUANT_Q5K: ALL(QUANT_Q5K) break; \
     case 6: ALL(6) break; \
     case QUANT_Q6K: ALL(QUANT_Q6K) break;
 
@@ -165,7 +183,7 @@ static inline void quant_q6k_scales(const uint16_t *sc, const uint8_t *qh, int64
     }
 }
 
-/* A q4 run's scale (or minimum) g: float16, or (f32: q4k's / q6k's scratch) float32. */
+/* A run's scale (or minimum) g: float16, or (f32: the two-level layouts' scratch) float32. */
 static inline float quant_scale_at(const uint16_t *p, int64_t g, int f32) {
 #if defined(__F16C__)
     return f32 ? ((const float *)p)[g] : _cvtsh_ss(p[g]);
@@ -193,6 +211,7 @@ static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
     if (kind == QUANT_Q2 || kind == QUANT_Q3) return K / QUANT_K2_SUPER * quant_k2_high(kind);
     if (kind == QUANT_Q4K) return K / QUANT_Q4K_SUPER * QUANT_Q4K_HIGH;
     if (kind == QUANT_Q6K) return K / 16 + K / 4;   /* the sub-scales, then q6's high bits */
+    if (kind == QUANT_Q5K) return K / 16 + K / 8;   /* q4k's sub-scales, then q5's planes */
     return K / 8 * quant_high_bits(kind);
 }
 

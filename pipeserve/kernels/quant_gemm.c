@@ -26,12 +26,13 @@
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
  *
- * kind: 4, 8, 5, 6, 9, 2, 3 or 10 (q4, q8, q5, q6, i4, q2, q3, q4k: each panel's scales expanded into
- * q4's first, quant_codes.h); qh and zero: q5/q6's high bits, q3's hmask and sub-scales, q2's and
- * q4k's sub-scales, and the code offset (ignored otherwise). Returns 0;
+ * kind: 4, 8, 5, 6, 9, 2, 3, 10, 11 or 12 (q4, q8, q5, q6, i4, q2, q3, q4k, q6k, q5k: each panel's
+ * two-level scales expanded into float32 first, quant_codes.h); qh and zero: q5/q6's high bits, q3's
+ * hmask and sub-scales, q2's and the two-level layouts' sub-scales, and the code offset (ignored
+ * otherwise). Returns 0;
  * -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a multiple of 32,
  * a q8/q5/q6/i4 group not a multiple of 16, a q4 group not a multiple of 32, q2/q3 not in whole
- * super-blocks of 256 with a scale each, q4k not in whole super-blocks of 256). Without
+ * super-blocks of 256 with a scale each, two-level layouts not in whole super-blocks of 256). Without
  * AVX512_BF16, pipeserve_quant_gemm_isa() says
  * "none" and the function returns -2: the caller keeps its portable path
  * (dequantized row tiles and PyTorch's matmul).
@@ -106,7 +107,7 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
         c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
         c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
     }
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),    /* f32: q6k's scales */
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),    /* f32: q5k's, q6k's scales */
         _mm512_set1_ps(quant_scale_at(s, g0, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g0, f32) : 0.0f));
     const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
         _mm512_set1_ps(quant_scale_at(s, g1, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g1, f32) : 0.0f));
@@ -120,17 +121,18 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
                           float *scales) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
-    /* each row's scales and minimums (q4k, q6k: float32, expanded into `scales`) */
+    /* each row's scales and minimums (two-level: float32, expanded into `scales`) */
     const uint16_t *rs[NB], *rm[NB];
     const int two = quant_two_level(kind);
     for (int64_t j = 0; j < rows; j++) {
         const int64_t n = n0 + j;
         rs[j] = two ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
-        rm[j] = kind == QUANT_Q4K ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
+        rm[j] = quant_k4_scales(kind) ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
     }
     const int64_t sup = K / QUANT_Q4K_SUPER;
-    if (kind == QUANT_Q4K)
-        quant_q4k_scales(sc + n0 * sup, mn + n0 * sup, qh + n0 * high_bytes, K, rows, scales, scales + NB * groups);
+    if (quant_k4_scales(kind))   /* q4k, q5k: their sub-scales first in each row's qh */
+        quant_q4k_scales(sc + n0 * sup, mn + n0 * sup, qh + n0 * high_bytes, high_bytes, K, rows, scales,
+                         scales + NB * groups);
     if (kind == QUANT_Q6K)
         for (int64_t j = 0; j < rows; j++)
             quant_q6k_scales(sc + (n0 + j) * sup, qh + (n0 + j) * high_bytes, K, scales + j * groups);
@@ -153,7 +155,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
                          const uint8_t *qh, int zero) {
     if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
-    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
+    if (!quant_shape_ok(kind, K, group)) return -3;
     if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
@@ -164,7 +166,7 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        /* q4k: a panel's scales and minimums, expanded (quant_codes.h) */
+        /* two-level: a panel's scales and minimums, expanded (quant_codes.h) */
         float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
         const int ok = wp != NULL && (!quant_two_level(kind) || scales != NULL);
         if (!ok) {

@@ -80,16 +80,17 @@ typedef struct {
  * 0..63, unsigned) times int8 pairs stay below 2 * 63 * 127 < 32767, so no saturation. i4's
  * signed codebook values (-127..113) enter as |w| against x with w's sign (u8_block). */
 static inline int act_int8(int kind) {
-    return kind == 4 || kind == QUANT_Q4K || kind == 5 || kind == 6 || kind == QUANT_Q6K || kind == QUANT_I4
+    return kind == 4 || kind == QUANT_Q4K || kind == 5 || kind == QUANT_Q5K || kind == 6 || kind == QUANT_Q6K
+           || kind == QUANT_I4
            || kind == QUANT_Q2 || kind == QUANT_Q3;
 }
 
 /* q4's codes and activations (q4, and q4k: q4 with Q4_K's two-level scales). */
 #define IS_Q4(kind) ((kind) == 4 || (kind) == QUANT_Q4K)
 
-/* q4k: run (super-block) u's 8 scales d * sub and minimums -dmin * min, exact in float32, from its
- * d, -dmin and 16 sub-scale bytes (quant_codes.h): one widening, conversion and product each, where
- * q4's float16 run is one load and conversion. */
+/* q4k, q5k: run (super-block) u's 8 scales d * sub and minimums -dmin * min, exact in float32, from
+ * its d, -dmin and 16 sub-scale bytes (quant_codes.h): one widening, conversion and product each,
+ * where q4's float16 run is one load and conversion. */
 static inline __attribute__((always_inline)) void
 q4k_run_scales(const uint16_t *d, const uint16_t *dm, const uint8_t *h, int64_t u, __m256 *s, __m256 *b) {
     const uint8_t *p = h + u * QUANT_Q4K_HIGH;
@@ -211,7 +212,7 @@ block_codes_u8(int kind, const uint8_t *q, const uint8_t *qh, int64_t b) {
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + b * 16)), lo = _mm_set1_epi8(15);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), lo), _mm_and_si128(v, lo));
     }
-    if (kind == 5) return quant_q5_codes32_avx2(q, qh, 0, b);
+    if (quant_codes_kind(kind) == 5) return quant_q5_codes32_avx2(q, qh, 0, b);   /* q5, q5k */
     return quant_q6_codes32_avx2(q, qh, b);
 }
 
@@ -357,7 +358,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             const uint16_t *mn, int64_t per, int64_t left, const act_i16 *a, int m_rows, int64_t b0,
             __m256 *acc, __m256 *acc2, __m256 *accm, float *res) {
     const int64_t nb = a->nb, nbp = a->nbp, K = a->K;
-    const uint8_t *hq = quant_high_bits_at(kind, qh, K);   /* q5/q6's high bits (q6k: after its scales) */
+    const uint8_t *hq = quant_high_bits_at(kind, qh, K);   /* q5/q6's high bits (q5k, q6k: after their scales) */
     const int g16 = !IS_Q4(kind) && per == 0;   /* q4 comes in groups of 32k (pipeserve_quant_act_bytes) */
     const float zw = kind != 8 ? -(float)zero : 0.0f;   /* q4/q5/q6 codes keep their offset */
     float mins[I16_ROWS];
@@ -393,7 +394,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
         float sd[I16_ROWS][I16_RUN] __attribute__((aligned(32)));
         __m256 sdv[I16_ROWS];   /* q4: s_w * d in registers, for q4_run_pairs */
         __m256 s, mw;
-        if (kind == QUANT_Q4K) {   /* a run is a super-block: sc, mn its d, -dmin; qh its sub-scales */
+        if (quant_k4_scales(kind)) {   /* q4k, q5k: a run is a super-block: sc, mn its d, -dmin; qh its sub-scales */
             q4k_run_scales(sc, mn, qh, b0 / I16_RUN, &s, &mw);
         } else {
             s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
@@ -429,7 +430,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
         }
     }
     if (kind == 4 && per == 1 && b0 + 2 <= nb && b0 + I16_RUN <= left) {   /* q4: a shorter last run's pairs
-                                                                          * (q4k rows are whole runs) */
+                                                                          * (two-level rows are whole runs) */
         const int n = (int)(nb - b0) & ~1;   /* the vector loads read on into the next row: masked */
         const __m128i keep = _mm_cmpgt_epi16(_mm_set1_epi16((short)n), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256 s = _mm256_cvtph_ps(_mm_and_si128(_mm_loadu_si128((const __m128i *)(sc + b0)), keep));
@@ -673,7 +674,7 @@ static int q4_rows_many(int kind, int64_t M, const uint8_t *qs, const uint8_t *q
 /* Whether u8_rows_many takes this layout: q5/q6 (Q5_0/Q5_1/Q5_K in groups of 32, Q6_K in groups
  * of 16; per: blocks per group, 0 for 16) with at least one run of blocks. */
 static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
-    return (kind == 5 || kind == 6 || kind == QUANT_Q6K) && per <= 1 && a->nb >= I16_RUN;
+    return (kind == 5 || kind == QUANT_Q5K || kind == 6 || kind == QUANT_Q6K) && per <= 1 && a->nb >= I16_RUN;
 }
 
 /* One q5/q6 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
@@ -711,7 +712,9 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
                 acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
             }
         } else {     /* the gemv's sdv */
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
+            __m256 s, unused;
+            if (kind == QUANT_Q5K) q4k_run_scales(sc, mn, qh, r, &s, &unused);
+            else s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
             for (int m = 0; m < U8T_ROWS; m++)
                 _mm256_store_ps(sd[m][0], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0)));
         }
@@ -729,9 +732,14 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
         }
     }
     for (int64_t r = 0; !g16 && r < runs; r++) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
-        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mn ? _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps());
+        __m256 s, mw0;
+        if (kind == QUANT_Q5K) {
+            q4k_run_scales(sc, mn, qh, r, &s, &mw0);
+        } else {
+            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+            mw0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps();
+        }
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw0);
         for (int m = 0; m < U8T_ROWS; m++)
             accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
     }
@@ -781,6 +789,7 @@ static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, con
     uint8_t *codes = aligned_alloc(32, (size_t)(tile * a->K));
     if (!codes) return -1;
     if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (kind == QUANT_Q5K) u8_rows_many_of(QUANT_Q5K, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == QUANT_Q6K) u8_rows_many_of(QUANT_Q6K, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (per == 1) u8_rows_many_of(6, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);

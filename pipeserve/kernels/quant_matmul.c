@@ -7,9 +7,9 @@
  * nibble and high-bit-pair bytes), minus a constant `zero` (quant_codes.h), or "i4" (q4's nibbles, each an index into
  * IQ4's 16 signed values), or "q2" / "q3" (Q2_K's / Q3_K's 2-bit pairs, q3 with a high-bit
  * mask, and their integer sub-scales per 16 under a float16 scale per 256: quant_k2.h takes
- * them on every path), or "q4k" / "q6k" (q4's / q6's codes under Q4_K's / Q6_K's two-level
+ * them on every path), or "q4k" / "q5k" / "q6k" (q4's / q5's / q6's codes under Q4_K's / Q5_K's / Q6_K's two-level
  * scales, d * sub exact in float32: in registers on the integer decodes, float32 scratch in L1
- * on the float and dequantize paths, quant_codes.h; every build takes all nine,
+ * on the float and dequantize paths, quant_codes.h; every build takes all ten,
  * pipeserve_quant_takes). A weight
  * is scale * (q - zero) + min (q4's `zero`: Q4_0's 8, so it needs no minimum array; q8's is 0).
  * q5/q6/i4/q2/q3 codes cross the memory bus at their compact size: the integer-activation
@@ -125,7 +125,7 @@ row_dot(int kind, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int 
     for (int m = 0; m < m_rows; m++) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         /* F16C: one instruction per scale (the portable f16_to_f32 costs as much as the dot);
-         * f32: q4k's / q6k's float32 scratch */
+         * f32: the two-level layouts' float32 scratch */
         const float sg = quant_scale_at(sc, g, f32);
         const __m512 s = _mm512_set1_ps(sg);
         const __m512 b = _mm512_set1_ps((mn ? quant_scale_at(mn, g, f32) : 0.0f) - (float)zero * sg);
@@ -476,7 +476,7 @@ static inline __attribute__((always_inline)) __m512 chunk_dot(__m512i w, const i
         w, _mm512_loadu_si512(x2)));
 }
 
-/* q4k: the scales and minimums of blocks [g, g + n) of a row (g a multiple of 16, n 8 or 16:
+/* q4k, q5k: the scales and minimums of blocks [g, g + n) of a row (g a multiple of 16, n 8 or 16:
  * whole super-blocks), d * sub and -dmin * min exact in float32 as quant_q4k_scales makes them,
  * in registers (lanes >= n are 0): the super-blocks' 16 sub-scale bytes, reordered (sub | sub |
  * min | min), widened, times d (or -dmin) of each lane's super-block. Per 16 blocks about ten
@@ -522,11 +522,11 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
            int64_t per, const act_i8 *a, int m_rows, float *res) {
     const int64_t nb = a->nb, nch = a->nch, nbp = a->nbp;
     const int g16 = per == 0, q4 = kind == 4 || kind == QUANT_Q4K;   /* q4k: q4's codes, its own scales */
-    const uint8_t *hq = quant_high_bits_at(kind, qh, nb * QB);         /* q5/q6's high bits (q6k: after its scales) */
+    const uint8_t *hq = quant_high_bits_at(kind, qh, nb * QB);         /* q5/q6's high bits (q5k, q6k: after their scales) */
     const __m512i step = _mm512_set1_epi32(g16 ? 4 : 2);
     /* lane -> scale in the chunk: lanes 0-7 block b, 8-15 block b + 1 (q8, q6, q4), groups of 16 lane / 4
      * (q8, q6); q5 (q4's byte order): lanes 0-3 b[0:16], 4-7 b+1[0:16], 8-11 b[16:32], 12-15 b+1[16:32] */
-    const int hb = kind == 5;
+    const int hb = quant_codes_kind(kind) == 5;   /* q5, q5k */
     const __m512i first = g16 ? (hb ? _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0)
                                     : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0))
                               : (hb ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
@@ -571,7 +571,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
             }
         } else {
             __m512 s, mw;
-            if (kind == QUANT_Q4K) {
+            if (quant_k4_scales(kind)) {   /* q4k, q5k: their sub-scales first in qh */
                 q4k_block_scales(sc, mn, qh, g, n, &s, &mw);
             } else {
                 s = block_scales(sc, g, n, per);
@@ -590,7 +590,7 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
 #define DOT(c, half, m) (q4 ? chunk_dot4(q, c, half, a->xw + ((m) * nch + (c) / 2) * CHUNK) \
                                    : chunk_dot(w8, a->x1 + ((m) * nch + (c) / 2) * CHUNK, a->x2 + ((m) * nch + (c) / 2) * CHUNK))
 #define CODES(c, half) (kind == 8 ? chunk_codes8(q, c, half) : quant_codes_kind(kind) == 6 ? chunk_codes6(q, hq, c) \
-                                                                : chunk_codes_hb(q, qh, c, half))
+                                                                : chunk_codes_hb(q, hq, c, half))
 #define SCALE(m, i) (g16 ? _mm512_permutex2var_ps(sd[m], i, sd1[m]) : _mm512_permutexvar_ps(i, sd[m]))
         __m512i w8 = _mm512_setzero_si512();
         for (; b + 4 <= g + n; b += 4) {   /* two full chunks */
@@ -743,8 +743,8 @@ int pipeserve_quant_act_int8(int kind) {
  * this build has no integer activations for the layout (the float path then runs). */
 int64_t pipeserve_quant_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!quant_takes_kind(kind) || (quant_is_k2(kind) && !k2_shape_ok(K, group))) return 0;
-    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return 0;
-    kind = quant_codes_kind(kind);   /* q4k's activations are q4's, q6k's q6's */
+    if (!quant_shape_ok(kind, K, group)) return 0;
+    kind = quant_codes_kind(kind);   /* q4k's activations are q4's, q5k's q5's, q6k's q6's */
 #if defined(HAVE_VNNI)
 #ifdef HAVE_AVX2_INT
     if (AVX2_LATER(kind)) return pipeserve_quant_i8_applies(K, group, M) ? i16_act_bytes(M, K) : 0;
@@ -834,30 +834,31 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
     return 0;
 }
 
-/* Two-level row n's float32 scales expanded into buf: q4k's per 32 then its minimums (2 * K / 32),
- * q6k's per 16 (K / 16); returns buf (as the float16 pointer the float paths take, with their f32
- * flag). */
+/* Two-level row n's float32 scales expanded into buf: q4k's / q5k's per 32 then their minimums
+ * (2 * K / 32), q6k's per 16 (K / 16); returns buf (as the float16 pointer the float paths take,
+ * with their f32 flag). */
 static const uint16_t *two_level_row(int kind, const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K,
                                      int64_t n, float *buf) {
     const int64_t sup = K / QUANT_Q4K_SUPER;
     if (kind == QUANT_Q6K) quant_q6k_scales(sc + n * sup, qh + n * quant_high_row_bytes(kind, K), K, buf);
-    else quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * sup * QUANT_Q4K_HIGH, K, 1, buf, buf + K / 32);
+    else quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * quant_high_row_bytes(kind, K), 0, K, 1, buf,
+                          buf + K / 32);
     return (const uint16_t *)buf;
 }
 
-/* kind: 4, 8, 5, 6, 9, 2, 3 or 10 (q4, q8, q5, q6, i4, q2, q3, q4k); mn may be NULL; qh and zero: q5/q6/q3's high bits and
+/* kind: 4, 8, 5, 6, 9, 2, 3, 10, 11 or 12 (q4, q8, q5, q6, i4, q2, q3, q4k, q6k, q5k); mn may be NULL; qh and zero: q5/q6/q3's high bits and
  * code offset (ignored otherwise; last, so callers built against the two-layout
  * signature still bind); act_i8: quantize x to int8 blocks where
  * pipeserve_quant_i8_applies. Returns 0, -1 when scratch cannot be allocated, -2 for a
  * layout this build does not take (pipeserve_quant_takes), -3 for q2/q3 arguments not in
- * whole super-blocks with a scale each (quant_k2.h) or q4k arguments not in whole super-blocks of 256
- * in groups of 32. */
+ * whole super-blocks with a scale each (quant_k2.h) or two-level arguments not in whole super-blocks of 256
+ * in their groups (quant_shape_ok). */
 int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
                          int64_t N, int64_t K, int64_t group, const void *x, int x_bf16, int64_t M,
                          void *out, int out_bf16, int act_i8, int num_threads, const uint8_t *qh, int zero) {
     if (!quant_takes_kind(kind)) return -2;
     if (quant_is_k2(kind) && !k2_shape_ok(K, group)) return -3;
-    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
+    if (!quant_shape_ok(kind, K, group)) return -3;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf) return -1;
     for (int64_t i = 0; i < M * K; i++)
@@ -875,13 +876,13 @@ int pipeserve_quant_gemv(int kind, const uint8_t *qs, const uint16_t *sc, const 
     const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind);   /* ck: the codes the dots read */
     const int z4 = ck == 4 ? zero : 0;   /* compact codes leave their expansion with zero subtracted */
     const int64_t groups = K / group;
-    const int f32 = quant_two_level(kind);   /* scales: q4k's / q6k's float32 scratch (SC, MN) */
+    const int f32 = quant_two_level(kind);   /* scales: the two-level layouts' float32 scratch (SC, MN) */
     int failed = 0;
     /* row n's codes (q5/q6/i4: expanded into buf) */
 #define ROW(n, buf) (ck == 4 ? qs + (n) * (K / 2) : quant_q8_row(kind, qs, qh, zero, K, (n), (buf)))
-    /* row n's scales and minimums (q4k: expanded into `scales`, slot i of two) */
+    /* row n's scales and minimums (two-level: expanded into `scales`, slot i of two) */
 #define SC(n, i) (f32 ? two_level_row(kind, sc, mn, qh, K, (n), scales + (i) * 2 * groups) : sc + (n) * groups)
-#define MN(n, i) (kind == QUANT_Q4K ? (const uint16_t *)(scales + (i) * 2 * groups + groups) \
+#define MN(n, i) (quant_k4_scales(kind) ? (const uint16_t *)(scales + (i) * 2 * groups + groups) \
                                     : mn ? mn + (n) * groups : NULL)
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -943,7 +944,7 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
     if (quant_is_k2(kind))
         return k2_shape_ok(K, group) ? k2_dequant(kind, qs, qh, sc, mn, zero, K, r0, r1, out, out_bf16, num_threads)
                                      : -3;
-    if ((kind == QUANT_Q4K && !q4k_shape_ok(K, group)) || (kind == QUANT_Q6K && !q6k_shape_ok(K, group))) return -3;
+    if (!quant_shape_ok(kind, K, group)) return -3;
     const int ck = quant_codes_kind(kind) == 4 ? 4 : 8, compact = quant_is_compact(kind), z4 = ck == 4 ? zero : 0;
     const int64_t groups = K / group;
     const int f32 = quant_two_level(kind);

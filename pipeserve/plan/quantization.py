@@ -19,8 +19,8 @@ Weight-only: the KV cache and activations keep the dtype. Three kinds of entry:
 ``bits`` is what the file holds; what a stage holds (and its kernels read) is
 ``resident_bits``, the layout pipeserve keeps a type in (model/quant/gguf_repack.py):
 the legacy types as they are, Q4_K with its own two-level scales (float16 d and dmin per 256,
-6-bit sub-scales and minimums a byte each: 4.625 bits), Q5_K with a float16 scale and minimum
-per 32 weights (6 bits), Q6_K with its own two-level scales (6.5625 bits, the file's),
+6-bit sub-scales and minimums a byte each: 4.625 bits), Q5_K likewise (5.625 bits), Q6_K with
+its own two-level scales (6.5625 bits, the file's),
 IQ4_NL / IQ4_XS as their
 nibbles with a float16 scale per 32 (4.5 bits; gguf_widen.py's i4: measured 1.00x and 1.06x the
 file's tensor bytes; an AVX-512 build widens them to 8.5), and Q3_K / Q2_K as their 2-bit code
@@ -34,7 +34,9 @@ differs by a few percent. Q4_K's and Q6_K's two-level layouts moved the mixes th
 Q4_K_M 1.104 -> 1.023, Q5_K_M 1.088 -> 1.078 and Q3_K_M 1.064 -> 1.033 (their files' Q4_K and
 Q6_K shares, at 37/36 and 1 instead of 10/9 and 16/15), Q4_K_S 1.111 -> 1.028 and Q2_K 1.016 ->
 1.006 (the same arithmetic on their old factors: Q4_K_S nearly all Q4_K, Q2_K's file 12 % Q4_K);
-Q5_K_S, Q3_K_S and Q3_K_L hold neither but in the head.
+Q5_K_S, Q3_K_S and Q3_K_L hold neither but in the head. Q5_K's two-level layout then moved
+Q5_K_M 1.078 -> 1.020 (its file 86 % Q5_K, at 45/44 instead of 12/11), Q5_K_S 1.091 -> 1.023
+(all Q5_K) and Q3_K_L 1.059 -> 1.031 (the same arithmetic: about 42 % of its bytes Q5_K).
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ GROUP_SIZE = 32    # int8 / int4: the runtime's default --quantization-group-siz
 Q6_K_BITS = 8 * 210 / 256  # 6.5625: llama-quantize's LM head below Q8_0
 Q8_0_BITS = 8 * 34 / 32    # 8.5: its fallback where a row is not a multiple of 256
 # Bits per weight a stage holds a GGUF block type in (gguf_repack.py, gguf_widen.py).
-RESIDENT_BITS = {"q8_0": 8.5, "q6_k": 6.5625, "q5_k": 6.0, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.625, "q4_0": 4.5,
+RESIDENT_BITS = {"q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.625, "q5_0": 5.5, "q5_1": 6.0, "q4_k": 4.625, "q4_0": 4.5,
                  "q4_1": 5.0, "iq4_nl": 4.5, "iq4_xs": 4.5, "q3_k": 3.5625, "q2_k": 2.625}
 # A mix's resident / file bits over its decoder and embedding tensors (see the module docstring).
-RESIDENT_FACTORS = {"q5_k_m": 1.078, "q5_k_s": 1.091, "q4_k_m": 1.023, "q4_k_s": 1.028, "q3_k_l": 1.059,
+RESIDENT_FACTORS = {"q5_k_m": 1.020, "q5_k_s": 1.023, "q4_k_m": 1.023, "q4_k_s": 1.028, "q3_k_l": 1.031,
                     "q3_k_m": 1.033, "q3_k_s": 1.036, "q2_k": 1.006}
 
 

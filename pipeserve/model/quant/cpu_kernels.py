@@ -323,12 +323,13 @@ _LATER_KINDS = ("i4", "q2", "q3")      # builds from before pipeserve_quant_take
 _GEMM_KINDS = ("q4", "q8", "q5", "q6", "i4", "q2", "q3")  # quant_gemm.c's (AVX512_BF16 builds)
 
 
-Q4K, Q6K = 10, 11   # q4 / q6 with Q4_K's / Q6_K's two-level scales (packed.py), quant_codes.h's QUANT_Q4K / _Q6K
+# q4 / q5 / q6 with Q4_K's / Q5_K's / Q6_K's two-level scales (packed.py): quant_codes.h's QUANT_Q4K / _Q5K / _Q6K
+TWO_LEVEL_KINDS = {"q4": 10, "q5": 12, "q6": 11}
 
 
 def _kind(w: PackedWeight) -> int:
-    """The layout as the C functions take it (a two-level q4 or q6 is its own, "q4k" / "q6k")."""
-    return (Q4K if w.kind == "q4" else Q6K) if w.two_level else _KINDS[w.kind]
+    """The layout as the C functions take it (a two-level q4, q5 or q6 is its own, "q4k" / "q5k" / "q6k")."""
+    return TWO_LEVEL_KINDS[w.kind] if w.two_level else _KINDS[w.kind]
 
 
 def _check(rc: int, w: PackedWeight) -> None:

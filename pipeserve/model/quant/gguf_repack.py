@@ -9,14 +9,14 @@ move into their own float16 array. The K-quants are re-laid out once at load:
 - Q4_K -> q4 with its two-level scales as the file holds them (packed.py: d and -dmin per
   256 weights, the 6-bit sub-scales and sub-minimums a byte each in ``qh``; 4.625 bits per
   weight, file 4.5);
-- Q5_K -> q5 with one scale and minimum per 32 weights (d·sc and -dmin·m; 6 bits per
+- Q5_K -> q5 with its two-level scales held as Q4_K's (packed.py: d and -dmin per 256, the
+  sub-scales and sub-minimums a byte each before a row's high-bit planes in ``qh``; 5.625 bits per
   weight, file 5.5);
 - Q6_K -> q6 with its code bytes and two-level scales as they are (packed.py: d per 256 weights,
   the int8 sub-scales per 16 before a row's high bits in ``qh``) and ``zero`` 32: 6.5625 bits per
   weight, the file's.
-Where the two-level scales (a float16 times a 6/8-bit integer) are multiplied out (Q5_K), they
-are rounded to float16: a relative change of at most 2^-11 of a scale, far below the
-quantization step itself. Q4_K's and Q6_K's are exact (their kernels multiply them out in float32).
+No K-quant's scales are multiplied out here: the kernels make d * sub in float32, exact, as ggml
+dequantizes them.
 """
 
 from __future__ import annotations
@@ -83,16 +83,6 @@ def _q5_1(blocks: np.ndarray, rows: int) -> PackedWeight:
                         "Q5_1", _t(blocks[..., 4:8].reshape(rows, -1)))
 
 
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K: per 32-weight sub-block (d·sc, -dmin·m) in float16, [rows, blocks * 8] each."""
-    rows, n = blocks.shape[:2]
-    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
-    d, dmin = _f16(blocks, 0).astype(np.float32), _f16(blocks, 2).astype(np.float32)
-    scale = d.reshape(-1, 1) * sc.astype(np.float32)
-    minv = -dmin.reshape(-1, 1) * m.astype(np.float32)
-    return scale.astype(np.float16).reshape(rows, -1), minv.astype(np.float16).reshape(rows, -1)
-
-
 @kernel_cache
 def _c_repack() -> ctypes.CDLL | None:
     """kernels/gguf_repack.c (the K-quants in one pass, bit for bit the numpy path below), or
@@ -105,7 +95,7 @@ def _c_repack() -> ctypes.CDLL | None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.pipeserve_repack_q4_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
-    lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p, ctypes.c_int]
+    lib.pipeserve_repack_q5_k.argtypes = [p, i64, p, p, p, p, i64, ctypes.c_int]
     lib.pipeserve_repack_q6_k.argtypes = [p, i64, p, p, p, i64, ctypes.c_int]
     return lib
 
@@ -119,7 +109,7 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
     per_row = blocks.shape[1]                                    # blocks of 256 weights a row
     n = rows * per_row
     qs = torch.empty(rows, per_row * 128, dtype=torch.uint8)
-    scale = torch.empty(rows, per_row * (8 if kind == "Q5_K" else 1), dtype=torch.float16)
+    scale = torch.empty(rows, per_row, dtype=torch.float16)   # d per 256 (each keeps its two levels)
     data = np.ascontiguousarray(blocks)                          # held: the C call reads it
     src, threads = data.ctypes.data, torch.get_num_threads()
     if kind == "Q6_K":
@@ -128,9 +118,9 @@ def _c_k_quant(kind: str, blocks: np.ndarray, rows: int) -> PackedWeight | None:
         return PackedWeight("q6", 16, qs, scale, None, "Q6_K", qh, 32)
     minv = torch.empty_like(scale)
     if kind == "Q5_K":
-        qh = torch.empty(rows, per_row * 32, dtype=torch.uint8)
+        qh = torch.empty(rows, per_row * (K4_HIGH + 32), dtype=torch.uint8)   # sub-scales, then high bits
         lib.pipeserve_repack_q5_k(src, n, qs.data_ptr(), qh.data_ptr(), scale.data_ptr(), minv.data_ptr(),
-                                  threads)
+                                  per_row, threads)
         return PackedWeight("q5", 32, qs, scale, minv, "Q5_K", qh)
     qh = torch.empty(rows, per_row * K4_HIGH, dtype=torch.uint8)
     lib.pipeserve_repack_q4_k(src, n, qs.data_ptr(), scale.data_ptr(), minv.data_ptr(), qh.data_ptr(), threads)
@@ -147,11 +137,17 @@ def _q4_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 16:144].reshape(rows, -1, 4, 2, 16)
     lo, hi = qs[..., 0, :], qs[..., 1, :]                               # bytes j, j + 16 of each chunk
     runs = np.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], axis=3)   # [rows, blocks, 4, 2, 16]
-    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))   # [rows * blocks, 8] each
-    qh = np.concatenate([sc.reshape(rows, -1, 8), m.reshape(rows, -1, 8)], axis=2).astype(np.uint8)
     minv = -_f16(blocks, 2)                                              # exact: a sign
     return PackedWeight("q4", 32, _t(runs.reshape(rows, -1)), _t(_f16(blocks, 0)), _t(minv), "Q4_K",
-                        _t(qh.reshape(rows, -1)))
+                        _t(_k4_sub(blocks, rows)))
+
+
+def _k4_sub(blocks: np.ndarray, rows: int) -> np.ndarray:
+    """Q4_K / Q5_K blocks' 6-bit sub-scales and sub-minimums, a byte each (per block 8 then 8):
+    uint8 [rows, blocks * 16], a two-level q4's ``qh`` and the head of a two-level q5's."""
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))   # [rows * blocks, 8] each
+    sub = np.concatenate([sc.reshape(rows, -1, 8), m.reshape(rows, -1, 8)], axis=2).astype(np.uint8)
+    return np.ascontiguousarray(sub.reshape(rows, -1))
 
 
 def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
@@ -162,9 +158,10 @@ def _q5_k(blocks: np.ndarray, rows: int) -> PackedWeight:
     qs = blocks[..., 48:176].reshape(rows, -1, 4, 1, 32)
     low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 8, 32)
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1              # [rows, blocks, 8, 32]
-    qs, qh = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1))
-    scale, minv = _k_scales(blocks)
-    return PackedWeight("q5", 32, qs, _t(scale), _t(minv), "Q5_K", qh)
+    qs, planes = pack_nibbles(_t(low.reshape(rows, -1))), pack_planes(high.reshape(rows, -1))
+    sub = _k4_sub(blocks, rows)
+    return PackedWeight("q5", 32, qs, _t(_f16(blocks, 0)), _t(-_f16(blocks, 2)), "Q5_K",
+                        torch.cat([_t(sub), planes], dim=1))
 
 
 def _q6_k(blocks: np.ndarray, rows: int) -> PackedWeight:

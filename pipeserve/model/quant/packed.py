@@ -19,7 +19,11 @@ weights of a row:
 - ``q5``: 5-bit codes 0..31 stored compactly: the low 4 bits as ``q4``'s ``qs``, the
   fifth in ``qh`` uint8 [out, in / 32 * 4]: per run of 32 weights a little-endian 32-bit
   plane, bit j being bit 4 of weight j's code (GGUF's Q5_0/Q5_1 block order, so those
-  bytes are copied as they are).
+  bytes are copied as they are). GGUF's Q5_K keeps its two-level scales ("q5k" to the kernels),
+  held as Q4_K's: ``scale`` / ``minv`` float16 [out, in / 256] each super-block's d and -dmin,
+  and a row's ``qh`` its 16 sub-scale bytes per super-block (as a two-level q4's ``qh``: in / 16
+  bytes) before its high-bit planes (in / 8 bytes; forward, as Q6_K's): 5.625 bits per weight
+  (the file 5.5), where a float16 scale and minimum per run took 6.
 - ``q6``: 6-bit codes 0..63 in GGUF Q6_K's own bytes (copied as they are), ``in`` a multiple of
   ``Q6_HALF`` (128): per 128 weights 64 bytes of ``qs`` (uint8 [out, in / 2]), byte l holding
   weight l in its low nibble and weight 64 + l in its high one, and 32 bytes of ``qh`` (uint8
@@ -91,7 +95,7 @@ class PackedWeight:
     scale: torch.Tensor          # float16 [out, in / group]
     minv: torch.Tensor | None    # float16 [out, in / group] or None
     source: str                  # what it came from ("Q4_1", "int8", ...), for logs and stats
-    qh: torch.Tensor | None = None   # q5: uint8 [out, in / 8] high-bit planes; q6: [out, in / 4] bit pairs (two-level: in / 16 sub-scales first);
+    qh: torch.Tensor | None = None   # q5: uint8 [out, in / 8] high-bit planes; q6: [out, in / 4] bit pairs (q5/q6 two-level: in / 16 sub-scale bytes first);
                                      # q2/q3: [out, in / 256 * K2_HIGH] sub-scales (q3: hmask first)
     zero: int = 0                # subtracted from each code (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4)
     cache: dict = field(default_factory=dict, repr=False, compare=False)   # derived per-weight values (kernel args)
@@ -104,6 +108,10 @@ class PackedWeight:
                 self.in_features % K4_SUPER or self.group != SUB or self.minv is None):
             raise ValueError(f"a q4 weight with two-level scales holds Q4_K's super-blocks of {K4_SUPER} weights "
                              f"in runs of {SUB} with minimums; got rows of {self.in_features}, group {self.group}")
+        if self.kind == "q5" and self.two_level and (self.in_features % K4_SUPER or self.group != SUB
+                                                     or self.minv is None):
+            raise ValueError(f"a q5 weight with two-level scales holds Q5_K's super-blocks of {K4_SUPER} weights "
+                             f"in runs of {SUB} with minimums; got rows of {self.in_features}, group {self.group}")
         if self.kind == "q6" and self.two_level and (self.in_features % K4_SUPER or self.group != 16
                                                      or self.minv is not None):
             raise ValueError(f"a q6 weight with two-level scales holds Q6_K's super-blocks of {K4_SUPER} weights "
@@ -111,12 +119,13 @@ class PackedWeight:
 
     @property
     def two_level(self) -> bool:
-        """q4 or q6 with Q4_K's / Q6_K's two-level scales (the module doc): q4 with ``qh``, q6 whose
-        ``qh`` rows hold sub-scales beside the high bits."""
+        """q4, q5 or q6 with Q4_K's / Q5_K's / Q6_K's two-level scales (the module doc): q4 with
+        ``qh``, q5 / q6 whose ``qh`` rows hold sub-scales before the high bits."""
         if self.kind == "q4":
             return self.qh is not None
-        return (self.kind == "q6" and self.qh is not None and self.qh.dim() == 2
-                and self.qh.shape[1] == self.in_features // 4 + self.in_features // 16)
+        high = {"q5": 8, "q6": 4}.get(self.kind)
+        return (high is not None and self.qh is not None and self.qh.dim() == 2
+                and self.qh.shape[1] == self.in_features // high + self.in_features // 16)
 
     @property
     def out_features(self) -> int:
@@ -179,8 +188,8 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
     else:
         q = expand_codes(w).view(rows, -1, w.group).float() if w.kind != "q4" else \
             _nibbles(w.qs).reshape(rows, -1, w.group).float() - w.zero       # [out, in / group, group]
-    scale, minv = (k4_group_scales(w) if w.kind == "q4" else (k6_group_scales(w), None)) if w.two_level \
-        else (w.scale, w.minv)
+    scale, minv = (k6_group_scales(w), None) if w.two_level and w.kind == "q6" else \
+        k4_group_scales(w) if w.two_level else (w.scale, w.minv)
     out = q * scale.float().unsqueeze(-1)
     if minv is not None:
         out = out + minv.float().unsqueeze(-1)
@@ -188,11 +197,11 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Ten
 
 
 def k4_group_scales(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """A two-level q4 weight's scale and minimum per run of 32, float32 [out, in / 32] each:
+    """A two-level q4 or q5 weight's scale and minimum per run of 32, float32 [out, in / 32] each:
     d * sub and -dmin * min, exact (a float16 times an integer below 64), as ggml dequantizes
-    Q4_K and the kernels compute them."""
+    Q4_K / Q5_K and the kernels compute them."""
     rows = w.out_features
-    sub = w.qh.view(rows, -1, 2, K4_HIGH // 2).float()                      # [out, in / 256, sc | min, 8]
+    sub = w.qh[:, :w.in_features // 16].reshape(rows, -1, 2, K4_HIGH // 2).float()   # [out, in / 256, sc | min, 8]
     scale = w.scale.float().unsqueeze(-1) * sub[:, :, 0]
     minv = w.minv.float().unsqueeze(-1) * sub[:, :, 1]
     return scale.reshape(rows, -1), minv.reshape(rows, -1)
@@ -241,7 +250,8 @@ def expand_codes(w: PackedWeight) -> torch.Tensor:
         q = low | (high.reshape(low.shape).to(torch.int16) << 4)
         return (q - w.zero).to(torch.int8).reshape(rows, -1)
     q = _nibbles(w.qs).view(rows, -1, SUB).to(torch.int16)                  # [out, in / 32, 32]
-    planes = w.qh.view(rows, -1, 4)                                        # [out, in / 32, 4 bytes]
+    qh = w.qh[:, w.in_features // 16:] if w.two_level else w.qh             # the planes (two-level: after scales)
+    planes = qh.reshape(rows, -1, 4)                                       # [out, in / 32, 4 bytes]
     shifts = torch.arange(8, device=planes.device, dtype=torch.uint8)
     bits = ((planes.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1, SUB).to(torch.int16)
     return ((q | (bits << 4)) - w.zero).to(torch.int8).reshape(rows, -1)
@@ -265,7 +275,7 @@ def to_q8(w: PackedWeight) -> PackedWeight:
     the compact one, and IQ4's, Q3_K's and Q2_K's on AVX-512 builds until the fourteenth session:
     benchmarks compare the two;
     tests check the kernels agree). q2/q3's scale and minimum per 16 (``k2_group_scales``) are
-    rounded to float16 there: at most 2^-11 of each. Q4_K's / Q6_K's two-level weights are refused
+    rounded to float16 there: at most 2^-11 of each. Q4_K's / Q5_K's / Q6_K's two-level weights are refused
     (q4 has no q8 form; a float16 per group would not hold d * sub exactly)."""
     if w.two_level:
         raise ValueError(f"{w.source}: a weight with two-level scales is not widened to q8")
