@@ -505,7 +505,10 @@ prefetch_row(const uint8_t *qs, int64_t row_bytes, const uint8_t *qh, int64_t hi
 }
 
 /* Output rows [n0, n1); the codes (and scales) of row n + I16_PF_ROWS are prefetched
- * while row n is computed. */
+ * while row n is computed, but q5's and q6's (q5k, q6k too): their expansions make the gemv issue-bound, the
+ * hardware prefetchers keep up, and the prefetches took issue slots (one Q5_K_M / Q6_K token's
+ * gemvs from memory 1.09-1.22x / 1.05-1.20x faster without them, -march=haswell on Zen 4;
+ * i4/q2/q3 measured level within this host's noise, so they keep them: benchmarks/README.md). */
 static inline __attribute__((always_inline)) void
 rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
          int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
@@ -514,7 +517,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
     const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
-        if (f < n1) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
+        if (f < n1 && quant_codes_kind(kind) != 5 && quant_codes_kind(kind) != 6) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
         float res[I16_ROWS];
         row_dot_i16(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
                     mn ? mn + n * groups : NULL, per, (N - n) * groups, a, m_rows, res);

@@ -622,10 +622,11 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
 }
 
 /* Output rows [n0, n1) for m_rows rows of x; the codes of row n + PF_ROWS are prefetched
- * (into L2: QUANT_PREFETCH_HINT) while row n is computed, but q6's: its gemv is bound by issuing
- * vector operations (~3.5 cycles per 32 weights in Q6_K's own layout), the hardware prefetchers
+ * (into L2: QUANT_PREFETCH_HINT) while row n is computed, but q6's and q5's: their gemvs are bound
+ * by issuing vector operations (~3.5 and ~5 cycles per 32 weights hot), the hardware prefetchers
  * keep up with that, and the prefetch instructions took issue slots (a Q6_K token's gemvs from
- * memory at one thread 29.6 ms without them, 31.2 with; as bit-planes 36.7 against 39.8; Zen 4). */
+ * memory at one thread 29.6 ms without them, 31.2 with; as bit-planes 36.7 against 39.8; a Q5_K_M
+ * token's ~4 % faster without them, hot 1.07-1.09x; Zen 4, benchmarks/README.md). */
 static inline __attribute__((always_inline)) void
 rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t per,
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
@@ -633,7 +634,7 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
     for (int64_t n = n0; n < n1; n++) {
-        if (quant_codes_kind(kind) != 6 && n + PF_ROWS < N) {
+        if (quant_codes_kind(kind) != 6 && quant_codes_kind(kind) != 5 && n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), QUANT_PREFETCH_HINT);
             for (int64_t o = 0; o < high_bytes; o += 64)
