@@ -100,6 +100,18 @@ q4k_run_scales(const uint16_t *d, const uint16_t *dm, const uint8_t *h, int64_t 
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
 }
 
+/* Run r's (8 blocks of 32) scales and minimums (mn may be NULL: zeros) as 8 floats each: q4k's and
+ * q5k's from their two levels (q4k_run_scales), the others' float16 ones as they are. */
+static inline __attribute__((always_inline)) void
+run_scales(int kind, const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t r, __m256 *s, __m256 *b) {
+    if (quant_k4_scales(kind)) {
+        q4k_run_scales(sc, mn, qh, r, s, b);
+        return;
+    }
+    *s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+    *b = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps();
+}
+
 static inline float hsum8(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -393,13 +405,8 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
         }
         float sd[I16_ROWS][I16_RUN] __attribute__((aligned(32)));
         __m256 sdv[I16_ROWS];   /* q4: s_w * d in registers, for q4_run_pairs */
-        __m256 s, mw;
-        if (quant_k4_scales(kind)) {   /* q4k, q5k: a run is a super-block: sc, mn its d, -dmin; qh its sub-scales */
-            q4k_run_scales(sc, mn, qh, b0 / I16_RUN, &s, &mw);
-        } else {
-            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b0)));
-            mw = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + b0))) : _mm256_setzero_ps();
-        }
+        __m256 s, mw;   /* q4k, q5k: a run is a super-block: sc, mn its d, -dmin; qh its sub-scales */
+        run_scales(kind, sc, mn, qh, b0 / I16_RUN, &s, &mw);
         mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw);
         for (int m = 0; m < m_rows; m++) {
             sdv[m] = _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + b0));
@@ -615,12 +622,7 @@ q4_row_tile(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, c
     const float zw = -(float)zero;
     for (int64_t r = 0; r < runs; r++) {
         __m256 s, mw0;
-        if (kind == QUANT_Q4K) {
-            q4k_run_scales(sc, mn, qh, r, &s, &mw0);
-        } else {
-            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
-            mw0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps();
-        }
+        run_scales(kind, sc, mn, qh, r, &s, &mw0);
         const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw0);
         for (int m = 0; m < Q4T_ROWS; m++)
             accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
@@ -736,12 +738,7 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
     }
     for (int64_t r = 0; !g16 && r < runs; r++) {
         __m256 s, mw0;
-        if (kind == QUANT_Q5K) {
-            q4k_run_scales(sc, mn, qh, r, &s, &mw0);
-        } else {
-            s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
-            mw0 = mn ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + r * I16_RUN))) : _mm256_setzero_ps();
-        }
+        run_scales(kind, sc, mn, qh, r, &s, &mw0);
         const __m256 mw = _mm256_fmadd_ps(s, _mm256_set1_ps(zw), mw0);
         for (int m = 0; m < U8T_ROWS; m++)
             accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
