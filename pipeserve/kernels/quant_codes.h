@@ -83,7 +83,7 @@ static inline int quant_q6_code(const uint8_t *qs, const uint8_t *qh, int64_t k)
     return nib | ((qh[h * 32 + l % 32] >> (2 * (int)(l / 32))) & 3) << 4;
 }
 
-/* Whether this build's kernels take layout `kind` (every build takes all nine). */
+/* Whether this build's kernels take layout `kind` (every build takes all ten). */
 static inline int quant_takes_kind(int kind) {
     return kind == 4 || kind == 8 || kind == QUANT_Q4K || quant_is_compact(kind);   /* q5k, q6k: compact */
 }
@@ -132,14 +132,18 @@ static inline const int8_t *quant_q6k_sub(const uint8_t *qh, int64_t K) { (void)
 static inline const uint8_t *quant_high_bits_at(int kind, const uint8_t *qh, int64_t K) {
     return (kind == QUANT_Q6K || kind == QUANT_Q5K) && qh ? qh + K / 16 : qh;
 }
+/* Scales (and minimums) a row holds in `sc` (`mn`): one per super-block for the two-level
+ * layouts, one per group otherwise. */
+static inline int64_t quant_scales_per_row(int kind, int64_t K, int64_t group) {
+    return quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;
+}
 
-/* `rows` consecutive q4k / q5k rows of K weights (sc, mn, qh at the first one, `hstride` qh bytes
- * a row): their scales and minimums per run of 32 in float32, K / 32 a row, into s and b (row-major). */
-static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t hstride,
-                                    int64_t K, int64_t rows, float *s, float *b) {
-    const int64_t per = K / QUANT_Q4K_SUPER, supers = rows * per;
-    for (int64_t i = 0; i < supers; i++) {
-        const uint8_t *h = qh + i / per * hstride + i % per * QUANT_Q4K_HIGH;
+/* One q4k / q5k row of K weights (sc, mn, qh at it): its scales and minimums per run of 32 in
+ * float32, K / 32 of each, into s and b. */
+static inline void quant_q4k_scales(const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K, float *s,
+                                    float *b) {
+    for (int64_t i = 0; i < K / QUANT_Q4K_SUPER; i++) {
+        const uint8_t *h = qh + i * QUANT_Q4K_HIGH;
 #if defined(__F16C__) && defined(__AVX2__)
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[i])), m = _mm256_set1_ps(_cvtsh_ss(mn[i]));
         _mm256_storeu_ps(s + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -213,6 +217,17 @@ static inline int64_t quant_high_row_bytes(int kind, int64_t K) {
     if (kind == QUANT_Q6K) return K / 16 + K / 4;   /* the sub-scales, then q6's high bits */
     if (kind == QUANT_Q5K) return K / 16 + K / 8;   /* q4k's sub-scales, then q5's planes */
     return K / 8 * quant_high_bits(kind);
+}
+
+/* Two-level row n of K weights: its float32 scales into s, and (q4k, q5k) its minimums into b
+ * (q4k / q5k: K / 32 each, q6k: K / 16 scales): what the float, dequantize and bfloat16 many-row
+ * paths read where the other layouts' float16 ones are. */
+static inline void quant_two_level_row(int kind, const uint16_t *sc, const uint16_t *mn, const uint8_t *qh,
+                                       int64_t K, int64_t n, float *s, float *b) {
+    const int64_t sup = K / QUANT_Q4K_SUPER;
+    const uint8_t *h = qh + n * quant_high_row_bytes(kind, K);
+    if (kind == QUANT_Q6K) quant_q6k_scales(sc + n * sup, h, K, s);
+    else quant_q4k_scales(sc + n * sup, mn + n * sup, h, K, s, b);
 }
 
 /* q2/q3 run r's 32 codes (weights 32r .. 32r + 31 of the row), low | high << 2 - zero, the

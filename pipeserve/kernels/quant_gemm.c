@@ -129,13 +129,8 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
         rs[j] = two ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
         rm[j] = quant_k4_scales(kind) ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
     }
-    const int64_t sup = K / QUANT_Q4K_SUPER;
-    if (quant_k4_scales(kind))   /* q4k, q5k: their sub-scales first in each row's qh */
-        quant_q4k_scales(sc + n0 * sup, mn + n0 * sup, qh + n0 * high_bytes, high_bytes, K, rows, scales,
-                         scales + NB * groups);
-    if (kind == QUANT_Q6K)
-        for (int64_t j = 0; j < rows; j++)
-            quant_q6k_scales(sc + (n0 + j) * sup, qh + (n0 + j) * high_bytes, K, scales + j * groups);
+    for (int64_t j = 0; two && j < rows; j++)
+        quant_two_level_row(kind, sc, mn, qh, K, n0 + j, scales + j * groups, scales + (NB + j) * groups);
     const int ck = quant_codes_kind(kind);
     for (int64_t k = 0; k < K; k += 32) {
         __m512i r[NB];

@@ -521,7 +521,7 @@ rows_i16(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint
          int64_t group, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, const uint8_t *qh,
          int zero) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
+    const int64_t groups = quant_scales_per_row(kind, K, group);
     for (int64_t n = n0; n < n1; n++) {
         const int64_t f = n + I16_PF_ROWS;
         if (f < n1 && quant_codes_kind(kind) != 5 && quant_codes_kind(kind) != 6) prefetch_row(qs, row_bytes, qh, high_bytes, sc, mn, groups, f);
@@ -637,7 +637,7 @@ q4_row_tile(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, c
 static int q4_rows_many(int kind, int64_t M, const uint8_t *qs, const uint8_t *qh, const uint16_t *sc,
                         const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero) {
     const int64_t K = a->K, pairs = a->nb / I16_RUN * (I16_RUN / 2), row_bytes = K / 2;
-    const int64_t groups = kind == QUANT_Q4K ? K / QUANT_Q4K_SUPER : K / I16_QB, high = quant_high_row_bytes(kind, K);
+    const int64_t groups = quant_scales_per_row(kind, K, I16_QB), high = quant_high_row_bytes(kind, K);
     __m256 *dd = aligned_alloc(32, (size_t)(Q4T_ROWS * pairs * sizeof(__m256)));
     if (!dd) return -1;
     const int64_t tile = row_bytes >= Q4T_TILE / 4 ? 4 : Q4T_TILE / row_bytes, full = M / Q4T_ROWS * Q4T_ROWS;
@@ -752,7 +752,7 @@ u8_rows_many_of(int kind, int g16, int64_t M, const uint8_t *qs, const uint8_t *
                 const uint16_t *mn, const act_i16 *a, int64_t n0, int64_t n1, int64_t N, float *out, int zero,
                 int64_t tile, uint8_t *codes) {
     const int64_t K = a->K, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / (g16 ? 16 : I16_QB);   /* scales a row */
+    const int64_t groups = quant_scales_per_row(kind, K, g16 ? 16 : I16_QB);
     const int64_t runs = a->nb / I16_RUN, full = M / U8T_ROWS * U8T_ROWS;
     for (int64_t t0 = n0; t0 < n1; t0 += tile) {
         const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;

@@ -279,8 +279,7 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
                            int64_t group, const float *x, int m_rows, float *res, int f32) {
     for (int m = 0; m < m_rows; m++) res[m] = 0.0f;
     for (int64_t g = 0; g < K / group; g++) {
-        const float s = f32 ? ((const float *)sc)[g] : f16_to_f32(sc[g]);
-        const float b = (mn ? f32 ? ((const float *)mn)[g] : f16_to_f32(mn[g]) : 0.0f) - (float)zero * s;
+        const float s = quant_scale_at(sc, g, f32), b = (mn ? quant_scale_at(mn, g, f32) : 0.0f) - (float)zero * s;
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             const int64_t j = k % 32, base = k - j;
             const float code = kind == 4 ? (float)(j < 16 ? q[base / 2 + j] & 15 : q[base / 2 + j - 16] >> 4)
@@ -632,7 +631,7 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
         int64_t K, int64_t group, const act_i8 *a, int64_t n0, int64_t n1, int64_t N, void *out, int out_bf16,
         const uint8_t *qh, int zero) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
-    const int64_t groups = quant_two_level(kind) ? K / QUANT_Q4K_SUPER : K / group;   /* scales a row */
+    const int64_t groups = quant_scales_per_row(kind, K, group);
     for (int64_t n = n0; n < n1; n++) {
         if (quant_codes_kind(kind) != 6 && quant_codes_kind(kind) != 5 && n + PF_ROWS < N) {
             const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
@@ -813,7 +812,6 @@ void pipeserve_quant_rows(int kind, const uint8_t *qs, const uint16_t *sc, const
 #endif
 }
 
-
 /* out [M, N] = xf [M, K] . W^T through the two phases, threads over contiguous, equal
  * ranges of output rows (as schedule(static)). Returns 0, or -1 when scratch cannot be had. */
 static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
@@ -835,15 +833,12 @@ static int gemv_int(int kind, const uint8_t *qs, const uint16_t *sc, const uint1
     return 0;
 }
 
-/* Two-level row n's float32 scales expanded into buf: q4k's / q5k's per 32 then their minimums
- * (2 * K / 32), q6k's per 16 (K / 16); returns buf (as the float16 pointer the float paths take,
- * with their f32 flag). */
+/* Two-level row n's float32 scales expanded into buf (quant_two_level_row: q4k's / q5k's per 32
+ * then their minimums, 2 * K / 32; q6k's per 16, K / 16); returns buf (as the float16 pointer the
+ * float paths take, with their f32 flag). */
 static const uint16_t *two_level_row(int kind, const uint16_t *sc, const uint16_t *mn, const uint8_t *qh, int64_t K,
                                      int64_t n, float *buf) {
-    const int64_t sup = K / QUANT_Q4K_SUPER;
-    if (kind == QUANT_Q6K) quant_q6k_scales(sc + n * sup, qh + n * quant_high_row_bytes(kind, K), K, buf);
-    else quant_q4k_scales(sc + n * sup, mn + n * sup, qh + n * quant_high_row_bytes(kind, K), 0, K, 1, buf,
-                          buf + K / 32);
+    quant_two_level_row(kind, sc, mn, qh, K, n, buf, buf + K / 32);
     return (const uint16_t *)buf;
 }
 
@@ -992,8 +987,8 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
             continue;
 #endif
             for (int64_t g = 0; g < groups; g++) {
-                const float scale = f32 ? ((const float *)s)[g] : f16_to_f32(s[g]);
-                const float bias = (b ? f32 ? ((const float *)b)[g] : f16_to_f32(b[g]) : 0.0f) - (float)z4 * scale;
+                const float scale = quant_scale_at(s, g, f32);
+                const float bias = (b ? quant_scale_at(b, g, f32) : 0.0f) - (float)z4 * scale;
                 const int step = ck == 4 ? 32 : 16;   /* a q8 group may be 16 (Q6_K) */
                 for (int64_t k = g * group; k < (g + 1) * group; k += step) {
                     float w[32];
