@@ -340,8 +340,9 @@ def _check(rc: int, w: PackedWeight) -> None:
         raise ValueError(f"this build of the quantized kernels does not take the {w.kind} layout of {w.source} "
                          "(IQ4, Q3_K and Q2_K are widened to q8 at load where it does not)")
     if rc == -3:
-        raise ValueError(f"{w.source} ({w.kind}): q2/q3 weights and q4 with two-level scales come in whole "
-                         f"super-blocks of 256, not in_features {w.in_features} in groups of {w.group}")
+        raise ValueError(f"{w.source} ({w.kind}): q2/q3 weights and q4/q5/q6 with two-level scales come in whole "
+                         f"super-blocks of 256 (q4/q5 in groups of 32, q6 of 16), not in_features {w.in_features} "
+                         f"in groups of {w.group}")
     if rc != 0:
         raise RuntimeError(f"quantized matmul refused its arguments (code {rc})")
 

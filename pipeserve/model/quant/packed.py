@@ -12,8 +12,8 @@ weights of a row:
   -dmin, and ``qh`` uint8 [out, in / 256 * ``K4_HIGH``] per super-block the eight 6-bit
   sub-scales of its runs of 32, then their eight sub-minimums. Run r's scale is d * sub_r,
   its minimum -dmin * min_r, exact in float32 as ggml computes them (``k4_group_scales``; the
-  VNNI decode in registers, the other paths into float32 scratch in L1, the AVX2 integer
-  path rounded to float16): 4.625 bits per weight (the file 4.5), where a float16 scale and
+  VNNI and AVX2 integer decodes in registers, the other paths into float32 scratch in L1):
+  4.625 bits per weight (the file 4.5), where a float16 scale and
   minimum per run took 5.
 - ``q8``: 8-bit codes, ``qs`` int8 [out, in].
 - ``q5``: 5-bit codes 0..31 stored compactly: the low 4 bits as ``q4``'s ``qs``, the
