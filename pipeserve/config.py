@@ -75,6 +75,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # PP > 1: a prompt's next chunk may be scheduled while its earlier chunks are in flight
     pipeline_prompt_chunks: bool = True
+    # PP > 1, async: with a slot free, a decode is sent before its input token is sampled, and
+    # the last stage sends that token to stage 0 directly (llm_engine, "decode ahead")
+    pp_decode_ahead: bool = True
     scheduling_policy: str = "fcfs"           # fcfs | priority | fair
     preemption_mode: str = "recompute"        # recompute | swap
     # Pipeline

@@ -47,6 +47,7 @@ class Kind(IntEnum):
     RESET = 17     # driver -> stage: drop your state, close your links and join again
     LOST = 18      # never sent: the local transport's note that the connection to ``src`` closed
     PROFILE = 19   # stage -> driver: its cumulative --profile figures (StageProfile), before a TIMELINE
+    TOKENS = 20    # last stage -> stage 0: a step's sampled tokens (step id, [(seq id, token id)])
 
 
 @dataclass

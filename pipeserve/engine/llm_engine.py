@@ -79,6 +79,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
+        self._forwarding: set[int] = set()   # steps in flight whose tokens go to stage 0 too (decode ahead)
         self._dead: str | None = None
         self.recovery = RecoveryLog()
         self.profiler = None
@@ -256,16 +257,66 @@ class LLMEngine:
         if self._gpipe:
             slots = min(slots, self.config.pp_micro_batches or self.config.pipeline_parallel_size)
         for i in range(slots):
-            sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
+            sched, tokens_from = self.scheduler.schedule(**self._micro_batch_limits(slots - i)), -1
             if sched.is_empty:
-                break
-            step = self._build_step(sched)
+                tokens_from, sched = self._schedule_ahead()
+                if sched.is_empty:
+                    break
+            forward = self._forwards_tokens(sched, pending=1 if tokens_from < 0 else 2)
+            step = self._build_step(sched, tokens_from=tokens_from, forward_tokens=forward)
             self._inflight[step.step_id] = sched
+            if forward:
+                self._forwarding.add(step.step_id)
             self.executor.submit(step)
 
-    def _build_step(self, sched: SchedulerOutput) -> StepInput:
+    def _build_step(self, sched: SchedulerOutput, **ahead) -> StepInput:
         return build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
-                          self.guides.mask if len(self.guides) else None)
+                          self.guides.mask if len(self.guides) else None, **ahead)
+
+    # -- decode ahead (pp_decode_ahead) -------------------------------------
+    # With fewer live sequences than micro-batches in flight (one request alone), a slot is
+    # free while a decode is in flight, and the next decode of its sequences could only be
+    # sent after its result reached the driver: every token would cross last stage ->
+    # driver -> stage 0, with the driver's step between. Instead the engine sends that next
+    # decode at once, its input token not known yet (``StepInput.tokens_from``); the last
+    # stage sends the token to stage 0 directly (``forward_tokens``), which runs it at once.
+    # If the sequence stops on the token (EOS, a stop string, an abort), the decode ahead
+    # computed one position for nothing and its result is dropped.
+    @property
+    def _decodes_ahead(self) -> bool:
+        return (self.config.pp_decode_ahead and self.config.pp_schedule == "async"
+                and self.executor.max_inflight > 1)
+
+    def _may_follow(self, seq, pending: int) -> bool:
+        """Whether a decode may be scheduled after ``pending`` tokens ``seq`` has sampled in
+        flight: not if they may end it by length, nor if its sampling reads its output tokens
+        (penalties) or the driver must see each token first (a grammar)."""
+        p = seq.params
+        return (not seq.is_finished and not p.needs_penalties and p.structured_outputs is None
+                and (p.max_tokens is None or seq.num_output_tokens + pending < p.max_tokens)
+                and seq.num_tokens + pending < self.max_model_len)
+
+    def _forwards_tokens(self, sched: SchedulerOutput, pending: int) -> bool:
+        """Whether the last stage should send this micro-batch's tokens to stage 0 too: a
+        decode ahead may follow it (a slot will be free for one, and a sequence may have one)."""
+        if not self._decodes_ahead:
+            return False
+        s = self.scheduler
+        if s.num_running + s.num_waiting + s.num_swapped >= self.executor.max_inflight:
+            return False
+        return any(item.sample and self._may_follow(item.seq, pending) for item in sched.scheduled)
+
+    def _schedule_ahead(self) -> tuple[int, SchedulerOutput]:
+        """The next decode of the sequences of the oldest step in flight that forwards its tokens:
+        (that step's id, the micro-batch), or (-1, an empty one)."""
+        for step_id in [i for i in self._inflight if i in self._forwarding]:
+            self._forwarding.discard(step_id)     # one decode ahead per step
+            seqs = [item.seq for item in self._inflight[step_id].scheduled
+                    if item.sample and self._may_follow(item.seq, 1)]
+            sched = self.scheduler.schedule_ahead(seqs)
+            if not sched.is_empty:
+                return step_id, sched
+        return -1, SchedulerOutput()
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
         """Spread the work evenly over the micro-batches in flight (``micro_batch_limits``)."""
@@ -274,6 +325,7 @@ class LLMEngine:
 
     def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
+        self._forwarding.discard(result.step_id)
         self.scheduler.on_step_done(sched)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         touched: dict[str, RequestOutput] = {}
@@ -314,6 +366,7 @@ class LLMEngine:
         for sched in self._inflight.values():
             self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
         self._inflight.clear()
+        self._forwarding.clear()
         while self.recovery.restarts < self.config.max_stage_restarts:
             failed = self._recover(message)
             if failed is None:
@@ -348,6 +401,7 @@ class LLMEngine:
         for sched in self._inflight.values():
             self.scheduler.on_step_failed(sched)
         self._inflight.clear()
+        self._forwarding.clear()
         failed = []
         for group in list(self.requests.values()):
             unfinished = [s for s in group.seqs if not s.is_finished]

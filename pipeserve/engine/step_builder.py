@@ -15,12 +15,15 @@ from pipeserve.worker.step import SeqStep, StepInput
 _step_ids = itertools.count()
 
 
-def build_step(scheduled, swap_in, swap_out, copies, mask_of: Callable[[int], Any] | None = None) -> StepInput:
+def build_step(scheduled, swap_in, swap_out, copies, mask_of: Callable[[int], Any] | None = None, *,
+               tokens_from: int = -1, forward_tokens: bool = False) -> StepInput:
     """``scheduled``: the scheduler's ``ScheduledSeq`` list for one micro-batch;
-    ``mask_of(seq_id)``: the grammar mask of a constrained sequence's next token, else None."""
+    ``mask_of(seq_id)``: the grammar mask of a constrained sequence's next token, else None;
+    ``tokens_from``, ``forward_tokens``: decode ahead (``StepInput``)."""
     seqs = [_seq_step(s, mask_of) for s in scheduled]
     return StepInput(step_id=next(_step_ids), seqs=seqs, swap_in=list(swap_in),
-                     swap_out=list(swap_out), copies=list(copies))
+                     swap_out=list(swap_out), copies=list(copies), forward_tokens=forward_tokens,
+                     tokens_from=tokens_from)
 
 
 def _seq_step(item: ScheduledSeq, mask_of) -> SeqStep:
@@ -28,17 +31,22 @@ def _seq_step(item: ScheduledSeq, mask_of) -> SeqStep:
     # prompt may still be in flight (Scheduler, pipeline_prompt_chunks).
     seq, start, sample = item.seq, item.start, item.sample
     mask = mask_of(seq.seq_id) if sample and mask_of is not None else None
+    # A decode ahead takes in the token its item in flight samples: a placeholder until stage 0
+    # fills it in, and one more output token than the sequence holds now.
+    ahead = start >= seq.num_tokens
     return SeqStep(
         seq_id=seq.seq_id,
-        token_ids=seq.token_ids[start:start + item.num_new_tokens],
+        token_ids=[0] if ahead else seq.token_ids[start:start + item.num_new_tokens],
         start_pos=start,
         block_table=list(seq.block_table),
-        sampling=sampling_inputs(seq, mask) if sample else None,
+        sampling=sampling_inputs(seq, mask, pending=int(ahead)) if sample else None,
         seq_len=item.seq_len,
     )
 
 
-def sampling_inputs(seq: Sequence, allowed_token_mask: bytes | None = None) -> SeqSampling:
+def sampling_inputs(seq: Sequence, allowed_token_mask: bytes | None = None, pending: int = 0) -> SeqSampling:
+    """``pending``: tokens sampled in flight and not appended yet (a decode ahead: 1); penalties
+    read the output tokens, so a sequence that needs them is never decoded ahead."""
     p = seq.params
     penalties = p.needs_penalties
     return SeqSampling(
@@ -47,13 +55,13 @@ def sampling_inputs(seq: Sequence, allowed_token_mask: bytes | None = None) -> S
         top_k=p.top_k,
         min_p=p.min_p,
         seed=sequence_seed(p.seed, seq.index),
-        step_index=seq.num_output_tokens,
+        step_index=seq.num_output_tokens + pending,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty,
         prompt_token_ids=seq.prompt_token_ids if penalties else None,
         output_token_ids=seq.output_token_ids if penalties else None,
-        banned_token_ids=banned_tokens(seq),
+        banned_token_ids=banned_tokens(seq, pending),
         num_logprobs=p.logprobs,
         allowed_token_mask=allowed_token_mask,
     )
@@ -66,10 +74,10 @@ def sequence_seed(seed: int | None, index: int) -> int | None:
     return zlib.crc32(f"{seed}:{index}".encode())
 
 
-def banned_tokens(seq: Sequence) -> list[int]:
+def banned_tokens(seq: Sequence, pending: int = 0) -> list[int]:
     """EOS and stop ids may not be sampled before ``min_tokens`` are out."""
     p = seq.params
-    if seq.num_output_tokens >= p.min_tokens:
+    if seq.num_output_tokens + pending >= p.min_tokens:
         return []
     banned = list(p.stop_token_ids)
     if not p.ignore_eos:

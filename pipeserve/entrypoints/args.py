@@ -23,6 +23,9 @@ _HELP = {
     "pp_partition": "balanced (by the model's shapes, LM head included) | uniform | auto (measured) | "
                     "layer counts per stage (e.g. 19,11)",
     "pp_schedule": "async | gpipe | interleaved",
+    "pp_decode_ahead": "async: with fewer sequences than micro-batches (one request alone), send a decode "
+                       "before its input token is sampled; the last stage hands that token to stage 0 "
+                       "directly instead of through the driver (default on)",
     "scheduling_policy": "fcfs | priority | fair",
     "preemption_mode": "recompute | swap",
     "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",

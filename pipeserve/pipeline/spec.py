@@ -115,7 +115,7 @@ class StepEnvelope:
 # What the pipeline's own message kinds carry (``comm`` declares the transport's).
 messages.register_payloads({
     Kind.STEP: StepEnvelope, Kind.RESULT: tuple[StepOutput, list[Interval]], Kind.SPEC: SpecWire,
-    Kind.PROFILE: StageProfile,
+    Kind.PROFILE: StageProfile, Kind.TOKENS: tuple[int, list[tuple[int, int]]],
 })
 
 

@@ -11,6 +11,15 @@ reader keeps reading the next one from the socket while this one computes.
 Every interval the stage spends is recorded (see ``pipeserve.metrics.timeline``)
 and piggybacks on the next message it sends; the last stage's results carry
 them to the driver.
+
+Decode ahead (``EngineConfig.pp_decode_ahead``): the driver may send stage 0 a
+decode step before the tokens it takes in are sampled (``StepInput.tokens_from``).
+The last stage sends the tokens of such a source step (``forward_tokens``) to
+stage 0 as well as the result to the driver, and stage 0 runs the waiting step
+as soon as they arrive, on the reader thread that read them when it is idle:
+one request's token goes from the last stage to stage 0 in one hop, without
+the driver. Until then that step, and any first-chunk step after it, wait;
+every other message is handled.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
@@ -135,6 +144,11 @@ class Sender(threading.Thread):
 
 
 class StageWorker:
+    # Decode ahead: the source steps' tokens kept for a step that has not arrived yet. A source
+    # step whose follower was never scheduled (its sequence stopped, new work took the slot)
+    # leaves its tokens behind: at most this many are kept, the oldest dropped first.
+    MAX_KEPT_TOKENS = 64
+
     def __init__(self, spec: PipelineSpec, stage: int, runners: dict[int, Any], transport: TcpTransport) -> None:
         self.spec, self.stage, self.runners = spec, stage, runners
         self.rank = stage + 1
@@ -148,6 +162,7 @@ class StageWorker:
         self._busy = False
         self._idle_since = time.time()
         self._crash: BaseException | None = None   # raised on a reader thread; re-raised by run()
+        self._tokens: OrderedDict[int, dict[int, int]] = OrderedDict()  # source step id -> {seq id: token}
         # A CUDA stage computes on its main thread only: the current device and stream are per thread.
         self._direct = spec.config.device != "cuda"
 
@@ -176,14 +191,50 @@ class StageWorker:
     def _arrived(self, message: Message) -> None:
         """On a transport reader thread: handle a small step here if the stage is idle, else
         queue the message for the main thread."""
+        if message.kind == Kind.TOKENS:
+            self._tokens_arrived(*message.obj)
+            return
         with self._cv:
-            direct = (self._direct and not self._busy and not self._backlog and message.kind == Kind.STEP
-                      and (message.tensor is None or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES))
+            direct = (self._direct and not self._busy and not self._backlog and self._small_step(message)
+                      and self._has_tokens(message))
             if not direct:
                 self._backlog.append(message)
                 self._cv.notify()
                 return
             self._busy = True
+        self._handle_here(message)
+
+    @staticmethod
+    def _small_step(message: Message) -> bool:
+        return message.kind == Kind.STEP and (message.tensor is None
+                                              or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES)
+
+    def _has_tokens(self, message: Message) -> bool:
+        """False for a first-chunk step whose input tokens (decode ahead) have not arrived."""
+        step = message.obj.step
+        return message.obj.chunk != 0 or step.tokens_from < 0 or step.tokens_from in self._tokens
+
+    def _tokens_arrived(self, step_id: int, pairs: list[tuple[int, int]]) -> None:
+        """Decode ahead: the tokens a step sampled, from the last stage (on its link's reader
+        thread, or this stage's own at P = 1). The step waiting for them runs now: here, when
+        the stage is idle and it is next."""
+        with self._cv:
+            self._tokens[step_id] = dict(pairs)
+            while len(self._tokens) > self.MAX_KEPT_TOKENS:
+                self._tokens.popitem(last=False)
+            now = time.time()
+            for waiting in self._backlog:     # its wait ends now, not when it arrived
+                if waiting.kind == Kind.STEP and waiting.obj.chunk == 0 and waiting.obj.step.tokens_from == step_id:
+                    waiting.arrived = max(waiting.arrived, now)
+            if not (self._direct and not self._busy and self._pick() == 0 and self._small_step(self._backlog[0])):
+                self._cv.notify()
+                return
+            message = self._backlog.popleft()
+            self._busy = True
+        self._handle_here(message)
+
+    def _handle_here(self, message: Message) -> None:
+        """Handle ``message`` on this (reader) thread; the caller has set ``_busy``."""
         try:
             self._handle(message)
         except BaseException as exc:      # the main thread's death, as if it had run the step
@@ -195,12 +246,27 @@ class StageWorker:
 
     def _next_message(self) -> Message:
         with self._cv:
-            while self._crash is None and (self._busy or not self._backlog):
+            while self._crash is None and (self._busy or (index := self._pick()) is None):
                 self._cv.wait()
             if self._crash is not None:
                 raise self._crash
             self._busy = True
-            return self._backlog.popleft()
+            message = self._backlog[index]
+            del self._backlog[index]
+            return message
+
+    def _pick(self) -> int | None:
+        """Where in the backlog the next message to handle is: the oldest, except that a
+        first-chunk step still waiting for its tokens, and every first-chunk step after it,
+        stay (each chunk runs its steps in submission order; other chunks and messages go on)."""
+        blocked = False
+        for index, message in enumerate(self._backlog):
+            if message.kind == Kind.STEP and message.obj.chunk == 0:
+                if blocked or not self._has_tokens(message):
+                    blocked = True
+                    continue
+            return index
+        return None
 
     def _idle(self) -> None:
         with self._cv:
@@ -245,6 +311,8 @@ class StageWorker:
         step_id, chunk = env.step.step_id, env.chunk
         start = time.time()
         try:
+            if chunk == 0 and env.step.tokens_from >= 0:
+                self._fill_tokens(env.step)
             out = self.runners[chunk].execute(env.step, hidden)
             if isinstance(out, torch.Tensor) and out.is_cuda:
                 torch.cuda.current_stream(out.device).synchronize()  # the sender reads it next
@@ -255,6 +323,12 @@ class StageWorker:
         self.log.carry(env.intervals)
         intervals = self.log.due()
         if isinstance(out, StepOutput):
+            if env.step.forward_tokens:       # stage 0 first: its next step waits for them, the driver does not
+                pairs = [(t.seq_id, t.token_id) for t in out.sampled]
+                if self.stage == 0:
+                    self._tokens_arrived(step_id, pairs)
+                else:
+                    self.sender.put(1, Kind.TOKENS, (step_id, pairs))
             self.sender.put(0, Kind.RESULT, (out, intervals), step_id=step_id, chunk=chunk)
             return
         nxt = StepEnvelope(env.step, chunk + 1, intervals)
@@ -264,3 +338,16 @@ class StageWorker:
                 self._backlog.appendleft(Message(self.rank, Kind.STEP, nxt, out, time.time()))
         else:
             self.sender.put(dst, Kind.STEP, nxt, out, step_id, chunk)
+
+    def _fill_tokens(self, step) -> None:
+        """Decode ahead: each sequence's input token is the one step ``tokens_from`` sampled for it."""
+        with self._cv:
+            tokens = self._tokens.pop(step.tokens_from, None)
+        if tokens is None:
+            raise RuntimeError(f"step {step.step_id} runs before the tokens of step {step.tokens_from}, "
+                               "which it takes in, arrived")
+        for seq in step.seqs:
+            if seq.seq_id not in tokens:
+                raise RuntimeError(f"step {step.tokens_from} sampled no token for sequence {seq.seq_id}, "
+                                   f"which step {step.step_id} takes in")
+            seq.token_ids = [tokens[seq.seq_id]]

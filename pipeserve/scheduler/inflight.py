@@ -1,8 +1,10 @@
 """The scheduler's record of what is in flight: per sequence, its items in schedule order.
 
-A sequence may have several items in flight at once only while it computes a
+A sequence may have several items in flight at once while it computes a
 prompt (or a recompute's prefill) in chunks: chunk k + 1 is scheduled before
-chunk k returns, and goes into a later micro-batch. That is right only because
+chunk k returns, and goes into a later micro-batch; and with a decode
+scheduled ahead (``Scheduler.schedule_ahead``) after the item that samples
+its input token. That is right only because
 every schedule runs the micro-batches on each layer range in the order they
 were submitted (each stage handles its messages in arrival order, and a link
 delivers them in the order they were sent), so chunk k's KV is written on a
@@ -35,6 +37,9 @@ class InFlight:
     @property
     def num_items(self) -> int:
         return sum(len(items) for items in self._items.values())
+
+    def num_items_of(self, seq: Sequence) -> int:
+        return len(self._items.get(seq.seq_id, ()))
 
     def end(self, seq: Sequence) -> int:
         """Where ``seq``'s next item starts: the end of its last item in flight, else

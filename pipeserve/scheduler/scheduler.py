@@ -25,8 +25,10 @@ the chunks in flight end (``ScheduledSeq.start``), its blocks are allocated from
 there, and only the chunk that reaches the end samples; ``num_computed_tokens``
 still advances in ``on_step_done``, chunk by chunk in order, and only computed
 full blocks enter the prefix cache (a sibling of n > 1 forks, and another
-request hits, only KV that exists). A decode is never scheduled beside
-anything in flight of its sequence: it needs the token the last chunk samples.
+request hits, only KV that exists). A decode is scheduled beside
+something in flight of its sequence only *ahead* (``schedule_ahead``, the
+engine's ``pp_decode_ahead``): one decode after the sampling item in flight,
+its input token not known yet (the last stage sends it to stage 0 directly).
 A stage failure loses every micro-batch in flight; ``on_step_failed`` each of
 them, then ``replay_all``.
 
@@ -152,7 +154,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self._inflight = InFlight()                  # seq_id -> its items in flight, oldest first
         self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0,
-                              rope_recomputes=0)
+                              rope_recomputes=0, decodes_ahead=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -239,6 +241,7 @@ class Scheduler:
             "num_preemptions_swap": c["preemptions_swap"],
             "num_replayed": c["replayed"],
             "num_rope_recomputes": c["rope_recomputes"],
+            "num_decodes_ahead": c["decodes_ahead"],
             **self.block_manager.stats(),
             **self.policy.stats(),
         }
@@ -265,6 +268,25 @@ class Scheduler:
                 self._schedule_waiting(budget, out)
         for item in out.scheduled:
             self._inflight.add(item)
+        return out
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> SchedulerOutput:
+        """Decode ahead: one micro-batch of the next decode of each of ``seqs``, whose one
+        item in flight samples the token that decode takes in (not known yet: ``start`` is
+        ``seq.num_tokens``). Never preempts: a sequence whose next slot needs a block that is
+        not free is left out. Not for longrope models (a token may cross the switch length)."""
+        out = SchedulerOutput()
+        if self._rope_switch is not None:
+            return out
+        for seq in seqs:
+            start = self._inflight.end(seq)
+            if (seq.status != SequenceStatus.RUNNING or self._inflight.num_items_of(seq) != 1
+                    or start != seq.num_tokens or not self.block_manager.allocate_slots(seq, 1, start)):
+                continue
+            item = ScheduledSeq(seq, 1, start=start, seq_len=start + 1)
+            self._inflight.add(item)
+            out.scheduled.append(item)
+        self._counters["decodes_ahead"] += len(out.scheduled)
         return out
 
     def _rope_variant(self, seq: Sequence) -> int:

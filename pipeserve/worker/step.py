@@ -38,6 +38,13 @@ class StepInput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)    # (src block, dst block)
+    # Decode ahead (``EngineConfig.pp_decode_ahead``): the last stage sends the tokens it samples
+    # for this step straight to stage 0 too (a TOKENS message) ...
+    forward_tokens: bool = False
+    # ... where a step scheduled before they were known waits for them: >= 0, every sequence's
+    # one input token is the one step ``tokens_from`` sampled for it (its ``token_ids`` hold a
+    # placeholder until stage 0 fills them in).
+    tokens_from: int = -1
 
     @property
     def num_tokens(self) -> int:

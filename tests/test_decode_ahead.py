@@ -1,0 +1,161 @@
+"""Decode ahead (``EngineConfig.pp_decode_ahead``): with a micro-batch slot free, the next
+decode of a sequence is sent before its input token is sampled, and the last stage hands
+that token to stage 0 directly. The scheduler's side with test_scheduler's fake engine
+(whose KV signatures catch a read of a position no earlier step wrote), stage 0's order
+of waiting steps, and the engine end to end against PP = 1."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from pipeserve.comm.transport import Kind, Message
+from pipeserve.pipeline.spec import StepEnvelope
+from pipeserve.pipeline.stage_worker import StageWorker
+from pipeserve.scheduler.scheduler import Scheduler
+from pipeserve.worker.step import SeqStep, StepInput
+from tests.test_scheduler import BS, FakeEngine
+
+
+def _items(out) -> list[tuple[int, int, bool]]:
+    return [(i.start, i.num_new_tokens, i.sample) for i in out.scheduled]
+
+
+def _ahead(eng: FakeEngine, seqs) -> object:
+    out = eng.sched.schedule_ahead(seqs)
+    if not out.is_empty:
+        eng.inflight.append(out)
+    return out
+
+
+def test_a_decode_ahead_takes_the_slot_after_the_token_in_flight() -> None:
+    eng = FakeEngine(num_blocks=8, max_inflight=2)
+    seq = eng.add(list(range(2 * BS)), max_tokens=4).seqs[0]
+    assert _items(eng.submit()) == [(0, 2 * BS, True)]
+    # The prompt's sampled token sits at position 2 BS: a third block, allocated now.
+    assert _items(_ahead(eng, [seq])) == [(2 * BS, 1, True)]
+    assert len(seq.block_table) == 3 and seq.num_tokens == 2 * BS
+    assert _ahead(eng, [seq]).is_empty, "one decode ahead at a time"
+    assert eng.submit().is_empty, "nothing else to schedule while both are in flight"
+    eng.complete_oldest()
+    assert seq.num_computed_tokens == 2 * BS and seq.num_output_tokens == 1
+    eng.complete_oldest()          # the fake engine checks it read the prompt's and the token's KV
+    assert seq.num_computed_tokens == 2 * BS + 1 and seq.num_output_tokens == 2
+    assert eng.sched.stats()["num_decodes_ahead"] == 1
+    eng.drain()
+    eng.assert_clean()
+
+
+def test_a_sequence_that_stops_keeps_its_blocks_until_the_decode_ahead_is_back() -> None:
+    eng = FakeEngine(num_blocks=8, max_inflight=2)
+    seq = eng.add(list(range(5)), max_tokens=8).seqs[0]
+    eng.submit()
+    _ahead(eng, [seq])
+    eng.complete_oldest()
+    eng.sched.finish_seq(seq, "stop")       # its token was EOS: the decode ahead is for nothing
+    assert seq.block_table, "the stages may still be writing its blocks"
+    eng.complete_oldest()
+    assert seq.block_table == [] and seq.num_output_tokens == 1
+    eng.assert_clean()
+
+
+def test_no_decode_ahead_without_a_free_block_or_with_longrope() -> None:
+    eng = FakeEngine(num_blocks=3, max_inflight=2)
+    seq = eng.add(list(range(2 * BS)), max_tokens=2).seqs[0]
+    other = eng.add([1, 2], max_tokens=1).seqs[0]
+    assert len(eng.submit().scheduled) == 2
+    assert _ahead(eng, [seq]).is_empty, "the slot needs a third block: left out, nobody preempted"
+    assert len(seq.block_table) == 2 and len(other.block_table) == 1
+    eng.drain()
+    eng.assert_clean()
+    longrope = Scheduler(eng.config, 8, 0, eng.requests, rope_switch_len=4)
+    assert longrope.schedule_ahead([seq]).is_empty
+
+
+# -- stage 0: a step waits for its tokens, and only first-chunk steps wait behind it --
+def _step_message(step_id: int, chunk: int = 0, tokens_from: int = -1) -> Message:
+    step = StepInput(step_id, [SeqStep(7, [0], 3, [0])], tokens_from=tokens_from)
+    return Message(0, Kind.STEP, StepEnvelope(step, chunk), None, 0.0)
+
+
+def _stage() -> StageWorker:
+    spec = types.SimpleNamespace(config=types.SimpleNamespace(device="cpu"), num_stages=2)
+    return StageWorker(spec, 0, {}, transport=None)
+
+
+def test_stage_zero_holds_a_step_until_its_tokens_arrive() -> None:
+    stage = _stage()
+    waiting, later, other_chunk, ping = (_step_message(2, tokens_from=1), _step_message(3),
+                                         _step_message(0, chunk=2), Message(0, Kind.PING, None, None, 0.0))
+    stage._backlog.extend([waiting, later, other_chunk, ping])
+    assert stage._pick() == 2, "a later first-chunk step may not pass the waiting one; another chunk may"
+    stage._backlog.remove(other_chunk)
+    assert stage._pick() == 2                   # the ping
+    stage._backlog.remove(ping)
+    assert stage._pick() is None
+    stage._busy = True                          # the tokens arrive while the stage computes: kept
+    stage._tokens_arrived(1, [(7, 42)])
+    assert stage._pick() == 0 and waiting.arrived > 0
+    stage._fill_tokens(waiting.obj.step)
+    assert waiting.obj.step.seqs[0].token_ids == [42] and not stage._tokens
+    with pytest.raises(RuntimeError, match="before the tokens of step 5"):
+        stage._fill_tokens(StepInput(6, [SeqStep(7, [0], 4, [0])], tokens_from=5))
+    stage._tokens_arrived(5, [(8, 1)])
+    with pytest.raises(RuntimeError, match="no token for sequence 7"):
+        stage._fill_tokens(StepInput(6, [SeqStep(7, [0], 4, [0])], tokens_from=5))
+
+
+def test_stage_zero_keeps_a_bounded_number_of_unclaimed_tokens() -> None:
+    stage = _stage()
+    stage._busy = True
+    for step_id in range(StageWorker.MAX_KEPT_TOKENS + 10):
+        stage._tokens_arrived(step_id, [(1, step_id)])
+    assert len(stage._tokens) == StageWorker.MAX_KEPT_TOKENS and min(stage._tokens) == 10
+
+
+# -- the engine, end to end ----------------------------------------------------
+REQUESTS = [   # one at a time: one live sequence, two micro-batch slots at PP = 2
+    dict(temperature=0.0, max_tokens=20),
+    dict(temperature=0.9, seed=7, max_tokens=20),           # the generator follows the step index
+    dict(temperature=0.9, seed=3, top_k=20, min_tokens=6, max_tokens=12, stop_token_ids=None),
+    dict(temperature=0.0, max_tokens=2),
+]
+
+
+def _run(llm, prompt: str, stop_at: int | None = None) -> list[list[int]]:
+    from pipeserve import SamplingParams
+    out = []
+    for kw in REQUESTS:
+        out.append(llm.generate([prompt], SamplingParams(**kw))[0].outputs[0].token_ids)
+    # A stop token met half-way: the decode ahead of the next position computes for nothing.
+    stop = out[0][stop_at if stop_at is not None else 5]
+    out.append(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20,
+                                                     stop_token_ids=[stop]))[0].outputs[0].token_ids)
+    # min_tokens bans that stop token for the first 8 outputs, counting the ones in flight.
+    out.append(llm.generate([prompt], SamplingParams(temperature=0.9, seed=11, max_tokens=14, min_tokens=8,
+                                                     stop_token_ids=[stop]))[0].outputs[0].token_ids)
+    out.append(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids)
+    return out
+
+
+def test_decode_ahead_gives_the_tokens_of_pp1(tiny_checkpoints) -> None:
+    from pipeserve import LLM
+    path = str(tiny_checkpoints("llama_tied_gqa"))
+    prompt = "a stage holds its layers and passes them on"
+    outputs, ahead = {}, {}
+    for pp, on in ((1, True), (2, True), (2, False)):
+        with LLM(model=path, pipeline_parallel_size=pp, dtype="float32", kv_cache_memory="8MiB",
+                 threads_per_stage=1, pp_decode_ahead=on) as llm:
+            outputs[pp, on] = _run(llm, prompt)
+            ahead[pp, on] = llm.stats()["scheduler"]["num_decodes_ahead"]
+            engine = llm.engine
+            assert not engine._inflight and not engine._forwarding
+            engine.scheduler.block_manager.check_integrity()
+    assert outputs[2, True] == outputs[1, True] == outputs[2, False]
+    stop = outputs[1, True][0][5]
+    assert outputs[1, True][4][-1] == stop and len(outputs[1, True][4]) <= 6
+    assert stop not in outputs[1, True][5][:8]
+    assert ahead[1, True] == 0 and ahead[2, False] == 0
+    # Every decode ran ahead: the prompt's step already hands its token to stage 0.
+    assert ahead[2, True] >= sum(len(o) - 1 for o in outputs[2, True])
