@@ -43,6 +43,7 @@ def test_a_decode_ahead_takes_the_slot_after_the_token_in_flight() -> None:
     eng.complete_oldest()          # the fake engine checks it read the prompt's and the token's KV
     assert seq.num_computed_tokens == 2 * BS + 1 and seq.num_output_tokens == 2
     assert eng.sched.stats()["num_decodes_ahead"] == 1
+    assert eng.sched.stats()["num_pipelined_chunks"] == 0, "a decode ahead is not a prompt's chunk"
     eng.drain()
     eng.assert_clean()
 

@@ -61,6 +61,8 @@ def default_max_inflight(config: EngineConfig) -> int:
 
 
 class PipelineExecutor(Executor):
+    decodes_ahead = True     # stage 0 takes the tokens of a step's ``tokens_from`` from the last stage
+
     def __init__(self, config: EngineConfig, source: Any, model_cfg: ModelConfig,
                  partition: list[tuple[int, int]], num_blocks: int, num_host_blocks: int,
                  runner_factory=None) -> None:

@@ -50,13 +50,14 @@ class InFlight:
         last = items[-1]
         return last.start + last.num_new_tokens
 
-    def add(self, item: ScheduledSeq) -> None:
+    def add(self, item: ScheduledSeq, ahead: bool = False) -> None:
+        """``ahead``: a decode after the item that samples its input token (not a chunk)."""
         expected = self.end(item.seq)
         if item.start != expected:
             raise RuntimeError(f"{item.seq}: a chunk from {item.start} scheduled where the next one "
                                f"starts at {expected}")
         items = self._items.setdefault(item.seq.seq_id, [])
-        if items:
+        if items and not ahead:
             self.num_pipelined += 1
         items.append(item)
 

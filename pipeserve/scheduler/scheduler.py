@@ -284,7 +284,7 @@ class Scheduler:
                     or start != seq.num_tokens or not self.block_manager.allocate_slots(seq, 1, start)):
                 continue
             item = ScheduledSeq(seq, 1, start=start, seq_len=start + 1)
-            self._inflight.add(item)
+            self._inflight.add(item, ahead=True)
             out.scheduled.append(item)
         self._counters["decodes_ahead"] += len(out.scheduled)
         return out

@@ -3,7 +3,10 @@
 The engine forms micro-batches (``StepInput``) and submits them; an executor
 runs them through one in-process stage (PP = 1) or P stage processes, and
 hands back ``StepOutput``s as they finish. Up to ``max_inflight`` steps may be
-in flight at once; each holds a disjoint set of sequences.
+in flight at once; each holds a disjoint set of sequences, except a prompt's
+consecutive chunks and, where ``decodes_ahead``, a decode sent before the token
+it takes in is sampled (``StepInput.tokens_from``: the executor's last stage
+hands that token to its first; the engine's "decode ahead").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ class ExecutorError(RuntimeError):
 
 class Executor(ABC):
     max_inflight: int = 1
+    decodes_ahead: bool = False      # runs steps with ``tokens_from`` (pipeline/stage_worker.py)
 
     @abstractmethod
     def submit(self, step: StepInput) -> None:
