@@ -70,7 +70,8 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
 @pytest.mark.parametrize("header,error", [
     (b"\x80\x04not json", "not JSON"),
     (b'{"kind": 1, "obj": null, "tensor": null}', "expected StepEnvelope as an array"),
-    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null, null]], [], [], []], 0, []], "tensor": null}',
+    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null, null]], [], [], [], false, -1], 0, []], '
+     b'"tensor": null}',
      "SeqStep.token_ids: expected int, got str"),
     (b'{"kind": 99, "obj": null, "tensor": null}', "unknown message kind"),
     (b'{"kind": 18, "obj": "x", "tensor": null}', "not accepted from the wire"),

@@ -137,6 +137,12 @@ def _run(llm, prompt: str, stop_at: int | None = None) -> list[list[int]]:
     out.append(llm.generate([prompt], SamplingParams(temperature=0.9, seed=11, max_tokens=14, min_tokens=8,
                                                      stop_token_ids=[stop]))[0].outputs[0].token_ids)
     out.append(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids)
+    # Many sequences: every micro-batch's next decode goes ahead while nothing waits; sequences
+    # stop at different points (length, the stop token) and the chains go on without them.
+    prompts = [prompt[:n] for n in (12, 20, 28, 36, 44, 52)]
+    batch = [SamplingParams(temperature=0.0, max_tokens=m, stop_token_ids=[stop] if m % 2 else None)
+             for m in (9, 14, 17, 22, 25, 30)]
+    out += [o.outputs[0].token_ids for o in llm.generate(prompts, batch)]
     return out
 
 
@@ -159,4 +165,4 @@ def test_decode_ahead_gives_the_tokens_of_pp1(tiny_checkpoints) -> None:
     assert stop not in outputs[1, True][5][:8]
     assert ahead[1, True] == 0 and ahead[2, False] == 0
     # Every decode ran ahead: the prompt's step already hands its token to stage 0.
-    assert ahead[2, True] >= sum(len(o) - 1 for o in outputs[2, True])
+    assert ahead[2, True] >= sum(len(o) - 1 for o in outputs[2, True][:7])

@@ -304,7 +304,9 @@ def test_metrics_parse_and_move(server):
     assert delta("pipeserve_prompt_tokens_total") >= 2
     assert delta("pipeserve_time_to_first_token_seconds_count") == 1
     assert delta("pipeserve_time_per_output_token_seconds_count") == 1
-    assert delta("pipeserve_inter_token_latency_seconds_count") == 4
+    # One observation per output after the first; at PP = 2 a decode ahead's result can come
+    # back with the one before it (one output, two tokens), as under load.
+    assert 1 <= delta("pipeserve_inter_token_latency_seconds_count") <= 4
     assert delta("pipeserve_e2e_request_latency_seconds_count") == 1
     assert delta("pipeserve_http_errors_total", (("status", "400"),)) == 1
     assert delta("pipeserve_prefix_cache_queries_total") >= 2

@@ -80,6 +80,7 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
         self._forwarding: set[int] = set()   # steps in flight whose tokens go to stage 0 too (decode ahead)
+        self._follows: dict[int, int] = {}   # a decode ahead's step id -> the step whose tokens it takes in
         self._dead: str | None = None
         self.recovery = RecoveryLog()
         self.profiler = None
@@ -253,35 +254,52 @@ class LLMEngine:
     def _fill_pipeline(self) -> None:
         """async / interleaved: top the pipeline up to ``max_inflight`` micro-batches.
         gpipe: split the step's batch into M micro-batches, all submitted at once."""
-        slots = self.executor.max_inflight - len(self._inflight)
+        slots = self.executor.max_inflight - len(self._heads())
         if self._gpipe:
             slots = min(slots, self.config.pp_micro_batches or self.config.pipeline_parallel_size)
         for i in range(slots):
-            sched, tokens_from = self.scheduler.schedule(**self._micro_batch_limits(slots - i)), -1
+            sched = self.scheduler.schedule(**self._micro_batch_limits(slots - i))
             if sched.is_empty:
-                tokens_from, sched = self._schedule_ahead()
-                if sched.is_empty:
-                    break
-            forward = self._forwards_tokens(sched, pending=1 if tokens_from < 0 else 2)
-            step = self._build_step(sched, tokens_from=tokens_from, forward_tokens=forward)
-            self._inflight[step.step_id] = sched
-            if forward:
-                self._forwarding.add(step.step_id)
-            self.executor.submit(step)
+                break
+            self._submit(sched)
+        if self._forwarding and self._ahead_allowed():
+            for step_id in [i for i in self._inflight if i in self._forwarding]:
+                self._forwarding.discard(step_id)     # one decode ahead per step
+                seqs = [item.seq for item in self._inflight[step_id].scheduled
+                        if item.sample and self._may_follow(item.seq, 1)]
+                sched = self.scheduler.schedule_ahead(seqs)
+                if not sched.is_empty:
+                    self._follows[self._submit(sched, tokens_from=step_id)] = step_id
+
+    def _submit(self, sched: SchedulerOutput, tokens_from: int = -1) -> int:
+        forward = self._forwards_tokens(sched, pending=1 if tokens_from < 0 else 2)
+        step = self._build_step(sched, tokens_from=tokens_from, forward_tokens=forward)
+        self._inflight[step.step_id] = sched
+        if forward:
+            self._forwarding.add(step.step_id)
+        self.executor.submit(step)
+        return step.step_id
+
+    def _heads(self) -> list[int]:
+        """The steps in flight that hold a micro-batch slot: all but a decode ahead whose
+        source step is still in flight (it takes that step's slot when the source returns)."""
+        return [i for i in self._inflight if self._follows.get(i) not in self._inflight]
 
     def _build_step(self, sched: SchedulerOutput, **ahead) -> StepInput:
         return build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                           self.guides.mask if len(self.guides) else None, **ahead)
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
-    # With fewer live sequences than micro-batches in flight (one request alone), a slot is
-    # free while a decode is in flight, and the next decode of its sequences could only be
-    # sent after its result reached the driver: every token would cross last stage ->
-    # driver -> stage 0, with the driver's step between. Instead the engine sends that next
-    # decode at once, its input token not known yet (``StepInput.tokens_from``); the last
-    # stage sends the token to stage 0 directly (``forward_tokens``), which runs it at once.
-    # If the sequence stops on the token (EOS, a stop string, an abort), the decode ahead
-    # computed one position for nothing and its result is dropped.
+    # A micro-batch's next decode could only be sent after its result reached the driver:
+    # each round would cross last stage -> driver -> stage 0, with the driver's step between,
+    # while stage 0 waits (one request alone: every token; many: whenever stage 0 runs out of
+    # micro-batches). Instead, while no request waits, the engine sends the next decode of a
+    # micro-batch's sequences at once, its input tokens not known yet (``StepInput.tokens_from``),
+    # beside the micro-batch slots (it takes its source's slot when that returns); the last stage
+    # sends the tokens to stage 0 directly (``forward_tokens``), which runs it at once. If a
+    # sequence stops on its token (EOS, a stop string, an abort), the decode ahead computed one
+    # position for nothing and that result is dropped. A waiting request ends the chains: the
+    # next normal micro-batch then takes it in beside the running sequences' decodes.
     @property
     def _decodes_ahead(self) -> bool:
         return (self.config.pp_decode_ahead and self.config.pp_schedule == "async"
@@ -296,36 +314,25 @@ class LLMEngine:
                 and (p.max_tokens is None or seq.num_output_tokens + pending < p.max_tokens)
                 and seq.num_tokens + pending < self.max_model_len)
 
+    def _ahead_allowed(self) -> bool:
+        """Decodes ahead while nothing waits (a waiting request needs the next normal micro-batch)."""
+        return self._decodes_ahead and not (self.scheduler.num_waiting or self.scheduler.num_swapped)
+
     def _forwards_tokens(self, sched: SchedulerOutput, pending: int) -> bool:
         """Whether the last stage should send this micro-batch's tokens to stage 0 too: a
-        decode ahead may follow it (a slot will be free for one, and a sequence may have one)."""
-        if not self._decodes_ahead:
-            return False
-        s = self.scheduler
-        if s.num_running + s.num_waiting + s.num_swapped >= self.executor.max_inflight:
-            return False
-        return any(item.sample and self._may_follow(item.seq, pending) for item in sched.scheduled)
-
-    def _schedule_ahead(self) -> tuple[int, SchedulerOutput]:
-        """The next decode of the sequences of the oldest step in flight that forwards its tokens:
-        (that step's id, the micro-batch), or (-1, an empty one)."""
-        for step_id in [i for i in self._inflight if i in self._forwarding]:
-            self._forwarding.discard(step_id)     # one decode ahead per step
-            seqs = [item.seq for item in self._inflight[step_id].scheduled
-                    if item.sample and self._may_follow(item.seq, 1)]
-            sched = self.scheduler.schedule_ahead(seqs)
-            if not sched.is_empty:
-                return step_id, sched
-        return -1, SchedulerOutput()
+        decode ahead may follow it."""
+        return self._ahead_allowed() and any(item.sample and self._may_follow(item.seq, pending)
+                                             for item in sched.scheduled)
 
     def _micro_batch_limits(self, free_slots: int) -> dict:
         """Spread the work evenly over the micro-batches in flight (``micro_batch_limits``)."""
-        return micro_batch_limits(self.scheduler, self._inflight.values(), self.executor.max_inflight,
-                                  self._gpipe, free_slots)
+        return micro_batch_limits(self.scheduler, [self._inflight[i] for i in self._heads()],
+                                  self.executor.max_inflight, self._gpipe, free_slots)
 
     def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
         self._forwarding.discard(result.step_id)
+        self._follows.pop(result.step_id, None)
         self.scheduler.on_step_done(sched)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         touched: dict[str, RequestOutput] = {}
@@ -367,6 +374,7 @@ class LLMEngine:
             self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
         self._inflight.clear()
         self._forwarding.clear()
+        self._follows.clear()
         while self.recovery.restarts < self.config.max_stage_restarts:
             failed = self._recover(message)
             if failed is None:
@@ -402,6 +410,7 @@ class LLMEngine:
             self.scheduler.on_step_failed(sched)
         self._inflight.clear()
         self._forwarding.clear()
+        self._follows.clear()
         failed = []
         for group in list(self.requests.values()):
             unfinished = [s for s in group.seqs if not s.is_finished]

@@ -170,9 +170,11 @@ class PipelineExecutor(Executor):
         self._raise_if_failed()
         if self._closed:
             raise ExecutorError("the pipeline executor is shut down")
-        if len(self._inflight) >= self.max_inflight:
+        # Each slot may carry a decode ahead beside it (the engine's "decode ahead").
+        if len(self._inflight) >= 2 * self.max_inflight:
             raise RuntimeError(f"{len(self._inflight)} steps are in flight already (max_inflight "
-                               f"{self.max_inflight}); wait() for one before submitting")
+                               f"{self.max_inflight}, and a decode ahead beside each); wait() for one "
+                               "before submitting")
         now = time.time()
         with self._lock:
             if not self._inflight:
