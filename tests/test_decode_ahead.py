@@ -75,8 +75,8 @@ def test_no_decode_ahead_without_a_free_block_or_with_longrope() -> None:
 
 
 # -- stage 0: a step waits for its tokens, and only first-chunk steps wait behind it --
-def _step_message(step_id: int, chunk: int = 0, tokens_from: int = -1) -> Message:
-    step = StepInput(step_id, [SeqStep(7, [0], 3, [0])], tokens_from=tokens_from)
+def _step_message(step_id: int, chunk: int = 0, tokens_from: int = -1, seq: int = 7) -> Message:
+    step = StepInput(step_id, [SeqStep(seq, [0], 3, [0])], tokens_from=tokens_from)
     return Message(0, Kind.STEP, StepEnvelope(step, chunk), None, 0.0)
 
 
@@ -90,11 +90,22 @@ def test_stage_zero_holds_a_step_until_its_tokens_arrive() -> None:
     waiting, later, other_chunk, ping = (_step_message(2, tokens_from=1), _step_message(3),
                                          _step_message(0, chunk=2), Message(0, Kind.PING, None, None, 0.0))
     stage._backlog.extend([waiting, later, other_chunk, ping])
-    assert stage._pick() == 2, "a later first-chunk step may not pass the waiting one; another chunk may"
+    assert stage._pick() == 2, "a later step of the same sequence may not pass the waiting one; another chunk may"
     stage._backlog.remove(other_chunk)
     assert stage._pick() == 2                   # the ping
     stage._backlog.remove(ping)
     assert stage._pick() is None
+    # Another micro-batch's decode ahead whose tokens are here passes (its source came back first),
+    # unless it shares a sequence with a step that stays.
+    ready_other = _step_message(4, tokens_from=0, seq=8)
+    stage._tokens[0] = {8: 5}
+    stage._backlog.append(ready_other)
+    assert stage._pick() == 2
+    stage._backlog[0].obj.step.seqs.append(SeqStep(8, [0], 9, [1]))
+    assert stage._pick() is None
+    stage._backlog[0].obj.step.seqs.pop()
+    stage._backlog.remove(ready_other)
+    stage._tokens.clear()
     stage._busy = True                          # the tokens arrive while the stage computes: kept
     stage._tokens_arrived(1, [(7, 42)])
     assert stage._pick() == 0 and waiting.arrived > 0
@@ -166,3 +177,19 @@ def test_decode_ahead_gives_the_tokens_of_pp1(tiny_checkpoints) -> None:
     assert ahead[1, True] == 0 and ahead[2, False] == 0
     # Every decode ran ahead: the prompt's step already hands its token to stage 0.
     assert ahead[2, True] >= sum(len(o) - 1 for o in outputs[2, True][:7])
+
+
+def test_decodes_ahead_only_while_every_live_sequence_is_in_flight() -> None:
+    """The engine chains decodes ahead only then: otherwise the chains would keep every slot
+    and a waiting request, or a prompt between its chunks, would never get one."""
+    eng = FakeEngine(num_blocks=16, max_inflight=2, max_num_batched_tokens=8, pipeline_prompt_chunks=False)
+    seq = eng.add(list(range(12)), max_tokens=3).seqs[0]
+    assert not eng.sched.all_in_flight(), "a request waits"
+    eng.submit()
+    assert eng.sched.all_in_flight()
+    eng.complete_oldest()
+    assert seq.num_computed_tokens == 8 and not eng.sched.all_in_flight(), "between its prompt's chunks"
+    eng.submit()
+    assert eng.sched.all_in_flight()
+    eng.drain()
+    eng.assert_clean()

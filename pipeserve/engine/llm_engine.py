@@ -263,7 +263,9 @@ class LLMEngine:
                 break
             self._submit(sched)
         if self._forwarding and self._ahead_allowed():
-            for step_id in [i for i in self._inflight if i in self._forwarding]:
+            # A decode ahead's own follower waits until it holds a slot (its source is back):
+            # its sequences have two items in flight until then.
+            for step_id in [i for i in self._heads() if i in self._forwarding]:
                 self._forwarding.discard(step_id)     # one decode ahead per step
                 seqs = [item.seq for item in self._inflight[step_id].scheduled
                         if item.sample and self._may_follow(item.seq, 1)]
@@ -291,15 +293,17 @@ class LLMEngine:
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
     # A micro-batch's next decode could only be sent after its result reached the driver:
-    # each round would cross last stage -> driver -> stage 0, with the driver's step between,
-    # while stage 0 waits (one request alone: every token; many: whenever stage 0 runs out of
-    # micro-batches). Instead, while no request waits, the engine sends the next decode of a
-    # micro-batch's sequences at once, its input tokens not known yet (``StepInput.tokens_from``),
-    # beside the micro-batch slots (it takes its source's slot when that returns); the last stage
-    # sends the tokens to stage 0 directly (``forward_tokens``), which runs it at once. If a
-    # sequence stops on its token (EOS, a stop string, an abort), the decode ahead computed one
-    # position for nothing and that result is dropped. A waiting request ends the chains: the
-    # next normal micro-batch then takes it in beside the running sequences' decodes.
+    # each round would cross last stage -> driver -> stage 0, with the driver's step
+    # between, while stage 0 waits (one request alone: every token; many: whenever stage 0
+    # runs out of micro-batches). Instead, while every live sequence is in flight, the
+    # engine sends the next decode of a micro-batch's sequences at once, its input tokens
+    # not known yet (``StepInput.tokens_from``), beside the micro-batch slots (it takes its
+    # source's slot when that returns); the last stage sends the tokens to stage 0 directly
+    # (``forward_tokens``), which runs it as soon as they arrive. If a sequence stops on its
+    # token (EOS, a stop string, an abort), the decode ahead computed one position for
+    # nothing and that result is dropped. A waiting request (or one between its prompt's
+    # chunks) ends the chains: the next normal micro-batch takes it in beside the running
+    # sequences' decodes.
     @property
     def _decodes_ahead(self) -> bool:
         return (self.config.pp_decode_ahead and self.config.pp_schedule == "async"
@@ -315,8 +319,10 @@ class LLMEngine:
                 and seq.num_tokens + pending < self.max_model_len)
 
     def _ahead_allowed(self) -> bool:
-        """Decodes ahead while nothing waits (a waiting request needs the next normal micro-batch)."""
-        return self._decodes_ahead and not (self.scheduler.num_waiting or self.scheduler.num_swapped)
+        """Decodes ahead only while every live sequence is in flight: one that waits, is swapped
+        out or is between its prompt's chunks needs the next normal micro-batch, and decodes
+        ahead would keep every slot taken."""
+        return self._decodes_ahead and self.scheduler.all_in_flight()
 
     def _forwards_tokens(self, sched: SchedulerOutput, pending: int) -> bool:
         """Whether the last stage should send this micro-batch's tokens to stage 0 too: a

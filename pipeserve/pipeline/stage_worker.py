@@ -18,8 +18,8 @@ The last stage sends the tokens of such a source step (``forward_tokens``) to
 stage 0 as well as the result to the driver, and stage 0 runs the waiting step
 as soon as they arrive, on the reader thread that read them when it is idle:
 one request's token goes from the last stage to stage 0 in one hop, without
-the driver. Until then that step, and any first-chunk step after it, wait;
-every other message is handled.
+the driver. Until then that step waits, with any later first-chunk step that
+shares a sequence with it; every other message is handled.
 """
 
 from __future__ import annotations
@@ -226,10 +226,12 @@ class StageWorker:
             for waiting in self._backlog:     # its wait ends now, not when it arrived
                 if waiting.kind == Kind.STEP and waiting.obj.chunk == 0 and waiting.obj.step.tokens_from == step_id:
                     waiting.arrived = max(waiting.arrived, now)
-            if not (self._direct and not self._busy and self._pick() == 0 and self._small_step(self._backlog[0])):
+            index = None if self._busy or not self._direct else self._pick()
+            if index is None or not self._small_step(self._backlog[index]):
                 self._cv.notify()
                 return
-            message = self._backlog.popleft()
+            message = self._backlog[index]
+            del self._backlog[index]
             self._busy = True
         self._handle_here(message)
 
@@ -257,13 +259,17 @@ class StageWorker:
 
     def _pick(self) -> int | None:
         """Where in the backlog the next message to handle is: the oldest, except that a
-        first-chunk step still waiting for its tokens, and every first-chunk step after it,
-        stay (each chunk runs its steps in submission order; other chunks and messages go on)."""
-        blocked = False
+        first-chunk step still waiting for its tokens stays, and so does every later
+        first-chunk step that shares a sequence with one that stays (a sequence's steps run
+        in submission order on every chunk; micro-batches of other sequences need not:
+        decodes ahead wait for their sources' tokens, which come back in another order
+        than they were sent). Other chunks and messages go on."""
+        waiting: set[int] = set()      # sequences of the first-chunk steps that stay
         for index, message in enumerate(self._backlog):
             if message.kind == Kind.STEP and message.obj.chunk == 0:
-                if blocked or not self._has_tokens(message):
-                    blocked = True
+                seqs = {s.seq_id for s in message.obj.step.seqs}
+                if not self._has_tokens(message) or (waiting and not waiting.isdisjoint(seqs)):
+                    waiting |= seqs
                     continue
             return index
         return None

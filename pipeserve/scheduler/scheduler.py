@@ -219,6 +219,11 @@ class Scheduler:
         """Items in micro-batches that are not done yet (a prompt may have several chunks)."""
         return self._inflight.num_items
 
+    def all_in_flight(self) -> bool:
+        """Nothing to schedule outside the micro-batches in flight: no sequence waits or is
+        swapped out, and every running one is in flight (none between a prompt's chunks)."""
+        return not (self.waiting or self.swapped) and all(s.seq_id in self._inflight for s in self.running)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._inflight)
 
