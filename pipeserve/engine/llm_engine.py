@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 
@@ -264,11 +265,16 @@ class LLMEngine:
             self._submit(sched)
         if self._forwarding and self._ahead_allowed():
             # A decode ahead's own follower waits until it holds a slot (its source is back):
-            # its sequences have two items in flight until then.
+            # its sequences have two items in flight until then. A chain keeps its sequences
+            # in one micro-batch, so one that holds more than its share (others' sequences
+            # finished) is not continued: back in the normal schedule they are spread again.
+            share = math.ceil(self.scheduler.num_running / self.executor.max_inflight)
             for step_id in [i for i in self._heads() if i in self._forwarding]:
                 self._forwarding.discard(step_id)     # one decode ahead per step
                 seqs = [item.seq for item in self._inflight[step_id].scheduled
                         if item.sample and self._may_follow(item.seq, 1)]
+                if len(seqs) > share:
+                    continue
                 sched = self.scheduler.schedule_ahead(seqs)
                 if not sched.is_empty:
                     self._follows[self._submit(sched, tokens_from=step_id)] = step_id
