@@ -193,3 +193,37 @@ def test_decodes_ahead_only_while_every_live_sequence_is_in_flight() -> None:
     assert eng.sched.all_in_flight()
     eng.drain()
     eng.assert_clean()
+
+
+def test_a_stage_killed_with_a_decode_ahead_waiting_costs_a_pause(tiny_checkpoints) -> None:
+    """Stage 1 dies while stage 0 holds a decode ahead for its tokens: both steps are lost,
+    the pipeline is restarted and the request replayed; its tokens are the undisturbed run's."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pipeserve import LLM, SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 40))}
+    with LLM(model=str(tiny_checkpoints("llama_tied_gqa")), pipeline_parallel_size=2, dtype="float32",
+             kv_cache_memory="8MiB", threads_per_stage=1, stage_timeout=20.0) as llm:
+        reference = llm.generate([prompt], params)[0].outputs[0].token_ids
+        engine = llm.engine
+        counters = engine.scheduler._counters      # read from another thread: a plain int, not stats()
+        base = counters["decodes_ahead"]
+        victim = engine.stage_pids[1]
+
+        def kill_mid_run() -> None:
+            deadline = time.monotonic() + 60
+            while counters["decodes_ahead"] < base + 40 and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_run)
+        killer.start()
+        out = llm.generate([prompt], params)[0]
+        killer.join()
+        recovery = llm.stats()["recovery"]
+    assert recovery["stage_restarts"] == 1, "the kill came after the request had finished: make it longer"
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == reference
