@@ -170,11 +170,12 @@ class PipelineExecutor(Executor):
         self._raise_if_failed()
         if self._closed:
             raise ExecutorError("the pipeline executor is shut down")
-        # Each slot may carry a decode ahead beside it (the engine's "decode ahead").
-        if len(self._inflight) >= 2 * self.max_inflight:
+        # With decode ahead (async) each slot may carry one beside it.
+        ahead = self.config.pp_decode_ahead and self.config.pp_schedule == "async"
+        if len(self._inflight) >= (2 if ahead else 1) * self.max_inflight:
             raise RuntimeError(f"{len(self._inflight)} steps are in flight already (max_inflight "
-                               f"{self.max_inflight}, and a decode ahead beside each); wait() for one "
-                               "before submitting")
+                               f"{self.max_inflight}{', and a decode ahead beside each' if ahead else ''}); "
+                               "wait() for one before submitting")
         now = time.time()
         with self._lock:
             if not self._inflight:
