@@ -75,8 +75,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # PP > 1: a prompt's next chunk may be scheduled while its earlier chunks are in flight
     pipeline_prompt_chunks: bool = True
-    # PP > 1, async: with a slot free, a decode is sent before its input token is sampled, and
-    # the last stage sends that token to stage 0 directly (llm_engine, "decode ahead")
+    # PP > 1, async: while every live sequence is in flight, a micro-batch's next decode is sent
+    # before its input tokens are sampled, and the last stage sends them to stage 0 directly
+    # (llm_engine, "decode ahead")
     pp_decode_ahead: bool = True
     scheduling_policy: str = "fcfs"           # fcfs | priority | fair
     preemption_mode: str = "recompute"        # recompute | swap

@@ -312,8 +312,7 @@ class LLMEngine:
     # sequences' decodes.
     @property
     def _decodes_ahead(self) -> bool:
-        return (self.config.pp_decode_ahead and self.config.pp_schedule == "async"
-                and self.executor.decodes_ahead and self.executor.max_inflight > 1)
+        return self.executor.decodes_ahead and self.executor.max_inflight > 1
 
     def _may_follow(self, seq, pending: int) -> bool:
         """Whether a decode may be scheduled after ``pending`` tokens ``seq`` has sampled in

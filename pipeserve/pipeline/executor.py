@@ -61,8 +61,6 @@ def default_max_inflight(config: EngineConfig) -> int:
 
 
 class PipelineExecutor(Executor):
-    decodes_ahead = True     # stage 0 takes the tokens of a step's ``tokens_from`` from the last stage
-
     def __init__(self, config: EngineConfig, source: Any, model_cfg: ModelConfig,
                  partition: list[tuple[int, int]], num_blocks: int, num_host_blocks: int,
                  runner_factory=None) -> None:
@@ -70,6 +68,8 @@ class PipelineExecutor(Executor):
         self.config = config
         self.num_stages = config.pipeline_parallel_size
         self.max_inflight = default_max_inflight(config)
+        # Stage 0 takes a step's ``tokens_from`` tokens from the last stage (async schedule only).
+        self.decodes_ahead = config.pp_decode_ahead and config.pp_schedule == "async"
         self.spec = PipelineSpec(config, source, model_cfg, list(partition), num_blocks, num_host_blocks,
                                  runner_factory)
         self.timelines = StageTimelines(self.num_stages, self.spec.virtual_stages, config.pp_schedule)
@@ -170,8 +170,8 @@ class PipelineExecutor(Executor):
         self._raise_if_failed()
         if self._closed:
             raise ExecutorError("the pipeline executor is shut down")
-        # With decode ahead (async) each slot may carry one beside it.
-        ahead = self.config.pp_decode_ahead and self.config.pp_schedule == "async"
+        # With decode ahead each slot may carry one beside it.
+        ahead = self.decodes_ahead
         if len(self._inflight) >= (2 if ahead else 1) * self.max_inflight:
             raise RuntimeError(f"{len(self._inflight)} steps are in flight already (max_inflight "
                                f"{self.max_inflight}{', and a decode ahead beside each' if ahead else ''}); "

@@ -5,10 +5,11 @@ prompt (or a recompute's prefill) in chunks: chunk k + 1 is scheduled before
 chunk k returns, and goes into a later micro-batch; and with a decode
 scheduled ahead (``Scheduler.schedule_ahead``) after the item that samples
 its input token. That is right only because
-every schedule runs the micro-batches on each layer range in the order they
-were submitted (each stage handles its messages in arrival order, and a link
-delivers them in the order they were sent), so chunk k's KV is written on a
-stage before chunk k + 1 reads it there. Results come back in that order too;
+every schedule runs a sequence's micro-batches on each layer range in the
+order they were submitted (each stage handles its messages in arrival order,
+except that stage 0 lets a step pass one waiting for its decode-ahead tokens
+when they share no sequence, and a link delivers them in the order they were
+sent), so chunk k's KV is written on a stage before chunk k + 1 reads it there. Results come back in that order too;
 ``take_done`` refuses any other, since a later chunk computed first would have
 read KV that did not exist.
 """

@@ -19,7 +19,7 @@ A sequence in flight takes part in a later micro-batch only with the next
 chunk of its prompt (``pipeline_prompt_chunks``, on by default; a recompute's
 "prompt" is its prompt and generated tokens): chunk k + 1 needs only the KV of
 chunks <= k, and every schedule (async, gpipe, interleaved, TP inside a stage)
-runs the micro-batches on each stage in submission order (``inflight.py``), so
+runs a sequence's micro-batches on each stage in submission order (``inflight.py``), so
 one long prompt keeps all P stages busy instead of one. Its item starts where
 the chunks in flight end (``ScheduledSeq.start``), its blocks are allocated from
 there, and only the chunk that reaches the end samples; ``num_computed_tokens``
