@@ -1008,10 +1008,13 @@ static void merge_parts(const float *part, int64_t ranges, int64_t range_stride,
 }
 
 /* The step's new K (or V) rows into the cache: row i of src, row_bytes long (all kv heads
- * of one token, in the cache's dtype), to slot slots[i]. One memcpy per token instead of
- * index_copy_'s dispatch, which costs more than the copy for a decode's few rows. */
-void pipeserve_write_rows(char *cache, const int64_t *slots, int64_t n, const char *src, int64_t row_bytes) {
-    for (int64_t i = 0; i < n; i++) memcpy(cache + slots[i] * row_bytes, src + i * row_bytes, (size_t)row_bytes);
+ * of one token, in the cache's dtype), to slot slots[i]; the rows lie src_stride bytes apart
+ * (a slice of the fused qkv projection's rows, as v is). One memcpy per token instead of
+ * index_copy_'s dispatch (and, for a slice, a copy to make it contiguous first), which cost
+ * more than the copy itself. */
+void pipeserve_write_rows_strided(char *cache, const int64_t *slots, int64_t n, const char *src, int64_t src_stride,
+                                  int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++) memcpy(cache + slots[i] * row_bytes, src + i * src_stride, (size_t)row_bytes);
 }
 
 /* A decode step's attention in three phases, for pipeserve_paged_decode and for callers that

@@ -53,9 +53,9 @@ class CpuPagedAttention(TorchPagedAttention):
         isa = lib.pipeserve_decode_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         self.isa = isa().decode()   # the decode path compiled here: avx512, avx2 or portable
-        self._write_rows = lib.pipeserve_write_rows
-        self._write_rows.argtypes = [ptr, ptr, i64, ptr, i64]
-        self._write_rows.restype = None
+        self._write_rows_strided = lib.pipeserve_write_rows_strided
+        self._write_rows_strided.argtypes = [ptr, ptr, i64, ptr, i64, i64]
+        self._write_rows_strided.restype = None
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
         self._prefill_supported.restype = ctypes.c_int
@@ -90,13 +90,14 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (k.dtype == k_cache.dtype and k_cache.device.type == "cpu" and k.is_contiguous()
-                and v.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+        if not (k.dtype == k_cache.dtype == v.dtype and k_cache.device.type == "cpu" and _rows_dense(k)
+                and _rows_dense(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and k.shape[1:] == k_cache.shape[2:] and slots.dtype == torch.int64):
             return super().write_kv(k_cache, v_cache, slots, k, v)   # 8-bit caches quantize first
         n, row = slots.shape[0], k_cache.shape[2] * k_cache.shape[3] * k.element_size()
-        self._write_rows(k_cache.data_ptr(), slots.data_ptr(), n, k.data_ptr(), row)
-        self._write_rows(v_cache.data_ptr(), slots.data_ptr(), n, v.data_ptr(), row)
+        for cache, x in ((k_cache, k), (v_cache, v)):   # rows of a fused qkv (v's) lie a qkv row apart
+            self._write_rows_strided(cache.data_ptr(), slots.data_ptr(), n, x.data_ptr(), x.stride(0) * x.element_size(),
+                                     row)
         return k, v
 
     @staticmethod
@@ -143,6 +144,11 @@ class CpuPagedAttention(TorchPagedAttention):
                 step.max_blocks, step.lens_ptr, step.batch, q.shape[1], k_cache.shape[2], q.shape[2],
                 step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(), step.threads,
                 bf16_math)
+
+
+def _rows_dense(x: torch.Tensor) -> bool:
+    """[n, heads, D] whose every row is one dense run (the rows themselves may lie apart)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 class _DecodeStep:
