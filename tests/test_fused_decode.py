@@ -215,6 +215,58 @@ def test_q2_q3_parts_fused_equal_python_layers(threads, tmp_path):
     assert [p.kind for p in layer.mlp.gate_up_proj.parts] == ["q2"] and layer.mlp.down_proj.parts[0].kind == "q3"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
+    """bfloat16 on AVX512-VNNI: steps of more than GEMV_MAX_ROWS decodes multiply in one pass of the
+    8-bit many-row kernel (quant_gemm_i8.c) inside the fused stage, as the Python layers' matmul
+    does: bit for bit at one thread (5, 13 and 40 sequences: the gemv, then the kernel's row
+    tails and blocks), up to the merge order at two; the stage takes up to GEMV_ONE_CALL_MAX_ROWS."""
+    from pipeserve.model.quant.cpu_kernels import GEMV_ONE_CALL_MAX_ROWS, cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or kernels.gemm_i8_isa is None:
+        pytest.skip("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c)")
+    source = resolve_model("smollm2-135m-instruct")
+    cfg = source.load_config()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(source, cfg, dtype=torch.bfloat16, start=0, end=8)   # 8 layers: quicker, same kernels
+        calls = []
+        real = kernels.gemm_i8
+        for n in (5, 13, 40):
+            prompts = [list(range(100 + 7 * i, 108 + 7 * i + i % 5)) for i in range(n)]   # 8-12 tokens
+            fused = _decode_logits_hidden(runner, prompts, 3)
+            assert runner.model.fused_decode.max_rows == GEMV_ONE_CALL_MAX_ROWS
+            runner.model.fused_decode = False
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "gemm_i8", lambda w, x: calls.append(len(x)) or real(w, x))
+                python = _decode_logits_hidden(runner, prompts, 3)
+            runner.model.fused_decode = None
+            for a, b in zip(fused, python, strict=True):
+                if threads == 1:
+                    assert torch.equal(a, b), n
+                else:
+                    assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), n
+        # the Python layers' decodes took the kernel beyond GEMV_MAX_ROWS (5: the gemv); prompts too
+        assert {13, 40} <= set(calls) and 5 not in calls, sorted(set(calls))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _decode_logits_hidden(runner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """A first stage's output hidden states for each prompt's prefill then ``steps`` decode steps of
+    all of them (fixed next tokens: the stage has no head)."""
+    tables = [[i] for i in range(len(prompts))]   # one block each: prompts of at most BLOCK - steps tokens
+    runner.execute(StepInput(0, [SeqStep(i, p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)]))
+    pos, out = [len(p) for p in prompts], []
+    for s in range(steps):
+        step = StepInput(s + 1, [SeqStep(i, [(7 * i + s) % 500 + 10], pos[i], tables[i], GREEDY)
+                                 for i in range(len(prompts))])
+        out.append(runner.execute(step).clone())
+        pos = [p + 1 for p in pos]
+    return out
+
+
 def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     from pipeserve.model.quant.cpu_kernels import cpu_kernels
     runner = smollm2[0]

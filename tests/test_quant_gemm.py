@@ -67,8 +67,10 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
         ref, tol = _bound(w, x)
         err = (got.float() - ref).abs()
         assert (err <= tol).all(), (w.source, rows, err.max().item())
-        # the dispatch: from GEMM_MIN_ROWS bfloat16 rows on, this kernel
-        assert torch.equal(kernels.matmul(w, x), got), w.source
+        # the dispatch: from GEMM_MIN_ROWS bfloat16 rows on, this kernel (or the 8-bit one where it
+        # takes the layout: tests/test_quant_gemm_i8.py)
+        if not kernels.gemm_i8_applies(w, x):
+            assert torch.equal(kernels.matmul(w, x), got), w.source
         seen.add(w.source)
     assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "int8", "int4"} <= seen
 
@@ -88,6 +90,7 @@ def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):
     # the same bound.
     xb = x.bfloat16()
     monkeypatch.setattr(kernels, "_gemm", None)
+    monkeypatch.setattr(kernels, "_gemm_i8", None)       # nor the 8-bit one (quant_gemm_i8.c)
     assert not kernels.gemm_applies(w, xb)
     got = kernels.matmul(w, xb)
     assert torch.equal(got, kernels.tiled(w, xb))
@@ -120,6 +123,7 @@ def test_kept_smollm2_bfloat16_prefill_through_gemm_agrees_with_bfloat16_model(s
     calls = []
     real_gemm = kernels.gemm
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant_cpu, "GEMM_I8", False)      # the bfloat16 kernel, not the 8-bit one
         mp.setattr(kernels, "gemm", lambda w, x: calls.append(w.source) or real_gemm(w, x))
         kept = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
     assert {"Q4_1", "Q8_0"} <= set(calls), set(calls)          # the layers and the tied head

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import pipeserve.model.quant.cpu_kernels as quant_cpu
 import pipeserve.model.quant.modules as quant_modules
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.loader.gguf import GGUFWeightReader
@@ -189,7 +190,7 @@ def test_k2_codes_are_the_bit_pairs_and_hmask_bits_in_gguf_order(kind):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
+def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype, monkeypatch):
     """Q5_0/Q5_1/Q5_K/Q6_K in the compact q5/q6 layouts and IQ4_NL/IQ4_XS in i4 give exactly
     what the same codes a byte each (q8, their widened layout) give, on every kernel path: the
     kernels expand a row (or a panel) into those bytes and run the q8 code. Except the integer
@@ -200,6 +201,9 @@ def test_compact_layouts_match_their_byte_per_code_expansion(gguf_file, dtype):
     (q2/q3 keep integer sub-scales that their q8 rounds to float16: test_k2_paths_match_dequantize.)"""
     path, types = gguf_file
     kernels = cpu_kernels()
+    # the q8 expansion's bfloat16 rows would take the 8-bit many-row kernel, which the compact
+    # layouts do not (tests/test_quant_gemm_i8.py): compare the paths they share
+    monkeypatch.setattr(quant_cpu, "GEMM_I8", False)
     weights = []
     for ttype in (T.Q5_0, T.Q5_1):
         w = _read(path, types.index(ttype))[0]

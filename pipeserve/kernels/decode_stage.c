@@ -48,6 +48,9 @@ typedef void (*prepare_fn)(int kind, int64_t K, const float *x, int64_t M, void 
 typedef void (*rows_fn)(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
                         int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0,
                         int64_t n1, float *out);
+typedef int (*m_rows_fn)(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                         int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0,
+                         int64_t n1, float *out);
 typedef int64_t (*plan_bytes_fn)(int64_t batch, int64_t heads, int64_t head_dim, int num_threads);
 typedef int64_t (*plan_fn)(void *plan, const int64_t *context_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, int num_threads);
@@ -68,6 +71,12 @@ typedef struct {
     plan_fn plan;
     items_fn items;
     merge_fn merge;
+    /* quant_gemm_i8.c's many-row 8-bit kernel in the same two phases (AVX512-VNNI), or NULL:
+     * a linear layer whose every part it takes multiplies more than PASS_ROWS rows in one pass
+     * of it (m_act_bytes is 0 for a layout it does not take) */
+    act_bytes_fn m_act_bytes;
+    prepare_fn m_prepare;
+    m_rows_fn m_rows;
 } stage_kernels;
 
 /* A quantized weight [N, K] as quant_matmul.c takes it. */
@@ -176,11 +185,16 @@ static void from_f32(const act_type *a, const float *src, void *dst, int64_t i0,
 }
 
 /* x (M rows of K) quantized once per kind of w's parts into act (part i's at slot
- * act_slot(w, i), act_stride bytes apart), by one thread: the matmul's first phase. */
+ * act_slot(w, i), act_stride bytes apart), by one thread: the matmul's first phase. `many`:
+ * for the many-row kernel, once for every part (slot 0). */
 static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w, const void *x, int64_t M,
-                    float *xf, char *act, int64_t act_stride) {
+                    float *xf, char *act, int64_t act_stride, int many) {
     const int64_t K = w->part[0].K;
     if (a->bf16) to_f32(a, x, xf, M * K);
+    if (many) {
+        k->m_prepare(w->part[0].kind, K, a->bf16 ? xf : (const float *)x, M, act);
+        return;
+    }
     for (int64_t i = 0; i < w->parts; i++)
         if (act_slot(w, i) == i)
             k->prepare(w->part[i].kind, K, a->bf16 ? xf : (const float *)x, M, act + i * act_stride);
@@ -194,14 +208,23 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Whether w multiplies a step's M rows by the many-row 8-bit kernel (k->m_*, in one pass): more
+ * rows than a gemv pass, and every part's layout taken by it. */
+static int many_rows(const stage_kernels *k, const qlinear *w, int64_t M) {
+    if (!k->m_rows || M <= PASS_ROWS) return 0;
+    for (int64_t i = 0; i < w->parts; i++)
+        if (k->m_act_bytes(w->part[i].kind, w->part[i].K, w->part[i].group, M) == 0) return 0;
+    return 1;
+}
+
 /* Thread t of T's output rows of out [M, N] = x W^T (+ bias), per part contiguous equal
  * ranges as schedule(static). One float32 part writes out in place; otherwise part i goes
  * through its own region of the float scratch f32 ([M, N_i] at M * its column offset, so
  * no thread's part overwrites what another still copies) and is copied to its columns,
  * rounded as the gemv rounds bfloat16 outputs; then the bias is added and rounded as
- * PyTorch adds it. */
-static void thread_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
-                        const char *act, int64_t act_stride, int64_t M, void *out, float *f32, int t, int T) {
+ * PyTorch adds it. `many`: by the many-row kernel. Returns 0, or -1 when its scratch cannot be had. */
+static int thread_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
+                       const char *act, int64_t act_stride, int64_t M, void *out, float *f32, int t, int T, int many) {
     const int64_t Nt = linear_n(w);
     const int direct = !a->bf16 && w->parts == 1;
     int64_t off = 0;
@@ -209,8 +232,13 @@ static void thread_rows(const stage_kernels *k, const act_type *a, const qlinear
         const qweight *p = &w->part[i];
         const int64_t N = p->N, n0 = N * t / T, n1 = N * (t + 1) / T;
         float *res = direct ? (float *)out : f32 + M * off;
-        k->rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero, act + act_slot(w, i) * act_stride,
-                M, n0, n1, res);
+        if (many) {
+            if (k->m_rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero, act, M, n0, n1, res) != 0)
+                return -1;
+        } else {
+            k->rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero,
+                    act + act_slot(w, i) * act_stride, M, n0, n1, res);
+        }
         for (int64_t m = 0; m < M; m++) {
             if (!direct) from_f32(a, res + m * N, e(a, out, m * Nt + off), n0, n1);
             if (!bias) continue;
@@ -224,24 +252,28 @@ static void thread_rows(const stage_kernels *k, const act_type *a, const qlinear
             }
         }
     }
+    return 0;
 }
 
 /* All T threads: out [M, N] = x W^T (+ bias) in passes of P rows; the caller has prepared
  * the first pass's activations (the first min(M, P) rows of x) in act. Before a later pass
- * overwrites act, the team meets (every thread is done reading it). */
-static void team_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
-                      const void *x, int64_t M, int64_t P, void *out, float *f32, float *xf, char *act,
-                      int64_t act_stride, int t, int T) {
+ * overwrites act, the team meets (every thread is done reading it). `many`: the many-row kernel
+ * (P = M). Returns 0, or -1 (this thread's scratch). */
+static int team_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
+                     const void *x, int64_t M, int64_t P, void *out, float *f32, float *xf, char *act,
+                     int64_t act_stride, int t, int T, int many) {
+    int rc = 0;
     const int64_t K = w->part[0].K, N = linear_n(w);
     for (int64_t m0 = 0; m0 < M; m0 += P) {
         const int64_t mc = min64(P, M - m0);
         if (m0 > 0) {
 #pragma omp barrier
 #pragma omp single
-            prepare(k, a, w, e(a, (void *)x, m0 * K), mc, xf, act, act_stride);
+            prepare(k, a, w, e(a, (void *)x, m0 * K), mc, xf, act, act_stride, many);
         }
-        thread_rows(k, a, w, bias, act, act_stride, mc, e(a, out, m0 * N), f32, t, T);
+        rc |= thread_rows(k, a, w, bias, act, act_stride, mc, e(a, out, m0 * N), f32, t, T, many);
     }
+    return rc;
 }
 
 /* h [rows, hidden] in the activations' dtype: the stage's input, overwritten with its
@@ -253,11 +285,11 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     const int64_t M = s->rows;
     const int64_t D = s->head_dim, qn = s->heads * D, kvn = s->kv_heads * D, qkv_n = qn + 2 * kvn;
     const int64_t widest = max64(max64(qkv_n, 2 * s->inter), s->hidden);
-    int64_t P = M;     /* rows of one matmul pass: all of them where every part's kernel takes them */
+    int64_t P = M;     /* rows of one gemv pass: all of them where every part's kernel takes them */
     for (int64_t l = 0; l < num_layers; l++) {
         const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
         for (int i = 0; i < 4; i++)
-            for (int64_t j = 0; j < ws[i]->parts; j++)
+            for (int64_t j = 0; j < ws[i]->parts && !many_rows(k, ws[i], M); j++)
                 if (k->act_bytes(ws[i]->part[j].kind, ws[i]->part[j].K, ws[i]->part[j].group, M) == 0)
                     P = min64(M, PASS_ROWS);
     }
@@ -267,7 +299,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
         for (int i = 0; i < 4; i++)
             for (int64_t j = 0; j < ws[i]->parts; j++) {
                 const qweight *p = &ws[i]->part[j];
-                act = max64(act, k->act_bytes(p->kind, p->K, p->group, P));
+                act = max64(act, many_rows(k, ws[i], M) ? k->m_act_bytes(p->kind, p->K, p->group, M)
+                                                        : k->act_bytes(p->kind, p->K, p->group, P));
             }
     }
     const int64_t act_stride = align64(act);
@@ -290,7 +323,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     char *actbuf = p;
     void *plan = p + MAX_PARTS * act_stride;
     const int64_t row_bytes = kvn * a->es;
-    int failed = 0;
+    int failed = 0, scratch_failed = 0;
     int64_t items = 0;
     double *prof = s->prof;
     double part[2];                        /* a one-thread block's measured parts (--profile) */
@@ -302,6 +335,11 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
         double last = t == 0 ? stamp(prof) : 0.0;
         for (int64_t l = 0; l < num_layers && !failed; l++) {
             const stage_layer *L = &layers[l];
+            /* per linear: the many-row kernel in one pass, or gemv passes of P rows */
+            const int m_qkv = many_rows(k, &L->qkv, M), m_o = many_rows(k, &L->o, M);
+            const int m_gu = many_rows(k, &L->gate_up, M), m_down = many_rows(k, &L->down, M);
+            const int64_t P_qkv = m_qkv ? M : P, P_o = m_o ? M : P, P_gu = m_gu ? M : P, P_down = m_down ? M : P;
+            int rc = 0;
 #pragma omp single
             {   /* x, r = rmsnorm(h + r) (the first layer: r = h) */
                 const double t0 = stamp(prof);
@@ -309,10 +347,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 else k->rmsnorm(h, res, res, L->input_norm, x, M, s->hidden, s->eps);
                 if (l == 0) memcpy(res, h, (size_t)(M * s->hidden * a->es));
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->qkv, x, P, xf, actbuf, act_stride);
+                prepare(k, a, &L->qkv, x, P_qkv, xf, actbuf, act_stride, m_qkv);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->qkv, L->qkv_bias, x, M, P, qkv, out32, xf, actbuf, act_stride, t, T);
+            rc |= team_rows(k, a, &L->qkv, L->qkv_bias, x, M, P_qkv, qkv, out32, xf, actbuf, act_stride, t, T, m_qkv);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -349,8 +387,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
 #pragma omp barrier
             account(prof, t, &last, attention, part, 1);
 #pragma omp single
-            prepare(k, a, &L->o, attn, P, xf, actbuf, act_stride);
-            team_rows(k, a, &L->o, NULL, attn, M, P, o, out32, xf, actbuf, act_stride, t, T);
+            prepare(k, a, &L->o, attn, P_o, xf, actbuf, act_stride, m_o);
+            rc |= team_rows(k, a, &L->o, NULL, attn, M, P_o, o, out32, xf, actbuf, act_stride, t, T, m_o);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -358,10 +396,10 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->gate_up, x, P, xf, actbuf, act_stride);
+                prepare(k, a, &L->gate_up, x, P_gu, xf, actbuf, act_stride, m_gu);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->gate_up, NULL, x, M, P, gu, out32, xf, actbuf, act_stride, t, T);
+            rc |= team_rows(k, a, &L->gate_up, NULL, x, M, P_gu, gu, out32, xf, actbuf, act_stride, t, T, m_gu);
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
 #pragma omp single
@@ -369,15 +407,20 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t0 = stamp(prof);
                 k->silu_mul(gu, act_in, M, s->inter);
                 part[0] = stamp(prof) - t0;
-                prepare(k, a, &L->down, act_in, P, xf, actbuf, act_stride);
+                prepare(k, a, &L->down, act_in, P_down, xf, actbuf, act_stride, m_down);
             }
             account(prof, t, &last, rows_gemm, part, 2);
-            team_rows(k, a, &L->down, NULL, act_in, M, P, h, out32, xf, actbuf, act_stride, t, T);
+            rc |= team_rows(k, a, &L->down, NULL, act_in, M, P_down, h, out32, xf, actbuf, act_stride, t, T, m_down);
+            if (rc) {
+#pragma omp atomic write
+                scratch_failed = 1;
+            }
 #pragma omp barrier
             account(prof, t, &last, gemm, part, 1);
+            if (scratch_failed) break;   /* every thread sees it after the barrier */
         }
     }
-    if (!failed) {   /* h + r, rounded as PyTorch's add */
+    if (!failed && !scratch_failed) {   /* h + r, rounded as PyTorch's add */
         for (int64_t i = 0; i < M * s->hidden; i++) {
             if (a->bf16) {
                 uint16_t *hi = (uint16_t *)h + i;
@@ -388,5 +431,5 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
         }
     }
     free(buf);
-    return failed ? -2 : 0;
+    return scratch_failed ? -1 : failed ? -2 : 0;
 }

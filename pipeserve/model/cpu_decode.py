@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
-from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_PASSES_MAX_ROWS, _kind, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, _kind,
+                                               cpu_kernels)
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel
@@ -45,7 +46,7 @@ _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("rmsnorm", "rope", "silu_mul", "act_bytes", "prepare", "rows",
-                                        "plan_bytes", "plan", "items", "merge")]
+                                        "plan_bytes", "plan", "items", "merge", "m_act_bytes", "m_prepare", "m_rows")]
 
 
 class _QWeight(ctypes.Structure):
@@ -93,9 +94,13 @@ class FusedDecode:
         # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
         # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
         # give bfloat16 to the many-row kernel where there is one (quant_gemm.c)
+        # give bfloat16 to the many-row kernel where there is one (quant_gemm.c). Where the 8-bit
+        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, q4/q8 layouts),
+        # up to GEMV_ONE_CALL_MAX_ROWS: beyond GEMV_MAX_ROWS rows it multiplies them in one pass here.
         has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
         has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)
-        self.max_rows = (GEMM_MIN_ROWS - 1 if has_gemm
+        self.max_rows = (GEMV_ONE_CALL_MAX_ROWS if kernels.m_rows
+                         else GEMM_MIN_ROWS - 1 if has_gemm
                          else GEMV_PASSES_MAX_ROWS if has_q8 else cpu_kernels().fused_max_rows)
         # --profile (``enable_profile``): nanoseconds per PROF_CLASSES, added to by each launch
         self.prof_ns = None
@@ -247,6 +252,15 @@ def _build(model: LlamaModel) -> FusedDecode | str:
                 return (f"no integer-activation decode kernel on this CPU for {w.source} "
                         f"(group {w.group}, in_features {w.in_features})")
         weights.append(ws)
+    # bfloat16 stages whose every weight the 8-bit many-row kernel takes: it multiplies the steps of
+    # more than GEMV_MAX_ROWS decodes, as the Python layers' QuantKernels.matmul does
+    quant_kernels = cpu_kernels()
+    if model.dtype == torch.bfloat16 and all(quant_kernels.gemm_i8_takes(w) for ws in weights for parts in ws
+                                             for w in parts):
+        i8 = load_kernel("quant_gemm_i8")
+        kernels.m_act_bytes, kernels.m_prepare, kernels.m_rows = (
+            addr(i8, name) for name in ("pipeserve_quant_i8m_act_bytes", "pipeserve_quant_i8m_prepare",
+                                        "pipeserve_quant_i8m_rows"))
     run = load_kernel("decode_stage").pipeserve_decode_stage
     run.argtypes, run.restype = [_p, _p, _i64, _p, _p, ctypes.c_int], ctypes.c_int
     return FusedDecode(model, run, kernels, weights)

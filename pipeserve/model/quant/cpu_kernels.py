@@ -113,6 +113,13 @@ TRANSPOSED_TILE_ROWS = 512
 # bfloat16 activations from this many rows take quant_gemm.c where it applies: measured
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
+# Whether bfloat16 rows beyond GEMV_MAX_ROWS of the layouts quant_gemm_i8.c takes (q4: Q4_0, Q4_1,
+# Q4_K; q8: Q8_0; int8/int4) multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python
+# layers and in the fused decode stage (cpu_decode.py), instead of quant_gemm.c's bfloat16 kernel
+# or the gemv's passes: 1.2-1.25x the bfloat16 kernel's speed at 16-512 rows, 1.6-2.3x the
+# passes' at 16-32 (benchmarks/README.md, twentieth session). Activations are int8 per block
+# of 32 there, as on AVX2 builds' prompts and in llama.cpp. False: the bfloat16 kernel.
+GEMM_I8 = True
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -153,6 +160,7 @@ class QuantKernels:
         self.fused_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
             else GEMV_PASSES_MAX_ROWS
         self._gemm, self.gemm_isa = _load_gemm()
+        self._gemm_i8, self._gemm_i8_takes, self.gemm_i8_isa = _load_gemm_i8()
 
     def takes(self, kind: str) -> bool:
         """Whether this build's kernels take the layout ``kind`` (every build takes all seven; a
@@ -174,6 +182,8 @@ class QuantKernels:
     def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype."""
         x = x.contiguous()
+        if self.gemm_i8_applies(w, x):   # up to GEMV_MAX_ROWS the gemv reads the codes as they are: faster
+            return self.gemm_i8(w, x) if x.shape[0] > GEMV_MAX_ROWS else self.gemv(w, x)
         if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
             return self.gemm(w, x)
         rows = x.shape[0]
@@ -218,6 +228,35 @@ class QuantKernels:
             raise MemoryError("quantized many-row matmul: cannot allocate its scratch")
         if rc != 0:
             raise RuntimeError(f"quantized many-row matmul refused its arguments (code {rc})")
+        return out
+
+    def gemm_i8_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether ``gemm_i8`` (quant_gemm_i8.c, AVX512-VNNI) takes these bfloat16 activations:
+        ``GEMM_I8`` on, and a layout it takes (q4, q4k and q8 in groups of 32k)."""
+        return self.gemm_i8_takes(w) and x.dtype == torch.bfloat16
+
+    def gemm_i8_takes(self, w: PackedWeight) -> bool:
+        """Whether the 8-bit many-row kernel runs here and takes ``w``'s layout (``GEMM_I8`` on)."""
+        return (GEMM_I8 and self._gemm_i8 is not None
+                and bool(self._gemm_i8_takes(_kind(w), w.in_features, w.group)))
+
+    def gemm_i8(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Many rows, bfloat16 in and out, in 8-bit integers: each row of x quantized per block of
+        32 (step max|x| / 127), the weight's codes unpacked per 16-row panel in cache, vpdpbusd
+        (pipeserve/kernels/quant_gemm_i8.c). |out - x @ W^T| <= sum_k |w_k| * step(k) / 2, plus
+        float32 rounding and the output's bfloat16 rounding."""
+        if not self.gemm_i8_applies(w, x):
+            raise ValueError(f"the 8-bit many-row kernel does not apply to {w.source} ({w.kind}, in_features "
+                             f"{w.in_features}, group {w.group}) with {x.dtype} activations")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
+        rc = self._gemm_i8(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1,
+                           torch.get_num_threads(), qh, zero)
+        if rc == -1:
+            raise MemoryError("quantized 8-bit many-row matmul: cannot allocate its scratch")
+        if rc != 0:
+            raise RuntimeError(f"quantized 8-bit many-row matmul refused its arguments (code {rc})")
         return out
 
     def int8_activations(self, w: PackedWeight, x: torch.Tensor) -> bool:
@@ -318,6 +357,27 @@ def _load_gemm():
     return fn, isa
 
 
+def _load_gemm_i8():
+    """(pipeserve_quant_gemm_i8, pipeserve_quant_gemm_i8_takes, "avx512-vnni"), or (None, None,
+    None) where quant_gemm_i8.c cannot be built or this CPU has no AVX512-VNNI."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    try:
+        lib = load_kernel("quant_gemm_i8")
+    except KernelBuildError as exc:
+        log.warning("quantized weights, many rows: quant_gemm_i8.c unavailable (%s); bfloat16 or tiled path", exc)
+        return None, None, None
+    lib.pipeserve_quant_gemm_i8_isa.restype = ctypes.c_char_p
+    isa = lib.pipeserve_quant_gemm_i8_isa().decode()
+    if isa == "none":
+        return None, None, None
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn, takes = lib.pipeserve_quant_gemm_i8, lib.pipeserve_quant_gemm_i8_takes
+    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32]
+    fn.restype = i32
+    takes.argtypes, takes.restype = [i32, i64, i64], i32
+    return fn, takes, isa
+
+
 _KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9, "q2": 2, "q3": 3}
 _LATER_KINDS = ("i4", "q2", "q3")      # builds from before pipeserve_quant_takes have no kernels for these
 _GEMM_KINDS = ("q4", "q8", "q5", "q6", "i4", "q2", "q3")  # quant_gemm.c's (AVX512_BF16 builds)
@@ -361,8 +421,10 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
+    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 q4/q8 from {GEMV_MAX_ROWS + 1} rows"] \
+        if kernels.gemm_i8_isa and GEMM_I8 else []
+    many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
+                else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
     log.info("quantized weights: C kernel, %s decode path (%s activations); many rows: %s", kernels.isa,
-             "integer" if kernels.has_integer_activations else "float",
-             f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
-             else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
+             "integer" if kernels.has_integer_activations else "float", "; ".join(many))
     return kernels

@@ -1,0 +1,336 @@
+/* Many-row matmul (prefill, batched decode) against weights kept quantized, in 8-bit
+ * integers on AVX512-VNNI (vpdpbusd), as llama.cpp multiplies its quantized types.
+ *
+ * pipeserve_quant_gemm_i8: out[M, N] = x[M, K] . W[N, K]^T, x and out bfloat16 or float32.
+ *
+ *   Activations: each row of x is quantized per block of 32 (k = 32b .. 32b + 31) to int8,
+ *   xq = round(x / dx) with dx = max|x| / 127 (round to nearest even), and the block's
+ *   xs = dx * sum(xq) is kept for the weights' offsets. So every activation moves by at most
+ *   dx / 2: |out - x . W^T| <= sum_k |w_k| * dx(k) / 2 plus float32 rounding, the bound the
+ *   AVX2 builds' int8 prompts have (and llama.cpp's Q8 activations).
+ *
+ *   Weights: every layout taken here is, per block of 32 weights of a row, w = s * u + m with
+ *   u an unsigned 8-bit code and s, m float32: q4 (Q4_0, Q4_1: u the nibble, s its float16
+ *   scale, m the float16 minimum minus zero * s), q4k (Q4_K: s = d * sub, m = -dmin * min,
+ *   exact) and q8 (Q8_0: u = code + 128, m = min - 128 * s). Each thread takes panels of 16
+ *   weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
+ *   group of 4 k), its s and m into [K / 32][16]; then every block of up to MR rows of x runs
+ *   against it: per group of 4 k one load and one vpdpbusd a row of x with its 4 int8 codes
+ *   broadcast (lanes = the panel's 16 weight rows), and per block of 32 the exact int32 dot is
+ *   converted and added as acc += dot * (s * dx) + m * xs.
+ *
+ * kind: 4, 8 or 10 (q4, q8, q4k); zero: q4's code offset (Q4_0's 8); qh: q4k's sub-scales.
+ * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a
+ * multiple of 32, a group not a multiple of 32, q4k not in whole super-blocks of 256, another
+ * kind). Without AVX512-VNNI (+ BW, VL) pipeserve_quant_gemm_i8_isa() says "none" and the
+ * function returns -2: the caller keeps its other paths.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_codes.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) \
+    && defined(__F16C__)
+#define I8_GEMM 1
+#endif
+
+const char *pipeserve_quant_gemm_i8_isa(void) {
+#ifdef I8_GEMM
+    return "avx512-vnni";
+#else
+    return "none";
+#endif
+}
+
+/* Whether the kernel takes this layout (kind, K, group): what the caller asks before it quantizes. */
+int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
+#ifdef I8_GEMM
+    if (K % 32 != 0 || group % 32 != 0) return 0;
+    if (kind == QUANT_Q4K) return q4k_shape_ok(K, group);
+    return kind == 4 || kind == 8;
+#else
+    (void)kind; (void)K; (void)group;
+    return 0;
+#endif
+}
+
+#ifdef I8_GEMM
+#include <immintrin.h>
+
+#define PR 16   /* weight rows per panel: one zmm of 16 int32 lanes */
+#define MR 10   /* rows of x per micro-kernel call: 10 int32 + 10 float32 accumulators (12 spilled, measured) */
+
+/* Rows [m0, m1) of x quantized per block of 32: xq [M][K] int8, dx and xs [M][K / 32]. */
+static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_t m1, int8_t *xq, float *dx,
+                          float *xs) {
+    const int64_t nb = K / 32;
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t m = m0; m < m1; m++) {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512 v0, v1;
+            if (bf16) {
+                const uint16_t *p = (const uint16_t *)x + m * K + b * 32;
+                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            } else {
+                const float *p = (const float *)x + m * K + b * 32;
+                v0 = _mm512_loadu_ps(p);
+                v1 = _mm512_loadu_ps(p + 16);
+            }
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(xq + m * K + b * 32), _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+            dx[m * nb + b] = d;
+            xs[m * nb + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+    }
+}
+
+/* 64 codes (k .. k + 63, two blocks; the second zero past K) of row n as unsigned bytes. */
+static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, int64_t k, int64_t K) {
+    if (kind == 8) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        if (k + 64 <= K) return _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + k)), flip);
+        return _mm512_castsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + k)),
+                                                       _mm256_set1_epi8((char)0x80)));
+    }
+    /* q4: a block's 16 bytes hold k..k+15 in the low nibbles, k+16..k+31 in the high ones */
+    const __m128i lo4 = _mm_set1_epi8(15);
+    const __m128i a = _mm_loadu_si128((const __m128i *)(row + k / 2));
+    const __m256i ca = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(a, lo4)),
+                                               _mm_and_si128(_mm_srli_epi16(a, 4), lo4), 1);
+    if (k + 64 > K) return _mm512_castsi256_si512(ca);
+    const __m128i c = _mm_loadu_si128((const __m128i *)(row + k / 2 + 16));
+    const __m256i cb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, lo4)),
+                                               _mm_and_si128(_mm_srli_epi16(c, 4), lo4), 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
+}
+
+/* r[j] = 16 dwords of row j -> r[c] = dword c of the 16 rows. */
+static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
+        const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
+        r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
+        r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
+    }
+}
+
+/* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
+ * [K / 32][PR] (rows past `rows`: zero codes and scales). rs, rm: scratch of K / 32 floats a row
+ * (q4k's expansion). */
+static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
+                         int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
+                         float *rs, float *rm) {
+    const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K);
+    const int ck = quant_codes_kind(kind);
+    for (int64_t j = 0; j < PR; j++) {
+        if (j >= rows) {
+            for (int64_t b = 0; b < nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;
+            continue;
+        }
+        const int64_t n = n0 + j;
+        if (kind == QUANT_Q4K) {
+            quant_two_level_row(kind, sc, mn, qh, K, n, rs, rm);
+            for (int64_t b = 0; b < nb; b++) {
+                ws[b * PR + j] = rs[b];
+                wm[b * PR + j] = rm[b];
+            }
+            continue;
+        }
+        const int64_t groups = K / group;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t g = b * 32 / group;
+            const float s = _cvtsh_ss(sc[n * groups + g]), m = mn ? _cvtsh_ss(mn[n * groups + g]) : 0.0f;
+            ws[b * PR + j] = s;
+            wm[b * PR + j] = m - (float)(kind == 8 ? 128 : zero) * s;
+        }
+    }
+    for (int64_t k = 0; k < K; k += 64) {
+        __m512i r[PR];
+        for (int64_t j = 0; j < PR; j++)
+            r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes, k, K) : _mm512_setzero_si512();
+        transpose16x16(r);
+        const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
+        for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), r[c]);
+    }
+}
+
+/* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel. */
+static inline __attribute__((always_inline)) void
+micro(const int R, const int8_t *xq, const float *dx, const float *xs, const uint32_t *wp, const float *ws,
+      const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+    const int64_t nb = K / 32;
+    __m512 acc[MR];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i dot[MR];
+        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+        const uint32_t *wb = wp + b * 8 * PR;
+        for (int g = 0; g < 8; g++) {
+            const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
+            for (int i = 0; i < R; i++) {
+                int32_t xv;
+                memcpy(&xv, xq + (m0 + i) * K + b * 32 + g * 4, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
+            }
+        }
+        const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
+        for (int i = 0; i < R; i++) {
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b])),
+                                     acc[i]);
+            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        if (bf16_out)
+            _mm256_mask_storeu_epi16((uint16_t *)out + (m0 + i) * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+        else
+            _mm512_mask_storeu_ps((float *)out + (m0 + i) * N + n0, keep, acc[i]);
+    }
+}
+
+static void micro_rows(int64_t rows, const int8_t *xq, const float *dx, const float *xs, const uint32_t *wp,
+                       const float *ws, const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
+                       int64_t n0, __mmask16 keep) {
+    switch (rows) {   /* a constant R: the row loop unrolls into registers */
+#define ROWS(R) case R: micro(R, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
+    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9)
+    default: micro(MR, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
+#undef ROWS
+    }
+}
+
+/* The activations of M rows as pipeserve_quant_i8m_prepare leaves them in `act`: xq [M][K] int8,
+ * then dx and xs [M][K / 32] float32. */
+static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float **dx, float **xs) {
+    char *p = (char *)act;
+    *xq = (int8_t *)p;
+    *dx = (float *)(p + (M * K + 63) / 64 * 64);
+    *xs = *dx + M * (K / 32);
+}
+
+/* A thread's panel scratch, kept between calls (grown as needed; OpenMP's threads persist). */
+static __thread char *panel_buf;
+static __thread int64_t panel_cap;
+
+static char *panel_scratch(int64_t K) {
+    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 2 * nb * PR * 4 + 2 * nb * 4 + 3 * 64;
+    if (need > panel_cap) {
+        free(panel_buf);
+        panel_buf = aligned_alloc(64, (size_t)(need + 63) / 64 * 64);
+        panel_cap = panel_buf ? need : 0;
+    }
+    return panel_buf;
+}
+
+/* out[m, n] (row stride N) for m < M and n in [n0, n1): panels of PR weight rows from n0. */
+static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                      int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0, int64_t n1,
+                      void *out, int bf16_out) {
+    const int64_t nb = K / 32;
+    char *buf = panel_scratch(K);
+    if (!buf) return -1;
+    uint32_t *wp = (uint32_t *)buf;
+    float *ws = (float *)(buf + (K / 4 * PR * 4 + 63) / 64 * 64);
+    float *wm = ws + nb * PR, *rs = wm + nb * PR;
+    int8_t *xq;
+    float *dx, *xs;
+    act_parts(act, K, M, &xq, &dx, &xs);
+    for (int64_t p0 = n0; p0 < n1; p0 += PR) {
+        const int64_t cols = n1 - p0 < PR ? n1 - p0 : PR;
+        unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, rs, rs + nb);
+        const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+        for (int64_t m0 = 0; m0 < M; m0 += MR)
+            micro_rows(M - m0 < MR ? M - m0 : MR, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, p0, keep);
+    }
+    return 0;
+}
+#endif
+
+/* Two phases, for callers that run their own threads (decode_stage.c, as quant_matmul.c's gemv):
+ * the bytes of M rows' prepared activations (0: a layout this kernel does not take), the rows
+ * quantized into them (float32 x, one thread), and out [M, N] float32 columns [n0, n1). */
+int64_t pipeserve_quant_i8m_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
+    if (!pipeserve_quant_gemm_i8_takes(kind, K, group) || M <= 0) return 0;
+    return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float);
+}
+
+void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
+    (void)kind;
+#ifdef I8_GEMM
+    int8_t *xq;
+    float *dx, *xs;
+    act_parts(act, K, M, &xq, &dx, &xs);
+    quantize_rows(x, 0, K, 0, M, xq, dx, xs);
+#else
+    (void)K; (void)x; (void)M; (void)act;
+#endif
+}
+
+/* Returns 0, or -1 when the thread's panel scratch cannot be allocated (out is then not written). */
+int pipeserve_quant_i8m_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                             int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M, int64_t n0,
+                             int64_t n1, float *out) {
+#ifdef I8_GEMM
+    return panel_rows(kind, qs, sc, mn, N, K, group, qh, zero, act, M, n0, n1, out, 0);
+#else
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
+    (void)M; (void)n0; (void)n1; (void)out;
+    return -2;
+#endif
+}
+
+int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                            int64_t K, int64_t group, const void *x, int bf16_in, int64_t M, void *out, int bf16_out,
+                            int num_threads, const uint8_t *qh, int zero) {
+#ifdef I8_GEMM
+    if (!pipeserve_quant_gemm_i8_takes(kind, K, group)) return -3;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t panels = (N + PR - 1) / PR;
+    void *act = aligned_alloc(64, (size_t)(pipeserve_quant_i8m_act_bytes(kind, K, group, M) + 63) / 64 * 64);
+    if (!act) return -1;
+    int8_t *xq;
+    float *dx, *xs;
+    act_parts(act, K, M, &xq, &dx, &xs);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs);
+#pragma omp for schedule(static)
+        for (int64_t pn = 0; pn < panels; pn++) {
+            const int64_t n0 = pn * PR, n1 = N - n0 < PR ? N : n0 + PR;
+            if (panel_rows(kind, qs, sc, mn, N, K, group, qh, zero, act, M, n0, n1, out, bf16_out) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+    }
+    free(act);
+    return failed ? -1 : 0;
+#else
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)bf16_in; (void)M;
+    (void)out; (void)bf16_out; (void)num_threads; (void)qh; (void)zero;
+    return -2;
+#endif
+}
