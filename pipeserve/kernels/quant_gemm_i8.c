@@ -10,16 +10,18 @@
  *   AVX2 builds' int8 prompts have (and llama.cpp's Q8 activations).
  *
  *   Weights: every layout taken here is, per block of 32 weights of a row, w = s * u + m with
- *   u an unsigned 8-bit code and s, m float32: q4 (Q4_0, Q4_1: u the nibble, s its float16
- *   scale, m the float16 minimum minus zero * s), q4k (Q4_K: s = d * sub, m = -dmin * min,
- *   exact) and q8 (Q8_0: u = code + 128, m = min - 128 * s). Each thread takes panels of 16
+ *   u an unsigned 8-bit code and s, m float32: q4 and q5 (Q4_0, Q4_1, Q5_0, Q5_1: u the nibble,
+ *   plus 16 for q5's high bit, s its float16 scale, m the float16 minimum minus zero * s), q4k
+ *   and q5k (Q4_K, Q5_K: s = d * sub, m = -dmin * min, exact) and q8 (Q8_0: u = code + 128,
+ *   m = min - 128 * s). Each thread takes panels of 16
  *   weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
  *   group of 4 k), its s and m into [K / 32][16]; then every block of up to MR rows of x runs
  *   against it: per group of 4 k one load and one vpdpbusd a row of x with its 4 int8 codes
  *   broadcast (lanes = the panel's 16 weight rows), and per block of 32 the exact int32 dot is
  *   converted and added as acc += dot * (s * dx) + m * xs.
  *
- * kind: 4, 8 or 10 (q4, q8, q4k); zero: q4's code offset (Q4_0's 8); qh: q4k's sub-scales.
+ * kind: 4, 5, 8, 10 or 12 (q4, q5, q8, q4k, q5k); zero: the code offset (Q4_0's 8, Q5_0's 16); qh:
+ * q5's high-bit planes, q4k's sub-scales, q5k's sub-scales then planes.
  * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a
  * multiple of 32, a group not a multiple of 32, q4k not in whole super-blocks of 256, another
  * kind). Without AVX512-VNNI (+ BW, VL) pipeserve_quant_gemm_i8_isa() says "none" and the
@@ -48,8 +50,8 @@ const char *pipeserve_quant_gemm_i8_isa(void) {
 int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 #ifdef I8_GEMM
     if (K % 32 != 0 || group % 32 != 0) return 0;
-    if (kind == QUANT_Q4K) return q4k_shape_ok(K, group);
-    return kind == 4 || kind == 8;
+    if (kind == QUANT_Q4K || kind == QUANT_Q5K) return q4k_shape_ok(K, group);
+    return kind == 4 || kind == 5 || kind == 8;
 #else
     (void)kind; (void)K; (void)group;
     return 0;
@@ -91,23 +93,32 @@ static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_
     }
 }
 
-/* 64 codes (k .. k + 63, two blocks; the second zero past K) of row n as unsigned bytes. */
-static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, int64_t k, int64_t K) {
+/* 32 codes of a q4 or q5 block as unsigned bytes: the 16 bytes at q hold k..k+15 in their low
+ * nibbles, k+16..k+31 in the high ones; q5 (plane: the block's 32 high bits, bit i code i) adds 16. */
+static inline __attribute__((always_inline)) __m256i codes32(const uint8_t *q, const uint8_t *plane) {
+    const __m128i lo4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)q);
+    const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, lo4)),
+                                              _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
+    if (!plane) return c;
+    uint32_t bits;
+    memcpy(&bits, plane, 4);
+    return _mm256_mask_add_epi8(c, (__mmask32)bits, c, _mm256_set1_epi8(16));
+}
+
+/* 64 codes (k .. k + 63, two blocks; the second zero past K) of a row as unsigned bytes (hb: q5's
+ * high-bit planes of the row, 4 bytes a block). */
+static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, const uint8_t *hb,
+                                                            int64_t k, int64_t K) {
     if (kind == 8) {
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         if (k + 64 <= K) return _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + k)), flip);
         return _mm512_castsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + k)),
                                                        _mm256_set1_epi8((char)0x80)));
     }
-    /* q4: a block's 16 bytes hold k..k+15 in the low nibbles, k+16..k+31 in the high ones */
-    const __m128i lo4 = _mm_set1_epi8(15);
-    const __m128i a = _mm_loadu_si128((const __m128i *)(row + k / 2));
-    const __m256i ca = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(a, lo4)),
-                                               _mm_and_si128(_mm_srli_epi16(a, 4), lo4), 1);
+    const int q5 = kind == 5;
+    const __m256i ca = codes32(row + k / 2, q5 ? hb + k / 32 * 4 : NULL);
     if (k + 64 > K) return _mm512_castsi256_si512(ca);
-    const __m128i c = _mm_loadu_si128((const __m128i *)(row + k / 2 + 16));
-    const __m256i cb = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(c, lo4)),
-                                               _mm_and_si128(_mm_srli_epi16(c, 4), lo4), 1);
+    const __m256i cb = codes32(row + k / 2 + 16, q5 ? hb + k / 32 * 4 + 4 : NULL);
     return _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
 }
 
@@ -141,7 +152,7 @@ static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) 
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
                          float *rs, float *rm) {
-    const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K);
+    const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int ck = quant_codes_kind(kind);
     for (int64_t j = 0; j < PR; j++) {
         if (j >= rows) {
@@ -149,11 +160,11 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             continue;
         }
         const int64_t n = n0 + j;
-        if (kind == QUANT_Q4K) {
+        if (kind == QUANT_Q4K || kind == QUANT_Q5K) {
             quant_two_level_row(kind, sc, mn, qh, K, n, rs, rm);
             for (int64_t b = 0; b < nb; b++) {
                 ws[b * PR + j] = rs[b];
-                wm[b * PR + j] = rm[b];
+                wm[b * PR + j] = rm[b] - (float)zero * rs[b];
             }
             continue;
         }
@@ -168,7 +179,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
-            r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes, k, K) : _mm512_setzero_si512();
+            r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes,
+                                      ck == 5 ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K) : NULL, k, K)
+                            : _mm512_setzero_si512();
         transpose16x16(r);
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
         for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), r[c]);

@@ -114,7 +114,7 @@ TRANSPOSED_TILE_ROWS = 512
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
 # Whether bfloat16 rows beyond GEMV_MAX_ROWS of the layouts quant_gemm_i8.c takes (q4: Q4_0, Q4_1,
-# Q4_K; q8: Q8_0; int8/int4) multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python
+# Q4_K; q5: Q5_0, Q5_1, Q5_K; q8: Q8_0; int8/int4; not Q6_K's groups of 16) multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python
 # layers and in the fused decode stage (cpu_decode.py), instead of quant_gemm.c's bfloat16 kernel
 # or the gemv's passes: 1.2-1.25x the bfloat16 kernel's speed at 16-512 rows, 1.6-2.3x the
 # passes' at 16-32 (benchmarks/README.md, twentieth session). Activations are int8 per block
@@ -232,7 +232,8 @@ class QuantKernels:
 
     def gemm_i8_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm_i8`` (quant_gemm_i8.c, AVX512-VNNI) takes these bfloat16 activations:
-        ``GEMM_I8`` on, and a layout it takes (q4, q4k and q8 in groups of 32k)."""
+        ``GEMM_I8`` on, and a layout it takes (q4, q5 and q8 in groups of 32k, Q4_K's and Q5_K's
+        two levels)."""
         return self.gemm_i8_takes(w) and x.dtype == torch.bfloat16
 
     def gemm_i8_takes(self, w: PackedWeight) -> bool:
@@ -421,7 +422,7 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 q4/q8 from {GEMV_MAX_ROWS + 1} rows"] \
+    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 q4/q5/q8 from {GEMV_MAX_ROWS + 1} rows"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
     many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
                 else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
