@@ -16,7 +16,9 @@ window and a soft cap are taken), no tensor parallelism, and steps of at most
 ``QuantKernels.fused_max_rows`` decodes (AVX2: 128, in one pass of the integer gemv, 24 with
 q8 parts; VNNI:
 ``GEMV_PASSES_MAX_ROWS``, in passes of ``GEMV_MAX_ROWS`` rows as the Python layers multiply
-them; bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``);
+them; bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``; bfloat16 on AVX512-VNNI where
+the 8-bit many-row kernel, quant_gemm_i8.c, takes every weight: up to ``GEMV_ONE_CALL_MAX_ROWS``,
+more than ``GEMV_MAX_ROWS`` in one pass of that kernel, as ``QuantKernels.matmul`` gives them to it);
 everything else runs the Python layers. With one
 thread the result is bit for bit the Python path's; with more, only the order in
 which the attention's partial softmaxes merge differs. ``PIPESERVE_FUSED_DECODE=0``

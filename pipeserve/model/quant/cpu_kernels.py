@@ -17,7 +17,11 @@ instead: 16-row weight panels dequantized to bfloat16 in cache and vdpbf16ps,
 with no dequantized tile written to memory or handed to PyTorch; it rounds
 each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
 ``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
-rounding only (tests/test_quant_gemm.py). The log line names the many-row path. The crossover was measured
+rounding only (tests/test_quant_gemm.py). On AVX512-VNNI CPUs bfloat16 rows beyond ``GEMV_MAX_ROWS`` of
+the q4/q5/q8 layouts take ``gemm_i8`` instead (pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
+the rows quantized to int8 per block of 32, 16-row panels of codes unpacked to bytes in cache,
+vpdpbusd; within ``sum_k |w_k| * step(k) / 2`` of ``x @ dequantize(w).T``
+(tests/test_quant_gemm_i8.py). The log line names the many-row paths. The crossover was measured
 (benchmarks/README.md, "Quantized weights"); the tile size was measured on an
 AVX2 CPU (``TILE_BYTES``). Accumulation is float32 on both
 paths; results differ from ``dequantize(w) @ x`` only by summation order

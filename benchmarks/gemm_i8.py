@@ -1,0 +1,77 @@
+"""The 8-bit many-row kernel (pipeserve/kernels/quant_gemm_i8.c) against the paths it replaced.
+
+Per weight shape and row count, bfloat16 activations, one process, the three timed in turn
+(best of ``--rounds``; the machine is shared: read the ratios):
+- ``gemv``: the decode kernel in passes of 8 rows (quant_matmul.c; what the fused decode stage
+  ran for 9-24 decodes on AVX512-VNNI builds),
+- ``bf16``: quant_gemm.c's bfloat16 panels and vdpbf16ps (what bfloat16 prompts and batched
+  decodes ran from 5 rows),
+- ``i8``: quant_gemm_i8.c (vpdpbusd on int8 activations; now taken beyond 8 rows).
+Weights: Q4_1-like q4 (group 32, with minimum) for the layers, Q8_0-like q8 for the head; a layer
+shape is timed over ``--copies`` copies of its weight (the default 30 is SmolLM2's layer count,
+more than the L3 holds), so the weights come from memory as in a model's forward. Prints
+microseconds per matmul and GFLOP/s.
+
+    PYTHONPATH=$PWD python benchmarks/gemm_i8.py [--threads 1] [--rows 5,8,12,16,24,32,64,256,512]
+        [--shapes smol,llama2k] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pipeserve.model.quant.cpu_kernels import cpu_kernels
+from pipeserve.model.quant.packed import quantize_weight
+
+SHAPES = {
+    "smol": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)},
+    "llama2k": {"qkv": (3072, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="5,8,12,16,24,32,64,256,512")
+    ap.add_argument("--shapes", default="smol,llama2k")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--copies", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = cpu_kernels()
+    if kernels is None or kernels.gemm_i8_isa is None:
+        raise SystemExit("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c); nothing to compare")
+    gen = torch.Generator().manual_seed(0)
+    print(f"threads {args.threads}; us per matmul (GFLOP/s); i8 speed-up over the faster of the others")
+    for family in args.shapes.split(","):
+        for name, (n, k) in SHAPES[family].items():
+            head = name == "head"
+            copies = 1 if head else max(1, min(args.copies, (256 << 20) // (n * k)))
+            ws = [quantize_weight(torch.randn(n, k, generator=gen), 8 if head else 4, 32) for _ in range(copies)]
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k, generator=gen).bfloat16()
+                paths = {
+                    "gemv": lambda w: torch.cat([kernels.gemv(w, x[r:r + 8]) for r in range(0, rows, 8)]),
+                    "bf16": lambda w: kernels.gemm(w, x),
+                    "i8": lambda w: kernels.gemm_i8(w, x),
+                }
+                if rows > 64:
+                    del paths["gemv"]            # passes of 8 rows over many rows: not a path anything takes
+                best = dict.fromkeys(paths, float("inf"))
+                for _ in range(args.rounds):
+                    for label, fn in paths.items():
+                        t0 = time.perf_counter()
+                        for w in ws:
+                            fn(w)
+                        best[label] = min(best[label], (time.perf_counter() - t0) / len(ws))
+                flop = 2 * rows * n * k
+                cells = "  ".join(f"{label} {t * 1e6:8.1f} ({flop / t / 1e9:5.1f})" for label, t in best.items())
+                other = min(t for label, t in best.items() if label != "i8")
+                print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
