@@ -19,7 +19,8 @@ import pipeserve.model.quant.cpu_kernels as quant_cpu
 from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.packed import dequantize, quantize_weight
 from tests.kernels import skip_without_kernel
-from tests.test_quant_kernels import _read, gguf_file  # noqa: F401  (gguf_file is a fixture)
+from tests.test_quant_gemm import _cases
+from tests.test_quant_kernels import gguf_file  # noqa: F401  (gguf_file is a fixture)
 from tests.test_quant_model import _all_logits, _perplexity, _runner, dense_logits, smollm2  # noqa: F401 (fixtures)
 
 ROWS = (GEMM_MIN_ROWS, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
@@ -43,15 +44,6 @@ def _bound(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     step = (xd.view(len(x), -1, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
     tol = (step / 2) @ wd.abs().t() + 2.0 ** -8 * ref.abs() + 1e-5 * (xd.abs() @ wd.abs().t()) + 1e-30
     return ref, tol
-
-
-def _cases(gguf_file):  # noqa: F811
-    path, types = gguf_file
-    cases = [_read(path, i)[0] for i in range(len(types))]            # every kept GGUF type
-    gen = torch.Generator().manual_seed(5)
-    w = torch.randn(41, 256, generator=gen)                            # 41 rows: a partial panel of 16
-    cases += [quantize_weight(w, 8, g) for g in (32, 128)] + [quantize_weight(w, 4, g) for g in (32, 64)]
-    return cases
 
 
 @needs_matmul

@@ -13,31 +13,9 @@
 #include <stdint.h>
 #include <immintrin.h>
 
-#define NB 16   /* weight rows per panel: one zmm of 16 float32 outputs */
+#include "avx512_transpose.h"
 
-/* r[j] = 16 dwords of row j -> r[c] = column c (16 x 16 transpose of 32-bit elements). */
-static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {   /* b[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3 */
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
-        const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-        const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
-        r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
-    }
-}
+#define NB 16   /* weight rows per panel: one zmm of 16 float32 outputs */
 
 /* x [M, K] bfloat16 -> xp [ceil(M / 16)][K / 2][16] 32-bit pairs (rows past M zero).
  * One thread: about 1 % of the matmul's time, and one parallel region (one barrier)

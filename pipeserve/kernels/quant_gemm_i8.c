@@ -61,6 +61,8 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 #ifdef I8_GEMM
 #include <immintrin.h>
 
+#include "avx512_transpose.h"
+
 #define PR 16   /* weight rows per panel: one zmm of 16 int32 lanes */
 #define MR 10   /* rows of x per micro-kernel call: 10 int32 + 10 float32 accumulators (12 spilled, measured) */
 
@@ -122,30 +124,6 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
     return _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
 }
 
-/* r[j] = 16 dwords of row j -> r[c] = dword c of the 16 rows. */
-static inline __attribute__((always_inline)) void transpose16x16(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
-        const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-        const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
-        r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
-        r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
-        r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
-    }
-}
-
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
  * [K / 32][PR] (rows past `rows`: zero codes and scales). rs, rm: scratch of K / 32 floats a row
  * (q4k's expansion). */
@@ -182,7 +160,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes,
                                       ck == 5 ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K) : NULL, k, K)
                             : _mm512_setzero_si512();
-        transpose16x16(r);
+        transpose16(r);   /* r[c] = dword c (codes 4c .. 4c + 3) of the 16 rows */
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
         for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), r[c]);
     }
