@@ -14,6 +14,11 @@ microseconds per matmul and GFLOP/s.
 
     PYTHONPATH=$PWD python benchmarks/gemm_i8.py [--threads 1] [--rows 5,8,12,16,24,32,64,256,512]
         [--shapes smol,llama2k] [--rounds 5]
+
+``--fidelity``: instead, the built-in SmolLM2 (kept Q4_1, bfloat16) teacher-forced over windows of
+the reference text (Python's LICENSE.txt: tokens 0-600, the suite's, and 600-1600), with the 8-bit
+kernel and with the bfloat16 one, against the file dequantized to float32: top-1 agreement and
+perplexity change.
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="smol,llama2k")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copies", type=int, default=30)
+    ap.add_argument("--fidelity", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fidelity:
+        fidelity()
+        return
     kernels = cpu_kernels()
     if kernels is None or kernels.gemm_i8_isa is None:
         raise SystemExit("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c); nothing to compare")
@@ -71,6 +80,45 @@ def main() -> None:
                 cells = "  ".join(f"{label} {t * 1e6:8.1f} ({flop / t / 1e9:5.1f})" for label, t in best.items())
                 other = min(t for label, t in best.items() if label != "i8")
                 print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
+
+
+def fidelity() -> None:
+    import math
+    import os
+
+    import pipeserve.model.quant.cpu_kernels as quant_cpu
+    from pipeserve.model.loader import resolve_model
+    from pipeserve.tokenizer import load_tokenizer
+    from pipeserve.worker.model_runner import ModelRunner
+    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+
+    source = resolve_model("smollm2-135m-instruct")
+    cfg = source.load_config()
+    text = open(os.path.join(os.path.dirname(os.__file__), "LICENSE.txt")).read()
+    ids_all = load_tokenizer(source).encode(text)
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
+
+    @torch.inference_mode()
+    def logits(quantization: str, dtype: torch.dtype, ids: list[int]) -> torch.Tensor:
+        runner = ModelRunner(source, cfg, start_layer=0, end_layer=cfg.num_layers, is_first=True, is_last=True,
+                             dtype=dtype, device=torch.device("cpu"), num_blocks=128, num_host_blocks=0,
+                             block_size=16, quantization=quantization)
+        table = list(range(-(-len(ids) // 16)))
+        hidden = runner._forward(StepInput(1, [SeqStep(0, ids, 0, table, greedy)]), None)
+        return runner.model.compute_logits(hidden).float()
+
+    def ppl(out: torch.Tensor, ids: list[int]) -> float:
+        return math.exp(torch.nn.functional.cross_entropy(out[:-1], torch.tensor(ids[1:])).item())
+
+    for lo, hi in ((0, 600), (600, 1600)):
+        ids = ids_all[lo:hi]
+        dense = logits("none", torch.float32, ids)
+        for on in (False, True):
+            quant_cpu.GEMM_I8 = on
+            kept = logits("auto", torch.bfloat16, ids)
+            agree = (kept.argmax(-1) == dense.argmax(-1)).float().mean().item()
+            print(f"positions {lo}-{hi}, {'8-bit' if on else 'bfloat16'} kernel: top-1 {agree:.4f}, "
+                  f"perplexity {ppl(kept, ids) / ppl(dense, ids) - 1:+.2%}")
 
 
 if __name__ == "__main__":
