@@ -73,6 +73,21 @@ def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows):  #
 
 @needs_matmul
 @needs_i8
+@pytest.mark.parametrize("width", [32, 96, 160])
+def test_gemm_i8_rows_whose_width_ends_in_half_a_chunk(width):
+    """Widths that are not a multiple of 64 (the kernel unpacks 64 codes at a time): the last
+    chunk holds one block."""
+    kernels = _i8_kernels()
+    gen = torch.Generator().manual_seed(width)
+    for bits in (4, 8):
+        w = quantize_weight(torch.randn(19, width, generator=gen), bits, 32)
+        x = torch.randn(11, width, generator=gen).bfloat16()
+        ref, tol = _bound(w, x)
+        assert ((kernels.gemm_i8(w, x).double() - ref).abs() <= tol).all(), (width, bits)
+
+
+@needs_matmul
+@needs_i8
 def test_a_row_is_the_same_whatever_its_call(gguf_file):  # noqa: F811
     """Each row's result depends on that row alone: not on the rows beside it, the micro-kernel's
     row count or the threads (so a request's logits do not change with the batch it runs in)."""
