@@ -98,19 +98,21 @@ def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):
     assert ((got.float() - ref).abs() <= tol).all()
 
 
-def test_gemm_build_failure_logs_and_keeps_the_tiled_path(monkeypatch, caplog):
+@pytest.mark.parametrize("name, load", [("quant_gemm", "_load_gemm"), ("quant_gemm_i8", "_load_gemm_i8")])
+def test_many_row_kernel_build_failure_logs_and_keeps_the_other_paths(name, load, monkeypatch, caplog):
+    """quant_gemm.c (then the tiles) and quant_gemm_i8.c (then the bfloat16 kernel or the tiles)."""
     real = kernel_build.load_kernel
 
-    def fail_gemm(name):
-        if name == "quant_gemm":
+    def fail(kernel):
+        if kernel == name:
             raise kernel_build.KernelBuildError("compiler exploded (test)")
-        return real(name)
+        return real(kernel)
 
-    monkeypatch.setattr(kernel_build, "load_kernel", fail_gemm)
+    monkeypatch.setattr(kernel_build, "load_kernel", fail)
     with caplog.at_level(logging.WARNING, logger=quant_cpu.__name__):
-        fn, isa = quant_cpu._load_gemm()
-    assert fn is None and isa is None
-    assert "quant_gemm.c unavailable" in caplog.text and "compiler exploded" in caplog.text
+        loaded = getattr(quant_cpu, load)()
+    assert all(part is None for part in loaded), loaded
+    assert f"{name}.c unavailable" in caplog.text and "compiler exploded" in caplog.text
 
 
 @needs_matmul

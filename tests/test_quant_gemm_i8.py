@@ -1,6 +1,7 @@
 """The 8-bit many-row kernel for kept-quantized weights (pipeserve/kernels/quant_gemm_i8.c,
 AVX512-VNNI): the layouts it takes against dequantize-then-matmul, each row independent of the
-call it is in, the dispatch and its fallbacks, and the kept SmolLM2 through it.
+call it is in, the dispatch and its switch, and the kept SmolLM2 through it (a failed build:
+tests/test_quant_gemm.py).
 
 Documented tolerance (quant_gemm_i8.c, ``QuantKernels.gemm_i8``): each row of x is quantized per
 block of 32 to int8 with step max|x| / 127, so against ``x @ dequantize(w).T`` in float64 the error
@@ -9,12 +10,9 @@ is at most sum_k |w_k| * step(k) / 2, plus float32 accumulation and the output's
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-import pipeserve.kernels.build as kernel_build
 import pipeserve.model.quant.cpu_kernels as quant_cpu
 from pipeserve.model.quant.cpu_kernels import GEMM_MIN_ROWS, GEMV_MAX_ROWS, cpu_kernels
 from pipeserve.model.quant.packed import dequantize, quantize_weight
@@ -123,21 +121,6 @@ def test_gemm_i8_only_where_it_applies_and_the_switch(gguf_file, monkeypatch):  
     assert not kernels.gemm_i8_applies(w, xb)
     want = kernels.gemm(w, xb) if kernels.gemm_applies(w, xb) else kernels.tiled(w, xb)
     assert torch.equal(kernels.matmul(w, xb), want)
-
-
-def test_gemm_i8_build_failure_logs_and_keeps_the_other_paths(monkeypatch, caplog):
-    real = kernel_build.load_kernel
-
-    def fail_i8(name):
-        if name == "quant_gemm_i8":
-            raise kernel_build.KernelBuildError("compiler exploded (test)")
-        return real(name)
-
-    monkeypatch.setattr(kernel_build, "load_kernel", fail_i8)
-    with caplog.at_level(logging.WARNING, logger=quant_cpu.__name__):
-        fn, takes, isa = quant_cpu._load_gemm_i8()
-    assert fn is None and takes is None and isa is None
-    assert "quant_gemm_i8.c unavailable" in caplog.text and "compiler exploded" in caplog.text
 
 
 @needs_matmul

@@ -288,20 +288,24 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     int64_t P = M;     /* rows of one gemv pass: all of them where every part's kernel takes them */
     for (int64_t l = 0; l < num_layers; l++) {
         const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
-        for (int i = 0; i < 4; i++)
-            for (int64_t j = 0; j < ws[i]->parts && !many_rows(k, ws[i], M); j++)
+        for (int i = 0; i < 4; i++) {
+            if (many_rows(k, ws[i], M)) continue;   /* one pass of the many-row kernel */
+            for (int64_t j = 0; j < ws[i]->parts; j++)
                 if (k->act_bytes(ws[i]->part[j].kind, ws[i]->part[j].K, ws[i]->part[j].group, M) == 0)
                     P = min64(M, PASS_ROWS);
+        }
     }
     int64_t act = 0;   /* the largest prepared activations of one part */
     for (int64_t l = 0; l < num_layers; l++) {
         const qlinear *ws[4] = {&layers[l].qkv, &layers[l].o, &layers[l].gate_up, &layers[l].down};
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) {
+            const int many = many_rows(k, ws[i], M);
             for (int64_t j = 0; j < ws[i]->parts; j++) {
                 const qweight *p = &ws[i]->part[j];
-                act = max64(act, many_rows(k, ws[i], M) ? k->m_act_bytes(p->kind, p->K, p->group, M)
-                                                        : k->act_bytes(p->kind, p->K, p->group, P));
+                act = max64(act, many ? k->m_act_bytes(p->kind, p->K, p->group, M)
+                                      : k->act_bytes(p->kind, p->K, p->group, P));
             }
+        }
     }
     const int64_t act_stride = align64(act);
     /* residual, normed x, qkv, rotated q|k, attention out, o out, gate|up, silu out (the

@@ -95,9 +95,8 @@ class FusedDecode:
         # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but 24 with
         # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
         # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
-        # give bfloat16 to the many-row kernel where there is one (quant_gemm.c)
         # give bfloat16 to the many-row kernel where there is one (quant_gemm.c). Where the 8-bit
-        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, q4/q8 layouts),
+        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, q4/q5/q8 layouts),
         # up to GEMV_ONE_CALL_MAX_ROWS: beyond GEMV_MAX_ROWS rows it multiplies them in one pass here.
         has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
         has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)

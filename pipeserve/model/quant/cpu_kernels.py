@@ -118,11 +118,12 @@ TRANSPOSED_TILE_ROWS = 512
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
 # Whether bfloat16 rows beyond GEMV_MAX_ROWS of the layouts quant_gemm_i8.c takes (q4: Q4_0, Q4_1,
-# Q4_K; q5: Q5_0, Q5_1, Q5_K; q8: Q8_0; int8/int4; not Q6_K's groups of 16) multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python
-# layers and in the fused decode stage (cpu_decode.py), instead of quant_gemm.c's bfloat16 kernel
-# or the gemv's passes: 1.2-1.25x the bfloat16 kernel's speed at 16-512 rows, 1.6-2.3x the
-# passes' at 16-32 (benchmarks/README.md, twentieth session). Activations are int8 per block
-# of 32 there, as on AVX2 builds' prompts and in llama.cpp. False: the bfloat16 kernel.
+# Q4_K; q5: Q5_0, Q5_1, Q5_K; q8: Q8_0; int8/int4; not Q6_K's groups of 16) multiply in 8-bit
+# integers on AVX512-VNNI CPUs, in the Python layers and in the fused decode stage (cpu_decode.py),
+# instead of quant_gemm.c's bfloat16 kernel or the gemv's passes: 1.17-1.33x the bfloat16
+# kernel's speed from 64 rows, 2-4x the passes' at 16-64 (benchmarks/README.md, twentieth
+# session). Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in
+# llama.cpp. False: the bfloat16 kernel.
 GEMM_I8 = True
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -241,9 +242,15 @@ class QuantKernels:
         return self.gemm_i8_takes(w) and x.dtype == torch.bfloat16
 
     def gemm_i8_takes(self, w: PackedWeight) -> bool:
-        """Whether the 8-bit many-row kernel runs here and takes ``w``'s layout (``GEMM_I8`` on)."""
-        return (GEMM_I8 and self._gemm_i8 is not None
-                and bool(self._gemm_i8_takes(_kind(w), w.in_features, w.group)))
+        """Whether the 8-bit many-row kernel runs here and takes ``w``'s layout (``GEMM_I8`` on); the
+        kernel's answer for the layout is kept on the weight, as its C arguments are (``matmul``
+        asks for every linear layer of a step)."""
+        if not GEMM_I8 or self._gemm_i8 is None:
+            return False
+        takes = w.cache.get("i8_takes")
+        if takes is None:
+            takes = w.cache["i8_takes"] = bool(self._gemm_i8_takes(_kind(w), w.in_features, w.group))
+        return takes
 
     def gemm_i8(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out, in 8-bit integers: each row of x quantized per block of
