@@ -88,17 +88,19 @@ def _compare(fused, python, exact: bool) -> float:
     return worst
 
 
-def _fused_equals_python(make_runner, dtype, threads: int, steps: int) -> ModelRunner:
+def _fused_equals_python(make_runner, dtype, threads: int, steps: int, sequences: int | None = None) -> ModelRunner:
     """The runner ``make_runner`` builds at ``threads`` threads decodes 13 float32 sequences
-    (the gemv in two passes on VNNI, one on AVX2) or 4 bfloat16 ones ``steps`` steps through the fused stage and
-    through the Python layers: bit for bit at one thread, else up to the merge order."""
+    (the gemv in two passes on VNNI, one on AVX2) or 4 bfloat16 ones (or ``sequences``) ``steps``
+    steps through the fused stage and through the Python layers: bit for bit at one thread, else
+    up to the merge order."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         runner = make_runner()
-        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(13 if dtype == torch.float32 else 4)]
+        n = sequences or (13 if dtype == torch.float32 else 4)
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(n)]
         fused = _decode_logits([runner], prompts, steps)
-        assert runner.model.fused_decode
+        assert runner.model.fused_decode and runner.model.fused_decode.max_rows >= n   # every step its own
         runner.model.fused_decode = False
         _compare(fused, _decode_logits([runner], prompts, steps), exact=threads == 1)
         return runner
@@ -251,6 +253,27 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
         assert {13, 40} <= set(calls) and 5 not in calls, sorted(set(calls))
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_k_m_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads, tmp_path):
+    """A Q4_K_M-style GGUF (Q4_K, Q6_K v and down) in bfloat16: every layer weight, Q6_K's groups
+    of 16 too, is the 8-bit many-row kernel's, so 13 decodes run in one fused call per step (a
+    stage of Q4_K_M took 4 before), as the Python layers run them."""
+    from pipeserve.model.quant.cpu_kernels import GEMV_ONE_CALL_MAX_ROWS, cpu_kernels
+    from tests.test_tensor_parallel_quant import _kquant_gguf
+    if cpu_kernels() is None or cpu_kernels().gemm_i8_isa is None:
+        pytest.skip("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c)")
+    source = resolve_model(str(_kquant_gguf(tmp_path)))
+    cfg = source.load_config()
+    runner = _fused_equals_python(lambda: _runner(source, cfg, dtype=torch.bfloat16), torch.bfloat16, threads, 3,
+                                  sequences=13)
+    layer = runner.model.layers[0]
+    assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert layer.mlp.down_proj.parts[0].source == "Q6_K"
+    runner.model.fused_decode = None                      # built again at the next step, as at start-up
+    runner.execute(StepInput(0, [SeqStep(0, [5, 6, 7], 0, [0], GREEDY)]))
+    assert runner.model.fused_decode.max_rows == GEMV_ONE_CALL_MAX_ROWS
 
 
 def _decode_logits_hidden(runner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:

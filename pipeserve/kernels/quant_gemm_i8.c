@@ -5,7 +5,8 @@
  *
  *   Activations: each row of x is quantized per block of 32 (k = 32b .. 32b + 31) to int8,
  *   xq = round(x / dx) with dx = max|x| / 127 (round to nearest even), and the block's
- *   xs = dx * sum(xq) is kept for the weights' offsets. So every activation moves by at most
+ *   xs = dx * sum(xq) is kept for the weights' offsets (and the integer sums of its halves for
+ *   q6k's). So every activation moves by at most
  *   dx / 2: |out - x . W^T| <= sum_k |w_k| * dx(k) / 2 plus float32 rounding, the bound the
  *   AVX2 builds' int8 prompts have (and llama.cpp's Q8 activations).
  *
@@ -13,18 +14,22 @@
  *   u an unsigned 8-bit code and s, m float32: q4 and q5 (Q4_0, Q4_1, Q5_0, Q5_1: u the nibble,
  *   plus 16 for q5's high bit, s its float16 scale, m the float16 minimum minus zero * s), q4k
  *   and q5k (Q4_K, Q5_K: s = d * sub, m = -dmin * min, exact) and q8 (Q8_0: u = code + 128,
- *   m = min - 128 * s). Each thread takes panels of 16
+ *   m = min - 128 * s); q6k (Q6_K) per 16 weights, w = s * (u - zero), u its 6-bit code, s = d * sub
+ *   (exact), no minimums. Each thread takes panels of 16
  *   weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
  *   group of 4 k), its s and m into [K / 32][16]; then every block of up to MR rows of x runs
  *   against it: per group of 4 k one load and one vpdpbusd a row of x with its 4 int8 codes
  *   broadcast (lanes = the panel's 16 weight rows), and per block of 32 the exact int32 dot is
- *   converted and added as acc += dot * (s * dx) + m * xs.
+ *   converted and added as acc += dot * (s * dx) + m * xs. q6k's per 16: its dot starts at
+ *   -zero * sum(xq) of the 16 (exact in int32), then acc += dot * (s * dx): one more conversion and
+ *   product per 32 weights than the others.
  *
- * kind: 4, 5, 8, 10 or 12 (q4, q5, q8, q4k, q5k); zero: the code offset (Q4_0's 8, Q5_0's 16); qh:
- * q5's high-bit planes, q4k's sub-scales, q5k's sub-scales then planes.
+ * kind: 4, 5, 8, 10, 11 or 12 (q4, q5, q8, q4k, q6k, q5k); zero: the code offset (Q4_0's 8, Q5_0's 16,
+ * Q6_K's 32); qh: q5's high-bit planes, q4k's sub-scales, q5k's and q6k's sub-scales then planes or
+ * bit pairs.
  * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a
- * multiple of 32, a group not a multiple of 32, q4k not in whole super-blocks of 256, another
- * kind). Without AVX512-VNNI (+ BW, VL) pipeserve_quant_gemm_i8_isa() says "none" and the
+ * multiple of 32, a group not a multiple of 32, q4k / q5k / q6k not in whole super-blocks of 256,
+ * another kind). Without AVX512-VNNI (+ BW, VL) pipeserve_quant_gemm_i8_isa() says "none" and the
  * function returns -2: the caller keeps its other paths.
  */
 #include <stdint.h>
@@ -49,6 +54,7 @@ const char *pipeserve_quant_gemm_i8_isa(void) {
 /* Whether the kernel takes this layout (kind, K, group): what the caller asks before it quantizes. */
 int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 #ifdef I8_GEMM
+    if (kind == QUANT_Q6K) return q6k_shape_ok(K, group);
     if (K % 32 != 0 || group % 32 != 0) return 0;
     if (kind == QUANT_Q4K || kind == QUANT_Q5K) return q4k_shape_ok(K, group);
     return kind == 4 || kind == 5 || kind == 8;
@@ -68,7 +74,7 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 
 /* Rows [m0, m1) of x quantized per block of 32: xq [M][K] int8, dx and xs [M][K / 32]. */
 static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_t m1, int8_t *xq, float *dx,
-                          float *xs) {
+                          float *xs, int32_t *sum16) {
     const int64_t nb = K / 32;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t m = m0; m < m1; m++) {
@@ -89,8 +95,11 @@ static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
             _mm_storeu_si128((__m128i *)(xq + m * K + b * 32), _mm512_cvtsepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(xq + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
+            const int32_t s0 = _mm512_reduce_add_epi32(q0), s1 = _mm512_reduce_add_epi32(q1);
             dx[m * nb + b] = d;
-            xs[m * nb + b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            xs[m * nb + b] = d * (float)(s0 + s1);
+            sum16[m * 2 * nb + 2 * b] = s0;
+            sum16[m * 2 * nb + 2 * b + 1] = s1;
         }
     }
 }
@@ -108,7 +117,8 @@ static inline __attribute__((always_inline)) __m256i codes32(const uint8_t *q, c
 }
 
 /* 64 codes (k .. k + 63, two blocks; the second zero past K) of a row as unsigned bytes (hb: q5's
- * high-bit planes of the row, 4 bytes a block). */
+ * high-bit planes of the row, 4 bytes a block; q6's high bit pairs, 32 bytes per 128 weights; q6
+ * rows are whole runs of 128, so never end in half a chunk). */
 static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, const uint8_t *hb,
                                                             int64_t k, int64_t K) {
     if (kind == 8) {
@@ -117,6 +127,9 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
         return _mm512_castsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + k)),
                                                        _mm256_set1_epi8((char)0x80)));
     }
+    if (kind == 6)
+        return _mm512_inserti64x4(_mm512_castsi256_si512(quant_q6_codes32_avx2(row, hb, k / 32)),
+                                  quant_q6_codes32_avx2(row, hb, k / 32 + 1), 1);
     const int q5 = kind == 5;
     const __m256i ca = codes32(row + k / 2, q5 ? hb + k / 32 * 4 : NULL);
     if (k + 64 > K) return _mm512_castsi256_si512(ca);
@@ -125,8 +138,8 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
 }
 
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
- * [K / 32][PR] (rows past `rows`: zero codes and scales). rs, rm: scratch of K / 32 floats a row
- * (q4k's expansion). */
+ * [K / 32][PR] (q6k: s alone, [K / 16][PR], its scale per 16; rows past `rows`: zero codes and
+ * scales). rs, rm: scratch of K / 32 floats a row (q4k's expansion; q6k's K / 16 run on over rm). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
                          float *rs, float *rm) {
@@ -134,10 +147,15 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     const int ck = quant_codes_kind(kind);
     for (int64_t j = 0; j < PR; j++) {
         if (j >= rows) {
-            for (int64_t b = 0; b < nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;
+            for (int64_t b = 0; b < nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;   /* q6k: its 2 nb scales */
             continue;
         }
         const int64_t n = n0 + j;
+        if (kind == QUANT_Q6K) {
+            quant_two_level_row(kind, sc, mn, qh, K, n, rs, NULL);
+            for (int64_t b = 0; b < 2 * nb; b++) ws[b * PR + j] = rs[b];
+            continue;
+        }
         if (kind == QUANT_Q4K || kind == QUANT_Q5K) {
             quant_two_level_row(kind, sc, mn, qh, K, n, rs, rm);
             for (int64_t b = 0; b < nb; b++) {
@@ -158,7 +176,8 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
             r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes,
-                                      ck == 5 ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K) : NULL, k, K)
+                                      ck == 5 || ck == 6 ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K)
+                                                         : NULL, k, K)
                             : _mm512_setzero_si512();
         transpose16(r);   /* r[c] = dword c (codes 4c .. 4c + 3) of the 16 rows */
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
@@ -166,30 +185,54 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     }
 }
 
-/* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel. */
+/* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel.
+ * per16 (q6k; zero16 its zero): the weights' scales are per 16 and they have no minimums, w =
+ * s * (u - zero16); each 16's dot starts at -zero16 * sum16 (the block's int8 sum of x there), so
+ * it is exactly sum (u - zero16) * xq, and adds dot * (s * dx). */
 static inline __attribute__((always_inline)) void
-micro(const int R, const int8_t *xq, const float *dx, const float *xs, const uint32_t *wp, const float *ws,
-      const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+micro(const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
+      const int32_t *sum16, const uint32_t *wp, const float *ws, const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
+      int64_t n0, __mmask16 keep) {
     const int64_t nb = K / 32;
     __m512 acc[MR];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[MR];
-        for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
-        const uint32_t *wb = wp + b * 8 * PR;
-        for (int g = 0; g < 8; g++) {
-            const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
-            for (int i = 0; i < R; i++) {
-                int32_t xv;
-                memcpy(&xv, xq + (m0 + i) * K + b * 32 + g * 4, 4);
-                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
+    if (per16) {
+        for (int64_t b = 0; b < 2 * nb; b++) {
+            __m512i dot[MR];
+            for (int i = 0; i < R; i++) dot[i] = _mm512_set1_epi32(-zero16 * sum16[(m0 + i) * 2 * nb + b]);
+            const uint32_t *wb = wp + b * 4 * PR;
+            for (int g = 0; g < 4; g++) {
+                const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
+                for (int i = 0; i < R; i++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + (m0 + i) * K + b * 16 + g * 4, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
+                }
             }
+            const __m512 s = _mm512_load_ps(ws + b * PR);
+            for (int i = 0; i < R; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b / 2])), acc[i]);
         }
-        const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
-        for (int i = 0; i < R; i++) {
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b])),
-                                     acc[i]);
-            acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
+    } else {
+        for (int64_t b = 0; b < nb; b++) {
+            __m512i dot[MR];
+            for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
+            const uint32_t *wb = wp + b * 8 * PR;
+            for (int g = 0; g < 8; g++) {
+                const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
+                for (int i = 0; i < R; i++) {
+                    int32_t xv;
+                    memcpy(&xv, xq + (m0 + i) * K + b * 32 + g * 4, 4);
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
+                }
+            }
+            const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
+            for (int i = 0; i < R; i++) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
+            }
         }
     }
     for (int i = 0; i < R; i++) {
@@ -200,24 +243,32 @@ micro(const int R, const int8_t *xq, const float *dx, const float *xs, const uin
     }
 }
 
-static void micro_rows(int64_t rows, const int8_t *xq, const float *dx, const float *xs, const uint32_t *wp,
-                       const float *ws, const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
-                       int64_t n0, __mmask16 keep) {
-    switch (rows) {   /* a constant R: the row loop unrolls into registers */
-#define ROWS(R) case R: micro(R, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
-    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9)
-    default: micro(MR, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
-#undef ROWS
+static void micro_rows(int64_t rows, int zero16, const int8_t *xq, const float *dx, const float *xs,
+                       const int32_t *sum16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
+                       int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+    /* a constant R and a constant choice of scales per 32 or per 16: the row loops unroll into registers */
+#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
+#define CASES(Z) switch (rows) { \
+    case 1: ROWS(1, Z) case 2: ROWS(2, Z) case 3: ROWS(3, Z) case 4: ROWS(4, Z) case 5: ROWS(5, Z) \
+    case 6: ROWS(6, Z) case 7: ROWS(7, Z) case 8: ROWS(8, Z) case 9: ROWS(9, Z) default: ROWS(MR, Z) }
+    if (zero16 < 0) {
+        CASES(0)
+    } else {
+        CASES(1)
     }
+#undef CASES
+#undef ROWS
 }
 
 /* The activations of M rows as pipeserve_quant_i8m_prepare leaves them in `act`: xq [M][K] int8,
- * then dx and xs [M][K / 32] float32. */
-static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float **dx, float **xs) {
+ * then dx and xs [M][K / 32] float32, then sum16 [M][K / 16] int32 (q6k's). One layout for every
+ * kind: a fused linear's parts share it. */
+static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float **dx, float **xs, int32_t **sum16) {
     char *p = (char *)act;
     *xq = (int8_t *)p;
     *dx = (float *)(p + (M * K + 63) / 64 * 64);
     *xs = *dx + M * (K / 32);
+    *sum16 = (int32_t *)(*xs + M * (K / 32));
 }
 
 /* A thread's panel scratch, kept between calls (grown as needed; OpenMP's threads persist). */
@@ -246,13 +297,16 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     float *wm = ws + nb * PR, *rs = wm + nb * PR;
     int8_t *xq;
     float *dx, *xs;
-    act_parts(act, K, M, &xq, &dx, &xs);
+    int32_t *sum16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
+    const int zero16 = kind == QUANT_Q6K ? zero : -1;
     for (int64_t p0 = n0; p0 < n1; p0 += PR) {
         const int64_t cols = n1 - p0 < PR ? n1 - p0 : PR;
         unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, rs, rs + nb);
         const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
         for (int64_t m0 = 0; m0 < M; m0 += MR)
-            micro_rows(M - m0 < MR ? M - m0 : MR, xq, dx, xs, wp, ws, wm, K, m0, out, bf16_out, N, p0, keep);
+            micro_rows(M - m0 < MR ? M - m0 : MR, zero16, xq, dx, xs, sum16, wp, ws, wm, K, m0, out, bf16_out, N, p0,
+                       keep);
     }
     return 0;
 }
@@ -263,7 +317,7 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
  * quantized into them (float32 x, one thread), and out [M, N] float32 columns [n0, n1). */
 int64_t pipeserve_quant_i8m_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!pipeserve_quant_gemm_i8_takes(kind, K, group) || M <= 0) return 0;
-    return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float);
+    return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float) + M * (K / 16) * (int64_t)sizeof(int32_t);
 }
 
 void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
@@ -271,8 +325,9 @@ void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M,
 #ifdef I8_GEMM
     int8_t *xq;
     float *dx, *xs;
-    act_parts(act, K, M, &xq, &dx, &xs);
-    quantize_rows(x, 0, K, 0, M, xq, dx, xs);
+    int32_t *sum16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
+    quantize_rows(x, 0, K, 0, M, xq, dx, xs, sum16);
 #else
     (void)K; (void)x; (void)M; (void)act;
 #endif
@@ -302,12 +357,13 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
     if (!act) return -1;
     int8_t *xq;
     float *dx, *xs;
-    act_parts(act, K, M, &xq, &dx, &xs);
+    int32_t *sum16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs);
+        for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs, sum16);
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
             const int64_t n0 = pn * PR, n1 = N - n0 < PR ? N : n0 + PR;
