@@ -8,14 +8,14 @@ Per weight shape and row count, bfloat16 activations, one process, the three tim
   decodes ran from 5 rows),
 - ``i8``: quant_gemm_i8.c (vpdpbusd on int8 activations; now taken beyond 8 rows).
 Weights: Q4_1-like q4 (group 32, with minimum) for the layers, Q8_0-like q8 for the head (or,
-``--weights q6_k``, Q6_K's two-level q6 everywhere: random valid blocks, widths a multiple of 256,
-so the llama2k shapes); a layer
+``--weights Q6_K`` (or Q3_K, Q2_K, IQ4_XS), that GGUF type everywhere as the loader keeps it:
+random valid blocks, widths a multiple of 256, so the llama2k shapes); a layer
 shape is timed over ``--copies`` copies of its weight (the default 30 is SmolLM2's layer count,
 more than the L3 holds), so the weights come from memory as in a model's forward. Prints
 microseconds per matmul and GFLOP/s.
 
     PYTHONPATH=$PWD python benchmarks/gemm_i8.py [--threads 1] [--rows 5,8,12,16,24,32,64,256,512]
-        [--shapes smol,llama2k] [--rounds 5] [--weights q4|q6_k]
+        [--shapes smol,llama2k] [--rounds 5] [--weights q4|Q6_K|Q3_K|Q2_K|IQ4_XS]
 
 ``--fidelity``: instead, the built-in SmolLM2 (kept Q4_1, bfloat16) teacher-forced over windows of
 the reference text (Python's LICENSE.txt: tokens 0-600, the suite's, and 600-1600), with the 8-bit
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="smol,llama2k")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copies", type=int, default=30)
-    ap.add_argument("--weights", choices=["q4", "q6_k"], default="q4")
+    ap.add_argument("--weights", choices=["q4", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"], default="q4")
     ap.add_argument("--fidelity", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -62,10 +62,10 @@ def main() -> None:
         for name, (n, k) in SHAPES[family].items():
             head = name == "head"
             copies = 1 if head else max(1, min(args.copies, (256 << 20) // (n * k)))
-            if args.weights == "q6_k":
+            if args.weights != "q4":
                 if k % 256:
-                    continue                     # Q6_K's super-blocks are 256 weights of a row
-                ws = [_q6_k(n, k, seed) for seed in range(copies)]
+                    continue                     # the K-quants' super-blocks are 256 weights of a row
+                ws = [_gguf_weight(args.weights, n, k, seed) for seed in range(copies)]
             else:
                 ws = [quantize_weight(torch.randn(n, k, generator=gen), 8 if head else 4, 32) for _ in range(copies)]
             for rows in (int(r) for r in args.rows.split(",")):
@@ -90,18 +90,16 @@ def main() -> None:
                 print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
 
 
-def _q6_k(n: int, k: int, seed: int):
-    """A Q6_K weight [n, k] of random valid blocks (float16 d of a trained model's size), kept as q6k."""
+def _gguf_weight(name: str, n: int, k: int, seed: int):
+    """A weight [n, k] of GGUF type ``name``, random valid blocks (float16 scales of a trained
+    model's size: tests/checkpoints.py), in the layout the loader keeps it in."""
     import gguf
     import numpy as np
 
     from pipeserve.model.quant.gguf_repack import repack
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
-    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    raw[..., 208:210] = (0.001 * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16).view(np.uint8).reshape(
-        n, k // block, 2)                      # d, the last two bytes of a block
-    return repack(gguf.GGMLQuantizationType.Q6_K, raw.reshape(n, -1))
+    from tests.checkpoints import random_quant_blocks
+    ttype = gguf.GGMLQuantizationType[name]
+    return repack(ttype, random_quant_blocks(ttype, n, k, np.random.default_rng(seed)))
 
 
 def fidelity() -> None:

@@ -255,22 +255,31 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
         torch.set_num_threads(previous)
 
 
+# name -> (tensor types, the rest's type, layer 0's qkv parts, its down part): K-quant and IQ4 mixes
+I8_MIXES = {"q4_k_m": (None, "Q4_K", ["Q4_K", "Q4_K", "Q6_K"], "Q6_K"),
+            "q2_k": ("Q2_K_TYPES", "Q2_K", ["Q2_K", "Q2_K", "Q3_K"], "Q3_K"),
+            "iq4_xs": ({"output": "Q6_K"}, "IQ4_XS", ["IQ4_XS"], "IQ4_XS")}   # one type: q/k/v one part
+
+
+@pytest.mark.parametrize("mix", sorted(I8_MIXES))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_k_m_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads, tmp_path):
-    """A Q4_K_M-style GGUF (Q4_K, Q6_K v and down) in bfloat16: every layer weight, Q6_K's groups
-    of 16 too, is the 8-bit many-row kernel's, so 13 decodes run in one fused call per step (a
-    stage of Q4_K_M took 4 before), as the Python layers run them."""
+def test_k_quant_mixes_bfloat16_many_decodes_take_the_8_bit_kernel_fused(mix, threads, tmp_path):
+    """Q4_K_M-, Q2_K- and IQ4_XS-style GGUFs in bfloat16: every layer weight (Q6_K's and Q2_K's /
+    Q3_K's groups of 16, IQ4's codebook too) is the 8-bit many-row kernel's, so 13 decodes run in
+    one fused call per step (such stages took 4 before), as the Python layers run them."""
     from pipeserve.model.quant.cpu_kernels import GEMV_ONE_CALL_MAX_ROWS, cpu_kernels
-    from tests.test_tensor_parallel_quant import _kquant_gguf
+    from tests import test_tensor_parallel_quant as tpq
     if cpu_kernels() is None or cpu_kernels().gemm_i8_isa is None:
         pytest.skip("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c)")
-    source = resolve_model(str(_kquant_gguf(tmp_path)))
+    types, default, qkv, down = I8_MIXES[mix]
+    types = getattr(tpq, types) if isinstance(types, str) else types or tpq.KQUANT_TYPES
+    source = resolve_model(str(tpq._kquant_gguf(tmp_path, types, default, mix)))
     cfg = source.load_config()
     runner = _fused_equals_python(lambda: _runner(source, cfg, dtype=torch.bfloat16), torch.bfloat16, threads, 3,
                                   sequences=13)
     layer = runner.model.layers[0]
-    assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["Q4_K", "Q4_K", "Q6_K"]
-    assert layer.mlp.down_proj.parts[0].source == "Q6_K"
+    assert [p.source for p in layer.self_attn.qkv_proj.parts] == qkv
+    assert layer.mlp.down_proj.parts[0].source == down
     runner.model.fused_decode = None                      # built again at the next step, as at start-up
     runner.execute(StepInput(0, [SeqStep(0, [5, 6, 7], 0, [0], GREEDY)]))
     assert runner.model.fused_decode.max_rows == GEMV_ONE_CALL_MAX_ROWS

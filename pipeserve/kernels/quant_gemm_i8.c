@@ -5,30 +5,30 @@
  *
  *   Activations: each row of x is quantized per block of 32 (k = 32b .. 32b + 31) to int8,
  *   xq = round(x / dx) with dx = max|x| / 127 (round to nearest even), and the block's
- *   xs = dx * sum(xq) is kept for the weights' offsets (and the integer sums of its halves for
- *   q6k's). So every activation moves by at most
- *   dx / 2: |out - x . W^T| <= sum_k |w_k| * dx(k) / 2 plus float32 rounding, the bound the
+ *   xs = dx * sum(xq) is kept for the weights' offsets (and per half of 16 the integer sum and
+ *   dx times it). So every activation moves by at most dx / 2: |out - x . W^T| <= sum_k |w_k| * dx(k) / 2 plus float32 rounding, the bound the
  *   AVX2 builds' int8 prompts have (and llama.cpp's Q8 activations).
  *
- *   Weights: every layout taken here is, per block of 32 weights of a row, w = s * u + m with
+ *   Weights: every layout taken here is, per block of 32 (or 16) weights of a row, w = s * u + m with
  *   u an unsigned 8-bit code and s, m float32: q4 and q5 (Q4_0, Q4_1, Q5_0, Q5_1: u the nibble,
  *   plus 16 for q5's high bit, s its float16 scale, m the float16 minimum minus zero * s), q4k
  *   and q5k (Q4_K, Q5_K: s = d * sub, m = -dmin * min, exact) and q8 (Q8_0: u = code + 128,
- *   m = min - 128 * s); q6k (Q6_K) per 16 weights, w = s * (u - zero), u its 6-bit code, s = d * sub
- *   (exact), no minimums. Each thread takes panels of 16
- *   weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
- *   group of 4 k), its s and m into [K / 32][16]; then every block of up to MR rows of x runs
+ *   m = min - 128 * s), i4 (IQ4_NL, IQ4_XS: u = the codebook's value + 128, m = -128 * s); and per
+ *   16 weights q6k and q3 (Q6_K, Q3_K): w = s * (u - zero), u the 6- or 3-bit code, s = d * sub
+ *   (exact), no minimums; q2 (Q2_K): w = s * u + m, s = d * sub, m = -dmin * min. Each thread
+ *   takes panels of 16 weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
+ *   group of 4 k), its s and m into [K / 32 (or K / 16)][16]; then every block of up to MR rows of x runs
  *   against it: per group of 4 k one load and one vpdpbusd a row of x with its 4 int8 codes
  *   broadcast (lanes = the panel's 16 weight rows), and per block of 32 the exact int32 dot is
- *   converted and added as acc += dot * (s * dx) + m * xs. q6k's per 16: its dot starts at
+ *   converted and added as acc += dot * (s * dx) + m * xs. Per 16 (q6k, q3): the dot starts at
  *   -zero * sum(xq) of the 16 (exact in int32), then acc += dot * (s * dx): one more conversion and
- *   product per 32 weights than the others.
+ *   product per 32 weights than the others; q2 adds m * dx * sum(xq) per 16.
  *
- * kind: 4, 5, 8, 10, 11 or 12 (q4, q5, q8, q4k, q6k, q5k); zero: the code offset (Q4_0's 8, Q5_0's 16,
- * Q6_K's 32); qh: q5's high-bit planes, q4k's sub-scales, q5k's and q6k's sub-scales then planes or
- * bit pairs.
+ * kind: 4, 5, 8, 9, 2, 3, 10, 11 or 12 (q4, q5, q8, i4, q2, q3, q4k, q6k, q5k); zero: the code
+ * offset (Q4_0's 8, Q5_0's 16, Q6_K's 32, Q3_K's 4); qh: q5's high-bit planes, q4k's sub-scales,
+ * q5k's and q6k's sub-scales then planes or bit pairs, q3's hmask and sub-scales, q2's sub-scales.
  * Returns 0; -1 when scratch cannot be allocated; -3 for a layout it does not take (K not a
- * multiple of 32, a group not a multiple of 32, q4k / q5k / q6k not in whole super-blocks of 256,
+ * multiple of 32, a group not a multiple of 32, the K-quants not in whole super-blocks of 256,
  * another kind). Without AVX512-VNNI (+ BW, VL) pipeserve_quant_gemm_i8_isa() says "none" and the
  * function returns -2: the caller keeps its other paths.
  */
@@ -55,9 +55,10 @@ const char *pipeserve_quant_gemm_i8_isa(void) {
 int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 #ifdef I8_GEMM
     if (kind == QUANT_Q6K) return q6k_shape_ok(K, group);
+    if (kind == QUANT_Q2 || kind == QUANT_Q3) return K % QUANT_K2_SUPER == 0 && group == QUANT_K2_SUPER;
     if (K % 32 != 0 || group % 32 != 0) return 0;
     if (kind == QUANT_Q4K || kind == QUANT_Q5K) return q4k_shape_ok(K, group);
-    return kind == 4 || kind == 5 || kind == 8;
+    return kind == 4 || kind == 5 || kind == 8 || kind == QUANT_I4;
 #else
     (void)kind; (void)K; (void)group;
     return 0;
@@ -74,7 +75,7 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 
 /* Rows [m0, m1) of x quantized per block of 32: xq [M][K] int8, dx and xs [M][K / 32]. */
 static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_t m1, int8_t *xq, float *dx,
-                          float *xs, int32_t *sum16) {
+                          float *xs, int32_t *sum16, float *xs16) {
     const int64_t nb = K / 32;
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t m = m0; m < m1; m++) {
@@ -100,6 +101,8 @@ static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_
             xs[m * nb + b] = d * (float)(s0 + s1);
             sum16[m * 2 * nb + 2 * b] = s0;
             sum16[m * 2 * nb + 2 * b + 1] = s1;
+            xs16[m * 2 * nb + 2 * b] = d * (float)s0;
+            xs16[m * 2 * nb + 2 * b + 1] = d * (float)s1;
         }
     }
 }
@@ -130,6 +133,16 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
     if (kind == 6)
         return _mm512_inserti64x4(_mm512_castsi256_si512(quant_q6_codes32_avx2(row, hb, k / 32)),
                                   quant_q6_codes32_avx2(row, hb, k / 32 + 1), 1);
+    if (kind == QUANT_Q2 || kind == QUANT_Q3)   /* whole super-blocks: never half a chunk */
+        return _mm512_inserti64x4(_mm512_castsi256_si512(quant_k2_codes32_avx2(kind, row, hb, k / 32)),
+                                  quant_k2_codes32_avx2(kind, row, hb, k / 32 + 1), 1);
+    if (kind == QUANT_I4) {   /* the codebook's signed values + 128 */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        const __m256i ca = _mm256_xor_si256(quant_i4_codes32_avx2(row, k / 32), flip);
+        if (k + 64 > K) return _mm512_castsi256_si512(ca);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(ca),
+                                  _mm256_xor_si256(quant_i4_codes32_avx2(row, k / 32 + 1), flip), 1);
+    }
     const int q5 = kind == 5;
     const __m256i ca = codes32(row + k / 2, q5 ? hb + k / 32 * 4 : NULL);
     if (k + 64 > K) return _mm512_castsi256_si512(ca);
@@ -147,13 +160,24 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     const int ck = quant_codes_kind(kind);
     for (int64_t j = 0; j < PR; j++) {
         if (j >= rows) {
-            for (int64_t b = 0; b < nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;   /* q6k: its 2 nb scales */
+            for (int64_t b = 0; b < 2 * nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;
             continue;
         }
         const int64_t n = n0 + j;
         if (kind == QUANT_Q6K) {
             quant_two_level_row(kind, sc, mn, qh, K, n, rs, NULL);
             for (int64_t b = 0; b < 2 * nb; b++) ws[b * PR + j] = rs[b];
+            continue;
+        }
+        if (kind == QUANT_Q2 || kind == QUANT_Q3) {   /* d * sub and (q2) -dmin * min per 16, exact */
+            const int64_t sup = K / QUANT_K2_SUPER;
+            for (int64_t u = 0; u < sup; u++) {
+                const uint8_t *h = qh + n * high_bytes + u * quant_k2_high(kind);
+                const float d = _cvtsh_ss(sc[n * sup + u]);
+                const float m = kind == QUANT_Q2 && mn ? _cvtsh_ss(mn[n * sup + u]) : 0.0f;
+                for (int g = 0; g < 16; g++)
+                    quant_k2_group(kind, h, g, d, m, ws + (u * 16 + g) * PR + j, wm + (u * 16 + g) * PR + j);
+            }
             continue;
         }
         if (kind == QUANT_Q4K || kind == QUANT_Q5K) {
@@ -169,15 +193,16 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             const int64_t g = b * 32 / group;
             const float s = _cvtsh_ss(sc[n * groups + g]), m = mn ? _cvtsh_ss(mn[n * groups + g]) : 0.0f;
             ws[b * PR + j] = s;
-            wm[b * PR + j] = m - (float)(kind == 8 ? 128 : zero) * s;
+            wm[b * PR + j] = m - (float)(kind == 8 || kind == QUANT_I4 ? 128 : zero) * s;
         }
     }
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
             r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes,
-                                      ck == 5 || ck == 6 ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K)
-                                                         : NULL, k, K)
+                                      ck == 5 || ck == 6 || ck == QUANT_Q3
+                                                          ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K)
+                                                          : NULL, k, K)
                             : _mm512_setzero_si512();
         transpose16(r);   /* r[c] = dword c (codes 4c .. 4c + 3) of the 16 rows */
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
@@ -186,12 +211,13 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
 }
 
 /* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel.
- * per16 (q6k; zero16 its zero): the weights' scales are per 16 and they have no minimums, w =
- * s * (u - zero16); each 16's dot starts at -zero16 * sum16 (the block's int8 sum of x there), so
- * it is exactly sum (u - zero16) * xq, and adds dot * (s * dx). */
+ * per16 1 (q6k, q3; zero16 their zero): the weights' scales are per 16, w = s * (u - zero16);
+ * each 16's dot starts at -zero16 * sum16 (its int8 sum of x), so it is exactly
+ * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16 (dx * sum16). */
 static inline __attribute__((always_inline)) void
 micro(const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
-      const int32_t *sum16, const uint32_t *wp, const float *ws, const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
+      const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
+      int64_t m0, void *out, int bf16_out, int64_t N,
       int64_t n0, __mmask16 keep) {
     const int64_t nb = K / 32;
     __m512 acc[MR];
@@ -210,9 +236,13 @@ micro(const int R, const int per16, const int zero16, const int8_t *xq, const fl
                 }
             }
             const __m512 s = _mm512_load_ps(ws + b * PR);
-            for (int i = 0; i < R; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
-                                         _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b / 2])), acc[i]);
+            for (int i = 0; i < R; i++) {
+                const float d = dx[(m0 + i) * nb + b / 2];
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[i]);
+                if (per16 == 2)
+                    acc[i] = _mm512_fmadd_ps(_mm512_load_ps(wm + b * PR), _mm512_set1_ps(xs16[(m0 + i) * 2 * nb + b]),
+                                             acc[i]);
+            }
         }
     } else {
         for (int64_t b = 0; b < nb; b++) {
@@ -243,32 +273,37 @@ micro(const int R, const int per16, const int zero16, const int8_t *xq, const fl
     }
 }
 
-static void micro_rows(int64_t rows, int zero16, const int8_t *xq, const float *dx, const float *xs,
-                       const int32_t *sum16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
+static void micro_rows(int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
+                       const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
+                       const float *wm, int64_t K,
                        int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
     /* a constant R and a constant choice of scales per 32 or per 16: the row loops unroll into registers */
-#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
+#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
 #define CASES(Z) switch (rows) { \
     case 1: ROWS(1, Z) case 2: ROWS(2, Z) case 3: ROWS(3, Z) case 4: ROWS(4, Z) case 5: ROWS(5, Z) \
     case 6: ROWS(6, Z) case 7: ROWS(7, Z) case 8: ROWS(8, Z) case 9: ROWS(9, Z) default: ROWS(MR, Z) }
-    if (zero16 < 0) {
+    if (per16 == 0) {
         CASES(0)
-    } else {
+    } else if (per16 == 1) {
         CASES(1)
+    } else {
+        CASES(2)
     }
 #undef CASES
 #undef ROWS
 }
 
 /* The activations of M rows as pipeserve_quant_i8m_prepare leaves them in `act`: xq [M][K] int8,
- * then dx and xs [M][K / 32] float32, then sum16 [M][K / 16] int32 (q6k's). One layout for every
- * kind: a fused linear's parts share it. */
-static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float **dx, float **xs, int32_t **sum16) {
+ * then dx and xs [M][K / 32] float32, then per 16 sum16 [M][K / 16] int32 (q6k's, q3's) and xs16
+ * float32 (q2's). One layout for every kind: a fused linear's parts share it. */
+static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float **dx, float **xs, int32_t **sum16,
+                      float **xs16) {
     char *p = (char *)act;
     *xq = (int8_t *)p;
     *dx = (float *)(p + (M * K + 63) / 64 * 64);
     *xs = *dx + M * (K / 32);
     *sum16 = (int32_t *)(*xs + M * (K / 32));
+    *xs16 = (float *)(*sum16 + M * (K / 16));
 }
 
 /* A thread's panel scratch, kept between calls (grown as needed; OpenMP's threads persist). */
@@ -276,7 +311,7 @@ static __thread char *panel_buf;
 static __thread int64_t panel_cap;
 
 static char *panel_scratch(int64_t K) {
-    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 2 * nb * PR * 4 + 2 * nb * 4 + 3 * 64;
+    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 4 * nb * PR * 4 + 2 * nb * 4 + 3 * 64;
     if (need > panel_cap) {
         free(panel_buf);
         panel_buf = aligned_alloc(64, (size_t)(need + 63) / 64 * 64);
@@ -294,19 +329,20 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     if (!buf) return -1;
     uint32_t *wp = (uint32_t *)buf;
     float *ws = (float *)(buf + (K / 4 * PR * 4 + 63) / 64 * 64);
-    float *wm = ws + nb * PR, *rs = wm + nb * PR;
+    float *wm = ws + 2 * nb * PR, *rs = wm + 2 * nb * PR;   /* room for scales and minimums per 16 */
     int8_t *xq;
     float *dx, *xs;
     int32_t *sum16;
-    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
-    const int zero16 = kind == QUANT_Q6K ? zero : -1;
+    float *xs16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16, &xs16);
+    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
     for (int64_t p0 = n0; p0 < n1; p0 += PR) {
         const int64_t cols = n1 - p0 < PR ? n1 - p0 : PR;
         unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, rs, rs + nb);
         const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
         for (int64_t m0 = 0; m0 < M; m0 += MR)
-            micro_rows(M - m0 < MR ? M - m0 : MR, zero16, xq, dx, xs, sum16, wp, ws, wm, K, m0, out, bf16_out, N, p0,
-                       keep);
+            micro_rows(M - m0 < MR ? M - m0 : MR, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out,
+                       bf16_out, N, p0, keep);
     }
     return 0;
 }
@@ -317,7 +353,8 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
  * quantized into them (float32 x, one thread), and out [M, N] float32 columns [n0, n1). */
 int64_t pipeserve_quant_i8m_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
     if (!pipeserve_quant_gemm_i8_takes(kind, K, group) || M <= 0) return 0;
-    return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float) + M * (K / 16) * (int64_t)sizeof(int32_t);
+    return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float)
+           + 2 * M * (K / 16) * (int64_t)sizeof(float);   /* sum16 (int32) and xs16 */
 }
 
 void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
@@ -326,8 +363,9 @@ void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M,
     int8_t *xq;
     float *dx, *xs;
     int32_t *sum16;
-    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
-    quantize_rows(x, 0, K, 0, M, xq, dx, xs, sum16);
+    float *xs16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16, &xs16);
+    quantize_rows(x, 0, K, 0, M, xq, dx, xs, sum16, xs16);
 #else
     (void)K; (void)x; (void)M; (void)act;
 #endif
@@ -358,12 +396,13 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
     int8_t *xq;
     float *dx, *xs;
     int32_t *sum16;
-    act_parts(act, K, M, &xq, &dx, &xs, &sum16);
+    float *xs16;
+    act_parts(act, K, M, &xq, &dx, &xs, &sum16, &xs16);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs, sum16);
+        for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs, sum16, xs16);
 #pragma omp for schedule(static)
         for (int64_t pn = 0; pn < panels; pn++) {
             const int64_t n0 = pn * PR, n1 = N - n0 < PR ? N : n0 + PR;

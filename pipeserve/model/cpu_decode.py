@@ -96,8 +96,8 @@ class FusedDecode:
         # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
         # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
         # give bfloat16 to the many-row kernel where there is one (quant_gemm.c). Where the 8-bit
-        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, the q4/q5/q8
-        # layouts and q6k), up to GEMV_ONE_CALL_MAX_ROWS: beyond GEMV_MAX_ROWS rows it multiplies
+        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, every kept
+        # layout), up to GEMV_ONE_CALL_MAX_ROWS: beyond GEMV_MAX_ROWS rows it multiplies
         # them in one pass here.
         has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
         has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)

@@ -18,7 +18,7 @@ with no dequantized tile written to memory or handed to PyTorch; it rounds
 each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
 ``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
 rounding only (tests/test_quant_gemm.py). On AVX512-VNNI CPUs bfloat16 rows beyond ``GEMV_MAX_ROWS`` of
-the q4/q5/q8 layouts (and Q6_K's) take ``gemm_i8`` instead (pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
+every kept layout (q4/q5/q6k/q8, i4, q2/q3) takes ``gemm_i8`` instead (pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
 the rows quantized to int8 per block of 32, 16-row panels of codes unpacked to bytes in cache,
 vpdpbusd; within ``sum_k |w_k| * step(k) / 2`` of ``x @ dequantize(w).T``
 (tests/test_quant_gemm_i8.py). The log line names the many-row paths. The crossover was measured
@@ -118,11 +118,11 @@ TRANSPOSED_TILE_ROWS = 512
 # (benchmarks/README.md, "Many-row kernel") even with gemv at 4 rows, 1.4-2x faster from 6.
 GEMM_MIN_ROWS = 5
 # Whether bfloat16 rows beyond GEMV_MAX_ROWS of the layouts quant_gemm_i8.c takes (q4: Q4_0, Q4_1,
-# Q4_K; q5: Q5_0, Q5_1, Q5_K; q6: Q6_K, scales per 16; q8: Q8_0; int8/int4) multiply in 8-bit
-# integers on AVX512-VNNI CPUs, in the Python layers and in the fused decode stage (cpu_decode.py),
-# instead of quant_gemm.c's bfloat16 kernel or the gemv's passes: 1.17-1.33x the bfloat16
-# kernel's speed from 64 rows, 2-4x the passes' at 16-64 (benchmarks/README.md, twentieth
-# session). Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in
+# Q4_K; q5: Q5_0, Q5_1, Q5_K; q8: Q8_0; int8/int4; i4: IQ4_NL/XS; per 16: Q6_K, Q3_K, Q2_K)
+# multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python layers and in the fused decode
+# stage (cpu_decode.py), instead of quant_gemm.c's bfloat16 kernel or the gemv's passes:
+# 1.17-1.33x the bfloat16 kernel's speed from 64 rows, 2-4x the passes' at 16-64 (q4;
+# benchmarks/README.md, twentieth session; the K-quants and IQ4 1.1-1.5x, twenty-first). Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in
 # llama.cpp. False: the bfloat16 kernel.
 GEMM_I8 = True
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -433,7 +433,7 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 q4/q5/q6k/q8 from {GEMV_MAX_ROWS + 1} rows"] \
+    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from {GEMV_MAX_ROWS + 1} rows"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
     many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
                 else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
