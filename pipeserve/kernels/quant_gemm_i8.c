@@ -6,21 +6,23 @@
  *   Activations: each row of x is quantized per block of 32 (k = 32b .. 32b + 31) to int8,
  *   xq = round(x / dx) with dx = max|x| / 127 (round to nearest even), and the block's
  *   xs = dx * sum(xq) is kept for the weights' offsets (and per half of 16 the integer sum and
- *   dx times it). So every activation moves by at most dx / 2: |out - x . W^T| <= sum_k |w_k| * dx(k) / 2 plus float32 rounding, the bound the
- *   AVX2 builds' int8 prompts have (and llama.cpp's Q8 activations).
+ *   dx times it). So every activation moves by at most dx / 2: |out - x . W^T| <= sum_k |w_k| *
+ *   dx(k) / 2 plus float32 rounding, the bound the AVX2 builds' int8 prompts have (and
+ *   llama.cpp's Q8 activations).
  *
- *   Weights: every layout taken here is, per block of 32 (or 16) weights of a row, w = s * u + m with
- *   u an unsigned 8-bit code and s, m float32: q4 and q5 (Q4_0, Q4_1, Q5_0, Q5_1: u the nibble,
+ *   Weights: every layout taken here is, per block of 32 (or 16) weights of a row, w = s * u + m
+ *   with u an unsigned 8-bit code and s, m float32: q4 and q5 (Q4_0, Q4_1, Q5_0, Q5_1: u the nibble,
  *   plus 16 for q5's high bit, s its float16 scale, m the float16 minimum minus zero * s), q4k
  *   and q5k (Q4_K, Q5_K: s = d * sub, m = -dmin * min, exact) and q8 (Q8_0: u = code + 128,
  *   m = min - 128 * s), i4 (IQ4_NL, IQ4_XS: u = the codebook's value + 128, m = -128 * s); and per
  *   16 weights q6k and q3 (Q6_K, Q3_K): w = s * (u - zero), u the 6- or 3-bit code, s = d * sub
  *   (exact), no minimums; q2 (Q2_K): w = s * u + m, s = d * sub, m = -dmin * min. Each thread
- *   takes panels of 16 weight rows: the panel's codes are unpacked once into [K / 4][16 rows][4 codes] (one zmm a
- *   group of 4 k), its s and m into [K / 32 (or K / 16)][16]; then every block of up to MR rows of x runs
- *   against it: per group of 4 k one load and one vpdpbusd a row of x with its 4 int8 codes
- *   broadcast (lanes = the panel's 16 weight rows), and per block of 32 the exact int32 dot is
- *   converted and added as acc += dot * (s * dx) + m * xs. Per 16 (q6k, q3): the dot starts at
+ *   takes panels of 16 weight rows: the panel's codes are unpacked once into
+ *   [K / 4][16 rows][4 codes] (one zmm a group of 4 k), its s and m into [K / 32 (or K / 16)][16];
+ *   then every block of up to MR rows of x runs against it: per group of 4 k one load and one
+ *   vpdpbusd a row of x with its 4 int8 codes broadcast (lanes = the panel's 16 weight rows), and
+ *   per block of 32 the exact int32 dot is converted and added as acc += dot * (s * dx) + m * xs.
+ *   Per 16 (q6k, q3): the dot starts at
  *   -zero * sum(xq) of the 16 (exact in int32), then acc += dot * (s * dx): one more conversion and
  *   product per 32 weights than the others; q2 adds m * dx * sum(xq) per 16.
  *
@@ -120,8 +122,9 @@ static inline __attribute__((always_inline)) __m256i codes32(const uint8_t *q, c
 }
 
 /* 64 codes (k .. k + 63, two blocks; the second zero past K) of a row as unsigned bytes (hb: q5's
- * high-bit planes of the row, 4 bytes a block; q6's high bit pairs, 32 bytes per 128 weights; q6
- * rows are whole runs of 128, so never end in half a chunk). */
+ * high-bit planes of the row, 4 bytes a block; q6's high bit pairs, 32 bytes per 128 weights; q3's
+ * hmask and sub-scales; q6, q2 and q3 rows are whole runs of 128 or 256, so never end in half a
+ * chunk). */
 static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, const uint8_t *hb,
                                                             int64_t k, int64_t K) {
     if (kind == 8) {
@@ -151,8 +154,8 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
 }
 
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
- * [K / 32][PR] (q6k: s alone, [K / 16][PR], its scale per 16; rows past `rows`: zero codes and
- * scales). rs, rm: scratch of K / 32 floats a row (q4k's expansion; q6k's K / 16 run on over rm). */
+ * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales). rs,
+ * rm: scratch of K / 32 floats a row (q4k's expansion; q6k's K / 16 run on over rm). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
                          float *rs, float *rm) {
@@ -213,12 +216,12 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
 /* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel.
  * per16 1 (q6k, q3; zero16 their zero): the weights' scales are per 16, w = s * (u - zero16);
  * each 16's dot starts at -zero16 * sum16 (its int8 sum of x), so it is exactly
- * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16 (dx * sum16). */
+ * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16
+ * (dx * sum16). */
 static inline __attribute__((always_inline)) void
 micro(const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
       const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
-      int64_t m0, void *out, int bf16_out, int64_t N,
-      int64_t n0, __mmask16 keep) {
+      int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
     const int64_t nb = K / 32;
     __m512 acc[MR];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
@@ -275,10 +278,12 @@ micro(const int R, const int per16, const int zero16, const int8_t *xq, const fl
 
 static void micro_rows(int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
                        const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
-                       const float *wm, int64_t K,
-                       int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
-    /* a constant R and a constant choice of scales per 32 or per 16: the row loops unroll into registers */
-#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); break;
+                       const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0,
+                       __mmask16 keep) {
+    /* a constant R and a constant form of the scales (per 32, per 16, per 16 with minimums): the
+     * row loops unroll into registers */
+#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); \
+    break;
 #define CASES(Z) switch (rows) { \
     case 1: ROWS(1, Z) case 2: ROWS(2, Z) case 3: ROWS(3, Z) case 4: ROWS(4, Z) case 5: ROWS(5, Z) \
     case 6: ROWS(6, Z) case 7: ROWS(7, Z) case 8: ROWS(8, Z) case 9: ROWS(9, Z) default: ROWS(MR, Z) }

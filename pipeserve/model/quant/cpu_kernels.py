@@ -17,8 +17,9 @@ instead: 16-row weight panels dequantized to bfloat16 in cache and vdpbf16ps,
 with no dequantized tile written to memory or handed to PyTorch; it rounds
 each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
 ``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
-rounding only (tests/test_quant_gemm.py). On AVX512-VNNI CPUs bfloat16 rows beyond ``GEMV_MAX_ROWS`` of
-every kept layout (q4/q5/q6k/q8, i4, q2/q3) takes ``gemm_i8`` instead (pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
+rounding only (tests/test_quant_gemm.py). On AVX512-VNNI CPUs bfloat16 rows beyond
+``GEMV_MAX_ROWS`` of every kept layout (q4/q5/q6k/q8, i4, q2/q3) take ``gemm_i8`` instead
+(pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
 the rows quantized to int8 per block of 32, 16-row panels of codes unpacked to bytes in cache,
 vpdpbusd; within ``sum_k |w_k| * step(k) / 2`` of ``x @ dequantize(w).T``
 (tests/test_quant_gemm_i8.py). The log line names the many-row paths. The crossover was measured
@@ -122,8 +123,9 @@ GEMM_MIN_ROWS = 5
 # multiply in 8-bit integers on AVX512-VNNI CPUs, in the Python layers and in the fused decode
 # stage (cpu_decode.py), instead of quant_gemm.c's bfloat16 kernel or the gemv's passes:
 # 1.17-1.33x the bfloat16 kernel's speed from 64 rows, 2-4x the passes' at 16-64 (q4;
-# benchmarks/README.md, twentieth session; the K-quants and IQ4 1.1-1.5x, twenty-first). Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in
-# llama.cpp. False: the bfloat16 kernel.
+# benchmarks/README.md, twentieth session; the K-quants and IQ4 1.1-1.5x, twenty-first).
+# Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in llama.cpp.
+# False: the bfloat16 kernel.
 GEMM_I8 = True
 _DTYPES = (torch.float32, torch.bfloat16)
 
