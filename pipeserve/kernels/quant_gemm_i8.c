@@ -225,47 +225,27 @@ micro(const int R, const int per16, const int zero16, const int8_t *xq, const fl
     const int64_t nb = K / 32;
     __m512 acc[MR];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
-    if (per16) {
-        for (int64_t b = 0; b < 2 * nb; b++) {
-            __m512i dot[MR];
-            for (int i = 0; i < R; i++) dot[i] = _mm512_set1_epi32(-zero16 * sum16[(m0 + i) * 2 * nb + b]);
-            const uint32_t *wb = wp + b * 4 * PR;
-            for (int g = 0; g < 4; g++) {
-                const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
-                for (int i = 0; i < R; i++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + (m0 + i) * K + b * 16 + g * 4, 4);
-                    dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
-                }
-            }
-            const __m512 s = _mm512_load_ps(ws + b * PR);
+    const int bl = per16 ? 16 : 32;   /* weights a scale covers: the dot's span */
+    for (int64_t b = 0; b < K / bl; b++) {
+        __m512i dot[MR];
+        for (int i = 0; i < R; i++)
+            dot[i] = per16 ? _mm512_set1_epi32(-zero16 * sum16[(m0 + i) * 2 * nb + b]) : _mm512_setzero_si512();
+        const uint32_t *wb = wp + b * (bl / 4) * PR;
+        for (int g = 0; g < bl / 4; g++) {
+            const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
             for (int i = 0; i < R; i++) {
-                const float d = dx[(m0 + i) * nb + b / 2];
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[i]);
-                if (per16 == 2)
-                    acc[i] = _mm512_fmadd_ps(_mm512_load_ps(wm + b * PR), _mm512_set1_ps(xs16[(m0 + i) * 2 * nb + b]),
-                                             acc[i]);
+                int32_t xv;
+                memcpy(&xv, xq + (m0 + i) * K + b * bl + g * 4, 4);
+                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
             }
         }
-    } else {
-        for (int64_t b = 0; b < nb; b++) {
-            __m512i dot[MR];
-            for (int i = 0; i < R; i++) dot[i] = _mm512_setzero_si512();
-            const uint32_t *wb = wp + b * 8 * PR;
-            for (int g = 0; g < 8; g++) {
-                const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
-                for (int i = 0; i < R; i++) {
-                    int32_t xv;
-                    memcpy(&xv, xq + (m0 + i) * K + b * 32 + g * 4, 4);
-                    dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
-                }
-            }
-            const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
-            for (int i = 0; i < R; i++) {
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]),
-                                         _mm512_mul_ps(s, _mm512_set1_ps(dx[(m0 + i) * nb + b])), acc[i]);
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(m0 + i) * nb + b]), acc[i]);
-            }
+        const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
+        for (int i = 0; i < R; i++) {
+            const float d = dx[(m0 + i) * nb + (per16 ? b / 2 : b)];
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[i]);
+            if (per16 != 1)   /* the minimum term: per 32 (xs), or q2's per 16 (xs16) */
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(per16 ? xs16[(m0 + i) * 2 * nb + b] : xs[(m0 + i) * nb + b]),
+                                         acc[i]);
         }
     }
     for (int i = 0; i < R; i++) {
