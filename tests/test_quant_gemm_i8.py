@@ -21,7 +21,7 @@ from tests.test_quant_gemm import _cases
 from tests.test_quant_kernels import gguf_file  # noqa: F401  (gguf_file is a fixture)
 from tests.test_quant_model import _all_logits, _perplexity, _runner, dense_logits, smollm2  # noqa: F401 (fixtures)
 
-ROWS = (GEMM_MIN_ROWS, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
+ROWS = (GEMM_MIN_ROWS, 6, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
 needs_matmul, needs_i8 = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm_i8")
 TAKEN = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "int8",
          "int4"}
@@ -63,8 +63,13 @@ def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows):  #
         ref, tol = _bound(w, x)
         err = (got.double() - ref).abs()
         assert (err <= tol).all(), (w.source, rows, (err / tol).max().item())
-        if rows > GEMV_MAX_ROWS:                                        # the dispatch: beyond the gemv's rows
+        # the dispatch: beyond the gemv's rows (IQ4's i4, whose gemv is AVX2's here, from 6)
+        first = kernels.gemm_i8_from(w)
+        assert first == (6 if w.kind == "i4" else GEMV_MAX_ROWS + 1), (w.source, first)
+        if rows >= first:
             assert torch.equal(kernels.matmul(w, x), got), w.source
+        else:
+            assert torch.equal(kernels.matmul(w, x), kernels.gemv(w, x)), w.source
         seen.add(w.source)
     assert TAKEN <= seen, seen
     assert not refused, refused                                        # every kept layout

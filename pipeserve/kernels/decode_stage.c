@@ -72,8 +72,9 @@ typedef struct {
     items_fn items;
     merge_fn merge;
     /* quant_gemm_i8.c's many-row 8-bit kernel in the same two phases (AVX512-VNNI), or NULL:
-     * a linear layer whose every part it takes multiplies more than PASS_ROWS rows in one pass
-     * of it (m_act_bytes is 0 for a layout it does not take) */
+     * a linear layer whose every part it takes at the step's rows multiplies them in one pass
+     * of it (m_act_bytes is 0 for a layout it does not take, or for too few rows: up to
+     * PASS_ROWS, i4 up to 5) */
     act_bytes_fn m_act_bytes;
     prepare_fn m_prepare;
     m_rows_fn m_rows;
@@ -208,10 +209,10 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Whether w multiplies a step's M rows by the many-row 8-bit kernel (k->m_*, in one pass): more
- * rows than a gemv pass, and every part's layout taken by it. */
+/* Whether w multiplies a step's M rows by the many-row 8-bit kernel (k->m_*, in one pass): every
+ * part's layout taken by it at M rows (more than a gemv pass; i4 from 6: m_act_bytes says). */
 static int many_rows(const stage_kernels *k, const qlinear *w, int64_t M) {
-    if (!k->m_rows || M <= PASS_ROWS) return 0;
+    if (!k->m_rows) return 0;
     for (int64_t i = 0; i < w->parts; i++)
         if (k->m_act_bytes(w->part[i].kind, w->part[i].K, w->part[i].group, M) == 0) return 0;
     return 1;

@@ -67,6 +67,11 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 #endif
 }
 
+/* The rows of x from which this kernel is taken for a layout it takes (below them the decode
+ * gemv, which reads the codes as they are): beyond GEMV_MAX_ROWS (cpu_kernels.py), except i4 from
+ * 6, whose gemv on AVX-512 builds is AVX2's (measured: benchmarks/README.md, twenty-first session). */
+int64_t pipeserve_quant_gemm_i8_from(int kind) { return kind == QUANT_I4 ? 6 : 9; }
+
 #ifdef I8_GEMM
 #include <immintrin.h>
 
@@ -334,12 +339,17 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
 #endif
 
 /* Two phases, for callers that run their own threads (decode_stage.c, as quant_matmul.c's gemv):
- * the bytes of M rows' prepared activations (0: a layout this kernel does not take), the rows
+ * the bytes of M rows' prepared activations (0: a layout this kernel does not take, or fewer rows
+ * than it is taken from, pipeserve_quant_gemm_i8_from), the rows
  * quantized into them (float32 x, one thread), and out [M, N] float32 columns [n0, n1). */
-int64_t pipeserve_quant_i8m_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
-    if (!pipeserve_quant_gemm_i8_takes(kind, K, group) || M <= 0) return 0;
+static int64_t act_size(int64_t K, int64_t M) {   /* act_parts' layout */
     return (M * K + 63) / 64 * 64 + 2 * M * (K / 32) * (int64_t)sizeof(float)
            + 2 * M * (K / 16) * (int64_t)sizeof(float);   /* sum16 (int32) and xs16 */
+}
+
+int64_t pipeserve_quant_i8m_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
+    if (!pipeserve_quant_gemm_i8_takes(kind, K, group) || M < pipeserve_quant_gemm_i8_from(kind)) return 0;
+    return act_size(K, M);
 }
 
 void pipeserve_quant_i8m_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
@@ -376,7 +386,7 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
     if (!pipeserve_quant_gemm_i8_takes(kind, K, group)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t panels = (N + PR - 1) / PR;
-    void *act = aligned_alloc(64, (size_t)(pipeserve_quant_i8m_act_bytes(kind, K, group, M) + 63) / 64 * 64);
+    void *act = aligned_alloc(64, (size_t)(act_size(K, M) + 63) / 64 * 64);
     if (!act) return -1;
     int8_t *xq;
     float *dx, *xs;

@@ -167,7 +167,7 @@ class QuantKernels:
         self.fused_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
             else GEMV_PASSES_MAX_ROWS
         self._gemm, self.gemm_isa = _load_gemm()
-        self._gemm_i8, self._gemm_i8_takes, self.gemm_i8_isa = _load_gemm_i8()
+        self._gemm_i8, self._gemm_i8_takes, self._gemm_i8_from, self.gemm_i8_isa = _load_gemm_i8()
 
     def takes(self, kind: str) -> bool:
         """Whether this build's kernels take the layout ``kind`` (every build takes all seven; a
@@ -186,11 +186,13 @@ class QuantKernels:
     def applies(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype in _DTYPES
 
-    def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype."""
+    def matmul(self, w: PackedWeight, x: torch.Tensor, i8_from: int = 0) -> torch.Tensor:
+        """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype. ``i8_from``: the rows
+        from which the 8-bit kernel runs where it takes w (default ``gemm_i8_from(w)``; a fused
+        linear passes its parts' largest, as the fused decode stage decides per linear)."""
         x = x.contiguous()
-        if self.gemm_i8_applies(w, x):   # up to GEMV_MAX_ROWS the gemv reads the codes as they are: faster
-            return self.gemm_i8(w, x) if x.shape[0] > GEMV_MAX_ROWS else self.gemv(w, x)
+        if self.gemm_i8_applies(w, x):   # below its rows the gemv reads the codes as they are: faster
+            return self.gemm_i8(w, x) if x.shape[0] >= (i8_from or self.gemm_i8_from(w)) else self.gemv(w, x)
         if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
             return self.gemm(w, x)
         rows = x.shape[0]
@@ -253,6 +255,11 @@ class QuantKernels:
         if takes is None:
             takes = w.cache["i8_takes"] = bool(self._gemm_i8_takes(_kind(w), w.in_features, w.group))
         return takes
+
+    def gemm_i8_from(self, w: PackedWeight) -> int:
+        """The rows of x from which ``matmul`` gives w to ``gemm_i8`` (0 where it does not take w):
+        beyond GEMV_MAX_ROWS, IQ4's i4 from 6 (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``)."""
+        return int(self._gemm_i8_from(_kind(w))) if self.gemm_i8_takes(w) else 0
 
     def gemm_i8(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out, in 8-bit integers: each row of x quantized per block of
@@ -372,24 +379,26 @@ def _load_gemm():
 
 
 def _load_gemm_i8():
-    """(pipeserve_quant_gemm_i8, pipeserve_quant_gemm_i8_takes, "avx512-vnni"), or (None, None,
-    None) where quant_gemm_i8.c cannot be built or this CPU has no AVX512-VNNI."""
+    """(pipeserve_quant_gemm_i8, pipeserve_quant_gemm_i8_takes, pipeserve_quant_gemm_i8_from,
+    "avx512-vnni"), or Nones where quant_gemm_i8.c cannot be built or this CPU has no AVX512-VNNI."""
     from pipeserve.kernels.build import KernelBuildError, load_kernel
     try:
         lib = load_kernel("quant_gemm_i8")
     except KernelBuildError as exc:
         log.warning("quantized weights, many rows: quant_gemm_i8.c unavailable (%s); bfloat16 or tiled path", exc)
-        return None, None, None
+        return None, None, None, None
     lib.pipeserve_quant_gemm_i8_isa.restype = ctypes.c_char_p
     isa = lib.pipeserve_quant_gemm_i8_isa().decode()
     if isa == "none":
-        return None, None, None
+        return None, None, None, None
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     fn, takes = lib.pipeserve_quant_gemm_i8, lib.pipeserve_quant_gemm_i8_takes
     fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32]
     fn.restype = i32
     takes.argtypes, takes.restype = [i32, i64, i64], i32
-    return fn, takes, isa
+    first = lib.pipeserve_quant_gemm_i8_from
+    first.argtypes, first.restype = [i32], i64
+    return fn, takes, first, isa
 
 
 _KINDS = {"q4": 4, "q8": 8, "q5": 5, "q6": 6, "i4": 9, "q2": 2, "q3": 3}

@@ -68,8 +68,11 @@ class QuantLinear(_Packed):
         parts = self._parts or self.parts
         kernels = cpu_kernels() if x.is_cpu else None
         if kernels is not None and kernels.applies(x):
-            out = kernels.matmul(parts[0], x) if len(parts) == 1 else torch.cat(
-                [kernels.matmul(p, x) for p in parts], dim=-1)
+            if len(parts) == 1:
+                out = kernels.matmul(parts[0], x)
+            else:   # the 8-bit kernel from the rows all parts take it from, as the fused stage decides
+                i8_from = max(kernels.gemm_i8_from(p) for p in parts)
+                out = torch.cat([kernels.matmul(p, x, i8_from) for p in parts], dim=-1)
         else:
             outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
