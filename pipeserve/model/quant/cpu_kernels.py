@@ -241,25 +241,27 @@ class QuantKernels:
 
     def gemm_i8_applies(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``gemm_i8`` (quant_gemm_i8.c, AVX512-VNNI) takes these bfloat16 activations:
-        ``GEMM_I8`` on, and a layout it takes (q4, q5 and q8 in groups of 32k, Q4_K's and Q5_K's
-        two levels)."""
+        ``GEMM_I8`` on, and a layout it takes (every kept one: q4, q5 and q8 in groups of 32k, i4,
+        the K-quants' two levels, q2/q3 in super-blocks of 256)."""
         return self.gemm_i8_takes(w) and x.dtype == torch.bfloat16
 
     def gemm_i8_takes(self, w: PackedWeight) -> bool:
-        """Whether the 8-bit many-row kernel runs here and takes ``w``'s layout (``GEMM_I8`` on); the
-        kernel's answer for the layout is kept on the weight, as its C arguments are (``matmul``
-        asks for every linear layer of a step)."""
-        if not GEMM_I8 or self._gemm_i8 is None:
-            return False
-        takes = w.cache.get("i8_takes")
-        if takes is None:
-            takes = w.cache["i8_takes"] = bool(self._gemm_i8_takes(_kind(w), w.in_features, w.group))
-        return takes
+        """Whether the 8-bit many-row kernel runs here and takes ``w``'s layout (``GEMM_I8`` on)."""
+        return self.gemm_i8_from(w) > 0
 
     def gemm_i8_from(self, w: PackedWeight) -> int:
         """The rows of x from which ``matmul`` gives w to ``gemm_i8`` (0 where it does not take w):
-        beyond GEMV_MAX_ROWS, IQ4's i4 from 6 (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``)."""
-        return int(self._gemm_i8_from(_kind(w))) if self.gemm_i8_takes(w) else 0
+        beyond GEMV_MAX_ROWS, IQ4's i4 from 6 (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``).
+        The kernel's answer for the layout is kept on the weight, as its C arguments are
+        (``matmul`` asks for every linear layer of a step)."""
+        if not GEMM_I8 or self._gemm_i8 is None:
+            return 0
+        first = w.cache.get("i8_from")
+        if first is None:
+            kind = _kind(w)
+            first = w.cache["i8_from"] = (int(self._gemm_i8_from(kind))
+                                          if self._gemm_i8_takes(kind, w.in_features, w.group) else 0)
+        return first
 
     def gemm_i8(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         """Many rows, bfloat16 in and out, in 8-bit integers: each row of x quantized per block of
@@ -444,7 +446,8 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from {GEMV_MAX_ROWS + 1} rows"] \
+    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from {GEMV_MAX_ROWS + 1} rows "
+            f"(IQ4 from {kernels._gemm_i8_from(_KINDS['i4'])})"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
     many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
                 else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
