@@ -17,7 +17,7 @@ from pipeserve.model.config import ModelConfig
 from pipeserve.model.cpu_attention import CpuPagedAttention, select_backend
 from pipeserve.model.cpu_ops import cpu_elementwise
 from pipeserve.model.llama import LlamaModel
-from tests.kernels import skip_without_kernel
+from tests.kernels import OTHER_MARCHES, quant_matmul_for, skip_without_kernel
 
 
 @pytest.fixture
@@ -132,13 +132,15 @@ def test_a_failed_attention_build_leaves_the_fused_kernels_on(fresh, monkeypatch
 
 
 @skip_without_kernel("quant_matmul")
-@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512", "cascadelake", "sapphirerapids"])
+@pytest.mark.parametrize("march", OTHER_MARCHES)
 def test_the_quantized_kernels_compile_for_every_instruction_set(march, tmp_path):
     """The portable, AVX2, AVX-512 (VNNI-less) and AVX512_BF16 + VNNI branches of the quantized
     kernels and the loader's widening compile, as machines other than this one build them (AVX-512
     ones compile the AVX2 i4/q2/q3 code too; the VNNI-less one has no integer decode for them)."""
     import subprocess
-    for name in ("quant_matmul", "quant_gemm", "gguf_widen", "decode_stage"):
+    _, code, stderr = quant_matmul_for(march)     # the slow one, shared with test_quant_kernels
+    assert code == 0, ("quant_matmul", march, stderr[-2000:])
+    for name in ("quant_gemm", "gguf_widen", "decode_stage"):
         result = subprocess.run([build._compiler(), "-O1", f"-march={march}", "-fopenmp", "-fPIC", "-std=gnu11",
                                  "-c", str(build._HERE / f"{name}.c"), "-o", str(tmp_path / f"{name}.o")],
                                 capture_output=True, text=True)

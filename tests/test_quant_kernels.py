@@ -34,7 +34,7 @@ from pipeserve.model.quant.packed import (IQ4_VALUES, K4_HIGH, K4_SUPER, PackedW
                                           quantize_weight, to_q8)
 from pipeserve.model.quant.packed import k2_group_scales as packed_k2_scales
 from tests.checkpoints import finish_gguf
-from tests.kernels import skip_without_kernel
+from tests.kernels import quant_matmul_for, skip_without_kernel
 
 T = gguf.GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)   # gguf.quants can quantize these
@@ -329,25 +329,21 @@ def _cpu_has(*flags: str) -> bool:
     return all(f in have for f in flags)
 
 
-_BUILT: dict[str, QuantKernels] = {}   # march -> its build, once per module run
+_LOADED: dict[str, QuantKernels] = {}   # march -> its build, loaded
 
 
-def _kernels_for(march: str, tmp_path) -> QuantKernels:
+def _kernels_for(march: str) -> QuantKernels:
     """quant_matmul.c built for ``-march=march`` (as that CPU would build it), loaded."""
     import ctypes
-    import subprocess
-
-    from pipeserve.kernels.build import _HERE, _compiler
-    if march not in _BUILT:
-        lib = tmp_path / f"{march}.so"
-        subprocess.run([_compiler(), "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-                        str(_HERE / "quant_matmul.c"), "-o", str(lib), "-lm"], check=True, capture_output=True)
-        _BUILT[march] = QuantKernels(ctypes.CDLL(str(lib)))
-    return _BUILT[march]
+    if march not in _LOADED:
+        lib, code, stderr = quant_matmul_for(march)
+        assert code == 0, stderr[-2000:]
+        _LOADED[march] = QuantKernels(ctypes.CDLL(str(lib)))
+    return _LOADED[march]
 
 
 @pytest.fixture(scope="module")
-def avx2_kernels(tmp_path_factory) -> QuantKernels:
+def avx2_kernels() -> QuantKernels:
     """The kernels an AVX2 + FMA + F16C CPU runs: this build's where it is one, else quant_matmul.c
     built for -march=haswell, where this CPU can run it (an AVX-512 one), so the AVX2-only paths
     are tested here too."""
@@ -356,20 +352,20 @@ def avx2_kernels(tmp_path_factory) -> QuantKernels:
         return kernels
     if not _cpu_has("avx2", "fma", "f16c"):
         pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
-    kernels = _kernels_for("haswell", tmp_path_factory.mktemp("haswell"))
+    kernels = _kernels_for("haswell")
     assert kernels.isa == "avx2"
     return kernels
 
 
 @needs_kernel
 @pytest.mark.parametrize("march,isa", [("x86-64", "portable"), ("haswell", "avx2")])
-def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march, isa):
+def test_narrower_builds_match_dequantize_then_matmul(gguf_file, march, isa):
     """quant_matmul.c built without AVX-512, as CPUs without it run it: the portable path
     and the AVX2 + FMA + F16C one (-march=haswell), against dequantize-then-matmul, every
     kept type, decode (float and integer activations) and tiled shapes, 1 and 2 threads."""
     if isa == "avx2" and not _cpu_has("avx2", "fma", "f16c"):
         pytest.skip("this CPU cannot run an AVX2 + FMA + F16C build")
-    kernels = _kernels_for(march, tmp_path)
+    kernels = _kernels_for(march)
     assert kernels.isa == isa
     assert kernels.has_integer_activations == (isa == "avx2")
     threads = torch.get_num_threads()
@@ -393,7 +389,7 @@ def test_narrower_builds_match_dequantize_then_matmul(gguf_file, tmp_path, march
 
 
 @needs_kernel
-def test_a_vnni_build_without_bitalg_computes_the_same_bits(gguf_file, tmp_path):
+def test_a_vnni_build_without_bitalg_computes_the_same_bits(gguf_file):
     """VNNI CPUs without AVX512_BITALG (Cascade Lake) build chunk_codes_hb's q5/q6 expansion
     from masks joined in general registers instead of vpshufbitqmb: the same codes in the same
     order, so -march=cascadelake gives this machine's native build's bits on the integer path,
@@ -401,7 +397,7 @@ def test_a_vnni_build_without_bitalg_computes_the_same_bits(gguf_file, tmp_path)
     kernels = cpu_kernels()
     if kernels.isa != "avx512-vnni" or not _cpu_has("avx512_bitalg"):
         pytest.skip(f"needs a VNNI CPU with AVX512_BITALG to compare against (this build: {kernels.isa})")
-    other = _kernels_for("cascadelake", tmp_path)
+    other = _kernels_for("cascadelake")
     assert other.isa == "avx512-vnni"
     cases = _int8_cases(gguf_file, kernels)
     assert {w.kind for w in cases} >= {"q5", "q6"}
