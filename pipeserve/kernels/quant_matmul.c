@@ -297,6 +297,9 @@ static inline void row_dot(int kind, const uint8_t *q, const uint16_t *sc, const
 #ifndef PF_ROWS
 #define PF_ROWS 8
 #endif
+#ifndef PF_BYTES
+#define PF_BYTES 8192
+#endif
 #define CHUNK 64   /* weights per 512-bit dot product: two blocks */
 
 /* Activations of the int8 path, per row of x, quantized once per call:
@@ -620,8 +623,10 @@ row_dot_i8(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16
     for (int m = 0; m < m_rows; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], acc2[m]));
 }
 
-/* Output rows [n0, n1) for m_rows rows of x; the codes of row n + PF_ROWS are prefetched
- * (into L2: QUANT_PREFETCH_HINT) while row n is computed, but q6's and q5's: their gemvs are bound
+/* Output rows [n0, n1) for m_rows rows of x; the codes of the row PF_ROWS ahead, or PF_BYTES of
+ * codes ahead where rows are short (SmolLM2's 576-wide q4 rows are 288 bytes: 8 rows ahead kept
+ * too few lines in flight; a token's gemvs 1.025-1.044x with 8-16 KB ahead, 1.01x with 4 KB), are
+ * prefetched (into L2: QUANT_PREFETCH_HINT) while row n is computed, but q6's and q5's: their gemvs are bound
  * by issuing vector operations (~3.5 and ~5 cycles per 32 weights hot), the hardware prefetchers
  * keep up with that, and the prefetch instructions took issue slots (a Q6_K token's gemvs from
  * memory at one thread 29.6 ms without them, 31.2 with; as bit-planes 36.7 against 39.8; a Q5_K_M
@@ -632,14 +637,15 @@ rows_i8(int kind, int m_rows, const uint8_t *qs, const uint16_t *sc, const uint1
         const uint8_t *qh, int zero) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t groups = quant_scales_per_row(kind, K, group);
+    const int64_t ahead = PF_ROWS > PF_BYTES / row_bytes ? PF_ROWS : PF_BYTES / row_bytes;
     for (int64_t n = n0; n < n1; n++) {
-        if (quant_codes_kind(kind) != 6 && quant_codes_kind(kind) != 5 && n + PF_ROWS < N) {
-            const uint8_t *p = qs + (n + PF_ROWS) * row_bytes;
+        if (quant_codes_kind(kind) != 6 && quant_codes_kind(kind) != 5 && n + ahead < N) {
+            const uint8_t *p = qs + (n + ahead) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(p + o), QUANT_PREFETCH_HINT);
             for (int64_t o = 0; o < high_bytes; o += 64)
-                _mm_prefetch((const char *)(qh + (n + PF_ROWS) * high_bytes + o), QUANT_PREFETCH_HINT);
-            _mm_prefetch((const char *)(sc + (n + PF_ROWS) * groups), QUANT_PREFETCH_HINT);
-            if (mn) _mm_prefetch((const char *)(mn + (n + PF_ROWS) * groups), QUANT_PREFETCH_HINT);
+                _mm_prefetch((const char *)(qh + (n + ahead) * high_bytes + o), QUANT_PREFETCH_HINT);
+            _mm_prefetch((const char *)(sc + (n + ahead) * groups), QUANT_PREFETCH_HINT);
+            if (mn) _mm_prefetch((const char *)(mn + (n + ahead) * groups), QUANT_PREFETCH_HINT);
         }
         float res[GEMV_ROWS];
         row_dot_i8(kind, qs + n * row_bytes, qh ? qh + n * high_bytes : NULL, zero, sc + n * groups,
