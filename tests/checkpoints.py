@@ -290,3 +290,15 @@ def layer_matmul_flops(cfg) -> int:
     return sum(2 * k * n for k, n in (
         (cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, cfg.hidden_size),
         (cfg.hidden_size, 2 * cfg.intermediate_size), (cfg.intermediate_size, cfg.hidden_size)))
+
+
+def hf_step(hf, ids: torch.Tensor, cache):
+    """One forward of a transformers causal LM with its own KV cache: (its output, the cache to
+    pass next). Transformers 5.x renames ``past_key_values`` to ``cache`` (the old name warns
+    that it goes in 5.40); the suite installs whichever release is current."""
+    import inspect
+    if "cache" in inspect.signature(hf.forward).parameters:
+        res = hf(ids, cache=cache, use_cache=True)
+        return res, res.cache
+    res = hf(ids, past_key_values=cache, use_cache=True)
+    return res, res.past_key_values

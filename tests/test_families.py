@@ -19,7 +19,7 @@ import torch
 
 from pipeserve import LLM, SamplingParams
 from pipeserve.model.loader import load_model, resolve_model
-from tests.checkpoints import _randomize, lazy_builds, save_tiny_tokenizer
+from tests.checkpoints import _randomize, hf_step, lazy_builds, save_tiny_tokenizer
 
 VOCAB, WINDOW, NEW = 512, 8, 10
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -143,8 +143,8 @@ def test_longrope_picks_its_factors_by_the_length_it_runs(family_dirs):
     ours, cache, ids = driver.logits([driver.seq_step(0, prompt)])[0], None, torch.tensor([prompt])
     with torch.no_grad():
         for token in range(3, 3 + 8):      # contexts 20 .. 28: short, then long from 25 on
-            res = hf(ids, past_key_values=cache, use_cache=True)
-            cache, ids = res.past_key_values, torch.tensor([[token]])
+            res, cache = hf_step(hf, ids, cache)
+            ids = torch.tensor([[token]])
             torch.testing.assert_close(ours, res.logits[0, -1], rtol=0, atol=1e-4)
             ours = driver.logits([driver.seq_step(0, [token])])[0]
 

@@ -12,7 +12,7 @@ from pipeserve.model.loader import resolve_model
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
-from tests.checkpoints import CHECKPOINT_KINDS, TINY_VOCAB, build_checkpoint
+from tests.checkpoints import CHECKPOINT_KINDS, TINY_VOCAB, build_checkpoint, hf_step
 
 BLOCK = 4
 TOL = 1e-3
@@ -216,8 +216,7 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     out, past, ids = [], None, torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(steps):
-            res = hf(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res, past = hf_step(hf, ids, past)
             out.append(int(res.logits[0, -1].argmax()))
             ids = torch.tensor([[out[-1]]])
     return out
