@@ -31,10 +31,11 @@ def skip_without_kernel(name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(missing is not None, reason=str(missing))
 
 
-# quant_matmul.c as other CPUs build it. One compile takes 14-30 s (its AVX-512 and AVX2 branches
-# inline deeply), and three test modules want the same few builds, so each -march is compiled once
-# per test process, at -O1 (as fast to compile as any level here, half -O2's time; the integer
-# paths' bits do not depend on it), every one of them started on the first request, two at a time.
+# quant_matmul.c as other CPUs build it. One compile takes 14-34 s (its AVX-512 and AVX2 branches
+# inline deeply), and two test modules want the same few builds, so each -march is compiled once
+# per test process, at -O1 (the quickest level to compile here: cascadelake 17.5 s, -O0 28.5 s,
+# -O2 34.0 s; the integer paths' bits do not depend on it), all of them started on the first
+# request, two at a time.
 OTHER_MARCHES = ("x86-64", "haswell", "skylake-avx512", "cascadelake", "sapphirerapids")
 _march_builds: dict[str, concurrent.futures.Future] = {}
 _march_pool: concurrent.futures.ThreadPoolExecutor | None = None
