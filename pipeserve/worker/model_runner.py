@@ -289,8 +289,10 @@ def weights_to_huge_pages(model: torch.nn.Module) -> int:
     offset = 0
     for k, where in holders.items():
         module, name = where[0]
-        view = arena[offset:offset + sizes[k]].view(module._buffers[name].dtype).view(module._buffers[name].shape)
-        view.copy_(module._buffers[name])
+        old = module._buffers[name]
+        view = arena[offset:offset + sizes[k]].view(old.dtype).view(old.shape)
+        view.copy_(old)
+        del old
         for module, name in where:
             module._buffers[name] = view
         offset += (sizes[k] + 63) & ~63
