@@ -158,23 +158,44 @@ static inline __attribute__((always_inline)) __m512i codes64(int kind, const uin
     return _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
 }
 
+/* Rows-major [PR][cols] floats (a row every `stride`) -> dst [cols][PR], 16 columns at a time
+ * through one transpose16 (columns past `cols` of the last 16 are not stored). */
+static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, float *dst) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+        __m512i r[PR];
+        for (int64_t j = 0; j < PR; j++) r[j] = _mm512_loadu_si512((const void *)(src + j * stride + c0));
+        transpose16(r);   /* r[c] = column c0 + c of the 16 rows */
+        const int64_t n = cols - c0 < 16 ? cols - c0 : 16;
+        for (int64_t c = 0; c < n; c++) _mm512_store_si512((void *)(dst + (c0 + c) * PR), r[c]);
+    }
+}
+
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
- * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales). rs,
- * rm: scratch of K / 32 floats a row (q4k's expansion; q6k's K / 16 run on over rm). */
+ * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales).
+ * The scales are made a row at a time into ts, tm ([PR][tstride] floats, tstride >= the row's
+ * scales rounded up to 16; Q4_0-Q8_0 and IQ4_NL's float16 ones 16 at a time) and turned into the
+ * panel's order by 16 x 16 transposes, where each was a scalar store 64 bytes from the last. q4's
+ * codes (Q4_0, Q4_1, Q4_K) are transposed as the file's bytes, then split into nibbles: the same
+ * dwords as codes64's unpack-then-transpose with a third of the instructions. At 16 rows of x the
+ * unpacking had taken longer than the panel's dot products (perf, SmolLM2's gate_up); both changes
+ * together: 1.12-1.26x at 16-32 rows (benchmarks/README.md, twenty-third session). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
-                         float *rs, float *rm) {
+                         float *ts, float *tm, int64_t tstride) {
     const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int ck = quant_codes_kind(kind);
+    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q2 || kind == QUANT_Q3;
+    const int64_t cols = per16 ? 2 * nb : nb;
     for (int64_t j = 0; j < PR; j++) {
+        float *rs = ts + j * tstride, *rm = tm + j * tstride;
         if (j >= rows) {
-            for (int64_t b = 0; b < 2 * nb; b++) ws[b * PR + j] = wm[b * PR + j] = 0.0f;
+            memset(rs, 0, (size_t)tstride * sizeof(float));
+            memset(rm, 0, (size_t)tstride * sizeof(float));
             continue;
         }
         const int64_t n = n0 + j;
-        if (kind == QUANT_Q6K) {
+        if (kind == QUANT_Q6K) {   /* no minimums (micro reads none per 16 without them) */
             quant_two_level_row(kind, sc, mn, qh, K, n, rs, NULL);
-            for (int64_t b = 0; b < 2 * nb; b++) ws[b * PR + j] = rs[b];
             continue;
         }
         if (kind == QUANT_Q2 || kind == QUANT_Q3) {   /* d * sub and (q2) -dmin * min per 16, exact */
@@ -183,16 +204,24 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                 const uint8_t *h = qh + n * high_bytes + u * quant_k2_high(kind);
                 const float d = _cvtsh_ss(sc[n * sup + u]);
                 const float m = kind == QUANT_Q2 && mn ? _cvtsh_ss(mn[n * sup + u]) : 0.0f;
-                for (int g = 0; g < 16; g++)
-                    quant_k2_group(kind, h, g, d, m, ws + (u * 16 + g) * PR + j, wm + (u * 16 + g) * PR + j);
+                for (int g = 0; g < 16; g++) quant_k2_group(kind, h, g, d, m, rs + u * 16 + g, rm + u * 16 + g);
             }
             continue;
         }
         if (kind == QUANT_Q4K || kind == QUANT_Q5K) {
             quant_two_level_row(kind, sc, mn, qh, K, n, rs, rm);
-            for (int64_t b = 0; b < nb; b++) {
-                ws[b * PR + j] = rs[b];
-                wm[b * PR + j] = rm[b] - (float)zero * rs[b];
+            for (int64_t b = 0; b < nb; b++) rm[b] -= (float)zero * rs[b];
+            continue;
+        }
+        const float off = (float)(kind == 8 || kind == QUANT_I4 ? 128 : zero);
+        if (group == 32) {   /* a float16 scale (and minimum) per block: 16 blocks a vector */
+            for (int64_t b = 0; b < nb; b += 16) {
+                const __mmask16 live = (__mmask16)(nb - b >= 16 ? 0xffffu : (1u << (nb - b)) - 1u);
+                const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc + n * nb + b));
+                const __m512 m = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + n * nb + b))
+                                    : _mm512_setzero_ps();
+                _mm512_storeu_ps(rs + b, s);
+                _mm512_storeu_ps(rm + b, _mm512_sub_ps(m, _mm512_mul_ps(_mm512_set1_ps(off), s)));
             }
             continue;
         }
@@ -200,9 +229,30 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         for (int64_t b = 0; b < nb; b++) {
             const int64_t g = b * 32 / group;
             const float s = _cvtsh_ss(sc[n * groups + g]), m = mn ? _cvtsh_ss(mn[n * groups + g]) : 0.0f;
-            ws[b * PR + j] = s;
-            wm[b * PR + j] = m - (float)(kind == 8 || kind == QUANT_I4 ? 128 : zero) * s;
+            rs[b] = s;
+            rm[b] = m - off * s;
         }
+    }
+    transpose_to_panel(ts, tstride, cols, ws);
+    transpose_to_panel(tm, tstride, cols, wm);
+    if (ck == 4) {   /* q4, q4k: the nibble bytes transposed as they are, 128 weights (four blocks) at a time */
+        const __m512i lo4 = _mm512_set1_epi8(15);
+        for (int64_t k = 0; k < K; k += 128) {
+            const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
+            const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
+            __m512i r[PR];
+            for (int64_t j = 0; j < PR; j++)
+                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k / 2) : _mm512_setzero_si512();
+            transpose16(r);   /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the
+                               * low nibbles, 16 + 4d.. in the high ones */
+            for (int64_t b = 0; b < blocks; b++)
+                for (int d = 0; d < 4; d++) {
+                    uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
+                    _mm512_store_si512((void *)g, _mm512_and_si512(r[4 * b + d], lo4));
+                    _mm512_store_si512((void *)(g + 4 * PR), _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4));
+                }
+        }
+        return;
     }
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
@@ -300,8 +350,11 @@ static void act_parts(const void *act, int64_t K, int64_t M, int8_t **xq, float 
 static __thread char *panel_buf;
 static __thread int64_t panel_cap;
 
+/* Floats a row of unpack_panel's row-major scales takes: K / 16 (per 16), rounded up to 16. */
+static int64_t scale_stride(int64_t K) { return (K / 16 + 15) / 16 * 16; }
+
 static char *panel_scratch(int64_t K) {
-    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 4 * nb * PR * 4 + 2 * nb * 4 + 3 * 64;
+    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 4 * nb * PR * 4 + 2 * PR * scale_stride(K) * 4 + 3 * 64;
     if (need > panel_cap) {
         free(panel_buf);
         panel_buf = aligned_alloc(64, (size_t)(need + 63) / 64 * 64);
@@ -319,7 +372,8 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     if (!buf) return -1;
     uint32_t *wp = (uint32_t *)buf;
     float *ws = (float *)(buf + (K / 4 * PR * 4 + 63) / 64 * 64);
-    float *wm = ws + 2 * nb * PR, *rs = wm + 2 * nb * PR;   /* room for scales and minimums per 16 */
+    float *wm = ws + 2 * nb * PR, *ts = wm + 2 * nb * PR;   /* room for scales and minimums per 16 */
+    const int64_t tstride = scale_stride(K);
     int8_t *xq;
     float *dx, *xs;
     int32_t *sum16;
@@ -328,7 +382,7 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
     for (int64_t p0 = n0; p0 < n1; p0 += PR) {
         const int64_t cols = n1 - p0 < PR ? n1 - p0 : PR;
-        unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, rs, rs + nb);
+        unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, ts, ts + PR * tstride, tstride);
         const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
         for (int64_t m0 = 0; m0 < M; m0 += MR)
             micro_rows(M - m0 < MR ? M - m0 : MR, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out,
