@@ -254,6 +254,37 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         }
         return;
     }
+    if (ck == 6) {   /* q6k: the nibble bytes and high bit pairs transposed as they are, 256 weights at a time */
+        const __m512i lo4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30);
+        const uint8_t *hb0 = quant_high_bits_at(kind, qh, K);
+        for (int64_t k = 0; k < K; k += 256) {
+            __m512i h[PR];   /* the two stretches' 32 bytes of bit pairs each, in the 16 rows */
+            for (int64_t j = 0; j < PR; j++)
+                h[j] = j < rows ? _mm512_loadu_si512((const void *)(hb0 + (n0 + j) * high_bytes + k / 4))
+                                : _mm512_setzero_si512();
+            transpose16(h);   /* h[8t + c]: dword c of stretch t's bit pairs */
+            for (int64_t t = 0; t < 2; t++) {
+                __m512i r[PR];
+                for (int64_t j = 0; j < PR; j++)
+                    r[j] = j < rows ? _mm512_loadu_si512((const void *)(qs + (n0 + j) * row_bytes + (k + 128 * t) / 2))
+                                    : _mm512_setzero_si512();
+                transpose16(r);   /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the
+                                   * low nibbles, 64 + 4c.. (runs 2 | 3) in the high ones */
+                for (int c = 0; c < 16; c++) {
+                    const __m512i v = r[c], hp = h[8 * t + c % 8];
+                    const int run = c / 8;   /* run 0 or 1 from the low nibbles, 2 or 3 from the high ones */
+                    /* code = nibble | bit pair (h >> 2 * run) << 4: (A & C) | B, A the nibbles, C 0x0f */
+                    const __m512i b0 = _mm512_and_si512(run ? _mm512_slli_epi16(hp, 2) : _mm512_slli_epi16(hp, 4), pair);
+                    const __m512i b1 = _mm512_and_si512(run ? _mm512_srli_epi16(hp, 2) : hp, pair);
+                    const int64_t g = (k + 128 * t) / 4 + 8 * run + c % 8;
+                    _mm512_store_si512((void *)(wp + g * PR), _mm512_ternarylogic_epi64(v, b0, lo4, 0xec));
+                    _mm512_store_si512((void *)(wp + (g + 16) * PR),
+                                       _mm512_ternarylogic_epi64(_mm512_srli_epi16(v, 4), b1, lo4, 0xec));
+                }
+            }
+        }
+        return;
+    }
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
