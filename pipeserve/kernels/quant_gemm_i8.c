@@ -235,8 +235,11 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     }
     transpose_to_panel(ts, tstride, cols, ws);
     transpose_to_panel(tm, tstride, cols, wm);
-    if (ck == 4) {   /* q4, q4k: the nibble bytes transposed as they are, 128 weights (four blocks) at a time */
-        const __m512i lo4 = _mm512_set1_epi8(15);
+    if (ck == 4 || ck == QUANT_I4) {   /* q4, q4k, i4: the nibble bytes transposed as they are, 128 weights
+                                         * (four blocks) at a time; i4's nibbles then looked up (+ 128) */
+        const __m512i lo4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+        const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)QUANT_IQ4_VALUES));
+        const int i4 = ck == QUANT_I4;
         for (int64_t k = 0; k < K; k += 128) {
             const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
             const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
@@ -248,8 +251,13 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
                     uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
-                    _mm512_store_si512((void *)g, _mm512_and_si512(r[4 * b + d], lo4));
-                    _mm512_store_si512((void *)(g + 4 * PR), _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4));
+                    __m512i lo = _mm512_and_si512(r[4 * b + d], lo4), hi = _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4);
+                    if (i4) {
+                        lo = _mm512_xor_si512(_mm512_shuffle_epi8(values, lo), flip);
+                        hi = _mm512_xor_si512(_mm512_shuffle_epi8(values, hi), flip);
+                    }
+                    _mm512_store_si512((void *)g, lo);
+                    _mm512_store_si512((void *)(g + 4 * PR), hi);
                 }
         }
         return;
