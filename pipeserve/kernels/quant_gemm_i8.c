@@ -293,6 +293,38 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         }
         return;
     }
+    if (ck == QUANT_Q2 || ck == QUANT_Q3) {   /* the bit-pair bytes (and q3's hmask) transposed as they are, per
+                                             * super-block of 256 */
+        const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+        for (int64_t k = 0; k < K; k += QUANT_K2_SUPER) {
+            __m512i r[PR], h[PR];
+            for (int64_t j = 0; j < PR; j++)
+                r[j] = j < rows ? _mm512_loadu_si512((const void *)(qs + (n0 + j) * row_bytes + k / 4))
+                                : _mm512_setzero_si512();
+            transpose16(r);   /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64,
+                               * l + 96 of the stretch in its bit pairs 0, 2, 4, 6 */
+            if (ck == QUANT_Q3) {
+                for (int64_t j = 0; j < PR; j++)
+                    h[j] = j < rows ? _mm512_maskz_loadu_epi8((__mmask64)0xffffffffu,
+                                                             qh + (n0 + j) * high_bytes + k / QUANT_K2_SUPER * 48)
+                                    : _mm512_setzero_si512();
+                transpose16(h);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
+            }
+            for (int c = 0; c < 16; c++) {
+                const int t = c / 8, cc = c % 8;
+                for (int q = 0; q < 4; q++) {   /* run q of stretch t: weights 128t + 32q + 4cc .. */
+                    __m512i code = _mm512_and_si512(q ? _mm512_srli_epi16(r[c], 2 * q) : r[c], three);
+                    if (ck == QUANT_Q3) {
+                        const int p = 4 * t + q;
+                        const __m512i hb = p >= 2 ? _mm512_srli_epi16(h[cc], p - 2) : _mm512_slli_epi16(h[cc], 2 - p);
+                        code = _mm512_or_si512(code, _mm512_and_si512(hb, four));
+                    }
+                    _mm512_store_si512((void *)(wp + (k / 4 + 32 * t + 8 * q + cc) * PR), code);
+                }
+            }
+        }
+        return;
+    }
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
