@@ -235,6 +235,41 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     }
     transpose_to_panel(ts, tstride, cols, ws);
     transpose_to_panel(tm, tstride, cols, wm);
+#ifdef __AVX512BITALG__
+    if (ck == 5) {   /* q5, q5k: q4's transposed nibbles, and each code's bit from its block's plane (bit i: code i),
+                      * the 16 rows' planes of a block in one vector, picked per byte by vpshufbitqmb */
+        const __m512i lo4 = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+        const uint8_t *hb0 = quant_high_bits_at(kind, qh, K);
+        for (int64_t k = 0; k < K; k += 128) {
+            const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
+            const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
+            __m512i r[PR], pl[PR];
+            for (int64_t j = 0; j < PR; j++) {
+                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k / 2) : _mm512_setzero_si512();
+                pl[j] = j < rows ? _mm512_maskz_loadu_epi8((__mmask64)((1u << (4 * blocks)) - 1u),
+                                                           hb0 + (n0 + j) * high_bytes + k / 32 * 4)
+                                 : _mm512_setzero_si512();
+            }
+            transpose16(r);    /* r[4b + d]: dword d of block b's 16 bytes in the 16 rows */
+            transpose16(pl);   /* pl[b]: block b's plane in the 16 rows */
+            for (int64_t b = 0; b < blocks; b++)
+                for (int d = 0; d < 4; d++) {
+                    /* byte i of dword lane 2q (2q + 1) takes bit 4d + i (+ 16 for the high nibbles) of its plane:
+                     * bit 4d + i (32 + 4d + i) of qword q */
+                    const uint64_t sel = (uint64_t)(4 * d) * 0x0101010101010101ull + 0x2322212003020100ull;
+                    const __mmask64 mlo = _mm512_bitshuffle_epi64_mask(pl[b], _mm512_set1_epi64((long long)sel));
+                    const __mmask64 mhi = _mm512_bitshuffle_epi64_mask(
+                        pl[b], _mm512_set1_epi64((long long)(sel + 16 * 0x0101010101010101ull)));
+                    const __m512i lo = _mm512_and_si512(r[4 * b + d], lo4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4);
+                    uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
+                    _mm512_store_si512((void *)g, _mm512_mask_add_epi8(lo, mlo, lo, sixteen));
+                    _mm512_store_si512((void *)(g + 4 * PR), _mm512_mask_add_epi8(hi, mhi, hi, sixteen));
+                }
+        }
+        return;
+    }
+#endif
     if (ck == 4 || ck == QUANT_I4) {   /* q4, q4k, i4: the nibble bytes transposed as they are, 128 weights
                                          * (four blocks) at a time; i4's nibbles then looked up (+ 128) */
         const __m512i lo4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
