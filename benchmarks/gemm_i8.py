@@ -8,14 +8,19 @@ Per weight shape and row count, bfloat16 activations, one process, the three tim
   decodes ran from 5 rows),
 - ``i8``: quant_gemm_i8.c (vpdpbusd on int8 activations; now taken beyond 8 rows).
 Weights: Q4_1-like q4 (group 32, with minimum) for the layers, Q8_0-like q8 for the head (or,
-``--weights Q6_K`` (or Q3_K, Q2_K, IQ4_XS), that GGUF type everywhere as the loader keeps it:
+``--weights Q6_K`` (or Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS), that GGUF type everywhere as the loader keeps it:
 random valid blocks, widths a multiple of 256, so the llama2k shapes); a layer
 shape is timed over ``--copies`` copies of its weight (the default 30 is SmolLM2's layer count,
 more than the L3 holds), so the weights come from memory as in a model's forward. Prints
 microseconds per matmul and GFLOP/s.
 
     PYTHONPATH=$PWD python benchmarks/gemm_i8.py [--threads 1] [--rows 5,8,12,16,24,32,64,256,512]
-        [--shapes smol,llama2k] [--rounds 5] [--weights q4|Q6_K|Q3_K|Q2_K|IQ4_XS]
+        [--shapes smol,llama2k] [--rounds 5] [--weights q4|Q4_K|Q5_K|Q6_K|Q3_K|Q2_K|IQ4_XS]
+
+``--compare-source OLD.c``: instead of the other paths, quant_gemm_i8.c as built from OLD.c (say
+``git show BASE:pipeserve/kernels/quant_gemm_i8.c > /tmp/old.c``) against this tree's, in turn each
+round, their outputs checked bit for bit; prints old / new per shape (best of the rounds, and
+the median of the rounds' ratios).
 
 ``--fidelity``: instead, the built-in SmolLM2 (kept Q4_1, bfloat16) teacher-forced over windows of
 the reference text (Python's LICENSE.txt: tokens 0-600, the suite's, and 600-1600), with the 8-bit
@@ -26,6 +31,7 @@ perplexity change.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -46,8 +52,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="smol,llama2k")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copies", type=int, default=30)
-    ap.add_argument("--weights", choices=["q4", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"], default="q4")
+    ap.add_argument("--weights", choices=["q4", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"], default="q4")
     ap.add_argument("--fidelity", action="store_true")
+    ap.add_argument("--compare-source", metavar="OLD.c", help="time quant_gemm_i8.c built from this file against "
+                    "this tree's (outputs checked equal)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.fidelity:
@@ -57,7 +65,9 @@ def main() -> None:
     if kernels is None or kernels.gemm_i8_isa is None:
         raise SystemExit("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c); nothing to compare")
     gen = torch.Generator().manual_seed(0)
-    print(f"threads {args.threads}; us per matmul (GFLOP/s); i8 speed-up over the faster of the others")
+    old_i8 = _old_gemm_i8(args.compare_source) if args.compare_source else None
+    print(f"threads {args.threads}; " + ("microseconds per matmul, the old build against this tree's" if old_i8 else
+                                         "us per matmul (GFLOP/s); i8 speed-up over the faster of the others"))
     for family in args.shapes.split(","):
         for name, (n, k) in SHAPES[family].items():
             head = name == "head"
@@ -77,17 +87,57 @@ def main() -> None:
                 }
                 if rows > 64:
                     del paths["gemv"]            # passes of 8 rows over many rows: not a path anything takes
+                if old_i8 is not None:
+                    paths = {"old": lambda w: old_i8(w, x), "i8": paths["i8"]}
+                    if not all(torch.equal(old_i8(w, x), kernels.gemm_i8(w, x)) for w in ws[:2]):
+                        raise SystemExit(f"{name} rows {rows}: the two builds' outputs differ")
                 best = dict.fromkeys(paths, float("inf"))
+                ratios = []
                 for _ in range(args.rounds):
+                    took = {}
                     for label, fn in paths.items():
                         t0 = time.perf_counter()
                         for w in ws:
                             fn(w)
-                        best[label] = min(best[label], (time.perf_counter() - t0) / len(ws))
+                        took[label] = (time.perf_counter() - t0) / len(ws)
+                        best[label] = min(best[label], took[label])
+                    if old_i8 is not None:
+                        ratios.append(took["old"] / took["i8"])
                 flop = 2 * rows * n * k
+                if old_i8 is not None:
+                    print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: old {best['old'] * 1e6:8.1f}  new "
+                          f"{best['i8'] * 1e6:8.1f} us  old/new x{best['old'] / best['i8']:.3f} (rounds' median "
+                          f"x{statistics.median(ratios):.3f}), outputs equal")
+                    continue
                 cells = "  ".join(f"{label} {t * 1e6:8.1f} ({flop / t / 1e9:5.1f})" for label, t in best.items())
                 other = min(t for label, t in best.items() if label != "i8")
                 print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
+
+
+def _old_gemm_i8(source: str):
+    """``QuantKernels.gemm_i8`` as quant_gemm_i8.c built from ``source`` (this tree's headers)."""
+    import ctypes
+    import os
+    import subprocess
+    import tempfile
+
+    from pipeserve.kernels import build
+    from pipeserve.model.quant.cpu_kernels import _weight_args
+    kdir = os.path.dirname(build.__file__)
+    lib_path = os.path.join(tempfile.mkdtemp(prefix="gemm_i8_old_"), "old.so")
+    subprocess.run([os.environ.get("CC", "cc"), *build._FLAGS, "-I", kdir, source, "-o", lib_path], check=True)
+    fn = ctypes.CDLL(lib_path).pipeserve_quant_gemm_i8
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes, fn.restype = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32], i32
+
+    def gemm_i8(w, x):
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
+        if fn(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1,
+              torch.get_num_threads(), qh, zero) != 0:
+            raise RuntimeError("the old build refused the matmul")
+        return out
+    return gemm_i8
 
 
 def _gguf_weight(name: str, n: int, k: int, seed: int):
