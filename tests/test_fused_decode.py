@@ -288,14 +288,14 @@ def test_k_quant_mixes_bfloat16_many_decodes_take_the_8_bit_kernel_fused(mix, th
 @pytest.mark.parametrize("threads", [1, 2])
 def test_iq4_bfloat16_seven_decodes_take_the_8_bit_kernel_fused(threads, tmp_path):
     """IQ4_XS (i4) linears take the 8-bit kernel from 6 rows (its gemv here is AVX2's), in the
-    fused stage as in the Python layers; a linear with a part of another type (Q4_0 v beside IQ4
-    q/k, a Q8_0 up beside an IQ4 gate) keeps the gemv up to 8 rows in both."""
+    fused stage as in the Python layers; a linear with a Q8_0 part (v beside IQ4 q/k, up beside an
+    IQ4 gate) keeps the gemv up to 8 rows in both (Q8_0 takes the 8-bit kernel from 9)."""
     from pipeserve.model.quant.cpu_kernels import cpu_kernels
     from tests import test_tensor_parallel_quant as tpq
     kernels = cpu_kernels()
     if kernels is None or kernels.gemm_i8_isa is None:
         pytest.skip("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c)")
-    source = resolve_model(str(tpq._kquant_gguf(tmp_path, {"attn_v": "Q4_0", "ffn_up": "Q8_0", "output": "Q6_K"},
+    source = resolve_model(str(tpq._kquant_gguf(tmp_path, {"attn_v": "Q8_0", "ffn_up": "Q8_0", "output": "Q6_K"},
                                                 "IQ4_XS", "iq4_mixed")))
     cfg = source.load_config()
     calls = []
@@ -305,7 +305,7 @@ def test_iq4_bfloat16_seven_decodes_take_the_8_bit_kernel_fused(threads, tmp_pat
         runner = _fused_equals_python(lambda: _runner(source, cfg, dtype=torch.bfloat16), torch.bfloat16, threads,
                                       2, sequences=7)
     layer = runner.model.layers[0]
-    assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["IQ4_XS", "IQ4_XS", "Q4_0"]
+    assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["IQ4_XS", "IQ4_XS", "Q8_0"]
     assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["IQ4_XS", "Q8_0"]
     # the Python layers' 7-row decodes: o and down (IQ4 alone) through the kernel, qkv and gate_up not
     assert {s for s, n in calls if n == 7} == {"IQ4_XS"} and len([1 for s, n in calls if n == 7]) == 2 * 2 * len(

@@ -63,9 +63,10 @@ def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows):  #
         ref, tol = _bound(w, x)
         err = (got.double() - ref).abs()
         assert (err <= tol).all(), (w.source, rows, (err / tol).max().item())
-        # the dispatch: beyond the gemv's rows (IQ4's i4, whose gemv is AVX2's here, from 6)
+        # the dispatch: q8 beyond the gemv's rows, q4 (Q4_0, Q4_1) and IQ4's i4 from 6, the others from 8
         first = kernels.gemm_i8_from(w)
-        assert first == (6 if w.kind == "i4" else GEMV_MAX_ROWS + 1), (w.source, first)
+        want = GEMV_MAX_ROWS + 1 if w.kind == "q8" else 6 if w.kind == "i4" or (w.kind == "q4" and not w.two_level) else 8
+        assert first == want, (w.source, first)
         if rows >= first:
             assert torch.equal(kernels.matmul(w, x), got), w.source
         else:
@@ -120,8 +121,8 @@ def test_gemm_i8_only_where_it_applies_and_the_switch(gguf_file, monkeypatch):  
     assert not kernels.gemm_i8_applies(w, x32)                          # float32: the fidelity path stays
     with pytest.raises(ValueError, match="does not apply"):
         kernels.gemm_i8(w, x32)
-    few = xb[:GEMV_MAX_ROWS]
-    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # up to GEMV_MAX_ROWS: the gemv kernel
+    few = xb[:kernels.gemm_i8_from(w) - 1]
+    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # below gemm_i8_from: the gemv kernel
     # GEMM_I8 off: the bfloat16 kernel (or the tiles) again
     monkeypatch.setattr(quant_cpu, "GEMM_I8", False)
     assert not kernels.gemm_i8_applies(w, xb)

@@ -68,9 +68,12 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 }
 
 /* The rows of x from which this kernel is taken for a layout it takes (below them the decode
- * gemv, which reads the codes as they are): beyond GEMV_MAX_ROWS (cpu_kernels.py), except i4 from
- * 6, whose gemv on AVX-512 builds is AVX2's (measured: benchmarks/README.md, twenty-first session). */
-int64_t pipeserve_quant_gemm_i8_from(int kind) { return kind == QUANT_I4 ? 6 : 9; }
+ * gemv, which reads the codes as they are): q8 beyond GEMV_MAX_ROWS (cpu_kernels.py; its gemv
+ * reads Q8_0 bytes as they are, and the head's 28 MB unpacked per call kept this kernel 1.4-1.8x
+ * slower at 5-8 rows), q4 (Q4_0, Q4_1) and i4 from 6 (i4's gemv on AVX-512 builds is AVX2's), the
+ * others from 8 (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K: 1.00-2.00x the gemv at 8 rows, 0.76-1.69x at 6;
+ * measured: benchmarks/README.md, twenty-first and twenty-third sessions). */
+int64_t pipeserve_quant_gemm_i8_from(int kind) { return kind == 8 ? 9 : kind == 4 || kind == QUANT_I4 ? 6 : 8; }
 
 #ifdef I8_GEMM
 #include <immintrin.h>

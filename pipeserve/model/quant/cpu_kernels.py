@@ -18,7 +18,8 @@ with no dequantized tile written to memory or handed to PyTorch; it rounds
 each weight to bfloat16 as ``dequantize(w, bfloat16)`` does, so it differs from
 ``x @ dequantize(w, bfloat16).T`` by summation order and the output's bfloat16
 rounding only (tests/test_quant_gemm.py). On AVX512-VNNI CPUs bfloat16 rows beyond
-``GEMV_MAX_ROWS`` of every kept layout (q4/q5/q6k/q8, i4, q2/q3) take ``gemm_i8`` instead
+``GEMV_MAX_ROWS`` of every kept layout (q4/q5/q6k/q8, i4, q2/q3; all but q8 from fewer rows,
+``gemm_i8_from``) take ``gemm_i8`` instead
 (pipeserve/kernels/quant_gemm_i8.c, ``GEMM_I8``):
 the rows quantized to int8 per block of 32, 16-row panels of codes unpacked to bytes in cache,
 vpdpbusd; within ``sum_k |w_k| * step(k) / 2`` of ``x @ dequantize(w).T``
@@ -251,7 +252,8 @@ class QuantKernels:
 
     def gemm_i8_from(self, w: PackedWeight) -> int:
         """The rows of x from which ``matmul`` gives w to ``gemm_i8`` (0 where it does not take w):
-        beyond GEMV_MAX_ROWS, IQ4's i4 from 6 (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``).
+        q8 beyond GEMV_MAX_ROWS, q4 (Q4_0, Q4_1) and IQ4's i4 from 6, the other layouts from 8
+        (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``).
         The kernel's answer for the layout is kept on the weight, as its C arguments are
         (``matmul`` asks for every linear layer of a step)."""
         if not GEMM_I8 or self._gemm_i8 is None:
@@ -446,8 +448,9 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from {GEMV_MAX_ROWS + 1} rows "
-            f"(IQ4 from {kernels._gemm_i8_from(_KINDS['i4'])})"] \
+    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from "
+            f"{kernels._gemm_i8_from(_KINDS['q6'])} rows (Q8_0 from {kernels._gemm_i8_from(_KINDS['q8'])}, "
+            f"Q4_0/Q4_1/IQ4 from {kernels._gemm_i8_from(_KINDS['q4'])})"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
     many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
                 else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")
