@@ -177,11 +177,13 @@ static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, f
  * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales).
  * The scales are made a row at a time into ts, tm ([PR][tstride] floats, tstride >= the row's
  * scales rounded up to 16; Q4_0-Q8_0 and IQ4_NL's float16 ones 16 at a time) and turned into the
- * panel's order by 16 x 16 transposes, where each was a scalar store 64 bytes from the last. q4's
- * codes (Q4_0, Q4_1, Q4_K) are transposed as the file's bytes, then split into nibbles: the same
- * dwords as codes64's unpack-then-transpose with a third of the instructions. At 16 rows of x the
- * unpacking had taken longer than the panel's dot products (perf, SmolLM2's gate_up); both changes
- * together: 1.12-1.26x at 16-32 rows (benchmarks/README.md, twenty-third session). */
+ * panel's order by 16 x 16 transposes, where each was a scalar store 64 bytes from the last. The
+ * codes of every layout but q8 (whose bytes are codes) are transposed as the file's bytes, then
+ * split: a byte's codes sit at the byte's own position (q4 and i4 nibbles, Q6_K's nibbles and bit
+ * pairs, Q2_K / Q3_K's bit pairs and hmask, q5's planes with AVX512_BITALG), so this gives the same
+ * dwords as codes64's unpack-then-transpose with a third to a half of the instructions. At 16 rows
+ * of x the unpacking had taken longer than the panel's dot products (perf, SmolLM2's gate_up);
+ * together 1.07-1.59x at 16 rows, 1.02-1.22x at 64 (benchmarks/README.md, twenty-third session). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
                          float *ts, float *tm, int64_t tstride) {
