@@ -183,7 +183,7 @@ static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, f
  * pairs, Q2_K / Q3_K's bit pairs and hmask, q5's planes with AVX512_BITALG), so this gives the same
  * dwords as codes64's unpack-then-transpose with a third to a half of the instructions. At 16 rows
  * of x the unpacking had taken longer than the panel's dot products (perf, SmolLM2's gate_up);
- * together 1.07-1.59x at 16 rows, 1.02-1.22x at 64 (benchmarks/README.md, twenty-third session). */
+ * together 1.07-1.59x at 16 rows, 0.99-1.22x at 64 (benchmarks/README.md, twenty-third session). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
                          float *ts, float *tm, int64_t tstride) {
