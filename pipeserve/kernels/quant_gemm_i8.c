@@ -240,6 +240,20 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
     }
     transpose_to_panel(ts, tstride, cols, ws);
     transpose_to_panel(tm, tstride, cols, wm);
+    if (ck == 8) {   /* q8: the code bytes transposed as they are, + 128 */
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int64_t k = 0; k < K; k += 64) {
+            const __mmask64 live = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
+            __m512i r[PR];
+            for (int64_t j = 0; j < PR; j++)
+                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k) : _mm512_setzero_si512();
+            transpose16(r);   /* r[c] = codes k + 4c .. k + 4c + 3 of the 16 rows */
+            const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
+            for (int64_t c = 0; c < groups4; c++)
+                _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), _mm512_xor_si512(r[c], flip));
+        }
+        return;
+    }
 #ifdef __AVX512BITALG__
     if (ck == 5) {   /* q5, q5k: q4's transposed nibbles, and each code's bit from its block's plane (bit i: code i),
                       * the 16 rows' planes of a block in one vector, picked per byte by vpshufbitqmb */
