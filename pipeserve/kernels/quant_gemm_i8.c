@@ -173,6 +173,14 @@ static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, f
     }
 }
 
+/* 64 bytes (those in `live`) of each of a panel's `rows` rows, `stride` bytes apart from p (rows past
+ * `rows`: zero), transposed: r[c] = dword c of the 16 rows. */
+static inline __attribute__((always_inline)) void panel_bytes(const uint8_t *p, int64_t stride, int64_t rows,
+                                                              __mmask64 live, __m512i r[PR]) {
+    for (int64_t j = 0; j < PR; j++) r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, p + j * stride) : _mm512_setzero_si512();
+    transpose16(r);
+}
+
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
  * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales).
  * The scales are made a row at a time into ts, tm ([PR][tstride] floats, tstride >= the row's
@@ -245,9 +253,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         for (int64_t k = 0; k < K; k += 64) {
             const __mmask64 live = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
             __m512i r[PR];
-            for (int64_t j = 0; j < PR; j++)
-                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k) : _mm512_setzero_si512();
-            transpose16(r);   /* r[c] = codes k + 4c .. k + 4c + 3 of the 16 rows */
+            panel_bytes(qs + n0 * row_bytes + k, row_bytes, rows, live, r);   /* r[c]: codes k + 4c .. k + 4c + 3 */
             const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
             for (int64_t c = 0; c < groups4; c++)
                 _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), _mm512_xor_si512(r[c], flip));
@@ -263,14 +269,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
             const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
             __m512i r[PR], pl[PR];
-            for (int64_t j = 0; j < PR; j++) {
-                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k / 2) : _mm512_setzero_si512();
-                pl[j] = j < rows ? _mm512_maskz_loadu_epi8((__mmask64)((1u << (4 * blocks)) - 1u),
-                                                           hb0 + (n0 + j) * high_bytes + k / 32 * 4)
-                                 : _mm512_setzero_si512();
-            }
-            transpose16(r);    /* r[4b + d]: dword d of block b's 16 bytes in the 16 rows */
-            transpose16(pl);   /* pl[b]: block b's plane in the 16 rows */
+            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);   /* r[4b + d]: dword d of block b */
+            panel_bytes(hb0 + n0 * high_bytes + k / 32 * 4, high_bytes, rows, (__mmask64)((1u << (4 * blocks)) - 1u),
+                        pl);                                                   /* pl[b]: block b's plane */
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
                     /* byte i of dword lane 2q (2q + 1) takes bit 4d + i (+ 16 for the high nibbles) of its plane:
@@ -298,9 +299,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
             const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
             __m512i r[PR];
-            for (int64_t j = 0; j < PR; j++)
-                r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, qs + (n0 + j) * row_bytes + k / 2) : _mm512_setzero_si512();
-            transpose16(r);   /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the
+            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);   /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the
                                * low nibbles, 16 + 4d.. in the high ones */
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
@@ -320,17 +319,11 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         const __m512i lo4 = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30);
         const uint8_t *hb0 = quant_high_bits_at(kind, qh, K);
         for (int64_t k = 0; k < K; k += 256) {
-            __m512i h[PR];   /* the two stretches' 32 bytes of bit pairs each, in the 16 rows */
-            for (int64_t j = 0; j < PR; j++)
-                h[j] = j < rows ? _mm512_loadu_si512((const void *)(hb0 + (n0 + j) * high_bytes + k / 4))
-                                : _mm512_setzero_si512();
-            transpose16(h);   /* h[8t + c]: dword c of stretch t's bit pairs */
+            __m512i h[PR];   /* h[8t + c]: dword c of stretch t's 32 bytes of bit pairs, in the 16 rows */
+            panel_bytes(hb0 + n0 * high_bytes + k / 4, high_bytes, rows, ~(__mmask64)0, h);
             for (int64_t t = 0; t < 2; t++) {
                 __m512i r[PR];
-                for (int64_t j = 0; j < PR; j++)
-                    r[j] = j < rows ? _mm512_loadu_si512((const void *)(qs + (n0 + j) * row_bytes + (k + 128 * t) / 2))
-                                    : _mm512_setzero_si512();
-                transpose16(r);   /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the
+                panel_bytes(qs + n0 * row_bytes + (k + 128 * t) / 2, row_bytes, rows, ~(__mmask64)0, r);   /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the
                                    * low nibbles, 64 + 4c.. (runs 2 | 3) in the high ones */
                 for (int c = 0; c < 16; c++) {
                     const __m512i v = r[c], hp = h[8 * t + c % 8];
@@ -352,17 +345,11 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
         for (int64_t k = 0; k < K; k += QUANT_K2_SUPER) {
             __m512i r[PR], h[PR];
-            for (int64_t j = 0; j < PR; j++)
-                r[j] = j < rows ? _mm512_loadu_si512((const void *)(qs + (n0 + j) * row_bytes + k / 4))
-                                : _mm512_setzero_si512();
-            transpose16(r);   /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64,
+            panel_bytes(qs + n0 * row_bytes + k / 4, row_bytes, rows, ~(__mmask64)0, r);   /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64,
                                * l + 96 of the stretch in its bit pairs 0, 2, 4, 6 */
             if (ck == QUANT_Q3) {
-                for (int64_t j = 0; j < PR; j++)
-                    h[j] = j < rows ? _mm512_maskz_loadu_epi8((__mmask64)0xffffffffu,
-                                                             qh + (n0 + j) * high_bytes + k / QUANT_K2_SUPER * 48)
-                                    : _mm512_setzero_si512();
-                transpose16(h);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
+                panel_bytes(qh + n0 * high_bytes + k / QUANT_K2_SUPER * 48, high_bytes, rows, (__mmask64)0xffffffffu,
+                            h);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
             }
             for (int c = 0; c < 16; c++) {
                 const int t = c / 8, cc = c % 8;
@@ -391,6 +378,19 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
         for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), r[c]);
     }
+}
+
+/* float32 -> bfloat16, round to nearest even: one vcvtneps2bf16 where AVX512_BF16 is; on VNNI CPUs
+ * without it (Cascade Lake, Ice Lake), which could not build this file before, the same rounding in
+ * integers (subnormals kept, where the instruction flushes them to zero; NaN inputs do not arise). */
+static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
+#endif
 }
 
 /* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel.
@@ -430,7 +430,7 @@ micro(const int R, const int per16, const int zero16, const int8_t *xq, const fl
     }
     for (int i = 0; i < R; i++) {
         if (bf16_out)
-            _mm256_mask_storeu_epi16((uint16_t *)out + (m0 + i) * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+            _mm256_mask_storeu_epi16((uint16_t *)out + (m0 + i) * N + n0, keep, to_bf16x16(acc[i]));
         else
             _mm512_mask_storeu_ps((float *)out + (m0 + i) * N + n0, keep, acc[i]);
     }
