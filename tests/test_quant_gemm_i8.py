@@ -154,3 +154,33 @@ def test_kept_smollm2_bfloat16_prompt_in_8_bit_agrees_with_dequantized_float32(s
           f"{ppl_kept:.4f} (bfloat16 kernel {ppl_bf16:.4f}) vs {ppl_dense:.4f}")
     assert agree >= agree_bf16 - 0.01 and agree >= 0.97, (agree, agree_bf16)
     assert abs(ppl_kept / ppl_dense - 1) <= 0.02, (ppl_kept, ppl_dense)
+
+
+@needs_matmul
+@needs_i8
+def test_a_vnni_build_without_avx512_bf16_equals_this_one(gguf_file, tmp_path):  # noqa: F811
+    """Cascade Lake and Ice Lake have AVX512-VNNI but not AVX512_BF16 (the file did not compile for
+    them until the bfloat16 output was rounded in integers there): that build's outputs equal this
+    machine's, every kept layout (Q5's codes take the other unpack there, without AVX512_BITALG)."""
+    import ctypes
+    import subprocess
+
+    from pipeserve.kernels import build
+    from pipeserve.model.quant.cpu_kernels import _weight_args
+    kernels = _i8_kernels()
+    lib = tmp_path / "quant_gemm_i8-cascadelake.so"
+    done = subprocess.run([build._compiler(), "-O1", "-march=cascadelake", "-fopenmp", "-fPIC", "-shared",
+                           "-std=gnu11", str(build._HERE / "quant_gemm_i8.c"), "-o", str(lib)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    fn = ctypes.CDLL(str(lib)).pipeserve_quant_gemm_i8
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes, fn.restype = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32], i32
+    for w in _cases(gguf_file):
+        if not kernels.gemm_i8_takes(w):
+            continue
+        x = torch.randn(GEMV_MAX_ROWS + 3, w.in_features).bfloat16()
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
+        assert fn(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1, 1, qh, zero) == 0
+        assert torch.equal(out, kernels.gemm_i8(w, x)), w.source
