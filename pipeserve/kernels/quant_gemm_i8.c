@@ -117,48 +117,25 @@ static void quantize_rows(const void *x, int bf16, int64_t K, int64_t m0, int64_
     }
 }
 
-/* 32 codes of a q4 or q5 block as unsigned bytes: the 16 bytes at q hold k..k+15 in their low
- * nibbles, k+16..k+31 in the high ones; q5 (plane: the block's 32 high bits, bit i code i) adds 16. */
+/* 32 codes of a q5 block as unsigned bytes: the 16 bytes at q hold k..k+15 in their low nibbles,
+ * k+16..k+31 in the high ones, plus 16 where the block's plane (32 high bits, bit i code i) is set. */
 static inline __attribute__((always_inline)) __m256i codes32(const uint8_t *q, const uint8_t *plane) {
     const __m128i lo4 = _mm_set1_epi8(15), v = _mm_loadu_si128((const __m128i *)q);
     const __m256i c = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, lo4)),
                                               _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
-    if (!plane) return c;
     uint32_t bits;
     memcpy(&bits, plane, 4);
     return _mm256_mask_add_epi8(c, (__mmask32)bits, c, _mm256_set1_epi8(16));
 }
 
-/* 64 codes (k .. k + 63, two blocks; the second zero past K) of a row as unsigned bytes (hb: q5's
- * high-bit planes of the row, 4 bytes a block; q6's high bit pairs, 32 bytes per 128 weights; q3's
- * hmask and sub-scales; q6, q2 and q3 rows are whole runs of 128 or 256, so never end in half a
- * chunk). */
-static inline __attribute__((always_inline)) __m512i codes64(int kind, const uint8_t *row, const uint8_t *hb,
-                                                            int64_t k, int64_t K) {
-    if (kind == 8) {
-        const __m512i flip = _mm512_set1_epi8((char)0x80);
-        if (k + 64 <= K) return _mm512_xor_si512(_mm512_loadu_si512((const void *)(row + k)), flip);
-        return _mm512_castsi256_si512(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + k)),
-                                                       _mm256_set1_epi8((char)0x80)));
-    }
-    if (kind == 6)
-        return _mm512_inserti64x4(_mm512_castsi256_si512(quant_q6_codes32_avx2(row, hb, k / 32)),
-                                  quant_q6_codes32_avx2(row, hb, k / 32 + 1), 1);
-    if (kind == QUANT_Q2 || kind == QUANT_Q3)   /* whole super-blocks: never half a chunk */
-        return _mm512_inserti64x4(_mm512_castsi256_si512(quant_k2_codes32_avx2(kind, row, hb, k / 32)),
-                                  quant_k2_codes32_avx2(kind, row, hb, k / 32 + 1), 1);
-    if (kind == QUANT_I4) {   /* the codebook's signed values + 128 */
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
-        const __m256i ca = _mm256_xor_si256(quant_i4_codes32_avx2(row, k / 32), flip);
-        if (k + 64 > K) return _mm512_castsi256_si512(ca);
-        return _mm512_inserti64x4(_mm512_castsi256_si512(ca),
-                                  _mm256_xor_si256(quant_i4_codes32_avx2(row, k / 32 + 1), flip), 1);
-    }
-    const int q5 = kind == 5;
-    const __m256i ca = codes32(row + k / 2, q5 ? hb + k / 32 * 4 : NULL);
+/* q5's 64 codes (k .. k + 63, two blocks; the second zero past K) of a row as unsigned bytes (hb: the
+ * row's high-bit planes, 4 bytes a block): unpack_panel's path for q5 without AVX512_BITALG, the
+ * other layouts' codes being transposed as the file's bytes. */
+static inline __attribute__((always_inline)) __m512i q5_codes64(const uint8_t *row, const uint8_t *hb, int64_t k,
+                                                               int64_t K) {
+    const __m256i ca = codes32(row + k / 2, hb + k / 32 * 4);
     if (k + 64 > K) return _mm512_castsi256_si512(ca);
-    const __m256i cb = codes32(row + k / 2 + 16, q5 ? hb + k / 32 * 4 + 4 : NULL);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(ca), cb, 1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ca), codes32(row + k / 2 + 16, hb + k / 32 * 4 + 4), 1);
 }
 
 /* Rows-major [PR][cols] floats (a row every `stride`) -> dst [cols][PR], 16 columns at a time
@@ -189,7 +166,7 @@ static inline __attribute__((always_inline)) void panel_bytes(const uint8_t *p, 
  * codes of every layout but q8 (whose bytes are codes) are transposed as the file's bytes, then
  * split: a byte's codes sit at the byte's own position (q4 and i4 nibbles, Q6_K's nibbles and bit
  * pairs, Q2_K / Q3_K's bit pairs and hmask, q5's planes with AVX512_BITALG), so this gives the same
- * dwords as codes64's unpack-then-transpose with a third to a half of the instructions. At 16 rows
+ * dwords as unpacking each row and then transposing with a third to a half of the instructions. At 16 rows
  * of x the unpacking had taken longer than the panel's dot products (perf, SmolLM2's gate_up);
  * together 1.07-1.59x at 16 rows, 0.99-1.22x at 64 (benchmarks/README.md, twenty-third session). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
@@ -299,8 +276,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
             const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
             __m512i r[PR];
-            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);   /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the
-                               * low nibbles, 16 + 4d.. in the high ones */
+            /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the low nibbles,
+             * 16 + 4d.. in the high ones */
+            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
                     uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
@@ -323,8 +301,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             panel_bytes(hb0 + n0 * high_bytes + k / 4, high_bytes, rows, ~(__mmask64)0, h);
             for (int64_t t = 0; t < 2; t++) {
                 __m512i r[PR];
-                panel_bytes(qs + n0 * row_bytes + (k + 128 * t) / 2, row_bytes, rows, ~(__mmask64)0, r);   /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the
-                                   * low nibbles, 64 + 4c.. (runs 2 | 3) in the high ones */
+                /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the low
+                 * nibbles, 64 + 4c.. (runs 2 | 3) in the high ones */
+                panel_bytes(qs + n0 * row_bytes + (k + 128 * t) / 2, row_bytes, rows, ~(__mmask64)0, r);
                 for (int c = 0; c < 16; c++) {
                     const __m512i v = r[c], hp = h[8 * t + c % 8];
                     const int run = c / 8;   /* run 0 or 1 from the low nibbles, 2 or 3 from the high ones */
@@ -345,8 +324,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
         for (int64_t k = 0; k < K; k += QUANT_K2_SUPER) {
             __m512i r[PR], h[PR];
-            panel_bytes(qs + n0 * row_bytes + k / 4, row_bytes, rows, ~(__mmask64)0, r);   /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64,
-                               * l + 96 of the stretch in its bit pairs 0, 2, 4, 6 */
+            /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64, l + 96 of
+             * the stretch in its bit pairs 0, 2, 4, 6 */
+            panel_bytes(qs + n0 * row_bytes + k / 4, row_bytes, rows, ~(__mmask64)0, r);
             if (ck == QUANT_Q3) {
                 panel_bytes(qh + n0 * high_bytes + k / QUANT_K2_SUPER * 48, high_bytes, rows, (__mmask64)0xffffffffu,
                             h);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
@@ -366,13 +346,12 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         }
         return;
     }
+    /* q5, q5k without AVX512_BITALG (Cascade Lake): each row's codes unpacked, then transposed */
     for (int64_t k = 0; k < K; k += 64) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++)
-            r[j] = j < rows ? codes64(ck, qs + (n0 + j) * row_bytes,
-                                      ck == 5 || ck == 6 || ck == QUANT_Q3
-                                                          ? quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K)
-                                                          : NULL, k, K)
+            r[j] = j < rows ? q5_codes64(qs + (n0 + j) * row_bytes,
+                                         quant_high_bits_at(kind, qh + (n0 + j) * high_bytes, K), k, K)
                             : _mm512_setzero_si512();
         transpose16(r);   /* r[c] = dword c (codes 4c .. 4c + 3) of the 16 rows */
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
