@@ -122,19 +122,15 @@ def _old_gemm_i8(source: str):
     import tempfile
 
     from pipeserve.kernels import build
-    from pipeserve.model.quant.cpu_kernels import _weight_args
+    from pipeserve.model.quant.cpu_kernels import bind_gemm_i8, run_gemm_i8
     kdir = os.path.dirname(build.__file__)
     lib_path = os.path.join(tempfile.mkdtemp(prefix="gemm_i8_old_"), "old.so")
     subprocess.run([os.environ.get("CC", "cc"), *build._FLAGS, "-I", kdir, source, "-o", lib_path], check=True)
-    fn = ctypes.CDLL(lib_path).pipeserve_quant_gemm_i8
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes, fn.restype = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32], i32
+    fn = bind_gemm_i8(ctypes.CDLL(lib_path))
 
     def gemm_i8(w, x):
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
-        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
-        if fn(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1,
-              torch.get_num_threads(), qh, zero) != 0:
+        rc, out = run_gemm_i8(fn, w, x, torch.get_num_threads())
+        if rc != 0:
             raise RuntimeError("the old build refused the matmul")
         return out
     return gemm_i8

@@ -166,21 +166,18 @@ def test_a_vnni_build_without_avx512_bf16_equals_this_one(gguf_file, tmp_path): 
     import subprocess
 
     from pipeserve.kernels import build
-    from pipeserve.model.quant.cpu_kernels import _weight_args
+    from pipeserve.model.quant.cpu_kernels import bind_gemm_i8, run_gemm_i8
     kernels = _i8_kernels()
     lib = tmp_path / "quant_gemm_i8-cascadelake.so"
     done = subprocess.run([build._compiler(), "-O1", "-march=cascadelake", "-fopenmp", "-fPIC", "-shared",
                            "-std=gnu11", str(build._HERE / "quant_gemm_i8.c"), "-o", str(lib)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    fn = ctypes.CDLL(str(lib)).pipeserve_quant_gemm_i8
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes, fn.restype = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32], i32
+    fn = bind_gemm_i8(ctypes.CDLL(str(lib)))
     for w in _cases(gguf_file):
         if not kernels.gemm_i8_takes(w):
             continue
         x = torch.randn(GEMV_MAX_ROWS + 3, w.in_features).bfloat16()
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
-        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
-        assert fn(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1, 1, qh, zero) == 0
+        rc, out = run_gemm_i8(fn, w, x, 1)
+        assert rc == 0, w.source
         assert torch.equal(out, kernels.gemm_i8(w, x)), w.source

@@ -273,11 +273,7 @@ class QuantKernels:
         if not self.gemm_i8_applies(w, x):
             raise ValueError(f"the 8-bit many-row kernel does not apply to {w.source} ({w.kind}, in_features "
                              f"{w.in_features}, group {w.group}) with {x.dtype} activations")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
-        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
-        rc = self._gemm_i8(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1,
-                           torch.get_num_threads(), qh, zero)
+        rc, out = run_gemm_i8(self._gemm_i8, w, x.contiguous(), torch.get_num_threads())
         if rc == -1:
             raise MemoryError("quantized 8-bit many-row matmul: cannot allocate its scratch")
         if rc != 0:
@@ -382,6 +378,23 @@ def _load_gemm():
     return fn, isa
 
 
+def bind_gemm_i8(lib: ctypes.CDLL):
+    """``pipeserve_quant_gemm_i8`` of a loaded quant_gemm_i8.c build, its C signature set (the
+    benchmarks and tests bind builds for other CPUs or from older sources the same way)."""
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pipeserve_quant_gemm_i8
+    fn.argtypes, fn.restype = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32], i32
+    return fn
+
+
+def run_gemm_i8(fn, w: PackedWeight, x: torch.Tensor, threads: int) -> tuple[int, torch.Tensor]:
+    """(return code, out [M, N] bfloat16) of a bound ``pipeserve_quant_gemm_i8`` on contiguous bfloat16 x."""
+    out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+    kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
+    return fn(kind, qs, scale, minv, n, k, group, x.data_ptr(), 1, x.shape[0], out.data_ptr(), 1, threads, qh,
+              zero), out
+
+
 def _load_gemm_i8():
     """(pipeserve_quant_gemm_i8, pipeserve_quant_gemm_i8_takes, pipeserve_quant_gemm_i8_from,
     "avx512-vnni"), or Nones where quant_gemm_i8.c cannot be built or this CPU has no AVX512-VNNI."""
@@ -395,10 +408,8 @@ def _load_gemm_i8():
     isa = lib.pipeserve_quant_gemm_i8_isa().decode()
     if isa == "none":
         return None, None, None, None
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn, takes = lib.pipeserve_quant_gemm_i8, lib.pipeserve_quant_gemm_i8_takes
-    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i32, i64, ptr, i32, i32, ptr, i32]
-    fn.restype = i32
+    i32, i64 = ctypes.c_int, ctypes.c_int64
+    fn, takes = bind_gemm_i8(lib), lib.pipeserve_quant_gemm_i8_takes
     takes.argtypes, takes.restype = [i32, i64, i64], i32
     first = lib.pipeserve_quant_gemm_i8_from
     first.argtypes, first.restype = [i32], i64
