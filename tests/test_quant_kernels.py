@@ -282,6 +282,34 @@ def test_k2_paths_match_dequantize(gguf_file, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_lookup_in_c_matches_dequantize(gguf_file, dtype):
+    """QuantEmbedding's C lookup (pipeserve_quant_dequant_at) gives the rows PyTorch's dequantize
+    gives, every kept type: exact for Q8_0 (one product), else within float32 rounding of the
+    scale-and-offset (an FMA where PyTorch rounds twice), which bfloat16 rounds away but at a tie
+    (one bfloat16 step); out-of-range ids raise, as PyTorch's gather does."""
+    path, types = gguf_file
+    kernels = cpu_kernels()
+    ids = torch.tensor([0, 17, 5, 17, ROWS - 1])
+    for i, ttype in enumerate(types):
+        w, _ = _read(path, i)
+        emb = QuantEmbedding(w, dtype)
+        got = emb.forward(ids)
+        assert kernels.lookup(w, ids, dtype) is not None, ttype.name
+        ref = dequantize(w.rows(ids), dtype)
+        assert got.dtype == dtype and got.shape == (len(ids), COLS), ttype.name
+        if ttype == T.Q8_0:
+            assert torch.equal(got, ref), ttype.name
+        else:
+            step = 2.0 ** (-20 if dtype == torch.float32 else -7)
+            assert ((got.float() - ref.float()).abs() <= step * ref.float().abs() + 1e-30).all(), ttype.name
+        with pytest.raises(IndexError, match="out of range"):
+            emb.forward(torch.tensor([0, ROWS]))
+        with pytest.raises(IndexError, match="out of range"):
+            emb.forward(torch.tensor([-1]))
+
+
+@needs_kernel
 def test_k2_weights_out_of_whole_super_blocks_are_refused():
     kernels = cpu_kernels()
     assert kernels.takes("q2") and kernels.takes("q3"), kernels.isa

@@ -1025,3 +1025,21 @@ int pipeserve_quant_dequant(int kind, const uint8_t *qs, const uint16_t *sc, con
 #undef MN
 #undef SC
 #undef ROW
+
+/* Rows rows[0..n) of the weight, dequantized one after another into out [n, K] (an embedding's
+ * lookup: a decode step's one or few token ids, without PyTorch's gather and float ops around
+ * them). Each as pipeserve_quant_dequant computes it; -4 when an index is outside [0, N). */
+int pipeserve_quant_dequant_at(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+                               int64_t N, int64_t K, int64_t group, const int64_t *rows, int64_t n, void *out,
+                               int out_bf16, const uint8_t *qh, int zero) {
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= N) return -4;
+    char *o = out;
+    const int64_t row_out = K * (out_bf16 ? 2 : 4);
+    for (int64_t i = 0; i < n; i++) {
+        const int rc = pipeserve_quant_dequant(kind, qs, sc, mn, K, group, rows[i], rows[i] + 1, o + i * row_out,
+                                               out_bf16, 1, qh, zero);
+        if (rc) return rc;
+    }
+    return 0;
+}

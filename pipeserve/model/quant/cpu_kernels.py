@@ -146,6 +146,11 @@ class QuantKernels:
         self._dequant = lib.pipeserve_quant_dequant
         self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32, ptr, i32]
         self._dequant.restype = i32
+        # a build from before it (benchmarks' --compare): lookups take the PyTorch path
+        self._dequant_at = getattr(lib, "pipeserve_quant_dequant_at", None)
+        if self._dequant_at is not None:
+            self._dequant_at.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]
+            self._dequant_at.restype = i32
         self._i8_applies = lib.pipeserve_quant_i8_applies
         self._i8_applies.argtypes = [i64, i64, i64]
         self._i8_applies.restype = i32
@@ -324,6 +329,26 @@ class QuantKernels:
         _check(self._dequant(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.in_features, w.group,
                              r0, r1, out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads(),
                              _ptr(w.qh), w.zero), w)
+        return out
+
+    def lookup(self, w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows ``ids`` (int64 [n], CPU) of the weight dequantized, [n, K] in ``dtype`` (float32 or
+        bfloat16): an embedding's lookup in one C call. None where this build has no such call
+        or does not take the layout (the caller dequantizes with PyTorch)."""
+        if self._dequant_at is None or not self.takes(w.kind) or dtype not in _DTYPES:
+            return None
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], w.in_features, dtype=dtype)
+        kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
+        rc = self._dequant_at(kind, qs, scale, minv, n, k, group, ids.data_ptr(), ids.shape[0], out.data_ptr(),
+                              int(dtype == torch.bfloat16), qh, zero)
+        if rc == -4:
+            raise IndexError(f"token id out of range: {w.source} has {n} rows, got ids "
+                             f"{ids.min().item()}..{ids.max().item()}")
+        if rc in (-2, -3):   # a layout or shape the C dequantize does not take
+            return None
+        if rc:
+            _check(rc, w)
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
