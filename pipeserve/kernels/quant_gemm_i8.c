@@ -151,10 +151,20 @@ static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, f
 }
 
 /* 64 bytes (those in `live`) of each of a panel's `rows` rows, `stride` bytes apart from p (rows past
- * `rows`: zero), transposed: r[c] = dword c of the 16 rows. */
+ * `rows`: zero), transposed: r[c] = dword c of the 16 rows. Each row's load goes with a prefetch of
+ * the same bytes of the next panel's row into L2: a panel's rows are read a column of 64 bytes at a
+ * time, 16 streams a row apart that the hardware prefetchers do not follow, so from memory the
+ * unpack waited on every column (SmolLM2's Q8_0 head at 16 rows of x, one thread: 140-153 ns a
+ * weight row from memory against 88-97 from L2 or L3; with these prefetches 95). One panel ahead
+ * and spread over the loads: the same prefetches issued all at once at the panel's start, one or
+ * more panels ahead, changed nothing (benchmarks/README.md, twenty-fourth session). Past the
+ * matrix's end they fetch bytes nobody reads (a prefetch does not fault). */
 static inline __attribute__((always_inline)) void panel_bytes(const uint8_t *p, int64_t stride, int64_t rows,
                                                               __mmask64 live, __m512i r[PR]) {
-    for (int64_t j = 0; j < PR; j++) r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, p + j * stride) : _mm512_setzero_si512();
+    for (int64_t j = 0; j < PR; j++) {
+        r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, p + j * stride) : _mm512_setzero_si512();
+        _mm_prefetch((const char *)(p + (PR + j) * stride), _MM_HINT_T1);
+    }
     transpose16(r);
 }
 
