@@ -90,14 +90,15 @@ def _compare(fused, python, exact: bool) -> float:
 
 def _fused_equals_python(make_runner, dtype, threads: int, steps: int, sequences: int | None = None) -> ModelRunner:
     """The runner ``make_runner`` builds at ``threads`` threads decodes 13 float32 sequences
-    (the gemv in two passes on VNNI, one on AVX2) or 4 bfloat16 ones (or ``sequences``) ``steps``
-    steps through the fused stage and through the Python layers: bit for bit at one thread, else
-    up to the merge order."""
+    (the gemv in two passes on VNNI, one on AVX2) or 3 bfloat16 ones (the gemv: the 8-bit kernel
+    takes bfloat16 from 4 rows at the earliest but IQ4's 2; or ``sequences``) ``steps`` steps
+    through the fused stage and through the Python layers: bit for bit at one thread, else up to
+    the merge order."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         runner = make_runner()
-        n = sequences or (13 if dtype == torch.float32 else 4)
+        n = sequences or (13 if dtype == torch.float32 else 3)
         prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(n)]
         fused = _decode_logits([runner], prompts, steps)
         assert runner.model.fused_decode and runner.model.fused_decode.max_rows >= n   # every step its own
@@ -221,7 +222,7 @@ def test_q2_q3_parts_fused_equal_python_layers(threads, tmp_path):
 def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
     """bfloat16 on AVX512-VNNI: steps of more than GEMV_MAX_ROWS decodes multiply in one pass of the
     8-bit many-row kernel (quant_gemm_i8.c) inside the fused stage, as the Python layers' matmul
-    does: bit for bit at one thread (5, 13 and 40 sequences: the gemv, then the kernel's row
+    does: bit for bit at one thread (3, 13 and 40 sequences: the gemv, then the kernel's row
     tails and blocks), up to the merge order at two; the stage takes up to GEMV_ONE_CALL_MAX_ROWS."""
     from pipeserve.model.quant.cpu_kernels import GEMV_ONE_CALL_MAX_ROWS, cpu_kernels
     kernels = cpu_kernels()
@@ -235,7 +236,7 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
         runner = _runner(source, cfg, dtype=torch.bfloat16, start=0, end=8)   # 8 layers: quicker, same kernels
         calls = []
         real = kernels.gemm_i8
-        for n in (5, 13, 40):
+        for n in (3, 13, 40):
             prompts = [list(range(100 + 7 * i, 108 + 7 * i + i % 5)) for i in range(n)]   # 8-12 tokens
             fused = _decode_logits_hidden(runner, prompts, 3)
             assert runner.model.fused_decode.max_rows == GEMV_ONE_CALL_MAX_ROWS
@@ -249,8 +250,9 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
                     assert torch.equal(a, b), n
                 else:
                     assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), n
-        # the Python layers' decodes took the kernel beyond GEMV_MAX_ROWS (5: the gemv); prompts too
-        assert {13, 40} <= set(calls) and 5 not in calls, sorted(set(calls))
+        # the Python layers' decodes took the kernel from its rows (3, below q4's and q8's 4: the gemv);
+        # prompts too
+        assert {13, 40} <= set(calls) and 3 not in calls, sorted(set(calls))
     finally:
         torch.set_num_threads(previous)
 
@@ -286,10 +288,10 @@ def test_k_quant_mixes_bfloat16_many_decodes_take_the_8_bit_kernel_fused(mix, th
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_iq4_bfloat16_seven_decodes_take_the_8_bit_kernel_fused(threads, tmp_path):
-    """IQ4_XS (i4) linears take the 8-bit kernel from 6 rows (its gemv here is AVX2's), in the
+def test_iq4_bfloat16_three_decodes_take_the_8_bit_kernel_fused(threads, tmp_path):
+    """IQ4_XS (i4) linears take the 8-bit kernel from 2 rows (its gemv here is AVX2's), in the
     fused stage as in the Python layers; a linear with a Q8_0 part (v beside IQ4 q/k, up beside an
-    IQ4 gate) keeps the gemv up to 8 rows in both (Q8_0 takes the 8-bit kernel from 9)."""
+    IQ4 gate) keeps the gemv up to 3 rows in both (Q8_0 takes the 8-bit kernel from 4)."""
     from pipeserve.model.quant.cpu_kernels import cpu_kernels
     from tests import test_tensor_parallel_quant as tpq
     kernels = cpu_kernels()
@@ -303,12 +305,12 @@ def test_iq4_bfloat16_seven_decodes_take_the_8_bit_kernel_fused(threads, tmp_pat
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "gemm_i8", lambda w, x: calls.append((w.source, len(x))) or real(w, x))
         runner = _fused_equals_python(lambda: _runner(source, cfg, dtype=torch.bfloat16), torch.bfloat16, threads,
-                                      2, sequences=7)
+                                      2, sequences=3)
     layer = runner.model.layers[0]
     assert [p.source for p in layer.self_attn.qkv_proj.parts] == ["IQ4_XS", "IQ4_XS", "Q8_0"]
     assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["IQ4_XS", "Q8_0"]
-    # the Python layers' 7-row decodes: o and down (IQ4 alone) through the kernel, qkv and gate_up not
-    assert {s for s, n in calls if n == 7} == {"IQ4_XS"} and len([1 for s, n in calls if n == 7]) == 2 * 2 * len(
+    # the Python layers' 3-row decodes: o and down (IQ4 alone) through the kernel, qkv and gate_up not
+    assert {s for s, n in calls if n == 3} == {"IQ4_XS"} and len([1 for s, n in calls if n == 3]) == 2 * 2 * len(
         runner.model.layers), calls
 
 

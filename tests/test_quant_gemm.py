@@ -79,8 +79,8 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
 def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):  # noqa: F811
     kernels = cpu_kernels()
     w = _cases(gguf_file)[-3]   # q8: many rows take the tiles on every build (AVX2's q4 the integer gemv)
-    few = torch.randn(GEMM_MIN_ROWS - 1, w.in_features).bfloat16()
-    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized: the gemv kernel
+    few = torch.randn(min(GEMM_MIN_ROWS, kernels.gemm_i8_from(w) or GEMM_MIN_ROWS) - 1, w.in_features).bfloat16()
+    assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized (below the 8-bit kernel's too)
     x = torch.randn(32, w.in_features)
     assert not kernels.gemm_applies(w, x)                               # float32: the fidelity reference
     assert torch.equal(kernels.matmul(w, x), kernels.tiled(w, x))

@@ -21,7 +21,7 @@ from tests.test_quant_gemm import _cases
 from tests.test_quant_kernels import gguf_file  # noqa: F401  (gguf_file is a fixture)
 from tests.test_quant_model import _all_logits, _perplexity, _runner, dense_logits, smollm2  # noqa: F401 (fixtures)
 
-ROWS = (GEMM_MIN_ROWS, 6, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
+ROWS = (2, 3, 4, GEMM_MIN_ROWS, 6, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
 needs_matmul, needs_i8 = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm_i8")
 TAKEN = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "int8",
          "int4"}
@@ -63,9 +63,9 @@ def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows):  #
         ref, tol = _bound(w, x)
         err = (got.double() - ref).abs()
         assert (err <= tol).all(), (w.source, rows, (err / tol).max().item())
-        # the dispatch: q8 beyond the gemv's rows, q4 (Q4_0, Q4_1) and IQ4's i4 from 6, the others from 8
+        # the dispatch: IQ4's i4 from 2, q4 (Q4_0, Q4_1, Q4_K) and q8 from 4, the others from 5
         first = kernels.gemm_i8_from(w)
-        want = GEMV_MAX_ROWS + 1 if w.kind == "q8" else 6 if w.kind == "i4" or (w.kind == "q4" and not w.two_level) else 8
+        want = 2 if w.kind == "i4" else 4 if w.kind in ("q4", "q8") else 5
         assert first == want, (w.source, first)
         if rows >= first:
             assert torch.equal(kernels.matmul(w, x), got), w.source

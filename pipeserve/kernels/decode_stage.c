@@ -74,7 +74,7 @@ typedef struct {
     /* quant_gemm_i8.c's many-row 8-bit kernel in the same two phases (AVX512-VNNI), or NULL:
      * a linear layer whose every part it takes at the step's rows multiplies them in one pass
      * of it (m_act_bytes is 0 for a layout it does not take, or for too few rows: up to
-     * pipeserve_quant_gemm_i8_from's rows: q8 up to PASS_ROWS, q4 and i4 up to 5, the others up to 7) */
+     * pipeserve_quant_gemm_i8_from's rows: i4 from 2, q4, Q4_K and q8 from 4, the others from 5) */
     act_bytes_fn m_act_bytes;
     prepare_fn m_prepare;
     m_rows_fn m_rows;

@@ -68,12 +68,16 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
 }
 
 /* The rows of x from which this kernel is taken for a layout it takes (below them the decode
- * gemv, which reads the codes as they are): q8 beyond GEMV_MAX_ROWS (cpu_kernels.py; its gemv
- * reads Q8_0 bytes as they are, and the head's 28 MB unpacked per call kept this kernel 1.4-1.8x
- * slower at 5-8 rows), q4 (Q4_0, Q4_1) and i4 from 6 (i4's gemv on AVX-512 builds is AVX2's), the
- * others from 8 (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K: 1.00-2.00x the gemv at 8 rows, 0.76-1.69x at 6;
- * measured: benchmarks/README.md, twenty-first and twenty-third sessions). */
-int64_t pipeserve_quant_gemm_i8_from(int kind) { return kind == 8 ? 9 : kind == 4 || kind == QUANT_I4 ? 6 : 8; }
+ * gemv, which reads the codes as they are and keeps finer activations): IQ4's i4 from 2 (its gemv
+ * on AVX-512 builds is AVX2's: this kernel 1.31-1.44x at 2 rows), q4 (Q4_0, Q4_1), Q4_K and q8 from
+ * 4, the others (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K) from 5. Measured once panel_bytes prefetched
+ * the next panel (one thread; SmolLM2 also two): at those rows 1.07-1.53x the gemv on every shape
+ * but three at 1.00-1.01x, one row fewer 0.83-1.37x (benchmarks/README.md, twenty-fourth
+ * session). Before, with the unpack waiting on memory, q8 took it from 9, q4 and i4 from 6, the
+ * others from 8. */
+int64_t pipeserve_quant_gemm_i8_from(int kind) {
+    return kind == QUANT_I4 ? 2 : kind == 4 || kind == 8 || kind == QUANT_Q4K ? 4 : 5;
+}
 
 #ifdef I8_GEMM
 #include <immintrin.h>

@@ -257,7 +257,7 @@ class QuantKernels:
 
     def gemm_i8_from(self, w: PackedWeight) -> int:
         """The rows of x from which ``matmul`` gives w to ``gemm_i8`` (0 where it does not take w):
-        q8 beyond GEMV_MAX_ROWS, q4 (Q4_0, Q4_1) and IQ4's i4 from 6, the other layouts from 8
+        IQ4's i4 from 2, q4 (Q4_0, Q4_1), Q4_K and q8 from 4, the other layouts from 5
         (quant_gemm_i8.c, ``pipeserve_quant_gemm_i8_from``).
         The kernel's answer for the layout is kept on the weight, as its C arguments are
         (``matmul`` asks for every linear layer of a step)."""
@@ -485,8 +485,8 @@ def cpu_kernels() -> QuantKernels | None:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
     many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from "
-            f"{kernels._gemm_i8_from(_KINDS['q6'])} rows (Q8_0 from {kernels._gemm_i8_from(_KINDS['q8'])}, "
-            f"Q4_0/Q4_1/IQ4 from {kernels._gemm_i8_from(_KINDS['q4'])})"] \
+            f"{kernels._gemm_i8_from(_KINDS['q6'])} rows (Q8_0, Q4_0/Q4_1, Q4_K from "
+            f"{kernels._gemm_i8_from(_KINDS['q4'])}, IQ4 from {kernels._gemm_i8_from(_KINDS['i4'])})"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
     many.append(f"{kernels.gemm_isa} fused kernel for bfloat16, tiled dequantize otherwise" if kernels.gemm_isa
                 else "tiled dequantize + PyTorch matmul (no AVX512_BF16 kernel)")

@@ -56,11 +56,12 @@ class QuantLinear(_Packed):
         self.bias = bias
 
     _decode = None   # (the bound gemvs of the parts, or False), built at the first decode call
+    _decode_rows = GEMM_MIN_ROWS   # below this many rows of x: those gemvs (below the 8-bit kernel's rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, in] -> [n, out] in x's dtype."""
         decode = self._decode
-        if decode and x.shape[0] < GEMM_MIN_ROWS and x.is_cpu and x.dtype in _KERNEL_DTYPES and x.is_contiguous():
+        if decode and x.shape[0] < self._decode_rows and x.is_cpu and x.dtype in _KERNEL_DTYPES and x.is_contiguous():
             out = decode(x)   # one decode gemv (~120 per step): the weight's C arguments bound once
             return out if self.bias is None else out + self.bias
         if decode is None:
@@ -84,6 +85,10 @@ class QuantLinear(_Packed):
         if kernels is None:
             return False
         gemvs = [kernels.decode_fn(p) for p in parts]
+        # from the rows where matmul gives the parts to the 8-bit kernel (the largest part's, as below)
+        # on, the general path: the fused decode stage multiplies those rows there too
+        i8_from = max(kernels.gemm_i8_from(p) for p in parts)
+        self._decode_rows = min(GEMM_MIN_ROWS, i8_from) if i8_from else GEMM_MIN_ROWS
         if len(gemvs) == 1:
             return gemvs[0]
         cat = torch.cat
