@@ -305,8 +305,8 @@ class QuantKernels:
 
     def decode_fn(self, w: PackedWeight):
         """A function x -> x @ W^T for the decode shape (contiguous CPU float32/bfloat16 x of
-        fewer than ``GEMM_MIN_ROWS`` rows, where ``matmul`` always takes ``gemv`` with its
-        default activations), with the weight's arguments bound once: the ~120 gemvs of a
+        fewer than ``GEMM_MIN_ROWS`` rows and than ``gemm_i8_from``'s, where ``matmul`` always takes
+        ``gemv`` with its default activations), with the weight's arguments bound once: the ~120 gemvs of a
         decode step then cost one Python frame each instead of three (QuantLinear.forward)."""
         gemv = self._gemv
         kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
