@@ -22,6 +22,10 @@ microseconds per matmul and GFLOP/s.
 round, their outputs checked bit for bit; prints old / new per shape (best of the rounds, and
 the median of the rounds' ratios).
 
+``--memory``: instead, the 8-bit kernel on a Q8_0-like head (49152 x 576, SmolLM2's) from memory
+against its first 1024 and 16384 rows (in L2 and in L3 after the first call), nanoseconds per weight
+row at each of ``--rows`` (with ``--compare-source``: both builds): what waiting on memory costs.
+
 ``--fidelity``: instead, the built-in SmolLM2 (kept Q4_1, bfloat16) teacher-forced over windows of
 the reference text (Python's LICENSE.txt: tokens 0-600, the suite's, and 600-1600), with the 8-bit
 kernel and with the bfloat16 one, against the file dequantized to float32: top-1 agreement and
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--weights", choices=["q4", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"], default="q4")
     ap.add_argument("--fidelity", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="the head from memory against its first rows in cache")
     ap.add_argument("--compare-source", metavar="OLD.c", help="time quant_gemm_i8.c built from this file against "
                     "this tree's (outputs checked equal)")
     args = ap.parse_args()
@@ -66,6 +71,9 @@ def main() -> None:
         raise SystemExit("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c); nothing to compare")
     gen = torch.Generator().manual_seed(0)
     old_i8 = _old_gemm_i8(args.compare_source) if args.compare_source else None
+    if args.memory:
+        memory(kernels, old_i8, [int(r) for r in args.rows.split(",")], args.rounds, gen)
+        return
     print(f"threads {args.threads}; " + ("microseconds per matmul, the old build against this tree's" if old_i8 else
                                          "us per matmul (GFLOP/s); i8 speed-up over the faster of the others"))
     for family in args.shapes.split(","):
@@ -112,6 +120,29 @@ def main() -> None:
                 cells = "  ".join(f"{label} {t * 1e6:8.1f} ({flop / t / 1e9:5.1f})" for label, t in best.items())
                 other = min(t for label, t in best.items() if label != "i8")
                 print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
+
+
+def memory(kernels, old_i8, row_counts: list[int], rounds: int, gen: torch.Generator) -> None:
+    n, k = SHAPES["smol"]["head"]
+    head = quantize_weight(torch.randn(n, k, generator=gen), 8, 32)
+    weights = {"memory": head, "1024 rows": head.rows(torch.arange(1024)), "16384 rows": head.rows(torch.arange(16384))}
+    builds = {"new": kernels.gemm_i8} | ({"old": old_i8} if old_i8 is not None else {})
+    print(f"threads {torch.get_num_threads()}; 8-bit kernel, Q8_0-like head rows: ns per weight row, best of {rounds}")
+    for rows in row_counts:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        for label, fn in builds.items():
+            cells = []
+            for where, w in weights.items():
+                fn(w, x)
+                best = float("inf")
+                for _ in range(rounds):
+                    calls, t0 = 0, time.perf_counter()
+                    while time.perf_counter() - t0 < 0.3:
+                        fn(w, x)
+                        calls += 1
+                    best = min(best, (time.perf_counter() - t0) / calls / w.out_features)
+                cells.append(f"{where} {best * 1e9:6.1f}")
+            print(f"rows {rows:3d} {label}: " + "  ".join(cells))
 
 
 def _old_gemm_i8(source: str):
