@@ -31,9 +31,10 @@
  *   ~70 for the earlier item = (range, kv head) walk, which read each block in
  *   three strided passes.
  * - AVX-512 and portable paths: one pass over the range per kv head, asking for
- *   the rows PF_AHEAD keys ahead (K and V, into L2) while working on the current
- *   ones (reading 6 KiB blocks in random order went from ~4 to ~9 GB/s on one
- *   core with this; benchmarks/README.md).
+ *   the rows PF_AHEAD keys ahead (into L2: K's before a tile's scores, V's before
+ *   its values) while working on the current ones (reading 6 KiB blocks in random
+ *   order went from ~4 to ~9 GB/s on one core with this, and K and V apart from one
+ *   burst 1.19-1.39x again; benchmarks/README.md).
  * - Split-K: when one sequence holds a large share of the step's keys (a single
  *   long request), its keys are cut into ranges of whole blocks so every thread
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
@@ -286,16 +287,16 @@ static inline void tile_scales(const char *keys, const char *values, int64_t row
 
 #if defined(__AVX512F__)
 
-/* Ask for the K and V rows (into L2) of the next `rows` keys from pf, which runs
- * PF_AHEAD keys ahead of the tile being computed, and move pf past them. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const key_range *r, key_cursor *pf, int64_t rows,
-                                                                 int64_t head_bytes) {
+/* Ask for the rows (into L2) of `base` (K or V) of the next `rows` keys from pf, which runs
+ * PF_AHEAD keys ahead of the tile being computed, and move pf past them. K's before a tile's
+ * scores, V's before its values (each with its own cursor): K's and V's together at the tile's
+ * start were one burst of prefetches that the scores' own loads queued behind (bfloat16, one
+ * thread: 1.19-1.39x the time per call; benchmarks/README.md, twenty-fourth session). */
+static inline __attribute__((always_inline)) void prefetch_ahead_of(const key_range *r, key_cursor *pf, int64_t rows,
+                                                                    int64_t head_bytes, const char *base) {
     for (; rows > 0 && pf->t < r->end; rows--) {
         const int64_t off = cursor_offset(r, pf);
-        for (int64_t b = 0; b < head_bytes; b += 64) {
-            _mm_prefetch(r->k + off + b, _MM_HINT_T1);
-            _mm_prefetch(r->v + off + b, _MM_HINT_T1);
-        }
+        for (int64_t b = 0; b < head_bytes; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T1);
         cursor_advance(r, pf, 1);
     }
 }
@@ -433,10 +434,10 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     start_parts(part, group, head_dim);
     prefetch_first(r, head_bytes);
     float p[group][TILE];
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-        prefetch_ahead(r, &pf, rows, head_bytes);
+        prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
         const char *keys = r->k + off, *values = r->v + off;
         if (quant) {
             tile_scales(keys, values, rows, r->row_stride, dtype, head_dim, ks, vs);
@@ -451,6 +452,7 @@ static inline __attribute__((always_inline)) void attend_range_fma(
                                          part + g * pstride, head_dim);
             _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
         }
+        prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
         for (int64_t g = 0; g < group; g++) {
             float *acc = part + g * pstride + PART_HEAD;
             __m512 a[nvec];
@@ -576,10 +578,10 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     /* Values: each row pair is interleaved once for up to gmax heads (as many as keep
      * their accumulators in registers). */
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD);
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-        prefetch_ahead(r, &pf, rows, head_bytes);
+        prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
         const char *keys = r->k + off, *values = r->v + off;
         if (quant) {
             dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
@@ -592,6 +594,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                                          DT_BFLOAT16, 2, npair, NULL, r->softcap, part + g * pstride, head_dim);
             _mm256_storeu_si256((__m256i *)p[g], (__m256i)_mm512_cvtneps_pbh(pg));
         }
+        prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
         for (int64_t g0 = 0; g0 < group; g0 += gmax) {
             const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
             float *a = part + g0 * pstride + PART_HEAD;
