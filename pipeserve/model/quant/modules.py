@@ -71,8 +71,8 @@ class QuantLinear(_Packed):
         if kernels is not None and kernels.applies(x):
             if len(parts) == 1:
                 out = kernels.matmul(parts[0], x)
-            else:   # the 8-bit kernel from the rows all parts take it from, as the fused stage decides
-                i8_from = max(kernels.gemm_i8_from(p) for p in parts)
+            else:
+                i8_from = self._i8_from(kernels, parts)
                 out = torch.cat([kernels.matmul(p, x, i8_from) for p in parts], dim=-1)
         else:
             outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
@@ -85,14 +85,20 @@ class QuantLinear(_Packed):
         if kernels is None:
             return False
         gemvs = [kernels.decode_fn(p) for p in parts]
-        # from the rows where matmul gives the parts to the 8-bit kernel (the largest part's, as below)
-        # on, the general path: the fused decode stage multiplies those rows there too
-        i8_from = max(kernels.gemm_i8_from(p) for p in parts)
+        # from the rows where matmul gives the parts to the 8-bit kernel on, the general path: the
+        # fused decode stage multiplies those rows there too
+        i8_from = self._i8_from(kernels, parts)
         self._decode_rows = min(GEMM_MIN_ROWS, i8_from) if i8_from else GEMM_MIN_ROWS
         if len(gemvs) == 1:
             return gemvs[0]
         cat = torch.cat
         return lambda x: cat([gemv(x) for gemv in gemvs], dim=-1)
+
+    @staticmethod
+    def _i8_from(kernels, parts) -> int:
+        """The rows from which the parts multiply in the 8-bit kernel (0: never): the largest part's,
+        all together, as the fused decode stage decides a linear's parts."""
+        return max(kernels.gemm_i8_from(p) for p in parts)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, types={'+'.join(self.sources)}"
