@@ -50,12 +50,14 @@ RANDOM_MIXES = {
 SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
 
 
-def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None = None) -> None:
-    """The float16 source model, or (``mix``: a key of RANDOM_MIXES) that mix as random blocks."""
-    from pipeserve.model.loader import resolve_model
+def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None = None,
+              source: Path | None = None) -> None:
+    """The float16 source model, or (``mix``: a key of RANDOM_MIXES) that mix as random blocks.
+    ``source``: the GGUF whose tokenizer and settings are copied (default the built-in SmolLM2;
+    ``--metadata-only`` writes a small file of them, for a machine without the package)."""
     hidden, ffn, heads, kv_heads, head_dim = SHAPES[arch]
-    src = gguf.GGUFReader(str(resolve_model("smollm2-135m-instruct").path))
-    vocab = next(t for t in src.tensors if t.name == "token_embd.weight").shape[1]
+    src = gguf.GGUFReader(str(source or _builtin()))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     shape = {"block_count": layers, "embedding_length": hidden, "feed_forward_length": ffn,
              "attention.head_count": heads, "attention.head_count_kv": kv_heads,
              "rope.dimension_count": head_dim}
@@ -107,6 +109,28 @@ def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None
     w.close()
 
 
+def _builtin() -> Path:
+    from pipeserve.model.loader import resolve_model
+    return resolve_model("smollm2-135m-instruct").path
+
+
+def write_metadata(path: Path) -> None:
+    """The built-in file's key/values (tokenizer, template, settings) and no tensors."""
+    src = gguf.GGUFReader(str(_builtin()))
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, field in src.fields.items():
+        if key in SKIP_KEYS:
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), field.types[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def quantize(src: Path, dst: Path, file_type: str, threads: int) -> None:
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
@@ -125,17 +149,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--random-blocks", action="store_true",
                     help="write each mix as random blocks of RANDOM_MIXES' types (no llama.cpp needed)")
+    ap.add_argument("--source", type=Path, help="copy the tokenizer and settings from this GGUF "
+                    "(default: the built-in SmolLM2)")
+    ap.add_argument("--metadata-only", action="store_true",
+                    help="write OUT/smollm2-meta.gguf: the built-in file's key/values without its tensors")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.metadata_only:
+        write_metadata(args.out / "smollm2-meta.gguf")
+        print(args.out / "smollm2-meta.gguf")
+        return
     if args.random_blocks:
         for file_type in args.types.split(","):
             if file_type not in RANDOM_MIXES:
                 raise SystemExit(f"--random-blocks knows the mixes {', '.join(RANDOM_MIXES)}, not {file_type}")
-            write_f16(args.out / f"{args.arch}-{file_type}.gguf", args.arch, args.layers, mix=file_type)
+            write_f16(args.out / f"{args.arch}-{file_type}.gguf", args.arch, args.layers, mix=file_type,
+                      source=args.source)
             print(args.out / f"{args.arch}-{file_type}.gguf")
         return
     src = args.out / f"{args.arch}-F16.gguf"
-    write_f16(src, args.arch, args.layers)
+    write_f16(src, args.arch, args.layers, source=args.source)
     try:
         for file_type in args.types.split(","):
             quantize(src, args.out / f"{args.arch}-{file_type}.gguf", file_type, args.threads)

@@ -1,14 +1,19 @@
 #!/bin/bash
 # The CUDA checks as one device call (CI has no GPU and never runs them).
 #
-#   here:   bash scripts/gpu_check.sh prepare    # the wheels the device image lacks (gguf), into .whl/
-#   there:  the device tool's run, carry [".whl"], command "bash scripts/gpu_check.sh run", timeout_s 540
+#   here:   bash scripts/gpu_check.sh prepare    # the wheel the device image lacks (gguf), into .whl/,
+#                                                # and the built-in GGUF's tokenizer without its tensors
+#   there:  the device tool's run, carry [".whl"], command "bash scripts/gpu_check.sh run", timeout_s 480
 #
 # run: installs .whl/ into /tmp/site; prints the GPU; runs tests/test_cuda.py (one GPU) and
 # tests/test_tensor_parallel_cuda.py (its cases need 2-4 GPUs and say so); builds a random Llama of
 # SmolLM2's shape there (no model file travels: the GGUF is over the tree's size limit) and runs
-# `pipeserve bench throughput` beside transformers on it, float32 and bfloat16. Everything it
-# prints is also written under $OUT. DEVICE=cpu NUM=4 runs the same steps here, to check the script.
+# `pipeserve bench throughput` on it: bfloat16 beside transformers, bfloat16 over a 2-stage pipeline
+# on the one GPU (--device cuda:0), float32 beside transformers; then writes a random-block Q4_K_M
+# Llama (8 layers of TinyLlama's widths, benchmarks/gguf_mixes.py) and runs it kept quantized and
+# dequantized (--quantization none). Each step has its own time limit, so one that hangs leaves
+# the others their time. Everything it prints is also written under $OUT. DEVICE=cpu NUM=4 runs the
+# same steps here, to check the script.
 set -u
 DEVICE=${DEVICE:-cuda}
 NUM=${NUM:-64}
@@ -19,6 +24,7 @@ prepare)
     version=$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl "gguf==$version"
+    PYTHONPATH=$PWD python3 benchmarks/gguf_mixes.py --out .whl --metadata-only
     ls -la .whl
     ;;
 run)
@@ -34,9 +40,9 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/gpu.txt"
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
+    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
         | tee "$OUT/tests.txt"
-    python3 - <<'PY' 2>&1 | tee "$OUT/model.txt"
+    timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/model.txt"
 from pathlib import Path
 
 import torch
@@ -54,11 +60,26 @@ AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
 save_tiny_tokenizer(out)
 print("random SmolLM2-shaped Llama in", out)
 PY
-    for dtype in float32 bfloat16; do
-        python3 -m pipeserve.entrypoints.cli bench throughput --model /tmp/smol-random --device "$DEVICE" \
-            --dtype "$dtype" --backend pipeserve,hf --num-prompts "$NUM" --input-len 128 --output-len 128 \
-            --temperature 0 --no-progress 2>&1 | tee "$OUT/bench_$dtype.txt"
+    bench() {   # name, time limit, bench arguments
+        local name=$1 limit=$2
+        shift 2
+        echo "== $name: $*" | tee "$OUT/bench_$name.txt"
+        timeout "$limit" python3 -m pipeserve.entrypoints.cli bench throughput --temperature 0 --no-progress \
+            --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench_$name.txt"
+    }
+    bench bf16 90 --model /tmp/smol-random --device "$DEVICE" --dtype bfloat16 --backend pipeserve,hf \
+        --num-prompts "$NUM"
+    timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
+        --source .whl/smollm2-meta.gguf 2>&1 | tee "$OUT/mix.txt"
+    for quant in auto none; do
+        bench "q4km_$quant" 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
+            --quantization "$quant" --backend pipeserve --num-prompts "$NUM"
     done
+    pp2_device=$DEVICE; [ "$DEVICE" = cuda ] && pp2_device=cuda:0   # both stages on the one GPU
+    bench bf16_pp2 90 --model /tmp/smol-random --device "$pp2_device" --dtype bfloat16 \
+        --pipeline-parallel-size 2 --backend pipeserve --num-prompts "$NUM"
+    bench fp32 90 --model /tmp/smol-random --device "$DEVICE" --dtype float32 --backend pipeserve,hf \
+        --num-prompts "$NUM"
     ;;
 *)
     echo "usage: bash scripts/gpu_check.sh prepare|run" >&2

@@ -164,7 +164,7 @@ class StageWorker:
         self._crash: BaseException | None = None   # raised on a reader thread; re-raised by run()
         self._tokens: OrderedDict[int, dict[int, int]] = OrderedDict()  # source step id -> {seq id: token}
         # A CUDA stage computes on its main thread only: the current device and stream are per thread.
-        self._direct = spec.config.device != "cuda"
+        self._direct = not spec.config.device.startswith("cuda")
 
     def run(self) -> str:
         """Serve until the driver says STOP or RESET, or its connection is lost; returns which."""
