@@ -1,7 +1,7 @@
 #!/bin/bash
 # The CUDA checks as one device call (CI has no GPU and never runs them).
 #
-#   here:   bash scripts/gpu_check.sh prepare    # the wheel the device image lacks (gguf), into .whl/,
+#   here:   bash scripts/gpu_check.sh prepare    # the wheels of our dependencies the device image lacks, into .whl/,
 #                                                # and the built-in GGUF's tokenizer without its tensors
 #   there:  the device tool's run, carry [".whl"], command "bash scripts/gpu_check.sh run", timeout_s 480
 #
@@ -21,9 +21,13 @@ case "${1:-}" in
 prepare)
     grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
     mkdir -p .whl
-    version=$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl "gguf==$version"
+    # our dependencies that the device image lacks, at the versions installed here
+    for name in gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn llguidance; do
+        version=$(python3 -c "import importlib.metadata as m; print(m.version('$name'))")
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux2014_x86_64 --platform any -d .whl "$name==$version" 2>&1 | grep -v '^WARNING'
+    done
     PYTHONPATH=$PWD python3 benchmarks/gguf_mixes.py --out .whl --metadata-only
     ls -la .whl
     ;;
@@ -39,10 +43,10 @@ run)
         export PYTHONPATH=$PWD
     fi
     export PYTHONUNBUFFERED=1
-    { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/gpu.txt"
+    { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/setup.txt"
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
         | tee "$OUT/tests.txt"
-    timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/model.txt"
+    timeout 60 python3 - <<'PY' 2>&1 | tee -a "$OUT/setup.txt"
 from pathlib import Path
 
 import torch
@@ -70,7 +74,7 @@ PY
     bench bf16 90 --model /tmp/smol-random --device "$DEVICE" --dtype bfloat16 --backend pipeserve,hf \
         --num-prompts "$NUM"
     timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
-        --source .whl/smollm2-meta.gguf 2>&1 | tee "$OUT/mix.txt"
+        --source .whl/smollm2-meta.gguf 2>&1 | tee -a "$OUT/setup.txt"
     for quant in auto none; do
         bench "q4km_$quant" 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
             --quantization "$quant" --backend pipeserve --num-prompts "$NUM"

@@ -35,10 +35,10 @@ class Guides:
 
     def start(self, seq: Sequence) -> None:
         """Give ``seq`` a matcher (it has generated nothing yet) and its first mask."""
-        from llguidance import LLMatcher
         spec = seq.params.structured_outputs
         if spec is None:
             return
+        from llguidance import LLMatcher
         matcher = LLMatcher(self._tokenizer(), grammar_of(spec))
         if matcher.is_error():
             raise ValueError(f"the grammar could not start: {matcher.get_error()}")
