@@ -8,7 +8,7 @@ import os
 import sys
 
 from pipeserve.entrypoints.args import add_engine_args, config_from_args
-from pipeserve.server.serving import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from pipeserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger(__name__)
 

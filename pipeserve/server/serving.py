@@ -18,15 +18,12 @@ from pipeserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestS
 from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.server.errors import APIError
+from pipeserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
 from pipeserve.server.metrics import ServerMetrics
 from pipeserve.server.streaming import EventStreamResponse
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-# Sequences (running + waiting) the server holds at once; beyond it 429 (vLLM has no bound, but an
-# unbounded queue lets one client starve the rest for ever).
-DEFAULT_MAX_QUEUE = 4096
 
 
 @dataclass
