@@ -68,7 +68,7 @@ PY
         local name=$1 limit=$2
         shift 2
         echo "== $name: $*" | tee "$OUT/bench_$name.txt"
-        timeout "$limit" python3 -m pipeserve.entrypoints.cli bench throughput --temperature 0 --no-progress \
+        timeout "$limit" python3 -m pipeserve.entrypoints.cli bench throughput --temperature 0 --no-progress --num-warmup 1 \
             --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench_$name.txt"
     }
     bench bf16 90 --model /tmp/smol-random --device "$DEVICE" --dtype bfloat16 --backend pipeserve,hf \

@@ -147,3 +147,31 @@ def test_planner_uses_no_private_name_of_another_package() -> None:
                 private = [f.name for f in node.body if isinstance(f, ast.FunctionDef)
                            and f.name.startswith("_") and not f.name.startswith("__")]
                 assert not private, f"{module}: {node.name} overrides {private} of a runtime class"
+
+
+def test_cli_parser_and_a_plain_request_need_no_web_stack_or_grammar_engine() -> None:
+    """``pipeserve bench``/``plan`` run where fastapi or llguidance is missing (the GPU machine's
+    image lacked both): the parser imports the server's defaults only, and an unconstrained
+    request never imports llguidance."""
+    import subprocess
+    import sys
+    code = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] in ('fastapi', 'starlette', 'uvicorn', 'pydantic', 'llguidance'):
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+from pipeserve.entrypoints.cli import build_parser
+build_parser().parse_args(['bench', 'throughput', '--num-prompts', '1'])
+from pipeserve.engine.guides import Guides
+from pipeserve.sequence import Sequence
+from pipeserve.sampling_params import SamplingParams
+guides = Guides(None, 32)
+guides.start(Sequence('r', 0, [1, 2, 3], SamplingParams(max_tokens=1)))
+assert len(guides) == 0
+print('ok')
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
