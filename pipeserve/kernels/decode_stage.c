@@ -30,6 +30,16 @@
  * the row operations), splitting a one-thread block by its parts' clock times.
  */
 #include <omp.h>
+
+/* The team meets, where it has more than one thread. libgomp makes a one-thread region a team
+ * too, and its barrier (also a single's implied one) ends in a futex wake-up, a system call: ~165
+ * of them per decode step of a 15-layer stage. So every single here is nowait, followed by this. */
+#define TEAM_BARRIER(T) \
+    do {                 \
+        if ((T) > 1) {   \
+            _Pragma("omp barrier") \
+        }                \
+    } while (0)
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,9 +278,10 @@ static int team_rows(const stage_kernels *k, const act_type *a, const qlinear *w
     for (int64_t m0 = 0; m0 < M; m0 += P) {
         const int64_t mc = min64(P, M - m0);
         if (m0 > 0) {
-#pragma omp barrier
-#pragma omp single
+            TEAM_BARRIER(T);
+#pragma omp single nowait
             prepare(k, a, w, e(a, (void *)x, m0 * K), mc, xf, act, act_stride, many);
+            TEAM_BARRIER(T);
         }
         rc |= thread_rows(k, a, w, bias, act, act_stride, mc, e(a, out, m0 * N), f32, t, T, many);
     }
@@ -345,7 +356,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             const int m_gu = many_rows(k, &L->gate_up, M), m_down = many_rows(k, &L->down, M);
             const int64_t P_qkv = m_qkv ? M : P, P_o = m_o ? M : P, P_gu = m_gu ? M : P, P_down = m_down ? M : P;
             int rc = 0;
-#pragma omp single
+#pragma omp single nowait
             {   /* x, r = rmsnorm(h + r) (the first layer: r = h) */
                 const double t0 = stamp(prof);
                 if (l == 0) k->rmsnorm(h, NULL, NULL, L->input_norm, x, M, s->hidden, s->eps);
@@ -354,11 +365,12 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->qkv, x, P_qkv, xf, actbuf, act_stride, m_qkv);
             }
+            TEAM_BARRIER(T);
             account(prof, t, &last, rows_gemm, part, 2);
             rc |= team_rows(k, a, &L->qkv, L->qkv_bias, x, M, P_qkv, qkv, out32, xf, actbuf, act_stride, t, T, m_qkv);
-#pragma omp barrier
+            TEAM_BARRIER(T);
             account(prof, t, &last, gemm, part, 1);
-#pragma omp single
+#pragma omp single nowait
             {   /* norm each head of q and k (Qwen3), in place; rotate q and k (adjacent in each
                  * row) in one call; cache k and v; plan */
                 const double t0 = stamp(prof);
@@ -379,48 +391,52 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 items = k->plan(plan, s->context_lens, M, s->heads, s->kv_heads, D, s->block_size, L->window, T);
                 if (items < 0) failed = 1;
             }
+            TEAM_BARRIER(T);
             account(prof, t, &last, rope_write_plan, part, 3);
             if (failed) break;
             k->items(plan, q, L->k_cache, L->v_cache, a->bf16, s->block_tables, s->max_blocks, s->context_lens,
                      s->scale, L->softcap, a->bf16, items * t / T, items * (t + 1) / T);
-#pragma omp barrier
+            TEAM_BARRIER(T);
             {
                 const int64_t bh0 = M * s->heads * t / T, bh1 = M * s->heads * (t + 1) / T;
                 k->merge(plan, bh0, bh1, attn32);
                 from_f32(a, attn32, attn, bh0 * D, bh1 * D);
             }
-#pragma omp barrier
+            TEAM_BARRIER(T);
             account(prof, t, &last, attention, part, 1);
-#pragma omp single
+#pragma omp single nowait
             prepare(k, a, &L->o, attn, P_o, xf, actbuf, act_stride, m_o);
+            TEAM_BARRIER(T);
             rc |= team_rows(k, a, &L->o, NULL, attn, M, P_o, o, out32, xf, actbuf, act_stride, t, T, m_o);
-#pragma omp barrier
+            TEAM_BARRIER(T);
             account(prof, t, &last, gemm, part, 1);
-#pragma omp single
+#pragma omp single nowait
             {   /* x, r = rmsnorm(o + r) */
                 const double t0 = stamp(prof);
                 k->rmsnorm(o, res, res, L->post_norm, x, M, s->hidden, s->eps);
                 part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->gate_up, x, P_gu, xf, actbuf, act_stride, m_gu);
             }
+            TEAM_BARRIER(T);
             account(prof, t, &last, rows_gemm, part, 2);
             rc |= team_rows(k, a, &L->gate_up, NULL, x, M, P_gu, gu, out32, xf, actbuf, act_stride, t, T, m_gu);
-#pragma omp barrier
+            TEAM_BARRIER(T);
             account(prof, t, &last, gemm, part, 1);
-#pragma omp single
+#pragma omp single nowait
             {
                 const double t0 = stamp(prof);
                 k->silu_mul(gu, act_in, M, s->inter);
                 part[0] = stamp(prof) - t0;
                 prepare(k, a, &L->down, act_in, P_down, xf, actbuf, act_stride, m_down);
             }
+            TEAM_BARRIER(T);
             account(prof, t, &last, rows_gemm, part, 2);
             rc |= team_rows(k, a, &L->down, NULL, act_in, M, P_down, h, out32, xf, actbuf, act_stride, t, T, m_down);
             if (rc) {
 #pragma omp atomic write
                 scratch_failed = 1;
             }
-#pragma omp barrier
+            TEAM_BARRIER(T);
             account(prof, t, &last, gemm, part, 1);
             if (scratch_failed) break;   /* every thread sees it after the barrier */
         }
