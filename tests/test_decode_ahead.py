@@ -126,6 +126,58 @@ def test_stage_zero_keeps_a_bounded_number_of_unclaimed_tokens() -> None:
     assert len(stage._tokens) == StageWorker.MAX_KEPT_TOKENS and min(stage._tokens) == 10
 
 
+def test_stage_zero_prepares_a_waiting_step_before_it_goes_idle() -> None:
+    """Only first-chunk steps that wait for their tokens, on stage 0; a failing prepare is left
+    to fail when the step runs (the worker goes on)."""
+    class Runner:
+        def __init__(self, fail=False):
+            self.prepared, self.fail = [], fail
+
+        def prepare_ahead(self, step):
+            if self.fail:
+                raise ValueError("invalid sequence shape")
+            self.prepared.append(step.step_id)
+
+    stage = _stage()
+    stage.runners = {0: Runner()}
+    stage._tokens[1] = {7: 5}
+    stage._backlog.extend([_step_message(2, tokens_from=0), _step_message(3, tokens_from=1, seq=8),
+                           _step_message(4), _step_message(5, chunk=1, tokens_from=0),
+                           Message(0, Kind.PING, None, None, 0.0)])
+    stage._prepare_waiting()
+    assert stage.runners[0].prepared == [2], "steps whose tokens are here, other chunks and plain steps run now"
+    stage.runners = {0: Runner(fail=True)}
+    stage._prepare_waiting()
+    later = _stage()
+    later.stage, later.runners = 1, {0: Runner()}
+    later._backlog.append(_step_message(2, tokens_from=0))
+    later._prepare_waiting()
+    assert later.runners[0].prepared == [], "stage 0 only"
+
+
+def test_a_step_prepared_ahead_runs_as_one_prepared_when_it_runs(tiny_checkpoints) -> None:
+    import torch
+
+    from pipeserve.worker.step import SeqSampling
+    from tests.test_model_numerics import make_runner
+    runner = make_runner(tiny_checkpoints("llama_tied_gqa"))
+    calls = []
+    prepare = runner._prepare
+    runner._prepare = lambda step: calls.append(step.step_id) or prepare(step)
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, step_index=0)
+    prompt = StepInput(0, [SeqStep(1, [5, 9, 11, 4], 0, [0, 1], greedy)])
+    first = runner.execute(prompt).sampled[0].token_id
+    plain, ahead = (StepInput(i, [SeqStep(1, [first], 4, [0, 1], greedy)], tokens_from=0) for i in (1, 2))
+    runner.prepare_ahead(ahead)
+    runner.prepare_ahead(ahead)                    # once
+    assert calls == [0, 2]
+    out_ahead = runner.forward_logits(ahead)
+    assert calls == [0, 2], "the forward used what was prepared"
+    out_plain = runner.forward_logits(plain)       # the same position again: the same KV written
+    assert calls == [0, 2, 1] and torch.equal(out_ahead, out_plain)
+    assert "_prepared" not in ahead.__dict__
+
+
 # -- the engine, end to end ----------------------------------------------------
 REQUESTS = [   # one at a time: one live sequence, two micro-batch slots at PP = 2
     dict(temperature=0.0, max_tokens=20),

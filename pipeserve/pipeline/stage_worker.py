@@ -180,6 +180,7 @@ class StageWorker:
                 break
             try:
                 self._handle(message)
+                self._prepare_waiting()
             finally:
                 self._idle()
         # still busy: a step arriving from now on waits in the backlog, unhandled
@@ -239,12 +240,30 @@ class StageWorker:
         """Handle ``message`` on this (reader) thread; the caller has set ``_busy``."""
         try:
             self._handle(message)
+            self._prepare_waiting()
         except BaseException as exc:      # the main thread's death, as if it had run the step
             with self._cv:
                 self._crash = exc
                 self._cv.notify()
             return
         self._idle()
+
+    def _prepare_waiting(self) -> None:
+        """Stage 0, before it goes idle: the metadata of the steps that wait for their decode-ahead
+        tokens (ModelRunner.prepare_ahead). Built when the token arrives, it took ~0.12 ms a step,
+        cold after the wait (~0.03 warm), on the path from the last stage's token to the next
+        forward. A step whose metadata fails here is left to fail, and be reported, when it runs."""
+        if self.stage != 0 or not self._direct:
+            return
+        with self._cv:
+            waiting = [m.obj.step for m in self._backlog if m.kind == Kind.STEP and m.obj.chunk == 0
+                       and not self._has_tokens(m)]
+        prepare = getattr(self.runners.get(0), "prepare_ahead", None)
+        for step in waiting if prepare is not None else ():
+            try:
+                prepare(step)
+            except Exception:
+                pass
 
     def _next_message(self) -> Message:
         with self._cv:

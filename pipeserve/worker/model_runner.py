@@ -125,10 +125,19 @@ class ModelRunner:
         hidden = self._forward(step, hidden_states)
         return self.model.compute_logits(_sample_hidden(hidden, step))
 
+    @torch.inference_mode()
+    def prepare_ahead(self, step: StepInput) -> None:
+        """Build a step's attention metadata and positions before it runs: they do not depend on
+        its input tokens, so a first stage builds them while it waits for a decode ahead's tokens
+        (StageWorker), and the token's arrival starts the forward at once. Its forward uses them."""
+        if step.seqs and "_prepared" not in step.__dict__:
+            step.__dict__["_prepared"] = self._prepare(step)
+
     def _forward(self, step: StepInput, hidden_states: torch.Tensor | None) -> torch.Tensor:
         if not step.seqs:
             return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        meta, positions = self._prepare(step)
+        prepared = step.__dict__.pop("_prepared", None)
+        meta, positions = prepared if prepared is not None else self._prepare(step)
         if self.is_first:
             ids = [t for s in step.seqs for t in s.token_ids]
             x = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
