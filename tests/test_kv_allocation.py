@@ -47,3 +47,32 @@ def test_the_lazy_cache_is_a_private_mapping() -> None:
                 assert perms == "rw-p", line
                 return
     pytest.fail(f"no mapping holds {address:#x}")
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """Pages of t's memory that are mapped in (mincore)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    n = t.numel() * t.element_size()
+    pages = (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(t.data_ptr(), n, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE and mincore are Linux's")
+def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written() -> None:
+    from pipeserve.worker.model_runner import populate_in_background
+    caches = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
+    caches[1][(5 << 20) + 3] = 7        # a KV row written before the thread gets there
+    assert _resident_pages(caches[0]) == 0
+    thread = populate_in_background(caches)
+    assert thread is not None
+    thread.join(timeout=60)
+    if _resident_pages(caches[0]) == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): the cache faults in as written")
+    pages = (6 << 20) // __import__("mmap").PAGESIZE
+    assert [_resident_pages(c) for c in caches] == [pages, pages]
+    assert int(caches[1].sum()) == 7 and int(caches[0].sum()) == 0
