@@ -70,7 +70,7 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
         log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
                  self.weight_bytes / 2**20, describe(self.model))
-        self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
+        self.kv_caches = self._allocate(num_blocks, self.device, pin=False, populate=True)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")
         kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
@@ -79,7 +79,10 @@ class ModelRunner:
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
-    def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+    def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: bool = False) -> list[KVCache]:
+        """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
+        mapped in by a background thread (``populate_in_background``); the host pool for swaps
+        is used only under memory pressure and faults in as written."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
@@ -96,7 +99,7 @@ class ModelRunner:
             return t.pin_memory() if pin else t
 
         caches = [(make(), make()) for _ in range(self.model.num_layers)]
-        if device.type == "cpu" and not pin and blocks:
+        if populate and device.type == "cpu" and blocks:
             populate_in_background([t for pair in caches for t in pair])
         return caches
 
