@@ -217,14 +217,19 @@ def check_kv_fits(nbytes: int) -> None:
     touched as blocks are first written, so an oversized cache would not fail here but
     when the engine fills it, killed by the kernel mid-run and again after every restart.
     Each stage checks its own; the engine checks its local stages' before starting them."""
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return
-    if nbytes > available:
+    available = _available_bytes()
+    if available is not None and nbytes > available:
         raise MemoryError(f"the KV cache needs {nbytes / 2**30:.1f} GiB on this stage but the node has "
                           f"{available / 2**30:.1f} GiB available: lower --kv-cache-memory (or --swap-space)")
+
+
+def _available_bytes() -> int | None:
+    """The node's MemAvailable, or None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bool = True) -> torch.Tensor:
@@ -264,6 +269,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
 
 _MADV_POPULATE_WRITE = 23   # Linux 5.14+
 _POPULATE_CHUNK = 2 * _HUGE_PAGE
+_POPULATE_RESERVE = 1 << 30     # the node's memory the background population leaves free
 
 
 def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
@@ -275,7 +281,9 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     host's fault too: ~2.3 s per GiB here, paid by the attention's KV writes of the first
     prompts (4.5 % of a prefill-heavy run's stage time). MADV_POPULATE_WRITE maps the pages
     writable without changing what they hold, so it may run beside the stage's own writes.
-    Best effort: nothing on kernels without it, or with PIPESERVE_KV_POPULATE=0."""
+    It stops where the node has less than 1 GiB available (the cache was checked against the
+    memory available at start; other processes may have taken some since): the rest faults in
+    as written. Best effort: nothing on kernels without it, or with PIPESERVE_KV_POPULATE=0."""
     if not sys.platform.startswith("linux") or os.environ.get("PIPESERVE_KV_POPULATE", "1") == "0":
         return None
     # weak references: a cache dropped meanwhile (a stage reset) is not populated further
@@ -292,6 +300,9 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         page = mmap.PAGESIZE
         for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
+            available = _available_bytes()
+            if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
+                return
             for alive, address, nbytes in regions:
                 start = (address + offset) // page * page
                 stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
