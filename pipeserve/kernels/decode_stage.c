@@ -30,6 +30,12 @@
  * the row operations), splitting a one-thread block by its parts' clock times.
  */
 #include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "vec_math.h"
 
 /* The team meets, where it has more than one thread. libgomp makes a one-thread region a team
  * too, and its barrier (also a single's implied one) ends in a futex wake-up, a system call: ~165
@@ -40,12 +46,6 @@
             _Pragma("omp barrier") \
         }                \
     } while (0)
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-
-#include "vec_math.h"
 
 /* The elementwise kernels of the activations' dtype (float or uint16_t bfloat16 elements). */
 typedef void (*rmsnorm_fn)(const void *h, const void *delta, void *x_out, const void *w, void *out,

@@ -25,7 +25,6 @@ from pipeserve.server.streaming import EventStreamResponse
 T = TypeVar("T")
 
 
-
 @dataclass
 class ServerState:
     engine: AsyncEngine
