@@ -64,17 +64,7 @@ def write_f16(path: Path, arch: str, layers: int, seed: int = 0, mix: str | None
     if arch == "qwen3":
         shape.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
     w = gguf.GGUFWriter(str(path), arch)
-    for key, field in src.fields.items():   # tokenizer, template, rope base, eps: SmolLM2's
-        if key in SKIP_KEYS:
-            continue
-        if key.startswith("llama."):
-            key = arch + key[len("llama"):]
-            if key[len(arch) + 1:] in shape:
-                continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_array(key, field.contents())
-        else:
-            w.add_key_value(key, field.contents(), field.types[0])
+    _copy_fields(src, w, arch, shape)    # tokenizer, template, rope base, eps: SmolLM2's
     for key, value in shape.items():
         w.add_uint32(f"{arch}.{key}", value)
     w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{mix}" if mix else "MOSTLY_F16"))
@@ -114,17 +104,26 @@ def _builtin() -> Path:
     return resolve_model("smollm2-135m-instruct").path
 
 
-def write_metadata(path: Path) -> None:
-    """The built-in file's key/values (tokenizer, template, settings) and no tensors."""
-    src = gguf.GGUFReader(str(_builtin()))
-    w = gguf.GGUFWriter(str(path), "llama")
+def _copy_fields(src: gguf.GGUFReader, w: gguf.GGUFWriter, arch: str, shape: dict) -> None:
+    """src's key/values into w but SKIP_KEYS, its ``llama.`` keys renamed for ``arch``, those
+    ``shape`` sets left for it."""
     for key, field in src.fields.items():
         if key in SKIP_KEYS:
             continue
+        if key.startswith("llama."):
+            key = arch + key[len("llama"):]
+            if key[len(arch) + 1:] in shape:
+                continue
         if field.types[0] == gguf.GGUFValueType.ARRAY:
             w.add_array(key, field.contents())
         else:
             w.add_key_value(key, field.contents(), field.types[0])
+
+
+def write_metadata(path: Path) -> None:
+    """The built-in file's key/values (tokenizer, template, settings) and no tensors."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    _copy_fields(gguf.GGUFReader(str(_builtin())), w, "llama", {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
