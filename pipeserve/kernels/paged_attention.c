@@ -19,7 +19,10 @@
  *   once (a tile, within one block), folded into a running max and sum (online
  *   softmax, as flash decoding), and the same rows' values are accumulated
  *   right away: one pass over K and V, accumulation in float32 whatever the
- *   cache dtype.
+ *   cache dtype. The AVX512_BF16 path folds a chunk of up to 256 keys at a time
+ *   instead of a tile (every tile's scores, then the chunk's max and
+ *   probabilities, then its values: independent work where a tile at a time was
+ *   one chain of latencies).
  * - AVX2 path: a tile is done for every kv head before the next, its key rows
  *   read in address order (all kv heads of a token are one contiguous row), so
  *   each block of K and V is streamed whole, once. Blocks sit anywhere in
@@ -556,8 +559,18 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
     }
 }
 
+/* Keys whose scores are taken before any of their values are summed (attend_range_bf16dp):
+ * [group][CHUNK_KEYS] floats of scores and as many bf16 probabilities, in L1. */
+#define CHUNK_KEYS 256
+
 /* dtype DT_BFLOAT16: rows read in place; DT_INT8 / DT_FP8 (a bfloat16 model): each
- * tile's K and V rows dequantized to bf16 once, for all the group's heads, then the same. */
+ * tile's K and V rows dequantized to bf16 once, for all the group's heads, then the same.
+ * In chunks of up to CHUNK_KEYS keys, three passes each: every tile's scores for every head
+ * (vdpbf16ps, hsum16), then per head the chunk's max, the output so far rescaled once if it
+ * grew, exp(s - m) 16 at a time and their sum, then the values, tile by tile. A tile at a time
+ * (scores, max, exp, sum, values) was one chain of dependent latencies per tile and head: the
+ * next tile's max waited on this one's; here the chunk's tiles and vectors are independent
+ * work (one request, 256 keys: 1.6x; benchmarks/README.md, twenty-sixth session). */
 static inline __attribute__((always_inline)) void attend_range_bf16dp(
         const float *restrict q, const key_range *r, const int dtype, const int64_t npair, float *restrict part) {
     const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
@@ -572,40 +585,99 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                                     _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
     start_parts(part, group, head_dim);
     prefetch_first(r, head_bytes);
-    /* Probabilities as bf16, TILE + 2 per head: the pair partner of a last odd row is 0. */
-    uint16_t p[group][TILE + 2];
-    memset(p, 0, sizeof p);
+    /* A chunk's scores and bf16 probabilities per head (TILE past the chunk: a tile's 16 lanes
+     * are stored whole; the pair partner of a last odd row is 0). */
+    const int64_t sstride = CHUNK_KEYS + TILE;
+    float sc[group * sstride];
+    uint16_t p[group * sstride];
     /* Values: each row pair is interleaved once for up to gmax heads (as many as keep
      * their accumulators in registers). */
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
     key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
     while (at.t < r->end) {
-        const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-        prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
-        const char *keys = r->k + off, *values = r->v + off;
-        if (quant) {
-            dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
-            dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
-            keys = (const char *)kq;
-            values = (const char *)vq;
-        }
-        for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * npair), keys, rows, row_stride, DOT_BF16,
-                                         DT_BFLOAT16, 2, npair, NULL, r->softcap, part + g * pstride, head_dim);
-            _mm256_storeu_si256((__m256i *)p[g], (__m256i)_mm512_cvtneps_pbh(pg));
-        }
-        prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
-        for (int64_t g0 = 0; g0 < group; g0 += gmax) {
-            const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
-            float *a = part + g0 * pstride + PART_HEAD;
-            switch (gn) {
-                case 4: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 4, npair); break;
-                case 3: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 3, npair); break;
-                case 2: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 2, npair); break;
-                default: pv_tile_bf16(values, rows, row_stride, p[g0], TILE + 2, a, pstride, 1, npair); break;
+        const key_cursor start = at;
+        int64_t n = 0;   /* the chunk's keys */
+        while (at.t < r->end && n + TILE <= CHUNK_KEYS) {   /* scores */
+            const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
+            prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
+            const char *keys = r->k + off;
+            if (quant) {
+                dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
+                keys = (const char *)kq;
             }
+            for (int64_t g = 0; g < group; g++) {
+                __m512 dots[TILE];
+                const char *qg = (const char *)(qs + g * npair);
+                if (rows == TILE) {   /* the common case without a test per row */
+                    UNROLL
+                    for (int j = 0; j < TILE; j++)
+                        dots[j] = row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair);
+                } else {
+                    UNROLL
+                    for (int j = 0; j < TILE; j++)
+                        dots[j] = j < rows ? row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair)
+                                           : _mm512_setzero_ps();
+                }
+                __m512 s = hsum16(dots);
+                if (r->softcap > 0.0f)
+                    s = _mm512_mul_ps(_mm512_set1_ps(r->softcap),
+                                      tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / r->softcap))));
+                _mm512_storeu_ps(sc + g * sstride + n, s);
+            }
+            n += rows;
+            cursor_advance(r, &at, rows);
         }
-        cursor_advance(r, &at, rows);
+        const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1u);
+        for (int64_t g = 0; g < group; g++) {   /* the chunk's max, exp(s - m), sum */
+            float *pg = part + g * pstride, *sg = sc + g * sstride;
+            __m512 mx = _mm512_set1_ps(pg[0]);
+            int64_t i = 0;
+            for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + i));
+            if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_loadu_ps(sg + i));
+            mx = max16(mx);
+            const float m = _mm512_cvtss_f32(mx);
+            if (m > pg[0]) {   /* rescale what was summed so far */
+                const float alpha = exp_f32(pg[0] - m);
+                const __m512 va = _mm512_set1_ps(alpha);
+                pg[1] *= alpha;
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    _mm512_storeu_ps(pg + PART_HEAD + d, _mm512_mul_ps(_mm512_loadu_ps(pg + PART_HEAD + d), va));
+                pg[0] = m;
+            }
+            __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+            for (i = 0; i < n; i += 16) {
+                const __mmask16 valid = i + 16 <= n ? (__mmask16)0xffff : tail;
+                const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mx)));
+                if (i & 16) sum1 = _mm512_add_ps(sum1, e);
+                else sum0 = _mm512_add_ps(sum0, e);
+                _mm256_storeu_si256((__m256i *)(p + g * sstride + i), (__m256i)_mm512_cvtneps_pbh(e));
+            }
+            p[g * sstride + n] = 0;
+            pg[1] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+        }
+        key_cursor vc = start;
+        for (int64_t i = 0; i < n;) {   /* values */
+            const int64_t rows = cursor_rows(r, &vc), off = cursor_offset(r, &vc);
+            prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
+            const char *values = r->v + off;
+            if (quant) {
+                dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
+                values = (const char *)vq;
+            }
+            for (int64_t g0 = 0; g0 < group; g0 += gmax) {
+                const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
+                float *a = part + g0 * pstride + PART_HEAD;
+                const uint16_t *pp = p + g0 * sstride + i;
+                switch (gn) {
+                    case 4: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 4, npair); break;
+                    case 3: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 3, npair); break;
+                    case 2: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 2, npair); break;
+                    default: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 1, npair); break;
+                }
+            }
+            i += rows;
+            cursor_advance(r, &vc, rows);
+        }
     }
     for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
