@@ -316,7 +316,9 @@ class StageWorker:
         elif message.kind == Kind.PEERS:
             self._link(message.obj)
         elif message.kind == Kind.LOST:
-            logger.warning("stage %d: the connection to rank %d closed (%s)", self.stage, message.src, message.obj)
+            # a neighbour stage's link: it closes at every shutdown (that stage may take its STOP
+            # first), and when a stage dies the driver sees its own link go and recovers; no warning
+            logger.info("stage %d: the connection to rank %d closed (%s)", self.stage, message.src, message.obj)
         elif message.kind == Kind.HELLO:
             pass    # a neighbour stage connected
         else:
