@@ -10,7 +10,11 @@ file dequantized to float32: top-1 agreement and perplexity, the measures of iss
 ``test_kept_smollm2_decode_kernel_with_int8_activations_agrees`` (which holds the decode kernel's
 integer activations to 0.98 in bfloat16).
 
-    PYTHONPATH=$PWD python benchmarks/activation_int8_emulation.py [--schemes 32x1,16x1,32x2] [--positions 600]
+    PYTHONPATH=$PWD python benchmarks/activation_int8_emulation.py [--schemes 32x1,16x1,32x2,32x1:down] [--positions 600]
+
+A scheme ``BxT:ROLE[+ROLE...]`` applies to the matrices of those roles only (``down``, ``gate_up``,
+``attn``: q/k/v and o, ``head``), the others taking two int8 terms per 32 (the decode kernel's finest
+form).
 """
 
 from __future__ import annotations
@@ -26,11 +30,26 @@ from pipeserve.model.quant.packed import dequantize
 from pipeserve.tokenizer import load_tokenizer
 
 
-def emulated_matmul(block: int, terms: int):
-    """kernels.matmul's stand-in: x [M, K] quantized per `block` with `terms` int8 terms, times W^T."""
+def role(w, cfg) -> str:
+    """Which of a layer's matrices (or the head) a kept weight is, by its shape."""
+    if w.out_features >= cfg.vocab_size:
+        return "head"
+    if w.in_features == cfg.intermediate_size:
+        return "down"
+    return "gate_up" if w.out_features in (cfg.intermediate_size, 2 * cfg.intermediate_size) else "attn"
+
+
+def emulated_matmul(block: int, terms: int, only=None):
+    """kernels.matmul's stand-in: x [M, K] quantized per `block` with `terms` int8 terms, times W^T
+    (where only(w) is false: two terms per 32)."""
     dense: dict[int, torch.Tensor] = {}
 
     def matmul(w, x: torch.Tensor) -> torch.Tensor:
+        if only is not None and not only(w):
+            return emulated(w, x, 32, 2)
+        return emulated(w, x, block, terms)
+
+    def emulated(w, x: torch.Tensor, block: int, terms: int) -> torch.Tensor:
         if id(w) not in dense:
             dense[id(w)] = dequantize(w).float()
         xb = x.float().reshape(x.shape[0], -1, block)
@@ -61,11 +80,14 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the quantized-weight C kernel did not build: nothing to emulate")
     for scheme in args.schemes.split(","):
-        block, terms = (int(v) for v in scheme.split("x"))
-        kernels.matmul = emulated_matmul(block, terms)
+        form, _, only = scheme.partition(":")
+        block, terms = (int(v) for v in form.split("x"))
+        roles = set(only.split("+")) if only else None
+        kernels.matmul = emulated_matmul(block, terms, (lambda w: role(w, cfg) in roles) if roles else None)
         got = prefill_logits(make_runner(source, cfg, "auto", len(ids), torch.bfloat16), ids).float()
         m = compare(got, ref, targets)
-        print(f"block {block:3d}, {terms} int8 term(s): top-1 agreement {m['top1_agreement']:.4f}, "
+        print(f"block {block:3d}, {terms} int8 term(s){' on ' + only if only else ''}: "
+              f"top-1 agreement {m['top1_agreement']:.4f}, "
               f"perplexity {m['ppl']:.3f} (float32 {m['ppl_ref']:.3f})", flush=True)
 
 
