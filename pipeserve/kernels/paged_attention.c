@@ -570,7 +570,7 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
  * grew, exp(s - m) 16 at a time and their sum, then the values, tile by tile. A tile at a time
  * (scores, max, exp, sum, values) was one chain of dependent latencies per tile and head: the
  * next tile's max waited on this one's; here the chunk's tiles and vectors are independent
- * work (one request, 256 keys: 1.6x; benchmarks/README.md, twenty-sixth session). */
+ * work (256 keys from cache: 1.33x, one thread; benchmarks/README.md, twenty-sixth session). */
 static inline __attribute__((always_inline)) void attend_range_bf16dp(
         const float *restrict q, const key_range *r, const int dtype, const int64_t npair, float *restrict part) {
     const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
