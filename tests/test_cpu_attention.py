@@ -386,6 +386,40 @@ def test_many_decodes_over_threads_match_the_reference(kernel_isa, dtype, window
     assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("late", [300, 650])
+def test_a_decode_whose_largest_score_comes_late_matches_the_reference(kernel_isa, dtype, late):
+    """One thread, one 700-key sequence (no split: the AVX512_BF16 path folds it in chunks of 256
+    keys): one key per kv head is made to score ~20 (in the second chunk, or the third) and another
+    ~10 (in the second), so the running max grows between chunks and what was summed before must be
+    rescaled; a wrong rescale weights the early chunks by up to e^20."""
+    cpu = cpu_backend_on(kernel_isa)
+    rng = random.Random(f"late-{dtype}-{late}")
+    torch.manual_seed(rng.randrange(1 << 30))
+    heads, kv_heads, head_dim, block_size, ctx = 9, 3, 64, 16, 700
+    group = heads // kv_heads
+    cache, tables = random_paged_batch(rng, [1], [ctx], block_size, kv_heads, head_dim, dtype)
+    u = torch.randn(kv_heads, head_dim)                                   # each kv head's query direction
+    q = (u.repeat_interleave(group, 0) + 0.1 * torch.randn(heads, head_dim)).unsqueeze(0).to(dtype)
+    for key, score in ((280, 10.0), (late, 20.0)):                       # q . k * head_dim ** -0.5 ~ score
+        row = tables[0][key // block_size], key % block_size
+        cache[0][row] = (u * (score * head_dim ** 0.5) / u.norm(dim=-1, keepdim=True) ** 2).to(dtype)
+    k = torch.randn(1, kv_heads, head_dim).to(dtype)
+    v = torch.randn(1, kv_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        meta = cpu.build_metadata([1], [ctx], tables, block_size, torch.device("cpu"))
+        with torch.inference_mode():
+            got = cpu.forward(q, k, v, cache, meta, scale)
+    finally:
+        torch.set_num_threads(old)
+    expected = reference_attention(q, cache, tables, [1], [ctx], block_size, scale, None, None)
+    assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[dtype]
+
+
 # -- bfloat16 queries and outputs through the kernel (pipeserve_paged_decode_io) -----------------
 
 def _decode_both_entry_points(cpu: CpuPagedAttention, rng: random.Random, context_lens: list[int], heads: int,
