@@ -8,6 +8,7 @@ their KV lives and which blocks to move first.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -296,8 +297,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # this thread only
         except (AttributeError, OSError):
             pass
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise = _madvise()
         page = mmap.PAGESIZE
         for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
             available = _available_bytes()
@@ -308,7 +308,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
                 stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
                 if start >= stop:
                     continue
-                if alive() is None or libc.madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
+                if alive() is None or madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
                     return    # the cache is gone, or the kernel has no MADV_POPULATE_WRITE (EINVAL)
     thread = threading.Thread(target=run, name="kv-populate", daemon=True)
     thread.start()
@@ -322,11 +322,17 @@ def _advise_huge(address: int, nbytes: int) -> None:
     if end <= start:
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(start, end - start, _MADV_HUGEPAGE)
+        _madvise()(start, end - start, _MADV_HUGEPAGE)
     except (OSError, AttributeError):
         pass
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise(address, length, advice) through ctypes, bound once."""
+    fn = ctypes.CDLL(None, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
 
 
 def weights_to_huge_pages(model: torch.nn.Module) -> int:
