@@ -7,16 +7,18 @@
 #
 # run: installs .whl/ into /tmp/site; prints the GPU; runs tests/test_cuda.py (one GPU) and
 # tests/test_tensor_parallel_cuda.py (its cases need 2-4 GPUs and say so); builds a random Llama of
-# SmolLM2's shape there (no model file travels: the GGUF is over the tree's size limit) and runs
-# `pipeserve bench throughput` on it: bfloat16 beside transformers, bfloat16 over a 2-stage pipeline
-# on the one GPU (--device cuda:0), float32 beside transformers; then writes a random-block Q4_K_M
-# Llama (8 layers of TinyLlama's widths, benchmarks/gguf_mixes.py) and runs it kept quantized and
-# dequantized (--quantization none). Each step has its own time limit, so one that hangs leaves
+# SmolLM2's shape there (no model file travels: the GGUF is over the tree's size limit); times the
+# Triton quantized matmuls (benchmarks/cuda_quant_matmul.py); writes a random-block Q4_K_M Llama
+# (8 layers of TinyLlama's widths, benchmarks/gguf_mixes.py) and runs `pipeserve bench throughput`
+# on it kept quantized (Triton; then PyTorch's ops, PIPESERVE_CUDA_QUANT=torch; then one request)
+# and dequantized (--quantization none); then the SmolLM2-shaped model in bfloat16 beside
+# transformers, and in float32. Each step has its own time limit, so one that hangs leaves
 # the others their time. Everything it prints is also written under $OUT. DEVICE=cpu NUM=4 runs the
 # same steps here, to check the script.
 set -u
 DEVICE=${DEVICE:-cuda}
 NUM=${NUM:-64}
+STEPS=${2:-all}   # run quant: only the quantized-matmul test, its timing and the Q4_K_M benchmarks
 case "${1:-}" in
 prepare)
     grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
@@ -44,9 +46,13 @@ run)
     fi
     export PYTHONUNBUFFERED=1
     { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/setup.txt"
-    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
-        | tee "$OUT/tests.txt"
-    timeout 60 python3 - <<'PY' 2>&1 | tee -a "$OUT/setup.txt"
+    if [ "$STEPS" = quant ]; then
+        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k triton 2>&1 | tee "$OUT/tests.txt"
+    else
+        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
+            | tee "$OUT/tests.txt"
+    fi
+    [ "$STEPS" = quant ] || timeout 60 python3 - <<'PY' 2>&1 | tee -a "$OUT/setup.txt"
 from pathlib import Path
 
 import torch
@@ -67,22 +73,29 @@ PY
     bench() {   # name, time limit, bench arguments
         local name=$1 limit=$2
         shift 2
-        echo "== $name: $*" | tee "$OUT/bench_$name.txt"
+        echo "== $name: $*" | tee -a "$OUT/bench.txt"   # one file: the device tool returns 8 at most
         timeout "$limit" python3 -m pipeserve.entrypoints.cli bench throughput --temperature 0 --no-progress --num-warmup 1 \
-            --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench_$name.txt"
+            --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench.txt"
     }
-    bench bf16 90 --model /tmp/smol-random --device "$DEVICE" --dtype bfloat16 --backend pipeserve,hf \
-        --num-prompts "$NUM"
+    if [ "$DEVICE" = cuda ]; then   # the Triton kernels against PyTorch's ops and a dense weight, per row count
+        timeout 120 python3 benchmarks/cuda_quant_matmul.py 2>&1 | tee "$OUT/quant_matmul.txt"
+    fi
     timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
         --source .whl/smollm2-meta.gguf 2>&1 | tee -a "$OUT/setup.txt"
-    for quant in auto none; do
-        bench "q4km_$quant" 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
-            --quantization "$quant" --backend pipeserve --num-prompts "$NUM"
-    done
-    pp2_device=$DEVICE; [ "$DEVICE" = cuda ] && pp2_device=cuda:0   # both stages on the one GPU
-    bench bf16_pp2 90 --model /tmp/smol-random --device "$pp2_device" --dtype bfloat16 \
-        --pipeline-parallel-size 2 --backend pipeserve --num-prompts "$NUM"
-    bench fp32 90 --model /tmp/smol-random --device "$DEVICE" --dtype float32 --backend pipeserve,hf \
+    bench q4km_auto_1req 60 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
+        --quantization auto --backend pipeserve --num-prompts 1
+    PIPESERVE_CUDA_QUANT=torch bench q4km_auto_torch_ops_1req 60 --model /tmp/mixes/llama-Q4_K_M.gguf \
+        --device "$DEVICE" --dtype bfloat16 --quantization auto --backend pipeserve --num-prompts 1
+    bench q4km_auto 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
+        --quantization auto --backend pipeserve --num-prompts "$NUM"
+    [ "$STEPS" = quant ] && exit 0
+    bench q4km_none 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
+        --quantization none --backend pipeserve --num-prompts "$NUM"
+    PIPESERVE_CUDA_QUANT=torch bench q4km_auto_torch_ops 90 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" \
+        --dtype bfloat16 --quantization auto --backend pipeserve --num-prompts "$NUM"
+    bench bf16 90 --model /tmp/smol-random --device "$DEVICE" --dtype bfloat16 --backend pipeserve,hf \
+        --num-prompts "$NUM"
+    bench fp32 90 --model /tmp/smol-random --device "$DEVICE" --dtype float32 --backend pipeserve \
         --num-prompts "$NUM"
     ;;
 *)

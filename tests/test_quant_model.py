@@ -132,3 +132,25 @@ def test_five_bit_gguf_stage_stays_at_its_file_size(qtype, tmp_path):
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
     else:                   # the tiles: the dequantized weights, exactly
         assert rel < 1e-5, rel
+
+
+def test_the_cuda_path_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypatch):
+    """``PIPESERVE_CUDA_QUANT`` (cuda_kernels.py): ``torch`` keeps PyTorch's ops, a typo says what
+    it takes; the Triton kernels themselves run on a GPU only (tests/test_cuda.py)."""
+    from pipeserve.model.quant import cuda_kernels as ck
+    try:
+        monkeypatch.setenv("PIPESERVE_CUDA_QUANT", "torch")
+        ck.cuda_kernels.cache_clear()
+        assert ck.cuda_kernels() is None
+        monkeypatch.setenv("PIPESERVE_CUDA_QUANT", "trition")
+        ck.cuda_kernels.cache_clear()
+        with pytest.raises(ValueError, match="expected 'triton' or 'torch'"):
+            ck.cuda_kernels()
+        monkeypatch.delenv("PIPESERVE_CUDA_QUANT")
+        ck.cuda_kernels.cache_clear()
+        kernels = ck.cuda_kernels()
+        assert (kernels is None) == (ck.triton is None)
+        if kernels is not None:   # a CPU tensor never takes the GPU's kernels
+            assert not kernels.applies(torch.zeros(2, 32))
+    finally:
+        ck.cuda_kernels.cache_clear()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.model.quant.cpu_kernels import _DTYPES as _KERNEL_DTYPES, GEMM_MIN_ROWS, cpu_kernels
+from pipeserve.model.quant.cuda_kernels import cuda_kernels
 from pipeserve.model.quant.packed import PackedWeight, dequantize
 
 
@@ -75,7 +76,10 @@ class QuantLinear(_Packed):
                 i8_from = self._i8_from(kernels, parts)
                 out = torch.cat([kernels.matmul(p, x, i8_from) for p in parts], dim=-1)
         else:
-            outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
+            gpu = cuda_kernels() if x.is_cuda else None
+            outs = [gpu.matmul(p, x) for p in parts] if gpu is not None and gpu.applies(x) else [None]
+            if any(o is None for o in outs):   # no Triton, or its kernel failed (logged): PyTorch's ops
+                outs = [F.linear(x, dequantize(p, x.dtype)) for p in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
 
