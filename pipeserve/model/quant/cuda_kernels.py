@@ -3,7 +3,8 @@
 On the GPU a ``QuantLinear`` used to dequantize each part in PyTorch ops (``packed.dequantize``:
 a dozen launches and two full-size float temporaries per linear per step) and hand the result to
 ``F.linear``; on an H200 that ran a kept Q4_K_M model at 0.48x the dequantized one
-(benchmarks/README.md, twenty-fifth session). Here every layout of packed.py is one Triton
+(benchmarks/README.md, twenty-fifth session). With these kernels: 1.27x that at 64 requests, 2.4x
+at one (twenty-seventh session). Here every layout of packed.py is one Triton
 function that builds a float32 tile of the weight from its codes and scales by index arithmetic
 (``_weight_tile``: each element gathers its byte, nibble or bit pair and its scale, the formulas
 of ``packed.dequantize``), and two kernels use it:
@@ -170,6 +171,8 @@ def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None) -> torch
     forces a path (benchmarks/cuda_quant_matmul.py), else up to ``FUSED_MAX_ROWS`` rows are."""
     x = x.contiguous()
     m, k = x.shape
+    if m == 0:   # an expert that no token chose
+        return x.new_empty(0, w.out_features)
     if not (m <= FUSED_MAX_ROWS if fused is None else fused):
         return F.linear(x, dequantize(w, x.dtype))
     ptrs, strides, consts = _args(w)
@@ -201,6 +204,8 @@ class _Kernels:
     def matmul(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor | None:
         try:
             return matmul(w, x)
+        except torch.OutOfMemoryError:   # the step's, not the kernel's: PyTorch's ops would need more
+            raise
         except Exception as e:   # a compiler or driver that cannot take a kernel: PyTorch's ops stay correct
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("the Triton quantized matmul failed on %s (%s); dequantizing in PyTorch ops from now on",
@@ -221,6 +226,7 @@ def cuda_kernels() -> _Kernels | None:
         log.warning("quantized weights on CUDA: Triton is not installed, so each linear dequantizes in PyTorch "
                     "ops (slower: install the triton package that matches torch)")
         return None
-    log.info("quantized weights on CUDA: Triton kernels (fused dequantize-matmul up to %d rows, then "
-             "dequantize + cuBLAS)", FUSED_MAX_ROWS)
+    log.info("quantized weights on CUDA: Triton kernels (a gemv up to %d row(s), then dequantize + cuBLAS); "
+             "a GPU with memory to spare runs a dequantized model about twice as fast (--quantization none; "
+             "benchmarks/README.md)", FUSED_MAX_ROWS)
     return _Kernels()
