@@ -12,7 +12,8 @@
 # (8 layers of TinyLlama's widths, benchmarks/gguf_mixes.py) and runs `pipeserve bench throughput`
 # on it kept quantized (Triton; then PyTorch's ops, PIPESERVE_CUDA_QUANT=torch; then one request)
 # and dequantized (--quantization none); then the SmolLM2-shaped model in bfloat16 beside
-# transformers, and in float32. Each step has its own time limit, so one that hangs leaves
+# transformers, in float32, and in bfloat16 over a 2-stage pipeline on the one GPU (--device cuda:0).
+# `run quant` stops after the kept Q4_K_M runs and runs only the Triton test (~4 minutes there). Each step has its own time limit, so one that hangs leaves
 # the others their time. Everything it prints is also written under $OUT. DEVICE=cpu NUM=4 runs the
 # same steps here, to check the script.
 set -u
@@ -97,9 +98,12 @@ PY
         --num-prompts "$NUM"
     bench fp32 90 --model /tmp/smol-random --device "$DEVICE" --dtype float32 --backend pipeserve \
         --num-prompts "$NUM"
+    pp2_device=$DEVICE; [ "$DEVICE" = cuda ] && pp2_device=cuda:0   # both stages on the one GPU
+    bench bf16_pp2 90 --model /tmp/smol-random --device "$pp2_device" --dtype bfloat16 \
+        --pipeline-parallel-size 2 --backend pipeserve --num-prompts "$NUM"
     ;;
 *)
-    echo "usage: bash scripts/gpu_check.sh prepare|run" >&2
+    echo "usage: bash scripts/gpu_check.sh prepare|run [quant]" >&2
     exit 2
     ;;
 esac
