@@ -5,7 +5,6 @@ cleanly."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -91,14 +90,20 @@ def test_killed_stage_fails_every_request_and_leaves_no_process(qwen2):
               threads_per_stage=1, stage_timeout=10, max_stage_restarts=0)
     pids = [p.pid for p in llm.engine.executor.procs.values()]
     victim = llm.engine.executor.procs[1]
-    killer = threading.Timer(1.0, victim.kill)
+    engine_step, steps = llm.engine.step, []
+
+    def step(*args, **kwargs):   # the kill at the 20th engine step: mid-generation on any host (a
+        steps.append(1)          # timer of 1 s lost the race once the 400 tokens took 0.99 s)
+        if len(steps) == 20:
+            victim.kill()
+        return engine_step(*args, **kwargs)
+
+    llm.engine.step = step
     start = time.monotonic()
     try:
-        killer.start()
         long = SamplingParams(temperature=0, max_tokens=400, min_tokens=400)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], long)
     finally:
-        killer.cancel()
         llm.shutdown()
     assert time.monotonic() - start < 10 + 5
     assert all(o.finished and o.outputs[0].finish_reason == "error" for o in outs)
