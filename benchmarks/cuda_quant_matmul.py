@@ -8,6 +8,9 @@ times (CUDA events, median of ``--iters`` after warm-up):
 - ``torch``: ``packed.dequantize`` in PyTorch ops, then ``F.linear`` (the path before the kernels);
 - ``dense``: ``F.linear`` on the weight already dequantized (what ``--quantization none`` runs).
 
+First, per type, the host's side on a small weight: each path's first call (Triton's compilation)
+and its wall time per call back to back (the launch cost a decode step of ~60 matmuls pays).
+
 GB/s is the quantized weight's bytes over the fused kernel's time (decode reads them once), to
 compare with the GPU's memory bandwidth. The engine takes ``fused`` up to
 ``PIPESERVE_CUDA_FUSED_MAX_ROWS`` rows (1), then ``deq+mm``: this table is where that number comes from.
@@ -49,6 +52,36 @@ def time_ms(fn, iters: int) -> float:
     return float(np.median(times))
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def host_costs(name: str, dtype, device: str, calls: int = 200) -> None:
+    """A 256 x 256 weight, so the GPU's work is negligible: the first call of each path (Triton
+    compiles, or loads from its cache, a kernel variant then) and the wall time per call of
+    ``calls`` back to back with one synchronization (the host's launch cost, which bounds a
+    step of many small matmuls)."""
+    rng = np.random.default_rng(1)
+    w = repack(T[name], random_quant_blocks(T[name], 256, 256, rng)).map(lambda t: t.to(device))
+    dense = dequantize(w, dtype)
+    cases = {"gemv": lambda x: ck.matmul(w, x, fused=True), "deq+mm": lambda x: ck.matmul(w, x, fused=False),
+             "torch": lambda x: F.linear(x, dequantize(w, dtype)), "dense": lambda x: F.linear(x, dense)}
+    line = []
+    for label, fn in cases.items():
+        x = torch.randn(1 if label == "gemv" else 2, 256, device=device).to(dtype)
+        start = time.perf_counter()
+        fn(x)
+        sync(device)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        sync(device)
+        line.append(f"{label} first {first * 1e3:.0f} ms, {(time.perf_counter() - start) / calls * 1e6:.1f} us/call")
+    print(f"host, {name} 256 x 256: " + "; ".join(line), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -62,6 +95,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"device {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else args.device}, "
           f"activations {args.dtype}; times in microseconds (median of {args.iters})")
+    for name in args.types.split(","):
+        host_costs(name, dtype, args.device)
     print(f"{'type':6} {'shape':>11} {'MB':>6} {'rows':>5} {'fused':>8} {'deq+mm':>8} {'torch':>8} {'dense':>8} "
           f"{'fused GB/s':>10}")
     for name in args.types.split(","):
