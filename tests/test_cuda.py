@@ -10,8 +10,8 @@
   the GPU (the stage's resident weight bytes under half the float32 checkpoint's);
 - bfloat16 on the GPU runs a batch to its length;
 - the Triton kernels (pipeserve/model/quant/cuda_kernels.py) equal the reference for every kept
-  type and the int8 / int4 layouts: the dequantized tile within float32 rounding, the fused
-  matmul (few rows) and the dequantize-then-cuBLAS one (many) within summation order, in float32,
+  type and the int8 / int4 layouts: the dequantized tile within float32 rounding, the gemv
+  (one or a few rows) and dequantize-then-cuBLAS (more) within summation order, in float32,
   bfloat16 and float16.
 
 Skipped, saying so, without a CUDA GPU: CI and the development machines have none, so these run
