@@ -61,7 +61,7 @@ if triton is not None:
     def _weight_tile(qs, qh, sc, mn, lut, n, k, K, qs_row, qh_row, sc_row,
                      KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                      TWO: tl.constexpr):
-        """Weights [n, k] in float32 (n: an int64 row or [BN, 1] rows, k: columns, broadcast; in range)."""
+        """Row n's weights at columns k in float32 (n: an int64 row, k: a vector of columns in range)."""
         q_row = qs + n * qs_row
         h_row = qh + n * qh_row
         s_row = sc + n * sc_row
