@@ -13,7 +13,10 @@
 # on it kept quantized (Triton; then PyTorch's ops, PIPESERVE_CUDA_QUANT=torch; then one request)
 # and dequantized (--quantization none); then the SmolLM2-shaped model in bfloat16 beside
 # transformers, in float32, and in bfloat16 over a 2-stage pipeline on the one GPU (--device cuda:0).
-# `run quant` stops after the kept Q4_K_M runs and runs only the Triton test (~4 minutes there). Each step has its own time limit, so one that hangs leaves
+# `run quant` stops after the kept Q4_K_M runs and runs only tests/test_cuda.py (TESTS=triton: only its
+# Triton test), ~5 minutes there. Before the Q4_K_M benchmarks, benchmarks/cuda_step_profile.py profiles
+# that model's steps, kept quantized and dequantized (BENCH=0 stops there; QUANT_MATMUL_ARGS go to the
+# kernel table). Each step has its own time limit, so one that hangs leaves
 # the others their time. Everything it prints is also written under $OUT. DEVICE=cpu NUM=4 runs the
 # same steps here, to check the script.
 set -u
@@ -48,7 +51,8 @@ run)
     export PYTHONUNBUFFERED=1
     { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/setup.txt"
     if [ "$STEPS" = quant ]; then
-        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k triton 2>&1 | tee "$OUT/tests.txt"
+        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 \
+            | tee "$OUT/tests.txt"
     else
         timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
             | tee "$OUT/tests.txt"
@@ -79,10 +83,17 @@ PY
             --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench.txt"
     }
     if [ "$DEVICE" = cuda ]; then   # the Triton kernels against PyTorch's ops and a dense weight, per row count
-        timeout 120 python3 benchmarks/cuda_quant_matmul.py 2>&1 | tee "$OUT/quant_matmul.txt"
+        timeout 120 python3 benchmarks/cuda_quant_matmul.py ${QUANT_MATMUL_ARGS:-} 2>&1 | tee "$OUT/quant_matmul.txt"
     fi
     timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
         --source .whl/smollm2-meta.gguf 2>&1 | tee -a "$OUT/setup.txt"
+    if [ "$DEVICE" = cuda ]; then   # where a step's time goes, kept quantized and dequantized (torch.profiler)
+        for q in auto none; do
+            timeout 100 python3 benchmarks/cuda_step_profile.py --model /tmp/mixes/llama-Q4_K_M.gguf --quantization $q \
+                2>&1 | tee -a "$OUT/step_profile.txt"
+        done
+    fi
+    [ "${BENCH:-1}" = 0 ] && exit 0
     bench q4km_auto_1req 60 --model /tmp/mixes/llama-Q4_K_M.gguf --device "$DEVICE" --dtype bfloat16 \
         --quantization auto --backend pipeserve --num-prompts 1
     PIPESERVE_CUDA_QUANT=torch bench q4km_auto_torch_ops_1req 60 --model /tmp/mixes/llama-Q4_K_M.gguf \

@@ -1,0 +1,94 @@
+"""Where a CUDA engine step's time goes: one request's prefill and decode, then a batch under torch.profiler.
+
+For the kept-quantized path on a GPU (benchmarks/README.md left two things not understood: a
+longer time to the first token at one request with the Triton kernels, and a few milliseconds a
+step at 64 requests beyond the kernels' own time). PP = 1 runs in this process, so the profiler
+sees the engine, the model and the kernels together.
+
+1. One request: a 32-token prompt (what ``bench --num-warmup`` sends), then three 128-token
+   prompts, each for one token (wall time of the prefill), with the Triton kernels' compiled
+   variants counted after each (a new variant is a compilation inside that call).
+2. One request decoding ``--output-len`` tokens: wall time per token.
+3. ``--num-prompts`` requests: once to warm up, then again under torch.profiler; the top kernels by
+   GPU time and the top operators by host time, and the run's wall time per engine step.
+
+    python benchmarks/cuda_step_profile.py --model /tmp/mixes/llama-Q4_K_M.gguf [--quantization auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pipeserve import LLM, SamplingParams
+from pipeserve.model.quant import cuda_kernels as ck
+
+
+def variants() -> str:
+    """Compiled variants of each Triton kernel so far (Triton's per-device caches)."""
+    if ck.triton is None:
+        return "no Triton"
+    counts = []
+    for name in ("_qgemv", "_dequant"):
+        fn = getattr(ck, name)
+        counts.append(f"{name} {sum(len(c[0]) for c in getattr(fn, 'device_caches', {}).values())}")
+    return ", ".join(counts)
+
+
+def prompts(n: int, length: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(10, 1000, (length,), generator=g).tolist()} for _ in range(n)]
+
+
+def timed(llm: LLM, batch: list[dict], max_tokens: int) -> float:
+    start = time.perf_counter()
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=20, help="rows of each profiler table")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    args = ap.parse_args()
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    print(f"model {args.model}, quantization {args.quantization}, {args.dtype}; Triton variants at start: "
+          f"{variants()}", flush=True)
+    for i, length in enumerate((32, 128, 128, 128)):
+        ms = timed(llm, prompts(1, length, i), 1) * 1e3
+        print(f"prefill of {length} tokens, one request: {ms:.1f} ms (variants after: {variants()})", flush=True)
+    for n in (1, 1):
+        s = timed(llm, prompts(1, 128, 10 + n), args.output_len + 1) - timed(llm, prompts(1, 128, 10 + n), 1)
+        print(f"decode, one request: {s / args.output_len * 1e3:.2f} ms/token", flush=True)
+    batch = prompts(args.num_prompts, 128, 20)
+    timed(llm, batch, args.output_len)
+    steps = 0
+    step = llm.engine.step
+
+    def counted(*a, **kw):
+        nonlocal steps
+        steps += 1
+        return step(*a, **kw)
+
+    llm.engine.step = counted
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = timed(llm, batch, args.output_len)
+    llm.engine.step = step
+    print(f"{args.num_prompts} requests x {args.output_len} tokens under the profiler: {wall * 1e3:.0f} ms"
+          f", {steps} engine steps, {wall / steps * 1e3:.2f} ms a step", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total" if args.device == "cuda" else "cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
