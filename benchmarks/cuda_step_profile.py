@@ -8,9 +8,9 @@ sees the engine, the model and the kernels together.
 1. One request: a 32-token prompt (what ``bench --num-warmup`` sends), then three 128-token
    prompts, each for one token (wall time of the prefill), with the Triton kernels' compiled
    variants counted after each (a new variant is a compilation inside that call).
-2. One request decoding ``--output-len`` tokens: wall time per token.
-3. ``--num-prompts`` requests: once to warm up, then again under torch.profiler; the top kernels by
-   GPU time and the top operators by host time, and the run's wall time per engine step.
+2. One request decoding ``--output-len`` tokens, then ``--num-prompts`` requests: each once to warm
+   up (its wall time per engine step), then again under torch.profiler; the top kernels by GPU time
+   and the top operators by host time.
 
     python benchmarks/cuda_step_profile.py --model /tmp/mixes/llama-Q4_K_M.gguf [--quantization auto]
 """
@@ -31,7 +31,7 @@ def variants() -> str:
     if ck.triton is None:
         return "no Triton"
     counts = []
-    for name in ("_qgemv", "_dequant"):
+    for name in ("_qgemv_g", "_dequant_g", "_qgemv", "_dequant"):
         fn = getattr(ck, name)
         counts.append(f"{name} {sum(len(c[0]) for c in getattr(fn, 'device_caches', {}).values())}")
     return ", ".join(counts)
@@ -46,6 +46,32 @@ def timed(llm: LLM, batch: list[dict], max_tokens: int) -> float:
     start = time.perf_counter()
     llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return time.perf_counter() - start
+
+
+def profiled(llm: LLM, batch: list[dict], max_tokens: int, label: str, args) -> None:
+    """``batch`` to ``max_tokens`` twice (the first warms it up): each run's wall time per engine
+    step, the second's under torch.profiler, whose tables follow."""
+    steps = 0
+    step = llm.engine.step
+
+    def counted(*a, **kw):
+        nonlocal steps
+        steps += 1
+        return step(*a, **kw)
+
+    llm.engine.step = counted
+    wall = timed(llm, batch, max_tokens)
+    plain, steps = wall / steps, 0
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = timed(llm, batch, max_tokens)
+    llm.engine.step = step
+    print(f"{label} x {max_tokens} tokens: {plain * 1e3:.2f} ms a step; under the profiler {wall * 1e3:.0f} ms, "
+          f"{steps} engine steps, {wall / steps * 1e3:.2f} ms a step", flush=True)
+    by_device = "self_device_time_total" if args.device == "cuda" else "cpu_time_total"
+    for key in (by_device, "self_cpu_time_total"):
+        print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
 
 
 def main() -> None:
@@ -64,29 +90,9 @@ def main() -> None:
     for i, length in enumerate((32, 128, 128, 128)):
         ms = timed(llm, prompts(1, length, i), 1) * 1e3
         print(f"prefill of {length} tokens, one request: {ms:.1f} ms (variants after: {variants()})", flush=True)
-    for n in (1, 1):
-        s = timed(llm, prompts(1, 128, 10 + n), args.output_len + 1) - timed(llm, prompts(1, 128, 10 + n), 1)
-        print(f"decode, one request: {s / args.output_len * 1e3:.2f} ms/token", flush=True)
-    batch = prompts(args.num_prompts, 128, 20)
-    timed(llm, batch, args.output_len)
-    steps = 0
-    step = llm.engine.step
-
-    def counted(*a, **kw):
-        nonlocal steps
-        steps += 1
-        return step(*a, **kw)
-
-    llm.engine.step = counted
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        wall = timed(llm, batch, args.output_len)
-    llm.engine.step = step
-    print(f"{args.num_prompts} requests x {args.output_len} tokens under the profiler: {wall * 1e3:.0f} ms"
-          f", {steps} engine steps, {wall / steps * 1e3:.2f} ms a step", flush=True)
-    print(prof.key_averages().table(sort_by="self_device_time_total" if args.device == "cuda" else "cpu_time_total", row_limit=args.rows, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    for label, batch in (("one request", prompts(1, 128, 10)), (f"{args.num_prompts} requests",
+                                                               prompts(args.num_prompts, 128, 20))):
+        profiled(llm, batch, args.output_len, label, args)
     llm.shutdown()
 
 

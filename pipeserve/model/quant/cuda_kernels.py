@@ -49,6 +49,9 @@ FUSED_MAX_ROWS = int(os.environ.get("PIPESERVE_CUDA_FUSED_MAX_ROWS", "1"))
 GEMV_BK, DEQUANT_BK = 512, 1024   # weights of a row per loop step / per program
 GEMV_ACC = 4096                    # the gemv's float32 partial sums per program (rows of x times columns)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the weight tiles' shape: "groups" ([runs of 32, 2, 16]: a run's bytes and scales loaded once) or
+# "elements" (a vector of columns, each element its own loads): measured against each other
+TILES = os.environ.get("PIPESERVE_CUDA_TILES", "groups")
 
 try:
     import triton
@@ -120,6 +123,105 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _weight_groups(qs, qh, sc, mn, lut, n, g, h, i, K, qs_row, qh_row, sc_row,
+                       KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                       TWO: tl.constexpr):
+        """Row n's weights 32 g + 16 h + i in float32 as a [G, 2, 16] tile (g [G, 1, 1]: runs of 32
+        in range; h [1, 2, 1]; i [1, 1, 16]), ``_weight_tile``'s formulas with each run's bytes
+        loaded as they lie (q4's 16 bytes once for both nibbles) and each scale once per run or
+        per 16 (the element-wise tile loads both per weight)."""
+        q_row = qs + n * qs_row
+        h_row = qh + n * qh_row
+        s_row = sc + n * sc_row
+        m_row = mn + n * sc_row
+        if TWO:
+            high_at = K // 16
+        else:
+            high_at = 0
+        if KIND == 0:                                      # q8
+            q = tl.load(q_row + g * 32 + h * 16 + i).to(tl.float32)
+        elif KIND == 1 or KIND == 2 or KIND == 4:          # q4 / q5 / i4: run byte i holds weights i, 16 + i
+            c = (tl.load(q_row + g * 16 + i).to(tl.int32) >> (4 * h)) & 15
+            if KIND == 2:                                  # bit 16 h + i of the run's 32-bit plane
+                hb = tl.load(h_row + high_at + g * 4 + h * 2 + i // 8).to(tl.int32)
+                c = c | (((hb >> (i % 8)) & 1) << 4)
+            if KIND == 4:
+                q = tl.load(lut + c).to(tl.float32)
+            else:
+                q = (c - ZERO).to(tl.float32)
+        elif KIND == 3:                                    # q6: run g of its 128 is nibble (g % 4) // 2, pair g % 4
+            b = tl.load(q_row + (g // 4) * 64 + (g % 2) * 32 + h * 16 + i).to(tl.int32)
+            hb = tl.load(h_row + high_at + (g // 4) * 32 + h * 16 + i).to(tl.int32)
+            c = ((b >> (4 * ((g % 4) // 2))) & 15) | (((hb >> (2 * (g % 4))) & 3) << 4)
+            q = (c - ZERO).to(tl.float32)
+        else:                                              # q2 / q3: bit pair g % 4, q3's hmask bit g % 8
+            c = (tl.load(q_row + (g // 4) * 32 + h * 16 + i).to(tl.int32) >> (2 * (g % 4))) & 3
+            if KIND == 6:
+                hm = tl.load(h_row + (g // 8) * 48 + h * 16 + i).to(tl.int32)
+                c = c | (((hm >> (g % 8)) & 1) << 2)
+            q = (c - ZERO).to(tl.float32)
+        if KIND == 5:                                      # Q2_K: sub-scale and sub-minimum per 16
+            d = tl.load(s_row + g // 8).to(tl.float32)
+            sub = tl.load(h_row + (g // 8) * 16 + (g % 8) * 2 + h).to(tl.int32)
+            w = q * (d * (sub & 15).to(tl.float32)) + tl.load(m_row + g // 8).to(tl.float32) * (sub >> 4).to(tl.float32)
+        elif KIND == 6:                                    # Q3_K: int8 sub-scale per 16
+            d = tl.load(s_row + g // 8).to(tl.float32)
+            sub = tl.load(h_row + (g // 8) * 48 + 32 + (g % 8) * 2 + h).to(tl.int8, bitcast=True)
+            w = q * (d * sub.to(tl.float32))
+        elif TWO and KIND == 3:                            # Q6_K: int8 sub-scale per 16
+            d = tl.load(s_row + g // 8).to(tl.float32)
+            sub = tl.load(h_row + g * 2 + h).to(tl.int8, bitcast=True)
+            w = q * (d * sub.to(tl.float32))
+        elif TWO:                                          # Q4_K / Q5_K: 6-bit sub-scale and minimum per run
+            at = h_row + (g // 8) * 16 + g % 8
+            d = tl.load(s_row + g // 8).to(tl.float32)
+            dmin = tl.load(m_row + g // 8).to(tl.float32)
+            w = q * (d * tl.load(at).to(tl.float32)) + dmin * tl.load(at + 8).to(tl.float32)
+        else:                                              # a scale (and minimum) per GROUP, a multiple of 32
+            w = q * tl.load(s_row + (g * 32) // GROUP).to(tl.float32)
+            if HAS_MIN:
+                w = w + tl.load(m_row + (g * 32) // GROUP).to(tl.float32)
+        return w
+
+    @triton.jit
+    def _qgemv_g(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
+                 KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                 TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
+        """``_qgemv`` on [G, 2, 16] tiles of runs (``_weight_groups``)."""
+        n = tl.program_id(0).to(tl.int64)
+        rm = tl.arange(0, BM)[:, None, None, None]
+        rg = tl.arange(0, BK // 32)[:, None, None]
+        rh = tl.arange(0, 2)[None, :, None]
+        ri = tl.arange(0, 16)[None, None, :]
+        acc = tl.zeros((BM, BK // 32, 2, 16), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            g = k0 // 32 + rg
+            w = _weight_groups(qs, qh, sc, mn, lut, n, tl.minimum(g, K // 32 - 1), rh, ri, K, qs_row, qh_row,
+                               sc_row, KIND, GROUP, ZERO, HAS_MIN, TWO)   # runs past K meet zeros of x
+            if ROUND:
+                w = w.to(x.dtype.element_ty).to(tl.float32)
+            k = (g * 32 + rh * 16 + ri)[None, :, :, :]
+            a = tl.load(x + rm * x_row + k, mask=(rm < M) & (k < K), other=0.0)
+            acc += a.to(tl.float32) * w[None, :, :, :]
+        rows = tl.arange(0, BM)
+        tl.store(y + rows * y_row + n, tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1).to(y.dtype.element_ty),
+                 mask=rows < M)
+
+    @triton.jit
+    def _dequant_g(out, qs, qh, sc, mn, lut, K, qs_row, qh_row, sc_row,
+                   KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                   TWO: tl.constexpr, BK: tl.constexpr):
+        """``_dequant`` on [G, 2, 16] tiles of runs (``_weight_groups``)."""
+        n = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None, None]
+        rh = tl.arange(0, 2)[None, :, None]
+        ri = tl.arange(0, 16)[None, None, :]
+        w = _weight_groups(qs, qh, sc, mn, lut, n, tl.minimum(g, K // 32 - 1), rh, ri, K, qs_row, qh_row, sc_row,
+                           KIND, GROUP, ZERO, HAS_MIN, TWO)
+        k = g * 32 + rh * 16 + ri
+        tl.store(out + n * K + k, w.to(out.dtype.element_ty), mask=k < K)
+
+    @triton.jit
     def _qgemv(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
                KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
@@ -166,7 +268,7 @@ def _args(w: PackedWeight) -> tuple[tuple, tuple, dict]:
     return args
 
 
-def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None, tiles: str = TILES) -> torch.Tensor:
     """x [m, in] (CUDA, float32 / bfloat16 / float16) -> x @ W^T [m, out] in x's dtype; ``fused``
     forces a path (benchmarks/cuda_quant_matmul.py), else up to ``FUSED_MAX_ROWS`` rows are."""
     x = x.contiguous()
@@ -174,21 +276,23 @@ def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None) -> torch
     if m == 0:   # an expert that no token chose
         return x.new_empty(0, w.out_features)
     if not (m <= FUSED_MAX_ROWS if fused is None else fused):
-        return F.linear(x, dequantize(w, x.dtype))
+        return F.linear(x, dequantize(w, x.dtype, tiles))
     ptrs, strides, consts = _args(w)
     y = torch.empty(m, w.out_features, dtype=x.dtype, device=x.device)
     bm = triton.next_power_of_2(m)
-    _qgemv[(w.out_features,)](x, y, *ptrs, m, k, x.stride(0), y.stride(0), *strides, **consts,
+    kernel = _qgemv_g if tiles == "groups" else _qgemv
+    kernel[(w.out_features,)](x, y, *ptrs, m, k, x.stride(0), y.stride(0), *strides, **consts,
                               BM=bm, BK=max(32, min(GEMV_BK, GEMV_ACC // bm)), ROUND=x.dtype != torch.float32)
     return y
 
 
-def dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(w: PackedWeight, dtype: torch.dtype, tiles: str = TILES) -> torch.Tensor:
     """[out, in] in ``dtype`` on the weight's device, in one launch (the tests' view of the tiles)."""
     n, k = w.out_features, w.in_features
     out = torch.empty(n, k, dtype=dtype, device=w.qs.device)
     ptrs, strides, consts = _args(w)
-    _dequant[(n, triton.cdiv(k, DEQUANT_BK))](out, *ptrs, k, *strides, **consts, BK=DEQUANT_BK)
+    kernel = _dequant_g if tiles == "groups" else _dequant
+    kernel[(n, triton.cdiv(k, DEQUANT_BK))](out, *ptrs, k, *strides, **consts, BK=DEQUANT_BK)
     return out
 
 
