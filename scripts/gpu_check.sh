@@ -15,8 +15,8 @@
 # transformers, in float32, and in bfloat16 over a 2-stage pipeline on the one GPU (--device cuda:0).
 # `run quant` stops after the kept Q4_K_M runs and runs only tests/test_cuda.py (TESTS=triton: only its
 # Triton test), ~5 minutes there. Before the Q4_K_M benchmarks, benchmarks/cuda_step_profile.py profiles
-# that model's steps, kept quantized and dequantized (BENCH=0 stops there; QUANT_MATMUL_ARGS go to the
-# kernel table). Each step has its own time limit, so one that hangs leaves
+# that model's steps, kept quantized and dequantized (PROFILE=auto: only kept; BENCH=0 stops there;
+# QUANT_MATMUL_ARGS go to the kernel table). Each step has its own time limit, so one that hangs leaves
 # the others their time. Everything it prints is also written under $OUT. DEVICE=cpu NUM=4 runs the
 # same steps here, to check the script.
 set -u
@@ -88,7 +88,7 @@ PY
     timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
         --source .whl/smollm2-meta.gguf 2>&1 | tee -a "$OUT/setup.txt"
     if [ "$DEVICE" = cuda ]; then   # where a step's time goes, kept quantized and dequantized (torch.profiler)
-        for q in auto none; do
+        for q in ${PROFILE:-auto none}; do
             timeout 100 python3 benchmarks/cuda_step_profile.py --model /tmp/mixes/llama-Q4_K_M.gguf --quantization $q \
                 2>&1 | tee -a "$OUT/step_profile.txt"
         done
