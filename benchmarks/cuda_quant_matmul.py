@@ -5,8 +5,6 @@ times (CUDA events, median of ``--iters`` after warm-up):
 
 - ``fused``: cuda_kernels.py's gemv (a program per weight row, dequantized in registers; to 64 rows);
 - ``deq+mm``: its dequantize kernel into the activations' dtype, then ``F.linear`` (cuBLAS);
-- ``fused-el`` / ``deq-el``: the same on element-wise tiles (``tiles="elements"``) rather than
-  runs of 32 (``"groups"``, the default);
 - ``torch``: ``packed.dequantize`` in PyTorch ops, then ``F.linear`` (the path before the kernels);
 - ``dense``: ``F.linear`` on the weight already dequantized (what ``--quantization none`` runs).
 
@@ -99,8 +97,8 @@ def main() -> None:
           f"activations {args.dtype}; times in microseconds (median of {args.iters})")
     for name in args.types.split(","):
         host_costs(name, dtype, args.device)
-    print(f"{'type':6} {'shape':>11} {'MB':>6} {'rows':>5} {'fused':>8} {'deq+mm':>8} {'fused-el':>8} {'deq-el':>8} "
-          f"{'torch':>8} {'dense':>8} {'fused GB/s':>10}")
+    print(f"{'type':6} {'shape':>11} {'MB':>6} {'rows':>5} {'fused':>8} {'deq+mm':>8} {'torch':>8} {'dense':>8} "
+          f"{'fused GB/s':>10}")
     for name in args.types.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -109,15 +107,12 @@ def main() -> None:
             mb = w.nbytes / 1e6
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, device=args.device).to(dtype)
-                fused, fused_el = (time_ms(lambda: ck.matmul(w, x, True, tiles), args.iters) if m <= 64
-                                   else float("nan") for tiles in ("groups", "elements"))
-                deq, deq_el = (time_ms(lambda: ck.matmul(w, x, False, tiles), args.iters)
-                               for tiles in ("groups", "elements"))
+                fused = time_ms(lambda: ck.matmul(w, x, fused=True), args.iters) if m <= 64 else float("nan")
+                deq = time_ms(lambda: ck.matmul(w, x, fused=False), args.iters)
                 old = time_ms(lambda: F.linear(x, dequantize(w, dtype)), args.iters)
                 mm = time_ms(lambda: F.linear(x, dense), args.iters)
-                print(f"{name:6} {shape:>11} {mb:6.1f} {m:5d} {fused * 1e3:8.1f} {deq * 1e3:8.1f} {fused_el * 1e3:8.1f} "
-                      f"{deq_el * 1e3:8.1f} {old * 1e3:8.1f} {mm * 1e3:8.1f} {mb / 1e3 / (fused / 1e3):10.0f}",
-                      flush=True)
+                print(f"{name:6} {shape:>11} {mb:6.1f} {m:5d} {fused * 1e3:8.1f} {deq * 1e3:8.1f} {old * 1e3:8.1f} "
+                      f"{mm * 1e3:8.1f} {mb / 1e3 / (fused / 1e3):10.0f}", flush=True)
 
 
 if __name__ == "__main__":

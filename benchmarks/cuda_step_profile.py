@@ -31,7 +31,7 @@ def variants() -> str:
     if ck.triton is None:
         return "no Triton"
     counts = []
-    for name in ("_qgemv_g", "_dequant_g", "_qgemv", "_dequant"):
+    for name in ("_qgemv", "_dequant"):
         fn = getattr(ck, name)
         counts.append(f"{name} {sum(len(c[0]) for c in getattr(fn, 'device_caches', {}).values())}")
     return ", ".join(counts)

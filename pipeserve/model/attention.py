@@ -17,12 +17,14 @@ window on the step's metadata.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeserve.model.kv_quant import gather_rows, write_rows
 
@@ -307,9 +309,22 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if shape.softcap is not None:
         ob = _softcapped_attention(qb, kb, vb, mask, shape)
     else:
-        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                            scale=shape.scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
+        with _cuda_sdpa_order() if qb.is_cuda else contextlib.nullcontext():
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
+                                                scale=shape.scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
     return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
+
+
+def _cuda_sdpa_order():
+    """SDPA's CUDA kernels, flash attention first, cuDNN's next to last. PyTorch prefers cuDNN's on
+    Hopper, which builds a graph for each new query and key length: on an H200 a prefill's first
+    call at a new length took ~110 ms a layer (cuda_step_profile.py, benchmarks/README.md), and
+    serving meets a new length with nearly every prompt."""
+    order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+    try:
+        return sdpa_kernel(order, set_priority=True)
+    except TypeError:   # a torch without priorities: the first two, and the reference
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _softcapped_attention(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor | None,

@@ -4,10 +4,10 @@ On the GPU a ``QuantLinear`` used to dequantize each part in PyTorch ops (``pack
 a dozen launches and two full-size float temporaries per linear per step) and hand the result to
 ``F.linear``; on an H200 that ran a kept Q4_K_M model at 0.48x the dequantized one
 (benchmarks/README.md, twenty-fifth session). With these kernels: 1.27x that at 64 requests, 2.4x
-at one (twenty-seventh session). Here every layout of packed.py is one Triton
-function that builds a float32 tile of the weight from its codes and scales by index arithmetic
-(``_weight_tile``: each element gathers its byte, nibble or bit pair and its scale, the formulas
-of ``packed.dequantize``), and two kernels use it:
+at one (twenty-seventh session). Every layout of packed.py is one Triton function,
+``_weight_groups``, that builds a float32 tile of a weight row from its codes and scales, the
+formulas of ``packed.dequantize``, as [runs of 32, 2, 16]: each run's bytes loaded as they lie (a
+q4 run's 16 bytes once for both nibbles) and its scales once per run or per 16. Two kernels use it:
 
 - ``_qgemv``: ``y = x @ W^T`` for up to ``FUSED_MAX_ROWS`` rows of x, a program per weight row:
   the row's codes read once and dequantized in registers, every row of x multiplied against
@@ -15,9 +15,11 @@ of ``packed.dequantize``), and two kernels use it:
 - ``_dequant``: the whole weight into the activations' dtype in one launch, for ``F.linear``
   (cuBLAS) on more rows (prefill: compute-bound, the dequantizing paid once per step for all rows).
 
-A program per row keeps every index a row's scalar plus a vector of columns: a first version
-built [32, 128] tiles for ``tl.dot`` from element-wise gathers, and on an H200 it ran at ~30 GB/s
-of Q4_K (its pointer tensors were 64-bit per element; benchmarks/README.md).
+Two earlier tile shapes ran slower on an H200 (benchmarks/README.md): [32, 128] tiles for
+``tl.dot`` built by element-wise gathers (~30 GB/s of Q4_K: 64-bit pointers per element), and a
+vector of columns whose every element loaded its own byte and scales (twenty-seventh session;
+the run tiles took the 1-row gemv from 98 to 66 us on a Q4_K 4096 x 4096, from 241 to 112 on a
+Q6_K 14336 x 4096, and the engine's dequantizing from 27 to 10 us a call, twenty-eighth).
 
 float32 activations multiply in IEEE float32 (no TF32); bfloat16 / float16 ones round the weight
 tile to their dtype first, as ``F.linear(x, dequantize(w, x.dtype))`` does, and accumulate in
@@ -49,9 +51,6 @@ FUSED_MAX_ROWS = int(os.environ.get("PIPESERVE_CUDA_FUSED_MAX_ROWS", "1"))
 GEMV_BK, DEQUANT_BK = 512, 1024   # weights of a row per loop step / per program
 GEMV_ACC = 4096                    # the gemv's float32 partial sums per program (rows of x times columns)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# the weight tiles' shape: "groups" ([runs of 32, 2, 16]: a run's bytes and scales loaded once) or
-# "elements" (a vector of columns, each element its own loads): measured against each other
-TILES = os.environ.get("PIPESERVE_CUDA_TILES", "groups")
 
 try:
     import triton
@@ -61,75 +60,12 @@ except ImportError:   # the CPU wheel of torch comes without it; CUDA builds bri
 
 if triton is not None:
     @triton.jit
-    def _weight_tile(qs, qh, sc, mn, lut, n, k, K, qs_row, qh_row, sc_row,
-                     KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                     TWO: tl.constexpr):
-        """Row n's weights at columns k in float32 (n: an int64 row, k: a vector of columns in range)."""
-        q_row = qs + n * qs_row
-        h_row = qh + n * qh_row
-        s_row = sc + n * sc_row
-        m_row = mn + n * sc_row
-        # where q5 / q6's high bits start in a row of ``qh``: after the sub-scales on two-level ones
-        if TWO:
-            high_at = K // 16
-        else:
-            high_at = 0
-        if KIND == 0:                                      # q8: a byte per code
-            q = tl.load(q_row + k).to(tl.float32)
-        elif KIND == 1 or KIND == 2 or KIND == 4:          # q4 / q5 / i4: byte j of a run of 32 holds j, j + 16
-            b = tl.load(q_row + (k // 32) * 16 + (k % 16)).to(tl.int32)
-            c = tl.where((k % 32) < 16, b & 15, b >> 4)
-            if KIND == 2:                                  # the fifth bit: bit j of the run's 32-bit plane
-                hb = tl.load(h_row + high_at + (k // 32) * 4 + (k % 32) // 8).to(tl.int32)
-                c = c | (((hb >> (k % 8)) & 1) << 4)
-            if KIND == 4:
-                q = tl.load(lut + c).to(tl.float32)       # IQ4's codebook
-            else:
-                q = (c - ZERO).to(tl.float32)
-        elif KIND == 3:                                    # q6: Q6_K's nibbles and bit pairs per 128
-            b = tl.load(q_row + (k // 128) * 64 + (k % 64)).to(tl.int32)
-            lo = tl.where((k % 128) < 64, b & 15, b >> 4)
-            hb = tl.load(h_row + high_at + (k // 128) * 32 + (k % 32)).to(tl.int32)
-            q = ((lo | (((hb >> (2 * ((k % 128) // 32))) & 3) << 4)) - ZERO).to(tl.float32)
-        else:                                              # q2 / q3: bit pairs per 128, q3's hmask bit
-            b = tl.load(q_row + (k // 128) * 32 + (k % 32)).to(tl.int32)
-            c = (b >> (2 * ((k % 128) // 32))) & 3
-            if KIND == 6:
-                hm = tl.load(h_row + (k // 256) * 48 + (k % 32)).to(tl.int32)
-                c = c | (((hm >> ((k % 256) // 32)) & 1) << 2)
-            q = (c - ZERO).to(tl.float32)
-        # scales (and minimums), as packed.py's k4 / k6 / k2_group_scales compute them: exact products
-        if KIND == 5:                                      # Q2_K: 4-bit sub-scale and sub-minimum per 16
-            d = tl.load(s_row + k // 256).to(tl.float32)
-            sub = tl.load(h_row + (k // 256) * 16 + (k % 256) // 16).to(tl.int32)
-            w = q * (d * (sub & 15).to(tl.float32)) + tl.load(m_row + k // 256).to(tl.float32) * (sub >> 4).to(tl.float32)
-        elif KIND == 6:                                    # Q3_K: int8 sub-scale per 16
-            d = tl.load(s_row + k // 256).to(tl.float32)
-            sub = tl.load(h_row + (k // 256) * 48 + 32 + (k % 256) // 16).to(tl.int8, bitcast=True)
-            w = q * (d * sub.to(tl.float32))
-        elif TWO and KIND == 3:                            # Q6_K: int8 sub-scale per 16
-            d = tl.load(s_row + k // 256).to(tl.float32)
-            sub = tl.load(h_row + k // 16).to(tl.int8, bitcast=True)
-            w = q * (d * sub.to(tl.float32))
-        elif TWO:                                          # Q4_K / Q5_K: 6-bit sub-scale and minimum per 32
-            at = h_row + (k // 256) * 16 + (k % 256) // 32
-            d = tl.load(s_row + k // 256).to(tl.float32)
-            dmin = tl.load(m_row + k // 256).to(tl.float32)
-            w = q * (d * tl.load(at).to(tl.float32)) + dmin * tl.load(at + 8).to(tl.float32)
-        else:
-            w = q * tl.load(s_row + k // GROUP).to(tl.float32)
-            if HAS_MIN:
-                w = w + tl.load(m_row + k // GROUP).to(tl.float32)
-        return w
-
-    @triton.jit
     def _weight_groups(qs, qh, sc, mn, lut, n, g, h, i, K, qs_row, qh_row, sc_row,
                        KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                        TWO: tl.constexpr):
-        """Row n's weights 32 g + 16 h + i in float32 as a [G, 2, 16] tile (g [G, 1, 1]: runs of 32
-        in range; h [1, 2, 1]; i [1, 1, 16]), ``_weight_tile``'s formulas with each run's bytes
-        loaded as they lie (q4's 16 bytes once for both nibbles) and each scale once per run or
-        per 16 (the element-wise tile loads both per weight)."""
+        """Row n's weights 32 g + 16 h + i in float32 as a [G, 2, 16] tile (n: an int64 row; g
+        [G, 1, 1]: runs of 32 in range; h [1, 2, 1]; i [1, 1, 16]): a run's bytes loaded as they
+        lie (q4's 16 bytes once for both nibbles), each scale once per run or per 16."""
         q_row = qs + n * qs_row
         h_row = qh + n * qh_row
         s_row = sc + n * sc_row
@@ -184,10 +120,11 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _qgemv_g(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
+    def _qgemv(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
                  KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                  TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
-        """``_qgemv`` on [G, 2, 16] tiles of runs (``_weight_groups``)."""
+        """y[:, n] = x @ W[n] for the program's row n: the row's codes read once, every row of x
+        (at most BM) against them; products summed per lane, lanes at the end."""
         n = tl.program_id(0).to(tl.int64)
         rm = tl.arange(0, BM)[:, None, None, None]
         rg = tl.arange(0, BK // 32)[:, None, None]
@@ -208,10 +145,10 @@ if triton is not None:
                  mask=rows < M)
 
     @triton.jit
-    def _dequant_g(out, qs, qh, sc, mn, lut, K, qs_row, qh_row, sc_row,
+    def _dequant(out, qs, qh, sc, mn, lut, K, qs_row, qh_row, sc_row,
                    KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
                    TWO: tl.constexpr, BK: tl.constexpr):
-        """``_dequant`` on [G, 2, 16] tiles of runs (``_weight_groups``)."""
+        """Row n = program 0's, columns of program 1's chunk, into ``out``'s dtype."""
         n = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None, None]
         rh = tl.arange(0, 2)[None, :, None]
@@ -220,37 +157,6 @@ if triton is not None:
                            KIND, GROUP, ZERO, HAS_MIN, TWO)
         k = g * 32 + rh * 16 + ri
         tl.store(out + n * K + k, w.to(out.dtype.element_ty), mask=k < K)
-
-    @triton.jit
-    def _qgemv(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
-               KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-               TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
-        """y[:, n] = x @ W[n] for the program's row n: the row's codes read once, every row of x
-        (at most BM) against them; products summed per lane, lanes at the end."""
-        n = tl.program_id(0).to(tl.int64)
-        rm = tl.arange(0, BM)
-        acc = tl.zeros((BM, BK), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            w = _weight_tile(qs, qh, sc, mn, lut, n, tl.minimum(rk, K - 1), K, qs_row, qh_row, sc_row,
-                             KIND, GROUP, ZERO, HAS_MIN, TWO)      # columns past K meet zeros of x
-            if ROUND:                                              # as F.linear(x, dequantize(w, x.dtype))
-                w = w.to(x.dtype.element_ty).to(tl.float32)
-            a = tl.load(x + rm[:, None] * x_row + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K),
-                        other=0.0)
-            acc += a.to(tl.float32) * w[None, :]
-        tl.store(y + rm * y_row + n, tl.sum(acc, axis=1).to(y.dtype.element_ty), mask=rm < M)
-
-    @triton.jit
-    def _dequant(out, qs, qh, sc, mn, lut, K, qs_row, qh_row, sc_row,
-                 KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                 TWO: tl.constexpr, BK: tl.constexpr):
-        """Row n = program 0's, columns of program 1's chunk, into ``out``'s dtype."""
-        n = tl.program_id(0).to(tl.int64)
-        rk = tl.program_id(1) * BK + tl.arange(0, BK)
-        w = _weight_tile(qs, qh, sc, mn, lut, n, tl.minimum(rk, K - 1), K, qs_row, qh_row, sc_row,
-                         KIND, GROUP, ZERO, HAS_MIN, TWO)
-        tl.store(out + n * K + rk, w.to(out.dtype.element_ty), mask=rk < K)
 
 
 def _args(w: PackedWeight) -> tuple[tuple, tuple, dict]:
@@ -268,7 +174,7 @@ def _args(w: PackedWeight) -> tuple[tuple, tuple, dict]:
     return args
 
 
-def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None, tiles: str = TILES) -> torch.Tensor:
+def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
     """x [m, in] (CUDA, float32 / bfloat16 / float16) -> x @ W^T [m, out] in x's dtype; ``fused``
     forces a path (benchmarks/cuda_quant_matmul.py), else up to ``FUSED_MAX_ROWS`` rows are."""
     x = x.contiguous()
@@ -276,23 +182,21 @@ def matmul(w: PackedWeight, x: torch.Tensor, fused: bool | None = None, tiles: s
     if m == 0:   # an expert that no token chose
         return x.new_empty(0, w.out_features)
     if not (m <= FUSED_MAX_ROWS if fused is None else fused):
-        return F.linear(x, dequantize(w, x.dtype, tiles))
+        return F.linear(x, dequantize(w, x.dtype))
     ptrs, strides, consts = _args(w)
     y = torch.empty(m, w.out_features, dtype=x.dtype, device=x.device)
     bm = triton.next_power_of_2(m)
-    kernel = _qgemv_g if tiles == "groups" else _qgemv
-    kernel[(w.out_features,)](x, y, *ptrs, m, k, x.stride(0), y.stride(0), *strides, **consts,
+    _qgemv[(w.out_features,)](x, y, *ptrs, m, k, x.stride(0), y.stride(0), *strides, **consts,
                               BM=bm, BK=max(32, min(GEMV_BK, GEMV_ACC // bm)), ROUND=x.dtype != torch.float32)
     return y
 
 
-def dequantize(w: PackedWeight, dtype: torch.dtype, tiles: str = TILES) -> torch.Tensor:
+def dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """[out, in] in ``dtype`` on the weight's device, in one launch (the tests' view of the tiles)."""
     n, k = w.out_features, w.in_features
     out = torch.empty(n, k, dtype=dtype, device=w.qs.device)
     ptrs, strides, consts = _args(w)
-    kernel = _dequant_g if tiles == "groups" else _dequant
-    kernel[(n, triton.cdiv(k, DEQUANT_BK))](out, *ptrs, k, *strides, **consts, BK=DEQUANT_BK)
+    _dequant[(n, triton.cdiv(k, DEQUANT_BK))](out, *ptrs, k, *strides, **consts, BK=DEQUANT_BK)
     return out
 
 
