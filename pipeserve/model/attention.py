@@ -309,17 +309,25 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if shape.softcap is not None:
         ob = _softcapped_attention(qb, kb, vb, mask, shape)
     else:
+        gqa = kv_heads != heads
+        if qb.is_cuda and mask is not None and gqa:   # a mask: flash cannot, and the efficient kernel has no GQA
+            kb, vb = kb.repeat_interleave(heads // kv_heads, dim=1), vb.repeat_interleave(heads // kv_heads, dim=1)
+            gqa = False
         with _cuda_sdpa_order() if qb.is_cuda else contextlib.nullcontext():
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                                scale=shape.scale, enable_gqa=kv_heads != heads)  # [1, heads, q_len, D]
+                                                scale=shape.scale, enable_gqa=gqa)  # [1, heads, q_len, D]
     return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
 
 
 def _cuda_sdpa_order():
     """SDPA's CUDA kernels, flash attention first, cuDNN's next to last. PyTorch prefers cuDNN's on
-    Hopper, which builds a graph for each new query and key length: on an H200 a prefill's first
-    call at a new length took ~110 ms a layer (cuda_step_profile.py, benchmarks/README.md), and
-    serving meets a new length with nearly every prompt."""
+    Hopper, which builds a graph for each new query and key length: on an H200 a 128-token
+    prompt's first prefill took 752 ms over 8 layers, 21 ms with flash first (cuda_step_profile.py,
+    benchmarks/README.md), and serving meets a new length with nearly every prompt. A prefill
+    after cached tokens (a mask) with grouped KV heads went on to cuDNN's all the same (70-110 ms
+    a layer at a new length):
+    ``_attend_prefill`` repeats the KV heads there, so the efficient kernel takes it (not yet
+    timed on a GPU)."""
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
     try:
         return sdpa_kernel(order, set_priority=True)
