@@ -220,3 +220,36 @@ def hf_greedy(hf, prompt: list[int], steps: int) -> list[int]:
             out.append(int(res.logits[0, -1].argmax()))
             ids = torch.tensor([[out[-1]]])
     return out
+
+
+def test_the_cuda_sdpa_route_attends_as_the_plain_call(monkeypatch):
+    """``attention._sdpa``'s CUDA route (flash attention first, cuDNN's next to last; under a mask
+    the KV heads repeated for the query heads) on CPU tensors gives the plain call's attention,
+    grouped heads or not, causal or masked; a torch whose ``sdpa_kernel`` takes no priorities gets
+    the list without cuDNN's."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend
+
+    from pipeserve.model import attention
+
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads in ((9, 3), (4, 4)):
+        q = torch.randn(1, heads, 5, 16, generator=g)
+        k, v = torch.randn(2, 1, kv_heads, 12, 16, generator=g)
+        after_cached = torch.ones(5, 12, dtype=torch.bool).tril(diagonal=7)   # 7 cached keys, then the chunk's
+        for kb, vb, mask in ((k[:, :, :5], v[:, :, :5], None), (k, v, after_cached)):
+            want = attention._sdpa(q, kb, vb, mask, 0.25, cuda=False)
+            got = attention._sdpa(q, kb, vb, mask, 0.25, cuda=True)
+            assert got.shape == (1, heads, 5, 16)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    lists = []
+
+    def without_priorities(backends):
+        lists.append(list(backends))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(attention, "sdpa_kernel", without_priorities)
+    torch.testing.assert_close(attention._sdpa(q, k, v, after_cached, 0.25, cuda=True),
+                               attention._sdpa(q, k, v, after_cached, 0.25, cuda=False))
+    assert lists == [[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]]

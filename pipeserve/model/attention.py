@@ -292,7 +292,7 @@ class TorchPagedAttention(AttentionBackend):
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, p: Prefill, shape: ScoreShape) -> torch.Tensor:
     """[q_len, heads, D] for one prefill sequence."""
-    heads, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     kv_heads, slots = k_cache.shape[2], k_cache.shape[0] * k_cache.shape[1]
     rows = slice(p.start, p.start + p.q_len)
     mask = None
@@ -309,14 +309,22 @@ def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if shape.softcap is not None:
         ob = _softcapped_attention(qb, kb, vb, mask, shape)
     else:
-        gqa = kv_heads != heads
-        if qb.is_cuda and mask is not None and gqa:   # a mask: flash cannot, and the efficient kernel has no GQA
-            kb, vb = kb.repeat_interleave(heads // kv_heads, dim=1), vb.repeat_interleave(heads // kv_heads, dim=1)
-            gqa = False
-        with _cuda_sdpa_order() if qb.is_cuda else contextlib.nullcontext():
-            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                                scale=shape.scale, enable_gqa=gqa)  # [1, heads, q_len, D]
+        ob = _sdpa(qb, kb, vb, mask, shape.scale, qb.is_cuda)                    # [1, heads, q_len, D]
     return ob[0].transpose(0, 1).to(q.dtype)                                  # [q_len, heads, D]
+
+
+def _sdpa(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          cuda: bool) -> torch.Tensor:
+    """SDPA of qb [1, heads, q_len, D] over kb / vb [1, kv_heads, keys, D], causal without a mask;
+    ``cuda``: in ``_cuda_sdpa_order``, and with a mask the KV heads repeated for the query heads
+    (flash takes no mask, the efficient kernel no grouped heads, and cuDNN's is the one to avoid)."""
+    gqa = kb.shape[1] != qb.shape[1]
+    if cuda and mask is not None and gqa:
+        group = qb.shape[1] // kb.shape[1]
+        kb, vb, gqa = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1), False
+    with _cuda_sdpa_order() if cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
 
 
 def _cuda_sdpa_order():
