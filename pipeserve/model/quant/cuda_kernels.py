@@ -65,11 +65,13 @@ if triton is not None:
                        TWO: tl.constexpr):
         """Row n's weights 32 g + 16 h + i in float32 as a [G, 2, 16] tile (n: an int64 row; g
         [G, 1, 1]: runs of 32 in range; h [1, 2, 1]; i [1, 1, 16]): a run's bytes loaded as they
-        lie (q4's 16 bytes once for both nibbles), each scale once per run or per 16."""
+        lie (q4's 16 bytes once for both nibbles), each scale once per run or per 16. Every
+        layout's rows are whole runs of 32 (packed.py's ``SUB``), so a run never straddles K."""
         q_row = qs + n * qs_row
         h_row = qh + n * qh_row
         s_row = sc + n * sc_row
         m_row = mn + n * sc_row
+        # where q5 / q6's high bits start in a row of ``qh``: after the sub-scales on two-level ones
         if TWO:
             high_at = K // 16
         else:
@@ -82,7 +84,7 @@ if triton is not None:
                 hb = tl.load(h_row + high_at + g * 4 + h * 2 + i // 8).to(tl.int32)
                 c = c | (((hb >> (i % 8)) & 1) << 4)
             if KIND == 4:
-                q = tl.load(lut + c).to(tl.float32)
+                q = tl.load(lut + c).to(tl.float32)       # IQ4's codebook
             else:
                 q = (c - ZERO).to(tl.float32)
         elif KIND == 3:                                    # q6: run g of its 128 is nibble (g % 4) // 2, pair g % 4
@@ -96,6 +98,7 @@ if triton is not None:
                 hm = tl.load(h_row + (g // 8) * 48 + h * 16 + i).to(tl.int32)
                 c = c | (((hm >> (g % 8)) & 1) << 2)
             q = (c - ZERO).to(tl.float32)
+        # scales (and minimums), as packed.py's k4 / k6 / k2_group_scales compute them: exact products
         if KIND == 5:                                      # Q2_K: sub-scale and sub-minimum per 16
             d = tl.load(s_row + g // 8).to(tl.float32)
             sub = tl.load(h_row + (g // 8) * 16 + (g % 8) * 2 + h).to(tl.int32)
@@ -121,8 +124,8 @@ if triton is not None:
 
     @triton.jit
     def _qgemv(x, y, qs, qh, sc, mn, lut, M, K, x_row, y_row, qs_row, qh_row, sc_row,
-                 KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                 TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
+               KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+               TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ROUND: tl.constexpr):
         """y[:, n] = x @ W[n] for the program's row n: the row's codes read once, every row of x
         (at most BM) against them; products summed per lane, lanes at the end."""
         n = tl.program_id(0).to(tl.int64)
@@ -135,7 +138,7 @@ if triton is not None:
             g = k0 // 32 + rg
             w = _weight_groups(qs, qh, sc, mn, lut, n, tl.minimum(g, K // 32 - 1), rh, ri, K, qs_row, qh_row,
                                sc_row, KIND, GROUP, ZERO, HAS_MIN, TWO)   # runs past K meet zeros of x
-            if ROUND:
+            if ROUND:                                          # as F.linear(x, dequantize(w, x.dtype))
                 w = w.to(x.dtype.element_ty).to(tl.float32)
             k = (g * 32 + rh * 16 + ri)[None, :, :, :]
             a = tl.load(x + rm * x_row + k, mask=(rm < M) & (k < K), other=0.0)
@@ -146,8 +149,8 @@ if triton is not None:
 
     @triton.jit
     def _dequant(out, qs, qh, sc, mn, lut, K, qs_row, qh_row, sc_row,
-                   KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
-                   TWO: tl.constexpr, BK: tl.constexpr):
+                 KIND: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_MIN: tl.constexpr,
+                 TWO: tl.constexpr, BK: tl.constexpr):
         """Row n = program 0's, columns of program 1's chunk, into ``out``'s dtype."""
         n = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * (BK // 32) + tl.arange(0, BK // 32)[:, None, None]
