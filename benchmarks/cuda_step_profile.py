@@ -1,16 +1,16 @@
 """Where a CUDA engine step's time goes: one request's prefill and decode, then a batch under torch.profiler.
 
-For the kept-quantized path on a GPU (benchmarks/README.md left two things not understood: a
-longer time to the first token at one request with the Triton kernels, and a few milliseconds a
-step at 64 requests beyond the kernels' own time). PP = 1 runs in this process, so the profiler
-sees the engine, the model and the kernels together.
+Written for the kept-quantized path on a GPU, whose one-request TTFT and 64-request steps the
+kernels' own times did not explain (benchmarks/README.md: the first was cuDNN's attention building
+a graph per new length; the second, the host's launches). PP = 1 runs in this process, so the
+profiler sees the engine, the model and the kernels together.
 
 1. One request: a 32-token prompt (what ``bench --num-warmup`` sends), then three 128-token
    prompts, each for one token (wall time of the prefill), with the Triton kernels' compiled
    variants counted after each (a new variant is a compilation inside that call).
 2. One request decoding ``--output-len`` tokens, then ``--num-prompts`` requests: each once to warm
-   up (its wall time per engine step), then again under torch.profiler; the top kernels by GPU time
-   and the top operators by host time.
+   up (its wall time per engine step), then new prompts of the same lengths (not prefix-cache hits)
+   under torch.profiler; the top kernels by GPU time and the top operators by host time.
 
     python benchmarks/cuda_step_profile.py --model /tmp/mixes/llama-Q4_K_M.gguf [--quantization auto]
 """
@@ -48,9 +48,9 @@ def timed(llm: LLM, batch: list[dict], max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def profiled(llm: LLM, batch: list[dict], max_tokens: int, label: str, args) -> None:
-    """``batch`` to ``max_tokens`` twice (the first warms it up): each run's wall time per engine
-    step, the second's under torch.profiler, whose tables follow."""
+def profiled(llm: LLM, batches: tuple[list[dict], list[dict]], max_tokens: int, label: str, args) -> None:
+    """Two batches of the same shape to ``max_tokens``, the first to warm up (its wall time per engine
+    step), the second under torch.profiler, whose tables follow."""
     steps = 0
     step = llm.engine.step
 
@@ -60,12 +60,12 @@ def profiled(llm: LLM, batch: list[dict], max_tokens: int, label: str, args) -> 
         return step(*a, **kw)
 
     llm.engine.step = counted
-    wall = timed(llm, batch, max_tokens)
+    wall = timed(llm, batches[0], max_tokens)
     plain, steps = wall / steps, 0
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        wall = timed(llm, batch, max_tokens)
+        wall = timed(llm, batches[1], max_tokens)
     llm.engine.step = step
     print(f"{label} x {max_tokens} tokens: {plain * 1e3:.2f} ms a step; under the profiler {wall * 1e3:.0f} ms, "
           f"{steps} engine steps, {wall / steps * 1e3:.2f} ms a step", flush=True)
@@ -90,9 +90,8 @@ def main() -> None:
     for i, length in enumerate((32, 128, 128, 128)):
         ms = timed(llm, prompts(1, length, i), 1) * 1e3
         print(f"prefill of {length} tokens, one request: {ms:.1f} ms (variants after: {variants()})", flush=True)
-    for label, batch in (("one request", prompts(1, 128, 10)), (f"{args.num_prompts} requests",
-                                                               prompts(args.num_prompts, 128, 20))):
-        profiled(llm, batch, args.output_len, label, args)
+    for label, n, seed in (("one request", 1, 10), (f"{args.num_prompts} requests", args.num_prompts, 20)):
+        profiled(llm, (prompts(n, 128, seed), prompts(n, 128, seed + 1)), args.output_len, label, args)
     llm.shutdown()
 
 

@@ -83,7 +83,8 @@ PY
             --input-len 128 --output-len 128 "$@" 2>&1 | tee -a "$OUT/bench.txt"
     }
     if [ "$DEVICE" = cuda ]; then   # the Triton kernels against PyTorch's ops and a dense weight, per row count
-        timeout 120 python3 benchmarks/cuda_quant_matmul.py ${QUANT_MATMUL_ARGS:-} 2>&1 | tee "$OUT/quant_matmul.txt"
+        timeout 120 python3 benchmarks/cuda_quant_matmul.py ${QUANT_MATMUL_ARGS:-} 2>&1 \
+            | tee "$OUT/quant_matmul.txt"
     fi
     timeout 60 python3 benchmarks/gguf_mixes.py --out /tmp/mixes --random-blocks --types Q4_K_M --layers 8 \
         --source .whl/smollm2-meta.gguf 2>&1 | tee -a "$OUT/setup.txt"
