@@ -22,7 +22,7 @@
 set -u
 DEVICE=${DEVICE:-cuda}
 NUM=${NUM:-64}
-STEPS=${2:-all}   # run quant: only the quantized-matmul test, its timing and the Q4_K_M benchmarks
+STEPS=${2:-all}   # run quant: tests/test_cuda.py, the kernel table, the step profile and the kept Q4_K_M benchmarks
 case "${1:-}" in
 prepare)
     grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
