@@ -21,7 +21,8 @@ from tests.test_quant_gemm import _cases
 from tests.test_quant_kernels import gguf_file  # noqa: F401  (gguf_file is a fixture)
 from tests.test_quant_model import _all_logits, _perplexity, _runner, dense_logits, smollm2  # noqa: F401 (fixtures)
 
-ROWS = (2, 3, 4, GEMM_MIN_ROWS, 6, GEMV_MAX_ROWS + 1, 10, 16, 23, 64, 100)   # tails of the 10-row micro-kernel, whole ones
+# tails of the one-panel 10-row micro-kernel, whole ones; from 24 rows panels in groups of 4, 3 rows a call
+ROWS = (2, 3, 4, GEMM_MIN_ROWS, 6, GEMV_MAX_ROWS + 1, 10, 16, 23, 26, 64, 100)
 needs_matmul, needs_i8 = skip_without_kernel("quant_matmul"), skip_without_kernel("quant_gemm_i8")
 TAKEN = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "int8",
          "int4"}
@@ -109,6 +110,24 @@ def test_a_row_is_the_same_whatever_its_call(gguf_file):  # noqa: F811
                 assert torch.equal(kernels.gemm_i8(w, x), whole), (w.source, t)
         finally:
             torch.set_num_threads(threads)
+
+
+@needs_i8
+def test_panel_groups_give_the_one_panel_kernels_outputs():
+    """From 24 rows of x the kernel multiplies four panels (64 weight rows) at a time, 3 rows a
+    micro-kernel call, where fewer rows take one panel, 10 rows a call: each output is the same
+    bit for bit (the same operations per output, in the same order). 100 weight rows: a group of
+    four panels, then two whole ones and a partial one; both minimum forms (q4) and none (q8)."""
+    kernels = _i8_kernels()
+    gen = torch.Generator().manual_seed(5)
+    for bits in (4, 8):
+        w = quantize_weight(torch.randn(100, 256, generator=gen), bits, 32)
+        x = torch.randn(50, 256, generator=gen).bfloat16()
+        whole = kernels.gemm_i8(w, x)
+        for lo in range(0, 50, 10):
+            assert torch.equal(kernels.gemm_i8(w, x[lo:lo + 10]), whole[lo:lo + 10]), (bits, lo)
+        ref, tol = _bound(w, x)
+        assert ((whole.double() - ref).abs() <= tol).all(), bits
 
 
 @needs_matmul

@@ -142,21 +142,25 @@ static inline __attribute__((always_inline)) __m512i q5_codes64(const uint8_t *r
     return _mm512_inserti64x4(_mm512_castsi256_si512(ca), codes32(row + k / 2 + 16, hb + k / 32 * 4 + 4), 1);
 }
 
-/* Rows-major [PR][cols] floats (a row every `stride`) -> dst [cols][PR], 16 columns at a time
- * through one transpose16 (columns past `cols` of the last 16 are not stored). */
-static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, float *dst) {
+/* Rows-major [PR][cols] floats (a row every `stride`) -> dst [cols][PR], column c at dst + c * os
+ * (os >= PR: panels side by side), 16 columns at a time through one transpose16 (columns past
+ * `cols` of the last 16 are not stored). */
+static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, float *dst, int64_t os) {
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
         __m512i r[PR];
         for (int64_t j = 0; j < PR; j++) r[j] = _mm512_loadu_si512((const void *)(src + j * stride + c0));
         transpose16(r);   /* r[c] = column c0 + c of the 16 rows */
         const int64_t n = cols - c0 < 16 ? cols - c0 : 16;
-        for (int64_t c = 0; c < n; c++) _mm512_store_si512((void *)(dst + (c0 + c) * PR), r[c]);
+        for (int64_t c = 0; c < n; c++) _mm512_store_si512((void *)(dst + (c0 + c) * os), r[c]);
     }
 }
 
 /* 64 bytes (those in `live`) of each of a panel's `rows` rows, `stride` bytes apart from p (rows past
  * `rows`: zero), transposed: r[c] = dword c of the 16 rows. Each row's load goes with a prefetch of
- * the same bytes of the next panel's row into L2: a panel's rows are read a column of 64 bytes at a
+ * the same bytes of the row `ahead` rows on into L2 (the next panel's, or with panels in groups the
+ * same panel of the next group, so that all of it arrives while this group's dot products run; one
+ * panel ahead in groups of 4, SmolLM2's head from memory at 16 rows took 0.86x the one-panel
+ * kernel's time, twenty-ninth session): a panel's rows are read a column of 64 bytes at a
  * time, 16 streams a row apart that the hardware prefetchers do not follow, so from memory the
  * unpack waited on every column (SmolLM2's Q8_0 head at 16 rows of x, one thread: 140-153 ns a
  * weight row from memory against 88-97 from L2 or L3; with these prefetches 95). One panel ahead
@@ -164,16 +168,18 @@ static void transpose_to_panel(const float *src, int64_t stride, int64_t cols, f
  * more panels ahead, changed nothing (benchmarks/README.md, twenty-fourth session). Past the
  * matrix's end they fetch bytes nobody reads (a prefetch does not fault). */
 static inline __attribute__((always_inline)) void panel_bytes(const uint8_t *p, int64_t stride, int64_t rows,
-                                                              __mmask64 live, __m512i r[PR]) {
+                                                              __mmask64 live, __m512i r[PR], int64_t ahead) {
     for (int64_t j = 0; j < PR; j++) {
         r[j] = j < rows ? _mm512_maskz_loadu_epi8(live, p + j * stride) : _mm512_setzero_si512();
-        _mm_prefetch((const char *)(p + (PR + j) * stride), _MM_HINT_T1);
+        _mm_prefetch((const char *)(p + (ahead + j) * stride), _MM_HINT_T1);
     }
     transpose16(r);
 }
 
 /* Panel rows [n0, n0 + rows), rows <= PR: codes into wp [K / 4][PR] dwords, s and m into
- * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales).
+ * [K / 32][PR] (q6k, q3, q2: per 16, [K / 16][PR]; rows past `rows`: zero codes and scales),
+ * each group of PR os dwords (floats) from the last: os = NP * PR puts NP panels side by side
+ * (and so many rows on are the ones panel_bytes prefetches).
  * The scales are made a row at a time into ts, tm ([PR][tstride] floats, tstride >= the row's
  * scales rounded up to 16; Q4_0-Q8_0 and IQ4_NL's float16 ones 16 at a time) and turned into the
  * panel's order by 16 x 16 transposes, where each was a scalar store 64 bytes from the last. The
@@ -185,7 +191,7 @@ static inline __attribute__((always_inline)) void panel_bytes(const uint8_t *p, 
  * together 1.07-1.59x at 16 rows, 0.99-1.22x at 64 (benchmarks/README.md, twenty-third session). */
 static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t rows, int64_t K,
                          int64_t group, int64_t n0, int zero, const uint8_t *qh, uint32_t *wp, float *ws, float *wm,
-                         float *ts, float *tm, int64_t tstride) {
+                         float *ts, float *tm, int64_t tstride, int64_t os) {
     const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int ck = quant_codes_kind(kind);
     const int per16 = kind == QUANT_Q6K || kind == QUANT_Q2 || kind == QUANT_Q3;
@@ -237,17 +243,17 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             rm[b] = m - off * s;
         }
     }
-    transpose_to_panel(ts, tstride, cols, ws);
-    transpose_to_panel(tm, tstride, cols, wm);
+    transpose_to_panel(ts, tstride, cols, ws, os);
+    transpose_to_panel(tm, tstride, cols, wm, os);
     if (ck == 8) {   /* q8: the code bytes transposed as they are, + 128 */
         const __m512i flip = _mm512_set1_epi8((char)0x80);
         for (int64_t k = 0; k < K; k += 64) {
             const __mmask64 live = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
             __m512i r[PR];
-            panel_bytes(qs + n0 * row_bytes + k, row_bytes, rows, live, r);   /* r[c]: codes k + 4c .. k + 4c + 3 */
+            panel_bytes(qs + n0 * row_bytes + k, row_bytes, rows, live, r, os);   /* r[c]: codes k + 4c .. k + 4c + 3 */
             const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
             for (int64_t c = 0; c < groups4; c++)
-                _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), _mm512_xor_si512(r[c], flip));
+                _mm512_store_si512((void *)(wp + (k / 4 + c) * os), _mm512_xor_si512(r[c], flip));
         }
         return;
     }
@@ -260,9 +266,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             const int64_t blocks = (K - k) / 32 < 4 ? (K - k) / 32 : 4;
             const __mmask64 live = blocks == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * blocks)) - 1;
             __m512i r[PR], pl[PR];
-            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);   /* r[4b + d]: dword d of block b */
+            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r, os);   /* r[4b + d]: dword d of block b */
             panel_bytes(hb0 + n0 * high_bytes + k / 32 * 4, high_bytes, rows, (__mmask64)((1u << (4 * blocks)) - 1u),
-                        pl);                                                   /* pl[b]: block b's plane */
+                        pl, os);                                                   /* pl[b]: block b's plane */
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
                     /* byte i of dword lane 2q (2q + 1) takes bit 4d + i (+ 16 for the high nibbles) of its plane:
@@ -273,9 +279,9 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                         pl[b], _mm512_set1_epi64((long long)(sel + 16 * 0x0101010101010101ull)));
                     const __m512i lo = _mm512_and_si512(r[4 * b + d], lo4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4);
-                    uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
+                    uint32_t *g = wp + (k / 4 + 8 * b + d) * os;
                     _mm512_store_si512((void *)g, _mm512_mask_add_epi8(lo, mlo, lo, sixteen));
-                    _mm512_store_si512((void *)(g + 4 * PR), _mm512_mask_add_epi8(hi, mhi, hi, sixteen));
+                    _mm512_store_si512((void *)(g + 4 * os), _mm512_mask_add_epi8(hi, mhi, hi, sixteen));
                 }
         }
         return;
@@ -292,17 +298,17 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             __m512i r[PR];
             /* r[4b + d] = dword d of block b's 16 bytes in the 16 rows: codes 4d.. in the low nibbles,
              * 16 + 4d.. in the high ones */
-            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r);
+            panel_bytes(qs + n0 * row_bytes + k / 2, row_bytes, rows, live, r, os);
             for (int64_t b = 0; b < blocks; b++)
                 for (int d = 0; d < 4; d++) {
-                    uint32_t *g = wp + (k / 4 + 8 * b + d) * PR;
+                    uint32_t *g = wp + (k / 4 + 8 * b + d) * os;
                     __m512i lo = _mm512_and_si512(r[4 * b + d], lo4), hi = _mm512_and_si512(_mm512_srli_epi16(r[4 * b + d], 4), lo4);
                     if (i4) {
                         lo = _mm512_xor_si512(_mm512_shuffle_epi8(values, lo), flip);
                         hi = _mm512_xor_si512(_mm512_shuffle_epi8(values, hi), flip);
                     }
                     _mm512_store_si512((void *)g, lo);
-                    _mm512_store_si512((void *)(g + 4 * PR), hi);
+                    _mm512_store_si512((void *)(g + 4 * os), hi);
                 }
         }
         return;
@@ -312,12 +318,12 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
         const uint8_t *hb0 = quant_high_bits_at(kind, qh, K);
         for (int64_t k = 0; k < K; k += 256) {
             __m512i h[PR];   /* h[8t + c]: dword c of stretch t's 32 bytes of bit pairs, in the 16 rows */
-            panel_bytes(hb0 + n0 * high_bytes + k / 4, high_bytes, rows, ~(__mmask64)0, h);
+            panel_bytes(hb0 + n0 * high_bytes + k / 4, high_bytes, rows, ~(__mmask64)0, h, os);
             for (int64_t t = 0; t < 2; t++) {
                 __m512i r[PR];
                 /* r[c]: dword c of the stretch's 64 nibble bytes, weights 4c.. (runs 0 | 1) in the low
                  * nibbles, 64 + 4c.. (runs 2 | 3) in the high ones */
-                panel_bytes(qs + n0 * row_bytes + (k + 128 * t) / 2, row_bytes, rows, ~(__mmask64)0, r);
+                panel_bytes(qs + n0 * row_bytes + (k + 128 * t) / 2, row_bytes, rows, ~(__mmask64)0, r, os);
                 for (int c = 0; c < 16; c++) {
                     const __m512i v = r[c], hp = h[8 * t + c % 8];
                     const int run = c / 8;   /* run 0 or 1 from the low nibbles, 2 or 3 from the high ones */
@@ -325,8 +331,8 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                     const __m512i b0 = _mm512_and_si512(run ? _mm512_slli_epi16(hp, 2) : _mm512_slli_epi16(hp, 4), pair);
                     const __m512i b1 = _mm512_and_si512(run ? _mm512_srli_epi16(hp, 2) : hp, pair);
                     const int64_t g = (k + 128 * t) / 4 + 8 * run + c % 8;
-                    _mm512_store_si512((void *)(wp + g * PR), _mm512_ternarylogic_epi64(v, b0, lo4, 0xec));
-                    _mm512_store_si512((void *)(wp + (g + 16) * PR),
+                    _mm512_store_si512((void *)(wp + g * os), _mm512_ternarylogic_epi64(v, b0, lo4, 0xec));
+                    _mm512_store_si512((void *)(wp + (g + 16) * os),
                                        _mm512_ternarylogic_epi64(_mm512_srli_epi16(v, 4), b1, lo4, 0xec));
                 }
             }
@@ -340,10 +346,10 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
             __m512i r[PR], h[PR];
             /* r[8t + c]: dword c of stretch t's 32 bytes; byte l holds weights l, l + 32, l + 64, l + 96 of
              * the stretch in its bit pairs 0, 2, 4, 6 */
-            panel_bytes(qs + n0 * row_bytes + k / 4, row_bytes, rows, ~(__mmask64)0, r);
+            panel_bytes(qs + n0 * row_bytes + k / 4, row_bytes, rows, ~(__mmask64)0, r, os);
             if (ck == QUANT_Q3) {
                 panel_bytes(qh + n0 * high_bytes + k / QUANT_K2_SUPER * 48, high_bytes, rows, (__mmask64)0xffffffffu,
-                            h);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
+                            h, os);   /* h[c], c < 8: dword c of the hmask, bit p of byte l weight 32p + l's third bit */
             }
             for (int c = 0; c < 16; c++) {
                 const int t = c / 8, cc = c % 8;
@@ -354,7 +360,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                         const __m512i hb = p >= 2 ? _mm512_srli_epi16(h[cc], p - 2) : _mm512_slli_epi16(h[cc], 2 - p);
                         code = _mm512_or_si512(code, _mm512_and_si512(hb, four));
                     }
-                    _mm512_store_si512((void *)(wp + (k / 4 + 32 * t + 8 * q + cc) * PR), code);
+                    _mm512_store_si512((void *)(wp + (k / 4 + 32 * t + 8 * q + cc) * os), code);
                 }
             }
         }
@@ -369,7 +375,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                             : _mm512_setzero_si512();
         transpose16(r);   /* r[c] = dword c (codes 4c .. 4c + 3) of the 16 rows */
         const int64_t groups4 = (K - k < 64 ? K - k : 64) / 4;
-        for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * PR), r[c]);
+        for (int64_t c = 0; c < groups4; c++) _mm512_store_si512((void *)(wp + (k / 4 + c) * os), r[c]);
     }
 }
 
@@ -386,68 +392,109 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
 #endif
 }
 
-/* out rows [m0, m0 + R) of the panel's 16 columns: R (<= MR) rows of x against the panel.
- * per16 1 (q6k, q3; zero16 their zero): the weights' scales are per 16, w = s * (u - zero16);
+/* Panels per micro-kernel call, and rows of x for each count of panels (P panels x R rows: P * R
+ * int32 and as many float32 accumulators, P weight vectors, a broadcast). Each row's broadcast of
+ * 4 codes (vpbroadcastd from memory) feeds P vpdpbusd: with one panel the broadcasts, not the dot
+ * products, bound the kernel (1 x 10: ~540 of the core's ~1,000 GOPS; 4 x 3: ~1,200 in a synthetic
+ * loop of the same instructions, benchmarks/README.md, twenty-ninth session). */
+#define NP 4
+/* Fewer rows of x than this take one panel at a time: the weights' bytes weigh more against the
+ * dot products, and one panel's dot products overlap the next panel's prefetched bytes (SmolLM2's
+ * Q8_0 head from memory, groups of 4 against one panel: 0.82-0.86x at 4 and 8 rows, 0.92x at 16,
+ * 1.04-1.09x from 24). The layouts with scales per 16 (Q6_K, Q3_K, Q2_K) always take one panel:
+ * in groups of 4 they measured 0.88-0.98x at 64 rows (twice the epilogues per dot product). */
+#define GROUP_FROM_ROWS 24
+static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
+
+/* out rows [m0, m0 + R) of P panels' 16 columns each (panel p: columns n0 + 16p, its codes,
+ * scales and minimums at wp, ws, wm + 16p, PR apart for one panel, NP * PR for a group; the last
+ * panel's valid columns `keep`).
+ * per16 1 (q6k, q3): the weights' scales are per 16, w = s * (u - zero16);
  * each 16's dot starts at -zero16 * sum16 (its int8 sum of x), so it is exactly
  * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16
- * (dx * sum16). */
+ * (dx * sum16). Every output is the one-panel kernel's, bit for bit (the same operations in the
+ * same order per output). */
 static inline __attribute__((always_inline)) void
-micro(const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
+micro(const int P, const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
       const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
       int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+    const int64_t OS = P == 1 ? PR : NP * PR;   /* see panel_rows */
     const int64_t nb = K / 32;
-    __m512 acc[MR];
-    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[MR][NP];
+    for (int i = 0; i < R; i++)
+        for (int p = 0; p < P; p++) acc[i][p] = _mm512_setzero_ps();
     const int bl = per16 ? 16 : 32;   /* weights a scale covers: the dot's span */
     for (int64_t b = 0; b < K / bl; b++) {
-        __m512i dot[MR];
-        for (int i = 0; i < R; i++)
-            dot[i] = per16 ? _mm512_set1_epi32(-zero16 * sum16[(m0 + i) * 2 * nb + b]) : _mm512_setzero_si512();
-        const uint32_t *wb = wp + b * (bl / 4) * PR;
-        for (int g = 0; g < bl / 4; g++) {
-            const __m512i w = _mm512_load_si512((const void *)(wb + g * PR));
+        __m512i dot[MR][NP];
+        for (int i = 0; i < R; i++) {
+            const __m512i start =
+                per16 ? _mm512_set1_epi32(-zero16 * sum16[(m0 + i) * 2 * nb + b]) : _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) dot[i][p] = start;
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < bl / 4; g++) {   /* unrolled: a loop kept the dots in rotating register copies */
+            __m512i w[NP];
+            for (int p = 0; p < P; p++) w[p] = _mm512_load_si512((const void *)(wp + (b * (bl / 4) + g) * OS + p * PR));
             for (int i = 0; i < R; i++) {
                 int32_t xv;
                 memcpy(&xv, xq + (m0 + i) * K + b * bl + g * 4, 4);
-                dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(xv));
+                const __m512i xb = _mm512_set1_epi32(xv);
+                for (int p = 0; p < P; p++) dot[i][p] = _mm512_dpbusd_epi32(dot[i][p], w[p], xb);
             }
         }
-        const __m512 s = _mm512_load_ps(ws + b * PR), m = _mm512_load_ps(wm + b * PR);
         for (int i = 0; i < R; i++) {
-            const float d = dx[(m0 + i) * nb + (per16 ? b / 2 : b)];
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[i]);
-            if (per16 != 1)   /* the minimum term: per 32 (xs), or q2's per 16 (xs16) */
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(per16 ? xs16[(m0 + i) * 2 * nb + b] : xs[(m0 + i) * nb + b]),
-                                         acc[i]);
+            const __m512 d = _mm512_set1_ps(dx[(m0 + i) * nb + (per16 ? b / 2 : b)]);
+            for (int p = 0; p < P; p++) {
+                const __m512 sd = _mm512_mul_ps(_mm512_load_ps(ws + b * OS + p * PR), d);
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]), sd, acc[i][p]);
+                if (per16 != 1)   /* the minimum term: per 32 (xs), or q2's per 16 (xs16) */
+                    acc[i][p] = _mm512_fmadd_ps(
+                        _mm512_load_ps(wm + b * OS + p * PR),
+                        _mm512_set1_ps(per16 ? xs16[(m0 + i) * 2 * nb + b] : xs[(m0 + i) * nb + b]), acc[i][p]);
+            }
         }
     }
-    for (int i = 0; i < R; i++) {
-        if (bf16_out)
-            _mm256_mask_storeu_epi16((uint16_t *)out + (m0 + i) * N + n0, keep, to_bf16x16(acc[i]));
-        else
-            _mm512_mask_storeu_ps((float *)out + (m0 + i) * N + n0, keep, acc[i]);
-    }
+    for (int i = 0; i < R; i++)
+        for (int p = 0; p < P; p++) {
+            const __mmask16 k = p == P - 1 ? keep : (__mmask16)0xffff;
+            const int64_t at = (m0 + i) * N + n0 + p * PR;
+            if (bf16_out)
+                _mm256_mask_storeu_epi16((uint16_t *)out + at, k, to_bf16x16(acc[i][p]));
+            else
+                _mm512_mask_storeu_ps((float *)out + at, k, acc[i][p]);
+        }
 }
 
-static void micro_rows(int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
+/* rows (<= rows_for[P]) of x against P panels: a constant P, R and form of the scales (per 32,
+ * per 16, per 16 with minimums), so the loops unroll into registers. */
+static void micro_rows(int P, int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
                        const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
                        const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0,
                        __mmask16 keep) {
-    /* a constant R and a constant form of the scales (per 32, per 16, per 16 with minimums): the
-     * row loops unroll into registers */
-#define ROWS(R, Z) micro(R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); \
+#define ROWS(PP, R, Z) micro(PP, R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); \
     break;
-#define CASES(Z) switch (rows) { \
-    case 1: ROWS(1, Z) case 2: ROWS(2, Z) case 3: ROWS(3, Z) case 4: ROWS(4, Z) case 5: ROWS(5, Z) \
-    case 6: ROWS(6, Z) case 7: ROWS(7, Z) case 8: ROWS(8, Z) case 9: ROWS(9, Z) default: ROWS(MR, Z) }
+#define CASES1(Z) switch (rows) { \
+    case 1: ROWS(1, 1, Z) case 2: ROWS(1, 2, Z) case 3: ROWS(1, 3, Z) case 4: ROWS(1, 4, Z) case 5: ROWS(1, 5, Z) \
+    case 6: ROWS(1, 6, Z) case 7: ROWS(1, 7, Z) case 8: ROWS(1, 8, Z) case 9: ROWS(1, 9, Z) default: ROWS(1, MR, Z) }
+#define CASES2(Z) switch (rows) { \
+    case 1: ROWS(2, 1, Z) case 2: ROWS(2, 2, Z) case 3: ROWS(2, 3, Z) case 4: ROWS(2, 4, Z) case 5: ROWS(2, 5, Z) \
+    default: ROWS(2, 6, Z) }
+#define CASES3(Z) switch (rows) { case 1: ROWS(3, 1, Z) case 2: ROWS(3, 2, Z) case 3: ROWS(3, 3, Z) default: ROWS(3, 4, Z) }
+#define CASES4(Z) switch (rows) { case 1: ROWS(4, 1, Z) case 2: ROWS(4, 2, Z) default: ROWS(4, 3, Z) }
+#define PANELS(Z) switch (P) { case 1: CASES1(Z) break; case 2: CASES2(Z) break; case 3: CASES3(Z) break; \
+    default: CASES4(Z) break; }
     if (per16 == 0) {
-        CASES(0)
+        PANELS(0)
     } else if (per16 == 1) {
-        CASES(1)
+        PANELS(1)
     } else {
-        CASES(2)
+        PANELS(2)
     }
-#undef CASES
+#undef PANELS
+#undef CASES4
+#undef CASES3
+#undef CASES2
+#undef CASES1
 #undef ROWS
 }
 
@@ -471,8 +518,10 @@ static __thread int64_t panel_cap;
 /* Floats a row of unpack_panel's row-major scales takes: K / 16 (per 16), rounded up to 16. */
 static int64_t scale_stride(int64_t K) { return (K / 16 + 15) / 16 * 16; }
 
+/* NP panels side by side: codes [K / 4][OS] dwords, scales and minimums [K / 16][OS] floats each
+ * (room for per 16), then unpack_panel's row-major scales and minimums. */
 static char *panel_scratch(int64_t K) {
-    const int64_t nb = K / 32, need = K / 4 * PR * 4 + 4 * nb * PR * 4 + 2 * PR * scale_stride(K) * 4 + 3 * 64;
+    const int64_t need = (K / 4) * NP * PR * 4 + 4 * (K / 32) * NP * PR * 4 + 2 * PR * scale_stride(K) * 4 + 3 * 64;
     if (need > panel_cap) {
         free(panel_buf);
         panel_buf = aligned_alloc(64, (size_t)(need + 63) / 64 * 64);
@@ -488,22 +537,30 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     const int64_t nb = K / 32;
     char *buf = panel_scratch(K);
     if (!buf) return -1;
+    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
+    const int np = M >= GROUP_FROM_ROWS && !per16 ? NP : 1;
+    const int64_t os = np * PR;   /* a group's panels side by side: one panel's groups of 4 codes os dwords apart */
     uint32_t *wp = (uint32_t *)buf;
-    float *ws = (float *)(buf + (K / 4 * PR * 4 + 63) / 64 * 64);
-    float *wm = ws + 2 * nb * PR, *ts = wm + 2 * nb * PR;   /* room for scales and minimums per 16 */
+    float *ws = (float *)(buf + (K / 4) * os * 4);
+    float *wm = ws + 2 * nb * os, *ts = wm + 2 * nb * os;   /* room for scales and minimums per 16 */
     const int64_t tstride = scale_stride(K);
     int8_t *xq;
     float *dx, *xs;
     int32_t *sum16;
     float *xs16;
     act_parts(act, K, M, &xq, &dx, &xs, &sum16, &xs16);
-    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
-    for (int64_t p0 = n0; p0 < n1; p0 += PR) {
-        const int64_t cols = n1 - p0 < PR ? n1 - p0 : PR;
-        unpack_panel(kind, qs, sc, mn, cols, K, group, p0, zero, qh, wp, ws, wm, ts, ts + PR * tstride, tstride);
-        const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
-        for (int64_t m0 = 0; m0 < M; m0 += MR)
-            micro_rows(M - m0 < MR ? M - m0 : MR, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out,
+    for (int64_t p0 = n0; p0 < n1; p0 += np * PR) {   /* up to np panels at a time */
+        int P = 0;
+        int64_t cols = PR;
+        for (; P < np && p0 + P * PR < n1; P++) {
+            cols = n1 - (p0 + P * PR) < PR ? n1 - (p0 + P * PR) : PR;
+            unpack_panel(kind, qs, sc, mn, cols, K, group, p0 + P * PR, zero, qh, wp + P * PR, ws + P * PR,
+                         wm + P * PR, ts, ts + PR * tstride, tstride, os);
+        }
+        const __mmask16 keep = (__mmask16)((1u << cols) - 1u);   /* the last panel's columns */
+        const int64_t R = rows_for[P];
+        for (int64_t m0 = 0; m0 < M; m0 += R)
+            micro_rows(P, M - m0 < R ? M - m0 : R, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out,
                        bf16_out, N, p0, keep);
     }
     return 0;
@@ -557,7 +614,7 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
 #ifdef I8_GEMM
     if (!pipeserve_quant_gemm_i8_takes(kind, K, group)) return -3;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t panels = (N + PR - 1) / PR;
+    const int64_t groups = (N + NP * PR - 1) / (NP * PR);   /* of NP panels, one micro-kernel's columns */
     void *act = aligned_alloc(64, (size_t)(act_size(K, M) + 63) / 64 * 64);
     if (!act) return -1;
     int8_t *xq;
@@ -571,8 +628,8 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs, sum16, xs16);
 #pragma omp for schedule(static)
-        for (int64_t pn = 0; pn < panels; pn++) {
-            const int64_t n0 = pn * PR, n1 = N - n0 < PR ? N : n0 + PR;
+        for (int64_t pn = 0; pn < groups; pn++) {
+            const int64_t n0 = pn * NP * PR, n1 = N - n0 < NP * PR ? N : n0 + NP * PR;
             if (panel_rows(kind, qs, sc, mn, N, K, group, qh, zero, act, M, n0, n1, out, bf16_out) != 0) {
 #pragma omp atomic write
                 failed = 1;
