@@ -404,6 +404,10 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
  * 1.04-1.09x from 24). The layouts with scales per 16 (Q6_K, Q3_K, Q2_K) always take one panel:
  * in groups of 4 they measured 0.88-0.98x at 64 rows (twice the epilogues per dot product). */
 #define GROUP_FROM_ROWS 24
+/* A group's codes (K bytes a weight row) must stay in L1 (48 KiB on Zen 4) while its rows of x go by
+ * three at a time: against the one-panel kernel, groups measured 1.0-1.35x at K = 576 (SmolLM2),
+ * 0.82-0.87x at K = 1536 and 0.89-0.95x at K = 2048 from 32 to 256 rows (twenty-ninth session). */
+#define GROUP_MAX_BYTES (40 << 10)
 static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
 
 /* out rows [m0, m0 + R) of P panels' 16 columns each (panel p: columns n0 + 16p, its codes,
@@ -538,7 +542,7 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     char *buf = panel_scratch(K);
     if (!buf) return -1;
     const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
-    const int np = M >= GROUP_FROM_ROWS && !per16 ? NP : 1;
+    const int np = M >= GROUP_FROM_ROWS && !per16 && NP * K * PR <= GROUP_MAX_BYTES ? NP : 1;
     const int64_t os = np * PR;   /* a group's panels side by side: one panel's groups of 4 codes os dwords apart */
     uint32_t *wp = (uint32_t *)buf;
     float *ws = (float *)(buf + (K / 4) * os * 4);
