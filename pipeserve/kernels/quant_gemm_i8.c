@@ -394,9 +394,10 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
 
 /* Panels per micro-kernel call, and rows of x for each count of panels (P panels x R rows: P * R
  * int32 and as many float32 accumulators, P weight vectors, a broadcast). Each row's broadcast of
- * 4 codes (vpbroadcastd from memory) feeds P vpdpbusd: with one panel the broadcasts, not the dot
- * products, bound the kernel (1 x 10: ~540 of the core's ~1,000 GOPS; 4 x 3: ~1,200 in a synthetic
- * loop of the same instructions, benchmarks/README.md, twenty-ninth session). */
+ * 4 codes feeds P vpdpbusd, and a call over M rows of x reads x once per P panels: with every
+ * operand in L1 the shapes run alike (benchmarks/i8_micro_shapes.c), but a prompt's x is in L2
+ * (256 rows of SmolLM2: 144 KiB), and four panels at a time read it a quarter as often
+ * (benchmarks/README.md, twenty-ninth session). */
 #define NP 4
 /* Fewer rows of x than this take one panel at a time: the weights' bytes weigh more against the
  * dot products, and one panel's dot products overlap the next panel's prefetched bytes (SmolLM2's
