@@ -117,17 +117,18 @@ def test_panel_groups_give_the_one_panel_kernels_outputs():
     """From 24 rows of x the kernel multiplies four panels (64 weight rows) at a time, 3 rows a
     micro-kernel call, where fewer rows take one panel, 10 rows a call: each output is the same
     bit for bit (the same operations per output, in the same order). 100 weight rows: a group of
-    four panels, then two whole ones and a partial one; both minimum forms (q4) and none (q8)."""
+    four panels, then two whole ones and a partial one; 72: then a partial one alone (laid out as the
+    group's first panel); both minimum forms (q4) and none (q8)."""
     kernels = _i8_kernels()
     gen = torch.Generator().manual_seed(5)
-    for bits in (4, 8):
-        w = quantize_weight(torch.randn(100, 256, generator=gen), bits, 32)
+    for bits, n in ((4, 100), (8, 100), (4, 72), (8, 72)):
+        w = quantize_weight(torch.randn(n, 256, generator=gen), bits, 32)
         x = torch.randn(50, 256, generator=gen).bfloat16()
         whole = kernels.gemm_i8(w, x)
         for lo in range(0, 50, 10):
-            assert torch.equal(kernels.gemm_i8(w, x[lo:lo + 10]), whole[lo:lo + 10]), (bits, lo)
+            assert torch.equal(kernels.gemm_i8(w, x[lo:lo + 10]), whole[lo:lo + 10]), (bits, n, lo)
         ref, tol = _bound(w, x)
-        assert ((whole.double() - ref).abs() <= tol).all(), bits
+        assert ((whole.double() - ref).abs() <= tol).all(), (bits, n)
 
 
 @needs_matmul

@@ -412,8 +412,8 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
 static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
 
 /* out rows [m0, m0 + R) of P panels' 16 columns each (panel p: columns n0 + 16p, its codes,
- * scales and minimums at wp, ws, wm + 16p, PR apart for one panel, NP * PR for a group; the last
- * panel's valid columns `keep`).
+ * scales and minimums at wp, ws, wm + 16p, each group of 4 codes (each block's scales) os from the
+ * last: the layout panel_rows unpacked them in, whatever P; the last panel's valid columns `keep`).
  * per16 1 (q6k, q3): the weights' scales are per 16, w = s * (u - zero16);
  * each 16's dot starts at -zero16 * sum16 (its int8 sum of x), so it is exactly
  * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16
@@ -421,9 +421,8 @@ static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
  * same order per output). */
 static inline __attribute__((always_inline)) void
 micro(const int P, const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
-      const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t K,
-      int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
-    const int64_t OS = P == 1 ? PR : NP * PR;   /* see panel_rows */
+      const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t os,
+      int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
     const int64_t nb = K / 32;
     __m512 acc[MR][NP];
     for (int i = 0; i < R; i++)
@@ -439,7 +438,7 @@ micro(const int P, const int R, const int per16, const int zero16, const int8_t 
 #pragma GCC unroll 8
         for (int g = 0; g < bl / 4; g++) {   /* unrolled: a loop kept the dots in rotating register copies */
             __m512i w[NP];
-            for (int p = 0; p < P; p++) w[p] = _mm512_load_si512((const void *)(wp + (b * (bl / 4) + g) * OS + p * PR));
+            for (int p = 0; p < P; p++) w[p] = _mm512_load_si512((const void *)(wp + (b * (bl / 4) + g) * os + p * PR));
             for (int i = 0; i < R; i++) {
                 int32_t xv;
                 memcpy(&xv, xq + (m0 + i) * K + b * bl + g * 4, 4);
@@ -450,11 +449,11 @@ micro(const int P, const int R, const int per16, const int zero16, const int8_t 
         for (int i = 0; i < R; i++) {
             const __m512 d = _mm512_set1_ps(dx[(m0 + i) * nb + (per16 ? b / 2 : b)]);
             for (int p = 0; p < P; p++) {
-                const __m512 sd = _mm512_mul_ps(_mm512_load_ps(ws + b * OS + p * PR), d);
+                const __m512 sd = _mm512_mul_ps(_mm512_load_ps(ws + b * os + p * PR), d);
                 acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]), sd, acc[i][p]);
                 if (per16 != 1)   /* the minimum term: per 32 (xs), or q2's per 16 (xs16) */
                     acc[i][p] = _mm512_fmadd_ps(
-                        _mm512_load_ps(wm + b * OS + p * PR),
+                        _mm512_load_ps(wm + b * os + p * PR),
                         _mm512_set1_ps(per16 ? xs16[(m0 + i) * 2 * nb + b] : xs[(m0 + i) * nb + b]), acc[i][p]);
             }
         }
@@ -474,9 +473,10 @@ micro(const int P, const int R, const int per16, const int zero16, const int8_t 
  * per 16, per 16 with minimums), so the loops unroll into registers. */
 static void micro_rows(int P, int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
                        const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
-                       const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0,
-                       __mmask16 keep) {
-#define ROWS(PP, R, Z) micro(PP, R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, keep); \
+                       const float *wm, int64_t os, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
+                       int64_t n0, __mmask16 keep) {
+#define ROWS(PP, R, Z) micro(PP, R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, os, K, m0, out, bf16_out, N, n0, \
+                             keep); \
     break;
 #define CASES1(Z) switch (rows) { \
     case 1: ROWS(1, 1, Z) case 2: ROWS(1, 2, Z) case 3: ROWS(1, 3, Z) case 4: ROWS(1, 4, Z) case 5: ROWS(1, 5, Z) \
@@ -523,7 +523,7 @@ static __thread int64_t panel_cap;
 /* Floats a row of unpack_panel's row-major scales takes: K / 16 (per 16), rounded up to 16. */
 static int64_t scale_stride(int64_t K) { return (K / 16 + 15) / 16 * 16; }
 
-/* NP panels side by side: codes [K / 4][OS] dwords, scales and minimums [K / 16][OS] floats each
+/* NP panels side by side: codes [K / 4][NP * PR] dwords, scales and minimums [K / 16][NP * PR] floats each
  * (room for per 16), then unpack_panel's row-major scales and minimums. */
 static char *panel_scratch(int64_t K) {
     const int64_t need = (K / 4) * NP * PR * 4 + 4 * (K / 32) * NP * PR * 4 + 2 * PR * scale_stride(K) * 4 + 3 * 64;
@@ -565,8 +565,8 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
         const __mmask16 keep = (__mmask16)((1u << cols) - 1u);   /* the last panel's columns */
         const int64_t R = rows_for[P];
         for (int64_t m0 = 0; m0 < M; m0 += R)
-            micro_rows(P, M - m0 < R ? M - m0 : R, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out,
-                       bf16_out, N, p0, keep);
+            micro_rows(P, M - m0 < R ? M - m0 : R, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, os, K, m0,
+                       out, bf16_out, N, p0, keep);   /* os: a group's last panel may be its only one */
     }
     return 0;
 }
