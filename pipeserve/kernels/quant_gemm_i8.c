@@ -412,17 +412,20 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
 static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
 
 /* out rows [m0, m0 + R) of P panels' 16 columns each (panel p: columns n0 + 16p, its codes,
- * scales and minimums at wp, ws, wm + 16p, each group of 4 codes (each block's scales) os from the
- * last: the layout panel_rows unpacked them in, whatever P; the last panel's valid columns `keep`).
+ * scales and minimums at wp, ws, wm + 16p, each group of 4 codes (each block's scales) PR from the
+ * last, or NP * PR when `grouped`: the layout panel_rows unpacked them in, which a group's last
+ * panel alone (P = 1) keeps; the last panel's valid columns `keep`).
  * per16 1 (q6k, q3): the weights' scales are per 16, w = s * (u - zero16);
  * each 16's dot starts at -zero16 * sum16 (its int8 sum of x), so it is exactly
  * sum (u - zero16) * xq, and adds dot * (s * dx); per16 2 (q2): and its minimum m * xs16
  * (dx * sum16). Every output is the one-panel kernel's, bit for bit (the same operations in the
  * same order per output). */
 static inline __attribute__((always_inline)) void
-micro(const int P, const int R, const int per16, const int zero16, const int8_t *xq, const float *dx, const float *xs,
-      const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws, const float *wm, int64_t os,
-      int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+micro(const int P, const int R, const int per16, const int grouped, const int zero16, const int8_t *xq,
+      const float *dx, const float *xs, const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
+      const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
+    /* a constant (a stride in a register cost 7-10 %): one panel's layout, or a group's */
+    const int64_t os = grouped ? NP * PR : PR;
     const int64_t nb = K / 32;
     __m512 acc[MR][NP];
     for (int i = 0; i < R; i++)
@@ -471,23 +474,26 @@ micro(const int P, const int R, const int per16, const int zero16, const int8_t 
 
 /* rows (<= rows_for[P]) of x against P panels: a constant P, R and form of the scales (per 32,
  * per 16, per 16 with minimums), so the loops unroll into registers. */
-static void micro_rows(int P, int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx, const float *xs,
-                       const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
-                       const float *wm, int64_t os, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N,
-                       int64_t n0, __mmask16 keep) {
-#define ROWS(PP, R, Z) micro(PP, R, Z, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, os, K, m0, out, bf16_out, N, n0, \
-                             keep); \
+static void micro_rows(int P, int grouped, int64_t rows, int per16, int zero16, const int8_t *xq, const float *dx,
+                       const float *xs, const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
+                       const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0,
+                       __mmask16 keep) {
+#define ROWS(PP, R, Z, G) micro(PP, R, Z, G, zero16, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0, out, bf16_out, N, n0, \
+                                keep); \
     break;
-#define CASES1(Z) switch (rows) { \
-    case 1: ROWS(1, 1, Z) case 2: ROWS(1, 2, Z) case 3: ROWS(1, 3, Z) case 4: ROWS(1, 4, Z) case 5: ROWS(1, 5, Z) \
-    case 6: ROWS(1, 6, Z) case 7: ROWS(1, 7, Z) case 8: ROWS(1, 8, Z) case 9: ROWS(1, 9, Z) default: ROWS(1, MR, Z) }
+#define CASES1(Z, G) switch (rows) { \
+    case 1: ROWS(1, 1, Z, G) case 2: ROWS(1, 2, Z, G) case 3: ROWS(1, 3, Z, G) case 4: ROWS(1, 4, Z, G) \
+    case 5: ROWS(1, 5, Z, G) case 6: ROWS(1, 6, Z, G) case 7: ROWS(1, 7, Z, G) case 8: ROWS(1, 8, Z, G) \
+    case 9: ROWS(1, 9, Z, G) default: ROWS(1, MR, Z, G) }
 #define CASES2(Z) switch (rows) { \
-    case 1: ROWS(2, 1, Z) case 2: ROWS(2, 2, Z) case 3: ROWS(2, 3, Z) case 4: ROWS(2, 4, Z) case 5: ROWS(2, 5, Z) \
-    default: ROWS(2, 6, Z) }
-#define CASES3(Z) switch (rows) { case 1: ROWS(3, 1, Z) case 2: ROWS(3, 2, Z) case 3: ROWS(3, 3, Z) default: ROWS(3, 4, Z) }
-#define CASES4(Z) switch (rows) { case 1: ROWS(4, 1, Z) case 2: ROWS(4, 2, Z) default: ROWS(4, 3, Z) }
-#define PANELS(Z) switch (P) { case 1: CASES1(Z) break; case 2: CASES2(Z) break; case 3: CASES3(Z) break; \
-    default: CASES4(Z) break; }
+    case 1: ROWS(2, 1, Z, 1) case 2: ROWS(2, 2, Z, 1) case 3: ROWS(2, 3, Z, 1) case 4: ROWS(2, 4, Z, 1) \
+    case 5: ROWS(2, 5, Z, 1) default: ROWS(2, 6, Z, 1) }
+#define CASES3(Z) switch (rows) { \
+    case 1: ROWS(3, 1, Z, 1) case 2: ROWS(3, 2, Z, 1) case 3: ROWS(3, 3, Z, 1) default: ROWS(3, 4, Z, 1) }
+#define CASES4(Z) switch (rows) { case 1: ROWS(4, 1, Z, 1) case 2: ROWS(4, 2, Z, 1) default: ROWS(4, 3, Z, 1) }
+#define PANELS(Z) switch (P) { \
+    case 1: if (grouped) { CASES1(Z, 1) } else { CASES1(Z, 0) } break; \
+    case 2: CASES2(Z) break; case 3: CASES3(Z) break; default: CASES4(Z) break; }
     if (per16 == 0) {
         PANELS(0)
     } else if (per16 == 1) {
@@ -565,8 +571,8 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
         const __mmask16 keep = (__mmask16)((1u << cols) - 1u);   /* the last panel's columns */
         const int64_t R = rows_for[P];
         for (int64_t m0 = 0; m0 < M; m0 += R)
-            micro_rows(P, M - m0 < R ? M - m0 : R, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, os, K, m0,
-                       out, bf16_out, N, p0, keep);   /* os: a group's last panel may be its only one */
+            micro_rows(P, np > 1, M - m0 < R ? M - m0 : R, per16, zero, xq, dx, xs, sum16, xs16, wp, ws, wm, K, m0,
+                       out, bf16_out, N, p0, keep);   /* np > 1: a group's layout, even for its last panel alone */
     }
     return 0;
 }
