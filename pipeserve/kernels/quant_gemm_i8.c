@@ -411,6 +411,16 @@ static inline __attribute__((always_inline)) __m256i to_bf16x16(__m512 x) {
 #define GROUP_MAX_BYTES (40 << 10)
 static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
 
+/* Panels a micro-kernel call takes for M rows of x against this layout: NP (a group) or 1. */
+static int panels_per_call(int kind, int64_t K, int64_t M) {
+    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 || kind == QUANT_Q2;
+    return M >= GROUP_FROM_ROWS && !per16 && NP * K * PR <= GROUP_MAX_BYTES ? NP : 1;
+}
+
+/* Dwords (floats) from one group of 4 codes (one block's scales) of a panel to the next: panels
+ * unpacked side by side in a group, or one panel alone. */
+static inline int64_t panel_stride(int grouped) { return grouped ? NP * PR : PR; }
+
 /* out rows [m0, m0 + R) of P panels' 16 columns each (panel p: columns n0 + 16p, its codes,
  * scales and minimums at wp, ws, wm + 16p, each group of 4 codes (each block's scales) PR from the
  * last, or NP * PR when `grouped`: the layout panel_rows unpacked them in, which a group's last
@@ -424,8 +434,7 @@ static inline __attribute__((always_inline)) void
 micro(const int P, const int R, const int per16, const int grouped, const int zero16, const int8_t *xq,
       const float *dx, const float *xs, const int32_t *sum16, const float *xs16, const uint32_t *wp, const float *ws,
       const float *wm, int64_t K, int64_t m0, void *out, int bf16_out, int64_t N, int64_t n0, __mmask16 keep) {
-    /* a constant (a stride in a register cost 7-10 %): one panel's layout, or a group's */
-    const int64_t os = grouped ? NP * PR : PR;
+    const int64_t os = panel_stride(grouped);   /* a constant here: in a register it cost 7-10 % */
     const int64_t nb = K / 32;
     __m512 acc[MR][NP];
     for (int i = 0; i < R; i++)
@@ -549,8 +558,8 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     char *buf = panel_scratch(K);
     if (!buf) return -1;
     const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
-    const int np = M >= GROUP_FROM_ROWS && !per16 && NP * K * PR <= GROUP_MAX_BYTES ? NP : 1;
-    const int64_t os = np * PR;   /* a group's panels side by side: one panel's groups of 4 codes os dwords apart */
+    const int np = panels_per_call(kind, K, M);
+    const int64_t os = panel_stride(np > 1);
     uint32_t *wp = (uint32_t *)buf;
     float *ws = (float *)(buf + (K / 4) * os * 4);
     float *wm = ws + 2 * nb * os, *ts = wm + 2 * nb * os;   /* room for scales and minimums per 16 */
@@ -625,7 +634,8 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
 #ifdef I8_GEMM
     if (!pipeserve_quant_gemm_i8_takes(kind, K, group)) return -3;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t groups = (N + NP * PR - 1) / (NP * PR);   /* of NP panels, one micro-kernel's columns */
+    const int64_t cols = panels_per_call(kind, K, M) * PR;   /* a thread's share: whole micro-kernel calls */
+    const int64_t chunks = (N + cols - 1) / cols;
     void *act = aligned_alloc(64, (size_t)(act_size(K, M) + 63) / 64 * 64);
     if (!act) return -1;
     int8_t *xq;
@@ -639,8 +649,8 @@ int pipeserve_quant_gemm_i8(int kind, const uint8_t *qs, const uint16_t *sc, con
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) quantize_rows(x, bf16_in, K, m, m + 1, xq, dx, xs, sum16, xs16);
 #pragma omp for schedule(static)
-        for (int64_t pn = 0; pn < groups; pn++) {
-            const int64_t n0 = pn * NP * PR, n1 = N - n0 < NP * PR ? N : n0 + NP * PR;
+        for (int64_t pn = 0; pn < chunks; pn++) {
+            const int64_t n0 = pn * cols, n1 = N - n0 < cols ? N : n0 + cols;
             if (panel_rows(kind, qs, sc, mn, N, K, group, qh, zero, act, M, n0, n1, out, bf16_out) != 0) {
 #pragma omp atomic write
                 failed = 1;

@@ -334,8 +334,8 @@ def _cuda_sdpa_order():
     benchmarks/README.md), and serving meets a new length with nearly every prompt. A prefill
     after cached tokens (a mask) with grouped KV heads went on to cuDNN's all the same (70-110 ms
     a layer at a new length):
-    ``_attend_prefill`` repeats the KV heads there, so the efficient kernel takes it (not yet
-    timed on a GPU)."""
+    ``_sdpa`` repeats the KV heads there, so the efficient kernel takes it (not yet timed on a
+    GPU)."""
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
     try:
         return sdpa_kernel(order, set_priority=True)
