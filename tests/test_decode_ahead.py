@@ -279,3 +279,62 @@ def test_a_stage_killed_with_a_decode_ahead_waiting_costs_a_pause(tiny_checkpoin
         recovery = llm.stats()["recovery"]
     assert recovery["stage_restarts"] == 1, "the kill came after the request had finished: make it longer"
     assert out.outputs[0].finish_reason == "length" and out.outputs[0].token_ids == reference
+
+
+# -- who handles a step, and who sends its result: the reader thread for a few rows, else hand-offs --
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Kind]] = []
+
+    def send(self, dst: int, kind: Kind, obj=None, tensor=None) -> None:
+        self.sent.append((dst, kind))
+
+
+def test_a_step_of_many_rows_goes_to_the_main_thread_and_a_few_rows_run_on_the_reader() -> None:
+    import torch
+
+    stage = _stage()
+    handled: list[int] = []
+
+    def handle_here(message) -> None:    # as the real one: handle, then idle again
+        handled.append(message.obj.step.step_id)
+        stage._idle()
+    stage._handle_here = handle_here
+    rows = StageWorker.DIRECT_MAX_ROWS
+    few = _step_message(1)
+    few.tensor = torch.zeros(rows, 576, dtype=torch.bfloat16)
+    stage._arrived(few)
+    assert handled == [1] and not stage._backlog, "a few rows: on the reader thread that read them"
+    for many_rows in (rows + 1, 128):    # 128 x 576 bfloat16: a reference micro-batch's 147 KB
+        many = _step_message(2)
+        many.tensor = torch.zeros(many_rows, 576, dtype=torch.bfloat16)
+        stage._arrived(many)
+        assert handled == [1] and list(stage._backlog) == [many], \
+            "many rows: queued for the main thread, so that the reader reads the next step meanwhile"
+        stage._backlog.clear()
+    stage._tokens[0] = {7: 5}
+    waiting = _step_message(3, tokens_from=1)
+    waiting.tensor = torch.zeros(rows + 1, 4)
+    stage._backlog.append(waiting)
+    stage._tokens_arrived(1, [(7, 9)])
+    assert handled == [1] and list(stage._backlog) == [waiting], "its tokens arriving do not run it there either"
+
+
+def test_the_last_stage_queues_the_result_of_a_large_decode_ahead_and_sends_a_small_one_at_once() -> None:
+    from pipeserve.worker.step import SampledToken, StepOutput
+
+    for sampled, forward, queued in ((StageWorker.DIRECT_MAX_ROWS + 1, True, True),
+                                     (StageWorker.DIRECT_MAX_ROWS, True, False),
+                                     (StageWorker.DIRECT_MAX_ROWS + 1, False, False)):
+        stage = _stage()
+        stage.stage, stage.rank = 1, 2
+        stage.sender.transport = transport = _Transport()
+        out = StepOutput(4, [SampledToken(s, 1, 0.0) for s in range(sampled)])
+        stage.runners = {1: types.SimpleNamespace(execute=lambda step, hidden, out=out: out)}
+        step = StepInput(4, [SeqStep(s, [0], 3, [0]) for s in range(sampled)], forward_tokens=forward)
+        stage._run_step(StepEnvelope(step, 1), None)
+        tokens = [(1, Kind.TOKENS)] if forward else []
+        if queued:    # stage 0 has its tokens at once; the driver's result waits for the sender thread
+            assert transport.sent == tokens and stage.sender.queue.qsize() == 1
+        else:         # the driver waits on it (no decode ahead), or one request's hop: no thread hand-off
+            assert transport.sent == [*tokens, (0, Kind.RESULT)] and stage.sender.queue.empty()
