@@ -3,12 +3,11 @@
 The stage makes no decisions. It handles one message at a time, in arrival
 order, and hands large results to a sender thread, so their transfer overlaps
 the next compute. Who handles a message: the transport's reader thread that
-read it, when it is a small step (a few rows: one request's decode) and the stage
-is idle; otherwise the main thread, which takes the backlog in order. Waking the
-main thread would cost a thread hand-off on every hop, which one request alone
-pays on every token; a larger step (a prefill, a batch of decodes) goes to the
-main thread so that the reader keeps reading and decoding the next one from the
-socket while this one computes.
+read it, when it is a small step (a decode's activations) and the stage is idle;
+otherwise the main thread, which takes the backlog in order. Waking the main
+thread would cost a thread hand-off on every hop, which one request alone pays
+on every token; a large step (a prefill) goes to the main thread so that the
+reader keeps reading the next one from the socket while this one computes.
 Every interval the stage spends is recorded (see ``pipeserve.metrics.timeline``)
 and piggybacks on the next message it sends; the last stage's results carry
 them to the driver.
@@ -94,10 +93,7 @@ class Sender(threading.Thread):
     the caller's thread when nothing is queued before it: handing it to this
     thread would cost a thread wake-up on every hop, which a lone request pays
     on every token. A large one (a prefill's activations) is queued, so the next
-    micro-batch's compute overlaps its transfer; so is one the caller marks not
-    urgent (the driver's copy of a batch of decodes ahead, whose tokens went to
-    stage 0 already: its encoding and send took ~0.8 ms of the last stage's
-    time between steps).
+    micro-batch's compute overlaps its transfer.
     """
 
     DIRECT_MAX_BYTES = 256 * 1024
@@ -110,10 +106,10 @@ class Sender(threading.Thread):
         self._lock = threading.Lock()
 
     def put(self, dst: int, kind: Kind, obj: Any = None, tensor: torch.Tensor | None = None,
-            step_id: int = -1, chunk: int = 0, urgent: bool = True) -> None:
+            step_id: int = -1, chunk: int = 0) -> None:
         item = (dst, kind, obj, tensor, step_id, chunk)
         with self._lock:
-            direct = urgent and self._pending == 0 and (tensor is None or tensor.nbytes <= self.DIRECT_MAX_BYTES)
+            direct = self._pending == 0 and (tensor is None or tensor.nbytes <= self.DIRECT_MAX_BYTES)
             if not direct:
                 self._pending += 1
                 self.queue.put(item)
@@ -209,17 +205,10 @@ class StageWorker:
             self._busy = True
         self._handle_here(message)
 
-    # A step handled on the reader thread that read it carries at most this many rows of
-    # activations (one request, or a few): a larger one goes to the main thread, so that the
-    # reader reads and decodes the next step off the socket while this one computes (~0.4 ms a
-    # step of a busy last stage; the reference workload at PP = 2 with 128 rows a step,
-    # benchmarks/README.md, thirtieth session).
-    DIRECT_MAX_ROWS = 8
-
-    @classmethod
-    def _small_step(cls, message: Message) -> bool:
-        return message.kind == Kind.STEP and (message.tensor is None or message.tensor.dim() < 2
-                                              or message.tensor.shape[0] <= cls.DIRECT_MAX_ROWS)
+    @staticmethod
+    def _small_step(message: Message) -> bool:
+        return message.kind == Kind.STEP and (message.tensor is None
+                                              or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES)
 
     def _has_tokens(self, message: Message) -> bool:
         """False for a first-chunk step whose input tokens (decode ahead) have not arrived."""
@@ -367,11 +356,7 @@ class StageWorker:
                     self._tokens_arrived(step_id, pairs)
                 else:
                     self.sender.put(1, Kind.TOKENS, (step_id, pairs))
-            # The driver's copy of a decode ahead's tokens is off the critical path: for a batch,
-            # the sender thread sends it while the next step computes; one request's goes at once
-            # (a thread wake-up on its every token cost more than the send).
-            self.sender.put(0, Kind.RESULT, (out, intervals), step_id=step_id, chunk=chunk,
-                            urgent=not env.step.forward_tokens or len(out.sampled) <= self.DIRECT_MAX_ROWS)
+            self.sender.put(0, Kind.RESULT, (out, intervals), step_id=step_id, chunk=chunk)
             return
         nxt = StepEnvelope(env.step, chunk + 1, intervals)
         dst = (chunk + 1) % self.spec.num_stages + 1
