@@ -3,8 +3,10 @@
  * `gcc -O3 -march=native -fopenmp -fPIC -shared -std=gnu11 -Ipipeserve/kernels X.c -o X.so -lm`)
  * over SmolLM2's shape (9 query heads, 3 KV heads of 64, blocks of 16) with the blocks in random
  * order, then a plain read of the same bytes. WS_MB (default 256) sets the KV working set:
- * WS_MB=1 keeps it in L2 (the arithmetic alone), 256 streams it from memory. SPLIT=n runs the
- * fused stage's way (a plan cut for n threads, every item on this one).
+ * WS_MB=1 keeps it in L2 (the arithmetic alone) where one call's KV fits (bfloat16: BATCH x CTX x
+ * 768 bytes, e.g. 2 x 512; at 64 x 512 it is 25 MB whatever WS_MB says), 256 streams it from
+ * memory. SPLIT=n runs the fused stage's way (a plan cut for n threads, every item on this one).
+ * BS=n: blocks of n tokens (default 16). The caches are advised for 2 MiB pages, as the engine's.
  *   gcc -O3 -march=native -fopenmp benchmarks/decode_attention_harness.c -o harness -ldl
  *   WS_MB=1 ./harness ./X.so BATCH CTX THREADS REPS [dtype: 0 float32, 1 bf16, 2 f16, 3 int8, 4 fp8]
  * It prints the thread CPU time's median per call (and GB/s, ns per key and KV head), the wall
@@ -51,7 +53,7 @@ int main(int argc, char **argv) {
     const int split = getenv("SPLIT") ? atoi(getenv("SPLIT")) : 0;
     int64_t batch = atoll(argv[2]), ctx = atoll(argv[3]); int threads = atoi(argv[4]), reps = atoi(argv[5]);
     int dtype = argc > 6 ? atoi(argv[6]) : 0; int64_t elem = dtype == 0 ? 4 : dtype <= 2 ? 2 : 1;
-    const int64_t H = 9, KVH = 3, D = 64, BS = 16;
+    const int64_t H = 9, KVH = 3, D = 64, BS = getenv("BS") ? atoll(getenv("BS")) : 16;   /* BS=n: blocks of n tokens */
     int64_t rowb = D * elem + (dtype >= 3 ? 4 : 0);
     int64_t bps = (ctx + BS - 1) / BS, pool = batch * bps + 16, blockb = BS * KVH * rowb;
     int64_t kvbytes = 2 * batch * ctx * KVH * rowb;
@@ -59,6 +61,8 @@ int main(int argc, char **argv) {
     size_t bytes = (size_t)(layers * pool * blockb);
     char *k = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *v = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    madvise(k, bytes, MADV_HUGEPAGE);   /* as the engine's KV cache (model_runner.py) */
+    madvise(v, bytes, MADV_HUGEPAGE);
     madvise(k, bytes, MADV_HUGEPAGE); madvise(v, bytes, MADV_HUGEPAGE);
     for (size_t i = 0; i < bytes; i++) { k[i] = (char)(xr() & 0x3f); v[i] = (char)(xr() & 0x3f); }
     if (dtype == 0) { float *kf = (float *)k, *vf = (float *)v; for (size_t i = 0; i < bytes / 4; i++) { kf[i] = (float)(xr() % 1000) / 500.0f - 1; vf[i] = (float)(xr() % 1000) / 500.0f - 1; } }
