@@ -61,8 +61,6 @@ int main(int argc, char **argv) {
     size_t bytes = (size_t)(layers * pool * blockb);
     char *k = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *v = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    madvise(k, bytes, MADV_HUGEPAGE);   /* as the engine's KV cache (model_runner.py) */
-    madvise(v, bytes, MADV_HUGEPAGE);
     madvise(k, bytes, MADV_HUGEPAGE); madvise(v, bytes, MADV_HUGEPAGE);
     for (size_t i = 0; i < bytes; i++) { k[i] = (char)(xr() & 0x3f); v[i] = (char)(xr() & 0x3f); }
     if (dtype == 0) { float *kf = (float *)k, *vf = (float *)v; for (size_t i = 0; i < bytes / 4; i++) { kf[i] = (float)(xr() % 1000) / 500.0f - 1; vf[i] = (float)(xr() % 1000) / 500.0f - 1; } }
