@@ -62,28 +62,9 @@ def _resident_pages(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec.raw)
 
 
-def _in_python(monkeypatch) -> None:
-    """The population's Python loop, as where the C kernels do not build."""
-    from pipeserve.worker import model_runner
-    monkeypatch.setattr(model_runner, "_populate_kernel", lambda: None)
-
-
-def _in_c(monkeypatch) -> None:
-    """The population's C loop, and never the Python one."""
-    from pipeserve.worker import model_runner
-    if model_runner._populate_kernel() is None:
-        pytest.skip("the C kernels do not build here (no compiler): the Python loop runs instead")
-
-    def refuse(regions):
-        raise AssertionError("the Python loop ran though the C one builds")
-    monkeypatch.setattr(model_runner, "_populate_in_python", refuse)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE and mincore are Linux's")
-@pytest.mark.parametrize("loop", [_in_c, _in_python])
-def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written(loop, monkeypatch) -> None:
+def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written() -> None:
     from pipeserve.worker.model_runner import populate_in_background
-    loop(monkeypatch)
     caches = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
     caches[1][(5 << 20) + 3] = 7        # a KV row written before the thread gets there
     assert _resident_pages(caches[0]) == 0
@@ -98,68 +79,9 @@ def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written(
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
-@pytest.mark.parametrize("loop", [_in_c, _in_python])
-def test_the_background_population_leaves_the_node_a_reserve(loop, monkeypatch) -> None:
+def test_the_background_population_leaves_the_node_a_reserve(monkeypatch) -> None:
     from pipeserve.worker import model_runner
-    loop(monkeypatch)
-    monkeypatch.setattr(model_runner, "_available_bytes", lambda: 512 << 20)   # the Python loop's view
-    monkeypatch.setattr(model_runner, "_POPULATE_RESERVE", 1 << 50)            # more than any node has
+    monkeypatch.setattr(model_runner, "_available_bytes", lambda: 512 << 20)   # under the 1 GiB reserve
     cache = zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False)
     model_runner.populate_in_background([cache]).join(timeout=60)
     assert _resident_pages(cache) == 0
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE and mincore are Linux's")
-def test_the_c_population_stops_when_cancelled_or_unmapped_and_holds_no_gil() -> None:
-    import ctypes
-    import mmap
-    import threading
-
-    from pipeserve.worker import model_runner
-    kernel = model_runner._populate_kernel()
-    if kernel is None:
-        pytest.skip("the C kernels do not build here (no compiler)")
-    cancel = ctypes.c_int(0)
-
-    def populate(address: int, nbytes: int, chunk: int, reserve: int = 0, during=None) -> int:
-        """The call on a thread of its own (it makes its thread SCHED_IDLE); ``during``: called
-        before and after it, on that thread."""
-        out = []
-
-        def run() -> None:
-            before = during() if during else None
-            out.append(kernel((ctypes.c_uint64 * 1)(address), (ctypes.c_int64 * 1)(nbytes), 1, chunk, reserve,
-                              mmap.PAGESIZE, ctypes.byref(cancel)))
-            out.append((before, during() if during else None))
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join(timeout=60)
-        return out
-
-    cache = zeros_on_huge_pages((4 << 20,), torch.uint8, prefault=False)
-    cancel.value = 1
-    assert populate(cache.data_ptr(), 4 << 20, 2 << 20)[0] == 2
-    assert _resident_pages(cache) == 0, "cancelled before its first chunk: nothing mapped"
-    cancel.value = 0
-    assert populate(cache.data_ptr(), 4 << 20, 2 << 20, reserve=1 << 50)[0] == 1, "the reserve is kept"
-    gone = mmap.mmap(-1, 1 << 20)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(gone))
-    gone.close()
-    assert populate(address, 1 << 20, 1 << 20)[0] < 0, "a region no longer mapped ends it with madvise's error"
-    # What the C loop is for: the GIL stays free while it runs. This thread counts meanwhile; the
-    # populating thread reads the count before and after its call.
-    big = zeros_on_huge_pages((64 << 20,), torch.uint8, prefault=False)
-    counted, stop = [0], []
-
-    def count() -> None:
-        while not stop:
-            counted[0] += 1
-    counter = threading.Thread(target=count)
-    counter.start()
-    rc, (before, after) = populate(big.data_ptr(), 64 << 20, 2 << 20, during=lambda: counted[0])
-    stop.append(True)
-    counter.join()
-    if rc == -22:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
-    assert rc == 0 and _resident_pages(big) == (64 << 20) // mmap.PAGESIZE
-    assert after - before > 1000, f"another thread counted {after - before} during the call: it held the GIL"

@@ -20,7 +20,6 @@ import weakref
 
 import torch
 
-from pipeserve.kernels.build import kernel_cache
 from pipeserve.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from pipeserve.model.config import ModelConfig
 from pipeserve.model.kv_quant import cache_dtype, row_elements
@@ -285,73 +284,35 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     writable without changing what they hold, so it may run beside the stage's own writes.
     It stops where the node has less than 1 GiB available (the cache was checked against the
     memory available at start; other processes may have taken some since): the rest faults in
-    as written. The loop is one C call (``kernels/kv_populate.c``) that holds no GIL: a
-    SCHED_IDLE thread holding the GIL between its system calls is starved by the stage's compute
-    while the stage's reader thread waits for it. Without the C kernels, the same loop in Python.
-    Best effort: nothing on kernels without it, or with PIPESERVE_KV_POPULATE=0."""
+    as written. Best effort: nothing on kernels without it, or with PIPESERVE_KV_POPULATE=0."""
     if not sys.platform.startswith("linux") or os.environ.get("PIPESERVE_KV_POPULATE", "1") == "0":
         return None
     # weak references: a cache dropped meanwhile (a stage reset) is not populated further
     regions = [(weakref.ref(t), t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
     if not regions:
         return None
-    populate = _populate_kernel()
-    if populate is not None:
-        cancel = ctypes.c_int(0)
-        for t in tensors:   # a dropped cache stops the loop before its next chunks
-            weakref.finalize(t, _cancel, cancel)
-        addresses = (ctypes.c_uint64 * len(regions))(*(address for _, address, _ in regions))
-        sizes = (ctypes.c_int64 * len(regions))(*(nbytes for _, _, nbytes in regions))
 
-        def run() -> None:
-            populate(addresses, sizes, len(regions), _POPULATE_CHUNK, _POPULATE_RESERVE, mmap.PAGESIZE,
-                     ctypes.byref(cancel))
-    else:
-        def run() -> None:
-            _populate_in_python(regions)
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # this thread only
+        except (AttributeError, OSError):
+            pass
+        madvise = _madvise()
+        page = mmap.PAGESIZE
+        for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
+            available = _available_bytes()
+            if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
+                return
+            for alive, address, nbytes in regions:
+                start = (address + offset) // page * page
+                stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
+                if start >= stop:
+                    continue
+                if alive() is None or madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
+                    return    # the cache is gone, or the kernel has no MADV_POPULATE_WRITE (EINVAL)
     thread = threading.Thread(target=run, name="kv-populate", daemon=True)
     thread.start()
     return thread
-
-
-def _cancel(flag: ctypes.c_int) -> None:
-    flag.value = 1
-
-
-def _populate_in_python(regions: list[tuple[weakref.ref, int, int]]) -> None:
-    """``kernels/kv_populate.c``'s loop, for where the C kernels do not build."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # this thread only
-    except (AttributeError, OSError):
-        pass
-    madvise = _madvise()
-    page = mmap.PAGESIZE
-    for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
-        available = _available_bytes()
-        if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
-            return
-        for alive, address, nbytes in regions:
-            start = (address + offset) // page * page
-            stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
-            if start >= stop:
-                continue
-            if alive() is None or madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
-                return    # the cache is gone, or the kernel has no MADV_POPULATE_WRITE (EINVAL)
-
-
-@kernel_cache
-def _populate_kernel():
-    """``pipeserve_populate`` of ``kernels/kv_populate.c``, or None where the kernels do not build."""
-    from pipeserve.kernels.build import KernelBuildError, load_kernel
-    try:
-        fn = load_kernel("kv_populate").pipeserve_populate
-    except KernelBuildError as exc:
-        log.debug("KV cache population in Python (the C loop does not build: %s)", exc)
-        return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
-                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _advise_huge(address: int, nbytes: int) -> None:
