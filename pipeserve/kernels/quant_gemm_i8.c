@@ -142,6 +142,12 @@ static inline __attribute__((always_inline)) __m512i q5_codes64(const uint8_t *r
     return _mm512_inserti64x4(_mm512_castsi256_si512(ca), codes32(row + k / 2 + 16, hb + k / 32 * 4 + 4), 1);
 }
 
+/* How a layout's scales go: 0 per 32 (a minimum per 32, or a code offset), 1 per 16 without a
+ * minimum (Q6_K, Q3_K: w = s * (u - zero)), 2 per 16 with one (Q2_K): the micro-kernel's `per16`. */
+static inline int scale_form(int kind) {
+    return kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
+}
+
 /* Rows-major [PR][cols] floats (a row every `stride`) -> dst [cols][PR], column c at dst + c * os
  * (os >= PR: panels side by side), 16 columns at a time through one transpose16 (columns past
  * `cols` of the last 16 are not stored). */
@@ -194,7 +200,7 @@ static void unpack_panel(int kind, const uint8_t *qs, const uint16_t *sc, const 
                          float *ts, float *tm, int64_t tstride, int64_t os) {
     const int64_t nb = K / 32, row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int ck = quant_codes_kind(kind);
-    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q2 || kind == QUANT_Q3;
+    const int per16 = scale_form(kind) != 0;
     const int64_t cols = per16 ? 2 * nb : nb;
     for (int64_t j = 0; j < PR; j++) {
         float *rs = ts + j * tstride, *rm = tm + j * tstride;
@@ -413,8 +419,7 @@ static const int rows_for[NP + 1] = {0, MR, 6, 4, 3};
 
 /* Panels a micro-kernel call takes for M rows of x against this layout: NP (a group) or 1. */
 static int panels_per_call(int kind, int64_t K, int64_t M) {
-    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 || kind == QUANT_Q2;
-    return M >= GROUP_FROM_ROWS && !per16 && NP * K * PR <= GROUP_MAX_BYTES ? NP : 1;
+    return M >= GROUP_FROM_ROWS && scale_form(kind) == 0 && NP * K * PR <= GROUP_MAX_BYTES ? NP : 1;
 }
 
 /* Dwords (floats) from one group of 4 codes (one block's scales) of a panel to the next: panels
@@ -557,7 +562,7 @@ static int panel_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     const int64_t nb = K / 32;
     char *buf = panel_scratch(K);
     if (!buf) return -1;
-    const int per16 = kind == QUANT_Q6K || kind == QUANT_Q3 ? 1 : kind == QUANT_Q2 ? 2 : 0;
+    const int per16 = scale_form(kind);
     const int np = panels_per_call(kind, K, M);
     const int64_t os = panel_stride(np > 1);
     uint32_t *wp = (uint32_t *)buf;
