@@ -1,12 +1,14 @@
 /* Decode attention in C alone: pipeserve_paged_decode of a build of paged_attention.c (a .so,
  * e.g. from ~/.cache/pipeserve/kernels, or a copy built with
  * `gcc -O3 -march=native -fopenmp -fPIC -shared -std=gnu11 -Ipipeserve/kernels X.c -o X.so -lm`)
- * over SmolLM2's shape (9 query heads, 3 KV heads of 64, blocks of 16) with the blocks in random
+ * over SmolLM2's shape (9 query heads, 3 KV heads of 64, blocks of 16; HEADS=, KV_HEADS=, HEAD_DIM= set
+ * another) with the blocks in random
  * order, then a plain read of the same bytes. WS_MB (default 256) sets the KV working set:
  * WS_MB=1 keeps it in L2 (the arithmetic alone) where one call's KV fits (bfloat16: BATCH x CTX x
  * 768 bytes, e.g. 2 x 512; at 64 x 512 it is 25 MB whatever WS_MB says), 256 streams it from
  * memory. SPLIT=n runs the fused stage's way (a plan cut for n threads, every item on this one).
- * BS=n: blocks of n tokens (default 16). The caches are advised for 2 MiB pages, as the engine's.
+ * BS=n: blocks of n tokens (default 16). BF16_MATH=1: the paths a bfloat16 model takes (8-bit caches:
+ * AVX512_BF16 or VNNI products; 0, the default: a float32 model's). The caches are advised for 2 MiB pages, as the engine's.
  *   gcc -O3 -march=native -fopenmp benchmarks/decode_attention_harness.c -o harness -ldl
  *   WS_MB=1 ./harness ./X.so BATCH CTX THREADS REPS [dtype: 0 float32, 1 bf16, 2 f16, 3 int8, 4 fp8]
  * It prints the thread CPU time's median per call (and GB/s, ns per key and KV head), the wall
@@ -51,9 +53,12 @@ int main(int argc, char **argv) {
     it_fn items_fn = (it_fn)dlsym(lib, "pipeserve_decode_items");
     mg_fn merge_fn = (mg_fn)dlsym(lib, "pipeserve_decode_merge");
     const int split = getenv("SPLIT") ? atoi(getenv("SPLIT")) : 0;
+    const int bf16_math = getenv("BF16_MATH") ? atoi(getenv("BF16_MATH")) : 0;   /* a bfloat16 model's paths */
     int64_t batch = atoll(argv[2]), ctx = atoll(argv[3]); int threads = atoi(argv[4]), reps = atoi(argv[5]);
     int dtype = argc > 6 ? atoi(argv[6]) : 0; int64_t elem = dtype == 0 ? 4 : dtype <= 2 ? 2 : 1;
-    const int64_t H = 9, KVH = 3, D = 64, BS = getenv("BS") ? atoll(getenv("BS")) : 16;   /* BS=n: blocks of n tokens */
+    const int64_t BS = getenv("BS") ? atoll(getenv("BS")) : 16;   /* BS=n: blocks of n tokens */
+    const int64_t H = getenv("HEADS") ? atoll(getenv("HEADS")) : 9, KVH = getenv("KV_HEADS") ? atoll(getenv("KV_HEADS")) : 3,
+                  D = getenv("HEAD_DIM") ? atoll(getenv("HEAD_DIM")) : 64;   /* another model's shape */
     int64_t rowb = D * elem + (dtype >= 3 ? 4 : 0);
     int64_t bps = (ctx + BS - 1) / BS, pool = batch * bps + 16, blockb = BS * KVH * rowb;
     int64_t kvbytes = 2 * batch * ctx * KVH * rowb;
@@ -84,10 +89,10 @@ int main(int argc, char **argv) {
             if (split) {   /* the fused stage's way: a plan cut for `split` threads, all items on this one */
                 static void *plan; if (!plan) plan = malloc(plan_bytes(batch, H, D, split));
                 int64_t items = plan_fn(plan, lens, batch, H, KVH, D, BS, 0, split);
-                items_fn(plan, q, k, v, dtype, tables + l * batch * bps, bps, lens, 0.125f, 0.0f, 0, 0, items);
+                items_fn(plan, q, k, v, dtype, tables + l * batch * bps, bps, lens, 0.125f, 0.0f, bf16_math, 0, items);
                 merge_fn(plan, 0, batch * H, out);
             } else
-            fn(q, k, v, dtype, tables + l * batch * bps, bps, lens, batch, H, KVH, D, BS, 0.125f, 0, 0.0f, out, threads, 0);
+            fn(q, k, v, dtype, tables + l * batch * bps, bps, lens, batch, H, KVH, D, BS, 0.125f, 0, 0.0f, out, threads, bf16_math);
         if (r >= 0) { ts[r] = (now() - t0) / layers; cs[r] = (cpu_now() - u0) / layers; }
     }
     double calls = (double)reps * layers, rowsk = (double)batch * ctx * KVH;

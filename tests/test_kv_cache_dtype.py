@@ -84,14 +84,15 @@ def test_decode_kernel_matches_torch_path_on_8bit_cache(kernel_isa, dtype, heads
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", KV_8BIT, ids=["int8", "fp8"])
-def test_bf16_decode_and_prefill_kernels_match_torch_path_on_8bit_cache(dtype):
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (40, 5)], ids=["smollm2", "kv-passes-4-and-1"])
+def test_bf16_decode_and_prefill_kernels_match_torch_path_on_8bit_cache(dtype, heads, kv_heads):
     """bfloat16 model: decodes, and prefill chunks after cached tokens (the C prefill
     kernel where the CPU has AVX512_BF16), within bfloat16's rounding (2e-2; the torch
     path rounds dequantized rows and probabilities to bfloat16)."""
     rng = random.Random(3)
     torch.manual_seed(3)
     query_lens, context_lens = [1, 9, 1, 20], [40, 30, 3, 57]
-    step = _quantized_step(rng, dtype, torch.bfloat16, query_lens, context_lens, 9, 3, 64, 16)
+    step = _quantized_step(rng, dtype, torch.bfloat16, query_lens, context_lens, heads, kv_heads, 64, 16)
     expected = _run(TorchPagedAttention(), *step, query_lens, context_lens, 16)
     got = _run(CpuPagedAttention(), *step, query_lens, context_lens, 16)
     assert got.dtype == torch.bfloat16

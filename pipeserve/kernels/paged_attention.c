@@ -37,7 +37,11 @@
  *   the rows PF_AHEAD keys ahead (into L2: K's before a tile's scores, V's before
  *   its values) while working on the current ones (reading 6 KiB blocks in random
  *   order went from ~4 to ~9 GB/s on one core with this, and K and V apart from one
- *   burst 1.19-1.39x again; benchmarks/README.md).
+ *   burst 1.19-1.39x again; benchmarks/README.md). The AVX512_BF16 paths (bf16 and
+ *   8-bit caches of a bfloat16 model) walk every kv head of a tile in one pass
+ *   instead (up to PASS_MAX_HEADS query heads), each key's row read as one run and
+ *   asked for a kv head's part at a time, PF_AHEAD_ROWS keys ahead: 1.2-1.3x the
+ *   per-kv-head passes from memory (thirty-first session).
  * - Split-K: when one sequence holds a large share of the step's keys (a single
  *   long request), its keys are cut into ranges of whole blocks so every thread
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
@@ -92,6 +96,15 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 #ifndef PF_AHEAD
 #define PF_AHEAD 32
 #endif
+/* Keys ahead for the passes that read every kv head of a key's row (attend_range_bf16dp): its
+ * rows are 3x a kv head's, so fewer keys hold as many bytes in flight. 20-40 measured alike
+ * (SmolLM2's shape, 64 x 512 keys from memory, one thread: 11.5-12.3 ns a key and kv head), 16
+ * 13.3, 8 19.8; 32 alone fell out at 14.3-16.7 (benchmarks/README.md, thirty-first session). */
+#ifndef PF_AHEAD_ROWS
+#define PF_AHEAD_ROWS 24
+#endif
+/* Query heads one such pass scores at most (its chunk's scores and probabilities stay ~50 KiB). */
+#define PASS_MAX_HEADS 32
 /* Split-K: aim for this many key ranges per thread over the step, so that
  * dynamic scheduling evens out; a range is at least SPLIT_MIN_KEYS keys (the
  * merge and the per-range setup cost about as much as a few keys). */
@@ -258,15 +271,29 @@ static void attend_range_scalar(const float *restrict q, const key_range *r, int
 /* Attends a range of keys: q [kv_heads * group, head_dim], part [kv_heads * group, PART_HEAD + head_dim]. */
 typedef void (*range_fn)(const float *, const key_range *, int, int64_t, float *);
 
-/* The AVX-512 and portable paths walk a range once per kv head (`one` attends r's first kv head). */
+/* `one` over r's kv heads `per` at a time (one attends its range's kv heads from head_offset). */
+static void kv_passes(range_fn one, const float *q, const key_range *r, int dtype, int64_t head_dim, float *part,
+                      int64_t per) {
+    key_range pass = *r;
+    for (int64_t kvh = 0; kvh < r->kv_heads; kvh += per) {
+        pass.kv_heads = r->kv_heads - kvh < per ? r->kv_heads - kvh : per;
+        pass.head_offset = r->head_offset + kvh * head_row_bytes(dtype, head_dim);
+        one(q + kvh * r->group * head_dim, &pass, dtype, head_dim, part + kvh * r->group * (PART_HEAD + head_dim));
+    }
+}
+
+/* The AVX-512 float paths and the portable one walk a range once per kv head. */
 static void each_kv_head(range_fn one, const float *q, const key_range *r, int dtype, int64_t head_dim,
                          float *part) {
-    key_range head = *r;
-    head.kv_heads = 1;
-    for (int64_t kvh = 0; kvh < r->kv_heads; kvh++) {
-        head.head_offset = r->head_offset + kvh * head_row_bytes(dtype, head_dim);
-        one(q + kvh * r->group * head_dim, &head, dtype, head_dim, part + kvh * r->group * (PART_HEAD + head_dim));
-    }
+    kv_passes(one, q, r, dtype, head_dim, part, 1);
+}
+
+/* The AVX512_BF16 paths take as many kv heads a pass as keep its query heads within
+ * PASS_MAX_HEADS: every kv head of a row at once where they fit, reading each key's row in one
+ * contiguous run (a block's in one) instead of one strided pass per kv head. */
+static __attribute__((unused)) void each_kv_group(range_fn one, const float *q, const key_range *r, int dtype,
+                                                  int64_t head_dim, float *part) {
+    kv_passes(one, q, r, dtype, head_dim, part, r->group >= PASS_MAX_HEADS ? 1 : PASS_MAX_HEADS / r->group);
 }
 
 /* The scales of a tile's 8-bit K and V rows (0 past rows). */
@@ -304,9 +331,21 @@ static inline __attribute__((always_inline)) void prefetch_ahead_of(const key_ra
     }
 }
 
-/* The first PF_AHEAD keys' rows, at the start of an item. */
-static void prefetch_first(const key_range *r, int64_t head_bytes) {
-    const int64_t stop = r->begin + PF_AHEAD < r->end ? r->begin + PF_AHEAD : r->end;
+/* prefetch_ahead_of for bytes [lo, hi) of each row, pf left where it is: a tile's rows asked
+ * for a part at a time, between the parts of its work. */
+static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const key_range *r, key_cursor pf,
+                                                                         int64_t rows, int64_t lo, int64_t hi,
+                                                                         const char *base) {
+    for (; rows > 0 && pf.t < r->end; rows--) {
+        const int64_t off = cursor_offset(r, &pf);
+        for (int64_t b = lo; b < hi; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T1);
+        cursor_advance(r, &pf, 1);
+    }
+}
+
+/* The first `ahead` keys' rows, at the start of an item. */
+static void prefetch_first(const key_range *r, int64_t head_bytes, int64_t ahead) {
+    const int64_t stop = r->begin + ahead < r->end ? r->begin + ahead : r->end;
     for (int64_t u = r->begin; u < stop; u++)
         for (int64_t b = 0; b < head_bytes; b += 64) {
             _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T0);
@@ -435,7 +474,7 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     for (int64_t i = 0; i < group * nvec; i++)
         qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
     start_parts(part, group, head_dim);
-    prefetch_first(r, head_bytes);
+    prefetch_first(r, head_bytes, PF_AHEAD);
     float p[group][TILE];
     key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
     while (at.t < r->end) {
@@ -563,8 +602,10 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
  * [group][CHUNK_KEYS] floats of scores and as many bf16 probabilities, in L1. */
 #define CHUNK_KEYS 256
 
-/* dtype DT_BFLOAT16: rows read in place; DT_INT8 / DT_FP8 (a bfloat16 model): each
- * tile's K and V rows dequantized to bf16 once, for all the group's heads, then the same.
+/* r's kv heads (each_kv_group's pass) tile by tile: a tile's rows hold every kv head's
+ * part of each key, contiguous, read once. dtype DT_BFLOAT16: rows read in place; DT_INT8 /
+ * DT_FP8 (a bfloat16 model): each tile's K and V rows of a kv head dequantized to bf16 once,
+ * for all the group's heads, then the same.
  * In chunks of up to CHUNK_KEYS keys, three passes each: every tile's scores for every head
  * (vdpbf16ps, hsum16), then per head the chunk's max, the output so far rescaled once if it
  * grew, exp(s - m) 16 at a time and their sum, then the values, tile by tile. A tile at a time
@@ -574,38 +615,40 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
 static inline __attribute__((always_inline)) void attend_range_bf16dp(
         const float *restrict q, const key_range *r, const int dtype, const int64_t npair, float *restrict part) {
     const int64_t group = r->group, head_dim = 32 * npair, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
+    const int64_t kvh_n = r->kv_heads, heads = kvh_n * group;   /* every kv head of a tile, in turn */
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim), key_bytes = kvh_n * head_bytes;
     const int quant = is_8bit(dtype);
     const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
     uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
-    __m512bh qs[group * npair];
+    __m512bh qs[heads * npair];
     const __m512 vscale = _mm512_set1_ps(r->scale);
-    for (int64_t i = 0; i < group * npair; i++)
+    for (int64_t i = 0; i < heads * npair; i++)
         qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
                                     _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
-    start_parts(part, group, head_dim);
-    prefetch_first(r, head_bytes);
+    start_parts(part, heads, head_dim);
+    prefetch_first(r, key_bytes, PF_AHEAD_ROWS);
     /* A chunk's scores and bf16 probabilities per head (TILE past the chunk: a tile's 16 lanes
      * are stored whole; the pair partner of a last odd row is 0). */
     const int64_t sstride = CHUNK_KEYS + TILE;
-    float sc[group * sstride];
-    uint16_t p[group * sstride];
+    float sc[heads * sstride];
+    uint16_t p[heads * sstride];
     /* Values: each row pair is interleaved once for up to gmax heads (as many as keep
      * their accumulators in registers). */
     const int gmax = npair <= 2 ? 4 : npair <= 4 ? 2 : 1;
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD_ROWS), pfv = pf;
     while (at.t < r->end) {
         const key_cursor start = at;
         int64_t n = 0;   /* the chunk's keys */
         while (at.t < r->end && n + TILE <= CHUNK_KEYS) {   /* scores */
             const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-            prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
-            const char *keys = r->k + off;
+            for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
+            prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
+            const char *keys = r->k + off + kvh * head_bytes;
             if (quant) {
                 dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
                 keys = (const char *)kq;
             }
-            for (int64_t g = 0; g < group; g++) {
+            for (int64_t g = kvh * group; g < (kvh + 1) * group; g++) {
                 __m512 dots[TILE];
                 const char *qg = (const char *)(qs + g * npair);
                 if (rows == TILE) {   /* the common case without a test per row */
@@ -624,11 +667,13 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                                       tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / r->softcap))));
                 _mm512_storeu_ps(sc + g * sstride + n, s);
             }
+            }
             n += rows;
             cursor_advance(r, &at, rows);
+            cursor_advance(r, &pf, rows);
         }
         const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1u);
-        for (int64_t g = 0; g < group; g++) {   /* the chunk's max, exp(s - m), sum */
+        for (int64_t g = 0; g < heads; g++) {   /* the chunk's max, exp(s - m), sum */
             float *pg = part + g * pstride, *sg = sc + g * sstride;
             __m512 mx = _mm512_set1_ps(pg[0]);
             int64_t i = 0;
@@ -658,16 +703,17 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         key_cursor vc = start;
         for (int64_t i = 0; i < n;) {   /* values */
             const int64_t rows = cursor_rows(r, &vc), off = cursor_offset(r, &vc);
-            prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
-            const char *values = r->v + off;
+            for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
+            prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
+            const char *values = r->v + off + kvh * head_bytes;
             if (quant) {
                 dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
                 values = (const char *)vq;
             }
             for (int64_t g0 = 0; g0 < group; g0 += gmax) {
                 const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
-                float *a = part + g0 * pstride + PART_HEAD;
-                const uint16_t *pp = p + g0 * sstride + i;
+                float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
+                const uint16_t *pp = p + (kvh * group + g0) * sstride + i;
                 switch (gn) {
                     case 4: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 4, npair); break;
                     case 3: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 3, npair); break;
@@ -675,11 +721,13 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                     default: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 1, npair); break;
                 }
             }
+            }
             i += rows;
             cursor_advance(r, &vc, rows);
+            cursor_advance(r, &pfv, rows);
         }
     }
-    for (int64_t g = 0; g < group; g++) unscramble(part + g * pstride + PART_HEAD, npair);
+    for (int64_t g = 0; g < heads; g++) unscramble(part + g * pstride + PART_HEAD, npair);
 }
 
 #define RANGE_BF16DP(NAME, DTYPE, NPAIR)                                                                \
@@ -688,7 +736,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         attend_range_bf16dp(q, r, DTYPE, (NPAIR) ? (NPAIR) : head_dim / 32, part);                     \
     }                                                                                                  \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
-        each_kv_head(NAME##_one, q, r, dtype, head_dim, part);                                         \
+        each_kv_group(NAME##_one, q, r, dtype, head_dim, part);                                        \
     }
 RANGE_BF16DP(range_bf16dp_64, DT_BFLOAT16, 2)
 RANGE_BF16DP(range_bf16dp_128, DT_BFLOAT16, 4)
