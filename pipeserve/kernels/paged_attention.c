@@ -592,9 +592,11 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
     for (int64_t j = 0; j < rows; j++) {
         const char *row = src + j * row_stride;
         const __m512 scale = _mm512_set1_ps(row_scale(row, dtype, 16 * nvec));
-        for (int64_t v = 0; v < nvec; v++)
-            _mm256_storeu_si256((__m256i *)(dst + (j * nvec + v) * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(row + 16 * v, dtype), scale)));
+        UNROLL
+        for (int64_t v = 0; v < nvec; v += 2)   /* nvec is even: head_dim = 32 * npair */
+            _mm512_storeu_si512(dst + (j * nvec + v) * 16,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(load16(row + 16 * (v + 1), dtype), scale),
+                                                             _mm512_mul_ps(load16(row + 16 * v, dtype), scale)));
     }
 }
 
