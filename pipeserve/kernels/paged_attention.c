@@ -644,31 +644,31 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         while (at.t < r->end && n + TILE <= CHUNK_KEYS) {   /* scores */
             const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
-            prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
-            const char *keys = r->k + off + kvh * head_bytes;
-            if (quant) {
-                dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
-                keys = (const char *)kq;
-            }
-            for (int64_t g = kvh * group; g < (kvh + 1) * group; g++) {
-                __m512 dots[TILE];
-                const char *qg = (const char *)(qs + g * npair);
-                if (rows == TILE) {   /* the common case without a test per row */
-                    UNROLL
-                    for (int j = 0; j < TILE; j++)
-                        dots[j] = row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair);
-                } else {
-                    UNROLL
-                    for (int j = 0; j < TILE; j++)
-                        dots[j] = j < rows ? row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair)
-                                           : _mm512_setzero_ps();
+                prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
+                const char *keys = r->k + off + kvh * head_bytes;
+                if (quant) {
+                    dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
+                    keys = (const char *)kq;
                 }
-                __m512 s = hsum16(dots);
-                if (r->softcap > 0.0f)
-                    s = _mm512_mul_ps(_mm512_set1_ps(r->softcap),
-                                      tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / r->softcap))));
-                _mm512_storeu_ps(sc + g * sstride + n, s);
-            }
+                for (int64_t g = kvh * group; g < (kvh + 1) * group; g++) {
+                    __m512 dots[TILE];
+                    const char *qg = (const char *)(qs + g * npair);
+                    if (rows == TILE) {   /* the common case without a test per row */
+                        UNROLL
+                        for (int j = 0; j < TILE; j++)
+                            dots[j] = row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair);
+                    } else {
+                        UNROLL
+                        for (int j = 0; j < TILE; j++)
+                            dots[j] = j < rows ? row_dot(qg, keys + j * row_stride, DOT_BF16, DT_BFLOAT16, 2, npair)
+                                               : _mm512_setzero_ps();
+                    }
+                    __m512 s = hsum16(dots);
+                    if (r->softcap > 0.0f)
+                        s = _mm512_mul_ps(_mm512_set1_ps(r->softcap),
+                                          tanh16(_mm512_mul_ps(s, _mm512_set1_ps(1.0f / r->softcap))));
+                    _mm512_storeu_ps(sc + g * sstride + n, s);
+                }
             }
             n += rows;
             cursor_advance(r, &at, rows);
@@ -706,23 +706,23 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         for (int64_t i = 0; i < n;) {   /* values */
             const int64_t rows = cursor_rows(r, &vc), off = cursor_offset(r, &vc);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
-            prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
-            const char *values = r->v + off + kvh * head_bytes;
-            if (quant) {
-                dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
-                values = (const char *)vq;
-            }
-            for (int64_t g0 = 0; g0 < group; g0 += gmax) {
-                const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
-                float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
-                const uint16_t *pp = p + (kvh * group + g0) * sstride + i;
-                switch (gn) {
-                    case 4: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 4, npair); break;
-                    case 3: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 3, npair); break;
-                    case 2: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 2, npair); break;
-                    default: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 1, npair); break;
+                prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
+                const char *values = r->v + off + kvh * head_bytes;
+                if (quant) {
+                    dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
+                    values = (const char *)vq;
                 }
-            }
+                for (int64_t g0 = 0; g0 < group; g0 += gmax) {
+                    const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
+                    float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
+                    const uint16_t *pp = p + (kvh * group + g0) * sstride + i;
+                    switch (gn) {
+                        case 4: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 4, npair); break;
+                        case 3: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 3, npair); break;
+                        case 2: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 2, npair); break;
+                        default: pv_tile_bf16(values, rows, row_stride, pp, sstride, a, pstride, 1, npair); break;
+                    }
+                }
             }
             i += rows;
             cursor_advance(r, &vc, rows);
