@@ -332,13 +332,15 @@ static inline __attribute__((always_inline)) void prefetch_ahead_of(const key_ra
 }
 
 /* prefetch_ahead_of for bytes [lo, hi) of each row, pf left where it is: a tile's rows asked
- * for a part at a time, between the parts of its work. */
+ * for a part at a time, between the parts of its work. Into L1 (T0): against T1, 12.0-12.2
+ * against 12.2-12.6 ns a key and kv head at one thread, 7.7-7.8 against 8.4-8.6 at two, 34.3-34.6
+ * against 37.8-39.4 on a 70B's shape (benchmarks/README.md, thirty-first session). */
 static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const key_range *r, key_cursor pf,
                                                                          int64_t rows, int64_t lo, int64_t hi,
                                                                          const char *base) {
     for (; rows > 0 && pf.t < r->end; rows--) {
         const int64_t off = cursor_offset(r, &pf);
-        for (int64_t b = lo; b < hi; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T1);
+        for (int64_t b = lo; b < hi; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T0);
         cursor_advance(r, &pf, 1);
     }
 }
