@@ -602,6 +602,20 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
     }
 }
 
+/* Kv head kvh's rows of the tile at `off` in `base` (K or V) as the bf16 products read them
+ * (8-bit rows dequantized into buf), after asking for that kv head's part of the rows ahead. */
+static inline __attribute__((always_inline)) const char *kv_head_tile(const key_range *r, key_cursor pf, int64_t rows,
+                                                                      int64_t off, int64_t kvh, const char *base,
+                                                                      const int dtype, const int64_t npair,
+                                                                      uint16_t *buf) {
+    const int64_t head_bytes = head_row_bytes(dtype, 32 * npair);
+    prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, base);
+    const char *src = base + off + kvh * head_bytes;
+    if (!is_8bit(dtype)) return src;
+    dequant_tile_bf16(src, rows, r->row_stride, dtype, 2 * npair, buf);
+    return (const char *)buf;
+}
+
 /* Keys whose scores are taken before any of their values are summed (attend_range_bf16dp):
  * [group][CHUNK_KEYS] floats of scores and as many bf16 probabilities, in L1. */
 #define CHUNK_KEYS 256
@@ -646,12 +660,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         while (at.t < r->end && n + TILE <= CHUNK_KEYS) {   /* scores */
             const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
-                prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
-                const char *keys = r->k + off + kvh * head_bytes;
-                if (quant) {
-                    dequant_tile_bf16(keys, rows, r->row_stride, dtype, 2 * npair, kq);
-                    keys = (const char *)kq;
-                }
+                const char *keys = kv_head_tile(r, pf, rows, off, kvh, r->k, dtype, npair, kq);
                 for (int64_t g = kvh * group; g < (kvh + 1) * group; g++) {
                     __m512 dots[TILE];
                     const char *qg = (const char *)(qs + g * npair);
@@ -708,12 +717,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         for (int64_t i = 0; i < n;) {   /* values */
             const int64_t rows = cursor_rows(r, &vc), off = cursor_offset(r, &vc);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
-                prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
-                const char *values = r->v + off + kvh * head_bytes;
-                if (quant) {
-                    dequant_tile_bf16(values, rows, r->row_stride, dtype, 2 * npair, vq);
-                    values = (const char *)vq;
-                }
+                const char *values = kv_head_tile(r, pfv, rows, off, kvh, r->v, dtype, npair, vq);
                 for (int64_t g0 = 0; g0 < group; g0 += gmax) {
                     const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
                     float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
