@@ -33,15 +33,14 @@
  *   SmolLM2's shape, one core): ~42 ns per key and kv head from memory, against
  *   ~70 for the earlier item = (range, kv head) walk, which read each block in
  *   three strided passes.
- * - AVX-512 and portable paths: one pass over the range per kv head, asking for
- *   the rows PF_AHEAD keys ahead (into L2: K's before a tile's scores, V's before
- *   its values) while working on the current ones (reading 6 KiB blocks in random
- *   order went from ~4 to ~9 GB/s on one core with this, and K and V apart from one
- *   burst 1.19-1.39x again; benchmarks/README.md). The AVX512_BF16 paths (bf16 and
- *   8-bit caches of a bfloat16 model) walk every kv head of a tile in one pass
- *   instead (up to PASS_MAX_HEADS query heads), each key's row read as one run and
- *   asked for a kv head's part at a time, PF_AHEAD_ROWS keys ahead: 1.2-1.3x the
- *   per-kv-head passes from memory (thirty-first session).
+ * - AVX-512 paths: a tile is done for every kv head of a pass (up to PASS_MAX_HEADS
+ *   query heads) before the next, so each key's row and each block is read as one
+ *   run, asking for the rows PF_AHEAD_ROWS keys ahead (into L1: K's before a kv
+ *   head's scores, V's before its values, a kv head's part at a time between their
+ *   work: reading 6 KiB blocks in random order went from ~4 to ~9 GB/s on one core
+ *   with prefetching, K's and V's apart from one burst 1.19-1.39x again, and the
+ *   one-pass walk 1.2-1.4x the earlier pass per kv head from memory;
+ *   benchmarks/README.md). The portable path makes a pass per kv head.
  * - Split-K: when one sequence holds a large share of the step's keys (a single
  *   long request), its keys are cut into ranges of whole blocks so every thread
  *   has work; each range leaves per query head its max m, sum l of exp(s - m)
@@ -90,14 +89,9 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
 
 /* Keys per tile: one tree reduction (hsum16) scores 16 keys of a head. */
 #define TILE 16
-/* Keys ahead whose rows the per-kv-head passes (AVX-512) prefetch (2 blocks of 16). On the development VM
- * 16, 32 and 64 measured alike; no prefetch or whole blocks at once were ~2x
- * slower on blocks in random order. */
-#ifndef PF_AHEAD
-#define PF_AHEAD 32
-#endif
-/* Keys ahead for the passes that read every kv head of a key's row (attend_range_bf16dp): its
- * rows are 3x a kv head's, so fewer keys hold as many bytes in flight. 20-40 measured alike
+/* Keys ahead whose rows the AVX-512 passes prefetch (they read every kv head of a key's row).
+ * A pass per kv head had taken 32 (16, 32 and 64 alike; no prefetch or whole blocks at once ~2x
+ * slower on blocks in random order); every kv head's rows are 3x as many bytes. 20-40 measured alike
  * (SmolLM2's shape, 64 x 512 keys from memory, one thread: 11.5-12.3 ns a key and kv head), 16
  * 13.3, 8 19.8; 32 alone fell out at 14.3-16.7 (benchmarks/README.md, thirty-first session). */
 #ifndef PF_AHEAD_ROWS
@@ -282,13 +276,13 @@ static void kv_passes(range_fn one, const float *q, const key_range *r, int dtyp
     }
 }
 
-/* The AVX-512 float paths and the portable one walk a range once per kv head. */
+/* The portable path walks a range once per kv head. */
 static void each_kv_head(range_fn one, const float *q, const key_range *r, int dtype, int64_t head_dim,
                          float *part) {
     kv_passes(one, q, r, dtype, head_dim, part, 1);
 }
 
-/* The AVX512_BF16 paths take as many kv heads a pass as keep its query heads within
+/* The AVX-512 paths take as many kv heads a pass as keep its query heads within
  * PASS_MAX_HEADS: every kv head of a row at once where they fit, reading each key's row in one
  * contiguous run (a block's in one) instead of one strided pass per kv head. */
 static __attribute__((unused)) void each_kv_group(range_fn one, const float *q, const key_range *r, int dtype,
@@ -317,22 +311,14 @@ static inline void tile_scales(const char *keys, const char *values, int64_t row
 
 #if defined(__AVX512F__)
 
-/* Ask for the rows (into L2) of `base` (K or V) of the next `rows` keys from pf, which runs
- * PF_AHEAD keys ahead of the tile being computed, and move pf past them. K's before a tile's
- * scores, V's before its values (each with its own cursor): K's and V's together at the tile's
- * start were one burst of prefetches that the scores' own loads queued behind (bfloat16, one
- * thread: 1.19-1.39x the time per call; benchmarks/README.md, twenty-fourth session). */
-static inline __attribute__((always_inline)) void prefetch_ahead_of(const key_range *r, key_cursor *pf, int64_t rows,
-                                                                    int64_t head_bytes, const char *base) {
-    for (; rows > 0 && pf->t < r->end; rows--) {
-        const int64_t off = cursor_offset(r, pf);
-        for (int64_t b = 0; b < head_bytes; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T1);
-        cursor_advance(r, pf, 1);
-    }
-}
-
-/* prefetch_ahead_of for bytes [lo, hi) of each row, pf left where it is: a tile's rows asked
- * for a part at a time, between the parts of its work. Into L1 (T0): against T1, 12.0-12.2
+/* Ask for bytes [lo, hi) (a kv head's part) of the rows of `base` (K or V) of the next `rows`
+ * keys from pf, which runs PF_AHEAD_ROWS keys ahead of the tile being computed; the caller moves
+ * pf past the tile once every kv head's part is asked for. K's before a kv head's scores, V's
+ * before its values (each with its own cursor): K's and V's together at the tile's start were
+ * one burst of prefetches that the scores' own loads queued behind (bfloat16, one thread:
+ * 1.19-1.39x the time per call; benchmarks/README.md, twenty-fourth session), and so were all
+ * of a key's kv heads at once (20.5 against 14.7 ns a key and kv head, thirty-first session).
+ * Into L1 (T0): against T1, 12.0-12.2
  * against 12.2-12.6 ns a key and kv head at one thread, 7.7-7.8 against 8.4-8.6 at two, 34.3-34.6
  * against 37.8-39.4 on a 70B's shape (benchmarks/README.md, thirty-first session). */
 static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const key_range *r, key_cursor pf,
@@ -345,9 +331,9 @@ static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const k
     }
 }
 
-/* The first `ahead` keys' rows, at the start of an item. */
-static void prefetch_first(const key_range *r, int64_t head_bytes, int64_t ahead) {
-    const int64_t stop = r->begin + ahead < r->end ? r->begin + ahead : r->end;
+/* The first PF_AHEAD_ROWS keys' rows, at the start of an item. */
+static void prefetch_first(const key_range *r, int64_t head_bytes) {
+    const int64_t stop = r->begin + PF_AHEAD_ROWS < r->end ? r->begin + PF_AHEAD_ROWS : r->end;
     for (int64_t u = r->begin; u < stop; u++)
         for (int64_t b = 0; b < head_bytes; b += 64) {
             _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T0);
@@ -465,51 +451,59 @@ static inline __attribute__((always_inline)) void attend_range_fma(
         const float *restrict q, const key_range *r, const int dtype, const int64_t elem, const int64_t nvec,
         float *restrict part) {
     const int64_t group = r->group, head_dim = 16 * nvec, pstride = PART_HEAD + head_dim;
-    const int64_t head_bytes = head_row_bytes(dtype, head_dim);
+    const int64_t kvh_n = r->kv_heads, heads = kvh_n * group;   /* every kv head of a tile, in turn */
+    const int64_t head_bytes = head_row_bytes(dtype, head_dim), key_bytes = kvh_n * head_bytes;
     const int quant = is_8bit(dtype);
     /* What the math reads: the rows in place, or (8-bit) their codes widened per tile. */
     const int math_dtype = quant ? DT_FLOAT32 : dtype;
     const int64_t math_elem = quant ? 4 : elem, row_stride = quant ? head_dim * 4 : r->row_stride;
     float ks[TILE], vs[TILE];
     float kw[quant ? TILE * head_dim : 1], vw[quant ? TILE * head_dim : 1];
-    __m512 qs[group * nvec];
-    for (int64_t i = 0; i < group * nvec; i++)
+    __m512 qs[heads * nvec];
+    for (int64_t i = 0; i < heads * nvec; i++)
         qs[i] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * i), _mm512_set1_ps(r->scale));
-    start_parts(part, group, head_dim);
-    prefetch_first(r, head_bytes, PF_AHEAD);
+    start_parts(part, heads, head_dim);
+    prefetch_first(r, key_bytes);
     float p[group][TILE];
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD), pfv = pf;
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD_ROWS), pfv = pf;
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
-        prefetch_ahead_of(r, &pf, rows, head_bytes, r->k);
-        const char *keys = r->k + off, *values = r->v + off;
-        if (quant) {
-            tile_scales(keys, values, rows, r->row_stride, dtype, head_dim, ks, vs);
-            widen_tile(keys, rows, r->row_stride, dtype, nvec, kw);
-            widen_tile(values, rows, r->row_stride, dtype, nvec, vw);
-            keys = (const char *)kw;
-            values = (const char *)vw;
-        }
-        for (int64_t g = 0; g < group; g++) {
-            const __m512 pg = tile_probs((const char *)(qs + g * nvec), keys, rows, row_stride, DOT_FMA,
-                                         math_dtype, math_elem, nvec, quant ? ks : NULL, r->softcap,
-                                         part + g * pstride, head_dim);
-            _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
-        }
-        prefetch_ahead_of(r, &pfv, rows, head_bytes, r->v);
-        for (int64_t g = 0; g < group; g++) {
-            float *acc = part + g * pstride + PART_HEAD;
-            __m512 a[nvec];
-            for (int64_t v = 0; v < nvec; v++) a[v] = _mm512_loadu_ps(acc + 16 * v);
-            for (int64_t i = 0; i < rows; i++) {
-                const __m512 pi = _mm512_set1_ps(p[g][i]);
-                for (int64_t v = 0; v < nvec; v++)
-                    a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * math_elem, math_dtype),
-                                           a[v]);
+        for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
+            const int64_t lo = kvh * head_bytes, hi = lo + head_bytes;
+            prefetch_part_ahead_of(r, pf, rows, lo, hi, r->k);
+            const char *keys = r->k + off + lo, *values = r->v + off + lo;
+            if (quant) {
+                tile_scales(keys, values, rows, r->row_stride, dtype, head_dim, ks, vs);
+                widen_tile(keys, rows, r->row_stride, dtype, nvec, kw);
+                widen_tile(values, rows, r->row_stride, dtype, nvec, vw);
+                keys = (const char *)kw;
+                values = (const char *)vw;
             }
-            for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
+            const __m512 *qh = qs + kvh * group * nvec;
+            float *ph = part + kvh * group * pstride;
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 pg = tile_probs((const char *)(qh + g * nvec), keys, rows, row_stride, DOT_FMA,
+                                             math_dtype, math_elem, nvec, quant ? ks : NULL, r->softcap,
+                                             ph + g * pstride, head_dim);
+                _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
+            }
+            prefetch_part_ahead_of(r, pfv, rows, lo, hi, r->v);
+            for (int64_t g = 0; g < group; g++) {
+                float *acc = ph + g * pstride + PART_HEAD;
+                __m512 a[nvec];
+                for (int64_t v = 0; v < nvec; v++) a[v] = _mm512_loadu_ps(acc + 16 * v);
+                for (int64_t i = 0; i < rows; i++) {
+                    const __m512 pi = _mm512_set1_ps(p[g][i]);
+                    for (int64_t v = 0; v < nvec; v++)
+                        a[v] = _mm512_fmadd_ps(pi, load16(values + i * row_stride + 16 * v * math_elem, math_dtype),
+                                               a[v]);
+                }
+                for (int64_t v = 0; v < nvec; v++) _mm512_storeu_ps(acc + 16 * v, a[v]);
+            }
         }
         cursor_advance(r, &at, rows);
+        cursor_advance(r, &pf, rows);
+        cursor_advance(r, &pfv, rows);
     }
 }
 
@@ -644,7 +638,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
                                     _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
     start_parts(part, heads, head_dim);
-    prefetch_first(r, key_bytes, PF_AHEAD_ROWS);
+    prefetch_first(r, key_bytes);
     /* A chunk's scores and bf16 probabilities per head (TILE past the chunk: a tile's 16 lanes
      * are stored whole; the pair partner of a last odd row is 0). */
     const int64_t sstride = CHUNK_KEYS + TILE;
@@ -1018,7 +1012,7 @@ static inline __attribute__((always_inline)) void attend_range_avx2(
         attend_range_fma(q, r, DTYPE, ELEM, (NCHUNK) ? (NCHUNK) : head_dim / 16, part);                \
     }                                                                                                  \
     static void NAME(const float *q, const key_range *r, int dtype, int64_t head_dim, float *part) {    \
-        each_kv_head(NAME##_one, q, r, dtype, head_dim, part);                                         \
+        each_kv_group(NAME##_one, q, r, dtype, head_dim, part);                                        \
     }
 #else
 #define RANGE_VEC(NAME, DTYPE, ELEM, NCHUNK)                                                            \
