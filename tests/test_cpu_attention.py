@@ -121,7 +121,7 @@ def _both_backends(rng: random.Random, query_lens: list[int], context_lens: list
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16),     # SmolLM2's shape
     (8, 2, 128, 16),    # Llama-3-style GQA, head_dim 128
-    (40, 5, 64, 16),    # AVX512_BF16: a pass of 4 kv heads (32 query heads) and one of the fifth
+    (40, 5, 64, 16),    # AVX-512: a pass of 4 kv heads (32 query heads) and one of the fifth
     (32, 1, 64, 16),    # MQA: one kv head of 32 query heads
     (4, 4, 32, 5),      # MHA, a head_dim with the generic vector path, blocks not a multiple of 16
     (6, 2, 24, 16),     # head_dim not a multiple of 16: the scalar path

@@ -318,9 +318,9 @@ static inline void tile_scales(const char *keys, const char *values, int64_t row
  * one burst of prefetches that the scores' own loads queued behind (bfloat16, one thread:
  * 1.19-1.39x the time per call; benchmarks/README.md, twenty-fourth session), and so were all
  * of a key's kv heads at once (20.5 against 14.7 ns a key and kv head, thirty-first session).
- * Into L1 (T0): against T1, 12.0-12.2
- * against 12.2-12.6 ns a key and kv head at one thread, 7.7-7.8 against 8.4-8.6 at two, 34.3-34.6
- * against 37.8-39.4 on a 70B's shape (benchmarks/README.md, thirty-first session). */
+ * Into L1 (T0): against T1, 12.0-12.2 against 12.2-12.6 ns a key and kv head at one thread,
+ * 7.7-7.8 against 8.4-8.6 at two, 34.3-34.6 against 37.8-39.4 on a 70B's shape
+ * (benchmarks/README.md, thirty-first session). */
 static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const key_range *r, key_cursor pf,
                                                                          int64_t rows, int64_t lo, int64_t hi,
                                                                          const char *base) {
@@ -465,7 +465,8 @@ static inline __attribute__((always_inline)) void attend_range_fma(
     start_parts(part, heads, head_dim);
     prefetch_first(r, key_bytes);
     float p[group][TILE];
-    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD_ROWS), pfv = pf;
+    /* pf: PF_AHEAD_ROWS keys past the tile, for K's rows and then V's (one pass over both) */
+    key_cursor at = cursor_at(r, r->begin), pf = cursor_at(r, r->begin + PF_AHEAD_ROWS);
     while (at.t < r->end) {
         const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
         for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
@@ -487,7 +488,7 @@ static inline __attribute__((always_inline)) void attend_range_fma(
                                              ph + g * pstride, head_dim);
                 _mm512_storeu_ps(p[g], quant ? _mm512_mul_ps(pg, _mm512_loadu_ps(vs)) : pg);
             }
-            prefetch_part_ahead_of(r, pfv, rows, lo, hi, r->v);
+            prefetch_part_ahead_of(r, pf, rows, lo, hi, r->v);
             for (int64_t g = 0; g < group; g++) {
                 float *acc = ph + g * pstride + PART_HEAD;
                 __m512 a[nvec];
@@ -503,7 +504,6 @@ static inline __attribute__((always_inline)) void attend_range_fma(
         }
         cursor_advance(r, &at, rows);
         cursor_advance(r, &pf, rows);
-        cursor_advance(r, &pfv, rows);
     }
 }
 
