@@ -302,6 +302,36 @@ def test_window_and_softcap_change_the_reference():
     assert (plain - windowed).abs().max() > 0.3 and (windowed - capped).abs().max() > 0.3
 
 
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 256)])
+def test_bf16_prefill_follows_a_max_that_keeps_growing(heads, kv_heads, head_dim):
+    """Keys scaled up with their position: each later block of keys holds scores several units
+    above every earlier one, so the kernel's reference max moves again and again (what
+    RESCALE_SLACK lets it skip for scores that stay close) and what was summed is rescaled."""
+    rng = random.Random(head_dim)
+    torch.manual_seed(head_dim)
+    query_lens, context_lens, block_size = [300, 40, 17], [300, 200, 17], 16
+    cache, tables = random_paged_batch(rng, query_lens, context_lens, block_size, kv_heads, head_dim,
+                                       torch.bfloat16)
+    total = sum(query_lens)
+    ramp = torch.cat([torch.arange(ctx - n, ctx) for n, ctx in zip(query_lens, context_lens)]).float()
+    q = torch.randn(total, heads, head_dim).abs().to(torch.bfloat16)
+    k = (torch.randn(total, kv_heads, head_dim).abs() * (1 + ramp / 8).view(-1, 1, 1)).to(torch.bfloat16)
+    v = torch.randn(total, kv_heads, head_dim).to(torch.bfloat16)
+    for table, ctx, n in zip(tables, context_lens, query_lens):   # cached keys ramp up too
+        for p in range(ctx - n):
+            block, row = table[p // block_size], p % block_size
+            cache[0][block, row] = (cache[0][block, row].float().abs() * (1 + p / 8)).to(torch.bfloat16)
+    backend = CpuPagedAttention()
+    meta = backend.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    scale = head_dim ** -0.5
+    with torch.inference_mode():
+        got = backend.forward(q, k, v, cache, meta, scale)
+    expected = reference_attention(q, cache, tables, query_lens, context_lens, block_size, scale, None, None)
+    assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[torch.bfloat16]
+
+
 # -- split-K: one long decode cut into key ranges over threads, merged ------------------------------
 
 def _split_span(context_lens: list[int], window: int | None, block_size: int, threads: int) -> int:

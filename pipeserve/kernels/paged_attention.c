@@ -1312,17 +1312,22 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * instruction scores 16 keys against a pair of query dims, values interleaved
  * by key pairs), then every query row of the G heads that share the kv head
  * walks the tiles from its window's start (the first tile without a window)
- * up to its position with an online softmax (flash attention:
- * running max and sum, output rescaled when the max grows). R rows go
- * together so that their accumulators fill the registers; probabilities are
- * rounded to bf16 before the PV product, as the PyTorch path does.
+ * up to its position with an online softmax (flash attention: running max and
+ * sum, output rescaled when the max grows), R rows and T tiles (16 T keys) a
+ * block (prefill_block). The max a row's probabilities are taken against moves
+ * only when a score passes it by more than RESCALE_SLACK (e^8 keeps them far
+ * inside float and bf16), so the exponentials need not wait for each block's
+ * max. Probabilities are rounded to bf16 before the PV product, as the PyTorch
+ * path does.
  * ------------------------------------------------------------------------- */
 #if defined(__AVX512BF16__)
 #define PREFILL_KERNEL 1
-/* Array bounds are fixed (not R, NV) so that, once inlined with constant R and
- * NV, the arrays become registers instead of stack VLAs. */
+/* Array bounds are fixed (not R, NV, T) so that, once inlined with constant R,
+ * NV and T, the arrays become registers instead of stack VLAs. */
 #define PF_MAX_R 4
 #define PF_MAX_NV 16
+#define PF_MAX_T 16
+#define RESCALE_SLACK 8.0f
 
 /* Keys and values base .. ctx - 1 of one kv head -> the scratch (base a multiple of 16;
  * staged key u is the key at position base + u).
@@ -1367,18 +1372,152 @@ static inline int64_t prefill_base(int64_t first_pos, int64_t window) {
     return first - first % 16;
 }
 
-/* Rows r0 .. r0 + nr - 1 (row = query token * group + head in group) of one
- * (sequence, kv head); R rows at a time, head_dim = 16 * NV. The staged keys
- * start at position base; a row at position p sees keys p - window < j <= p
- * (window 0: every j <= p). */
-static inline __attribute__((always_inline)) void prefill_rows(
-        const uint16_t *q, uint16_t *out, int64_t r0, int nr, const int R, const int NV, int64_t first_pos,
-        int64_t group, int64_t kv_head, int64_t heads, const uint32_t *kt, const uint16_t *vi, float scale,
-        int64_t base, int64_t window, float softcap) {
+/* T tiles from tile0 on, for R rows (qp, pos: their queries and positions; nr of them
+ * real), head_dim = 16 * NV: the block's scores of all R rows first (R * T dot-product
+ * chains, each query pair broadcast once for the T tiles), then each row's softmax over
+ * the block (one max a block; the probabilities rounded to bf16 into pb), then the
+ * block's values. The rows' state (acc, lsum, m) lives in memory (L1) between blocks:
+ * the scores' R * T registers and the accumulators' R * NV do not fit in 32 together.
+ * A row at position p sees keys p - window < j <= p (window 0: every j <= p). */
+static inline __attribute__((always_inline)) void prefill_block(
+        const uint32_t *const qp[PF_MAX_R], const int R, const int NV, const int T, const int64_t tile0,
+        const int64_t *pos, int nr, const uint32_t *kt, const uint16_t *vi, float scale, int64_t base,
+        int64_t window, float softcap, float acc[PF_MAX_R][PF_MAX_NV * 16], float *lsum, float *m) {
     const int64_t head_dim = 16 * NV, pairs = 8 * NV;
+    __m512 s[PF_MAX_R][PF_MAX_T];
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        UNROLL
+        for (int t = 0; t < T; t++) s[i][t] = _mm512_setzero_ps();
+    }
+    const uint32_t *kb = kt + tile0 * pairs * 16;
+    /* Fewer than 8 chains (the last tiles of a range): two per score, over even and odd pairs. */
+    const int C = R * T >= 8 ? 1 : 2;
+    __m512 s2[PF_MAX_R][PF_MAX_T];
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        UNROLL
+        for (int t = 0; t < T; t++) s2[i][t] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < pairs; k += C) {
+        __m512bh qb[PF_MAX_R];
+        UNROLL
+        for (int i = 0; i < R; i++) qb[i] = (__m512bh)_mm512_set1_epi32((int)qp[i][k]);
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            const __m512bh kk = (__m512bh)_mm512_loadu_si512(kb + (t * pairs + k) * 16);
+            UNROLL
+            for (int i = 0; i < R; i++) s[i][t] = _mm512_dpbf16_ps(s[i][t], kk, qb[i]);
+        }
+        if (C == 2) {
+            UNROLL
+            for (int i = 0; i < R; i++) qb[i] = (__m512bh)_mm512_set1_epi32((int)qp[i][k + 1]);
+            UNROLL
+            for (int t = 0; t < T; t++) {
+                const __m512bh kk = (__m512bh)_mm512_loadu_si512(kb + (t * pairs + k + 1) * 16);
+                UNROLL
+                for (int i = 0; i < R; i++) s2[i][t] = _mm512_dpbf16_ps(s2[i][t], kk, qb[i]);
+            }
+        }
+    }
+    if (C == 2) {
+        UNROLL
+        for (int i = 0; i < R; i++) {
+            UNROLL
+            for (int t = 0; t < T; t++) s[i][t] = _mm512_add_ps(s[i][t], s2[i][t]);
+        }
+    }
+    /* Is every key of the block seen by every row? (Rows are in position order.) */
+    const int64_t first = base + tile0 * 16, last = first + 16 * T - 1;
+    const int full = last <= pos[0] && (window <= 0 || first > pos[nr - 1] - window);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    uint32_t pb[PF_MAX_R][PF_MAX_T * 8];   /* probabilities as bf16 pairs (keys 2j, 2j + 1 of a tile) */
+    float alpha[PF_MAX_R];
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        __m512 x[PF_MAX_T];
+        __mmask16 valid[PF_MAX_T];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            x[t] = _mm512_mul_ps(s[i][t], vscale);
+            if (softcap > 0.0f)
+                x[t] = _mm512_mul_ps(_mm512_set1_ps(softcap),
+                                     tanh16(_mm512_mul_ps(x[t], _mm512_set1_ps(1.0f / softcap))));
+            valid[t] = 0xFFFF;
+            if (!full) {
+                /* A row with no valid key in a tile (its position is before the tile, or its window
+                 * starts after it) gets probability 0 there; until its first valid key its max is
+                 * -inf, the lanes computed from it NaN but masked to 0. */
+                const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int)(first + 16 * t)), iota);
+                valid[t] = _mm512_mask_cmpgt_epi32_mask(
+                    _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32((int)pos[i])), keys,
+                    _mm512_set1_epi32(window > 0 ? (int)(pos[i] - window) : -1));
+                x[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[t], x[t]);
+            }
+            mx = _mm512_max_ps(mx, x[t]);
+        }
+        /* The probabilities are taken against a reference max that moves only when a score
+         * passes it by more than RESCALE_SLACK (always at the first valid key): the branch
+         * is predicted, so the exponentials do not wait for the block's max. */
+        const float bm = _mm512_reduce_max_ps(mx);
+        alpha[i] = 1.0f;
+        if (__builtin_expect(bm > m[i] + RESCALE_SLACK, 0)) {
+            alpha[i] = exp_f32(m[i] - bm);
+            m[i] = bm;
+        }
+        const __m512 vm = _mm512_set1_ps(m[i]);
+        __m512 sum = _mm512_setzero_ps();
+        UNROLL
+        for (int t = 0; t < T; t++) {
+            const __m512 p = _mm512_maskz_mov_ps(valid[t], exp16_core(_mm512_max_ps(_mm512_sub_ps(x[t], vm), _mm512_set1_ps(-87.0f))));
+            const __m256bh p16 = _mm512_cvtneps_pbh(p);
+            /* Sum the rounded probabilities: numerator and denominator then agree. */
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(p16));
+            _mm256_storeu_si256((__m256i *)(pb[i] + 8 * t), (__m256i)p16);
+        }
+        lsum[i] = lsum[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+    }
+    __m512 a[PF_MAX_R][PF_MAX_NV];
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        const __m512 va = _mm512_set1_ps(alpha[i]);
+        UNROLL
+        for (int c = 0; c < NV; c++) a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * c), va);
+    }
+    const uint16_t *vb = vi + tile0 * 16 * head_dim;
+    UNROLL
+    for (int j = 0; j < 8 * T; j++) {
+        __m512bh v[PF_MAX_NV];
+        UNROLL
+        for (int c = 0; c < NV; c++) v[c] = (__m512bh)_mm512_loadu_si512(vb + (j * head_dim + 16 * c) * 2);
+        UNROLL
+        for (int i = 0; i < R; i++) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[i][j]);
+            UNROLL
+            for (int c = 0; c < NV; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], v[c], pp);
+        }
+    }
+    UNROLL
+    for (int i = 0; i < R; i++) {
+        UNROLL
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc[i] + 16 * c, a[i][c]);
+    }
+}
+
+/* Rows r0 .. r0 + nr - 1 (row = query token * group + head in group, nr <= R) of one
+ * (sequence, kv head), from the staged keys (which start at position base) up to each
+ * row's position, T tiles a block and the last ones in blocks of T / 2, T / 4, ... 1. */
+static inline __attribute__((always_inline)) void prefill_rows(
+        const uint16_t *q, uint16_t *out, int64_t r0, int nr, const int R, const int NV, const int T,
+        int64_t first_pos, int64_t group, int64_t kv_head, int64_t heads, const uint32_t *kt, const uint16_t *vi,
+        float scale, int64_t base, int64_t window, float softcap) {
+    const int64_t head_dim = 16 * NV;
     const uint32_t *qp[PF_MAX_R];
     uint16_t *op[PF_MAX_R];
     int64_t pos[PF_MAX_R];
+    float acc[PF_MAX_R][PF_MAX_NV * 16], lsum[PF_MAX_R], m[PF_MAX_R];
     UNROLL
     for (int i = 0; i < R; i++) {
         const int64_t r = r0 + (i < nr ? i : nr - 1);   /* spare lanes repeat the last row, unused */
@@ -1386,97 +1525,50 @@ static inline __attribute__((always_inline)) void prefill_rows(
         pos[i] = first_pos + token;
         qp[i] = (const uint32_t *)(q + (token * heads + head) * head_dim);
         op[i] = out + (token * heads + head) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) acc[i][d] = 0.0f;
+        lsum[i] = 0.0f;
+        m[i] = -INFINITY;
     }
-    __m512 acc[PF_MAX_R][PF_MAX_NV], lsum[PF_MAX_R], m[PF_MAX_R];   /* m: the running max, in every lane */
-    UNROLL
-    for (int i = 0; i < R; i++) {
-        UNROLL
-        for (int c = 0; c < NV; c++) acc[i][c] = _mm512_setzero_ps();
-        lsum[i] = _mm512_setzero_ps();
-        m[i] = _mm512_set1_ps(-INFINITY);
-    }
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* Rows are in position order: the first row's window starts first, the last row ends last. */
     const int64_t first_key = window > 0 && pos[0] - window + 1 > base ? pos[0] - window + 1 : base;
-    const int64_t tiles = (pos[nr - 1] - base) / 16 + 1;
-    for (int64_t tile = (first_key - base) / 16; tile < tiles; tile++) {
-        const uint32_t *kb = kt + tile * pairs * 16;
-        __m512 s0[PF_MAX_R], s1[PF_MAX_R];   /* two chains per row: the dot products are latency-bound otherwise */
-        UNROLL
-        for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < pairs; k += 2) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + k * 16);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + (k + 1) * 16);
-            UNROLL
-            for (int i = 0; i < R; i++) {
-                s0[i] = _mm512_dpbf16_ps(s0[i], k0, (__m512bh)_mm512_set1_epi32((int)qp[i][k]));
-                s1[i] = _mm512_dpbf16_ps(s1[i], k1, (__m512bh)_mm512_set1_epi32((int)qp[i][k + 1]));
-            }
-        }
-        const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int)(base + tile * 16)), iota);
-        uint32_t pb[PF_MAX_R][8];   /* probabilities as bf16 pairs (keys 2j, 2j + 1) */
-        UNROLL
-        for (int i = 0; i < R; i++) {
-            /* A row with no valid key in this tile (its position is before the tile, or
-             * its window starts after it) keeps its max, and its probabilities are 0.
-             * Until its first valid key the max is -inf: the lanes computed from it are
-             * NaN, but masked to 0, and the first rescale multiplies zeros. */
-            const __mmask16 valid = _mm512_mask_cmpgt_epi32_mask(
-                _mm512_cmple_epi32_mask(keys, _mm512_set1_epi32((int)pos[i])), keys,
-                _mm512_set1_epi32(window > 0 ? (int)(pos[i] - window) : -1));
-            __m512 x = _mm512_mul_ps(_mm512_add_ps(s0[i], s1[i]), vscale);
-            if (softcap > 0.0f)
-                x = _mm512_mul_ps(_mm512_set1_ps(softcap), tanh16(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / softcap))));
-            x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, x);
-            const __m512 m_new = _mm512_max_ps(m[i], max16(x));
-            if (_mm512_cmp_ps_mask(m_new, m[i], _CMP_GT_OQ)) {   /* rescale what was summed so far */
-                const __m512 alpha = exp16(_mm512_sub_ps(m[i], m_new));
-                UNROLL
-                for (int c = 0; c < NV; c++) acc[i][c] = _mm512_mul_ps(acc[i][c], alpha);
-                lsum[i] = _mm512_mul_ps(lsum[i], alpha);
-                m[i] = m_new;
-            }
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, m_new)));
-            const __m256bh p16 = _mm512_cvtneps_pbh(p);
-            /* Sum the rounded probabilities: numerator and denominator then agree. */
-            lsum[i] = _mm512_add_ps(lsum[i], _mm512_cvtpbh_ps(p16));
-            _mm256_storeu_si256((__m256i *)pb[i], (__m256i)p16);
-        }
-        const uint16_t *vb = vi + tile * 16 * head_dim;
-        UNROLL
-        for (int j = 0; j < 8; j++) {
-            __m512bh v[PF_MAX_NV];
-            UNROLL
-            for (int c = 0; c < NV; c++) v[c] = (__m512bh)_mm512_loadu_si512(vb + (j * head_dim + 16 * c) * 2);
-            UNROLL
-            for (int i = 0; i < R; i++) {
-                const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[i][j]);
-                UNROLL
-                for (int c = 0; c < NV; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], v[c], pp);
-            }
-        }
+    const int64_t end = (pos[nr - 1] - base) / 16 + 1;   /* tiles up to the last row's position */
+    int64_t tile = (first_key - base) / 16;
+    for (; tile + T <= end; tile += T)
+        prefill_block(qp, R, NV, T, tile, pos, nr, kt, vi, scale, base, window, softcap, acc, lsum, m);
+    /* The rest (fewer than T tiles) in blocks of T / 2, T / 4, ... 1 tiles, each at most once. */
+    if (T >= 16 && end - tile >= 8) {
+        prefill_block(qp, R, NV, 8, tile, pos, nr, kt, vi, scale, base, window, softcap, acc, lsum, m);
+        tile += 8;
     }
+    if (T >= 8 && end - tile >= 4) {
+        prefill_block(qp, R, NV, 4, tile, pos, nr, kt, vi, scale, base, window, softcap, acc, lsum, m);
+        tile += 4;
+    }
+    if (T >= 4 && end - tile >= 2) {
+        prefill_block(qp, R, NV, 2, tile, pos, nr, kt, vi, scale, base, window, softcap, acc, lsum, m);
+        tile += 2;
+    }
+    if (T >= 2 && end - tile >= 1)
+        prefill_block(qp, R, NV, 1, tile, pos, nr, kt, vi, scale, base, window, softcap, acc, lsum, m);
     for (int i = 0; i < nr; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[i]));
+        const __m512 inv = _mm512_set1_ps(1.0f / lsum[i]);
         UNROLL
         for (int c = 0; c < NV; c++)
             _mm256_storeu_si256((__m256i *)(op[i] + 16 * c),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][c], inv)));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc[i] + 16 * c), inv)));
     }
 }
 
-#define PREFILL_ROWS(NAME, R, NV)                                                                      \
+#define PREFILL_ROWS(NAME, R, NV, T)                                                                   \
     static void NAME(const uint16_t *q, uint16_t *out, int64_t r0, int nr, int64_t first_pos,          \
                      int64_t group, int64_t kv_head, int64_t heads, const uint32_t *kt,                \
                      const uint16_t *vi, float scale, int64_t base, int64_t window, float softcap) {   \
-        prefill_rows(q, out, r0, nr, R, NV, first_pos, group, kv_head, heads, kt, vi, scale, base,    \
+        prefill_rows(q, out, r0, nr, R, NV, T, first_pos, group, kv_head, heads, kt, vi, scale, base, \
                      window, softcap);                                                                 \
     }
-PREFILL_ROWS(prefill_rows_64, 4, 4)
-PREFILL_ROWS(prefill_rows_128, 2, 8)
-PREFILL_ROWS(prefill_rows_32, 4, 2)
-PREFILL_ROWS(prefill_rows_256, 1, 16)
+PREFILL_ROWS(prefill_rows_64, 4, 4, 4)
+PREFILL_ROWS(prefill_rows_128, 2, 8, 8)
+PREFILL_ROWS(prefill_rows_32, 4, 2, 4)
+PREFILL_ROWS(prefill_rows_256, 1, 16, 16)
 #endif
 
 /* Can pipeserve_paged_prefill run this shape? (bf16 queries; a bf16 or 8-bit cache;

@@ -54,9 +54,8 @@ static inline float tanh_f32(float x) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp_f32 of 16 lanes (the same polynomial, scaled by 2^n with vscalefps). */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+/* exp16 without its clamp, for arguments already in [-87, 88]. */
+static inline __attribute__((always_inline)) __m512 exp16_core(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -69,6 +68,11 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* exp_f32 of 16 lanes (the same polynomial, scaled by 2^n with vscalefps). */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    return exp16_core(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)));
 }
 
 /* tanh_f32 of 16 lanes. */
