@@ -1328,6 +1328,7 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
 #define PF_MAX_NV 16
 #define PF_MAX_T 16
 #define RESCALE_SLACK 8.0f
+#define STAGE_AHEAD 16
 
 /* Keys and values base .. ctx - 1 of one kv head -> the scratch (base a multiple of 16;
  * staged key u is the key at position base + u).
@@ -1347,6 +1348,14 @@ static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, 
     float row[PF_MAX_NV * 16];
     for (int64_t t = base; t < ctx; t++) {
         const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
+        if (t + STAGE_AHEAD < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
+            const int64_t a = t + STAGE_AHEAD;
+            const int64_t ahead = table[a / block_size] * block_stride + (a % block_size) * row_stride + head_offset;
+            for (int64_t b = 0; b < head_bytes; b += 64) {
+                _mm_prefetch(k_cache + ahead + b, _MM_HINT_T0);
+                _mm_prefetch(v_cache + ahead + b, _MM_HINT_T0);
+            }
+        }
         const uint32_t *kr = (const uint32_t *)(k_cache + offset);
         const uint16_t *vr = (const uint16_t *)(v_cache + offset);
         if (is_8bit(dtype)) {
