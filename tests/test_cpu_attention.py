@@ -61,19 +61,32 @@ def compiler_with_flags(path: Path, flags: list[str]) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=list(KERNEL_ISAS))
-def kernel_isa(request, tmp_path_factory):
-    """Runs a test once per build of KERNEL_ISAS (each in its own kernel cache); yields its name."""
-    with pytest.MonkeyPatch.context() as mp:
-        if KERNEL_ISAS[request.param]:
-            folder = tmp_path_factory.mktemp(request.param)
-            mp.setenv("CC", compiler_with_flags(folder / "cc", KERNEL_ISAS[request.param]))
-            mp.setenv("PIPESERVE_CACHE_DIR", str(folder / "cache"))
+@pytest.fixture(scope="session")
+def isa_compilers(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """(CC, kernel cache) of each forced build, made once: each build is compiled once a session."""
+    out = {}
+    for name, flags in KERNEL_ISAS.items():
+        if flags:
+            folder = tmp_path_factory.mktemp(name)
+            out[name] = (compiler_with_flags(folder / "cc", flags), str(folder / "cache"))
+    return out
+
+
+@pytest.fixture(params=list(KERNEL_ISAS))
+def kernel_isa(request, isa_compilers, monkeypatch):
+    """Runs a test once per build of KERNEL_ISAS (each in its own kernel cache); yields its name.
+
+    Function-scoped: a module-scoped one stays active between its tests, so that a test of the
+    module that does not ask for it (a native kernel's) would run on the last forced build."""
+    if request.param in isa_compilers:
+        cc, cache = isa_compilers[request.param]
+        monkeypatch.setenv("CC", cc)
+        monkeypatch.setenv("PIPESERVE_CACHE_DIR", cache)
+    build.forget_loaded()
+    try:
+        yield request.param
+    finally:
         build.forget_loaded()
-        try:
-            yield request.param
-        finally:
-            build.forget_loaded()
 
 
 def cpu_backend_on(isa: str) -> CpuPagedAttention:

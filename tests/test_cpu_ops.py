@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from pipeserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _rotate
 from tests.kernels import skip_without_kernel
-from tests.test_cpu_attention import check_forced_isa, kernel_isa  # noqa: F401 (fixture)
+from tests.test_cpu_attention import check_forced_isa, isa_compilers, kernel_isa  # noqa: F401 (fixtures)
 
 
 needs_kernel = skip_without_kernel("elementwise")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ops(kernel_isa):
     from pipeserve.model.cpu_ops import CpuElementwise
     ops = CpuElementwise()

@@ -17,7 +17,7 @@ from pipeserve.model.attention import TorchPagedAttention
 from pipeserve.model.cpu_attention import CpuPagedAttention
 from pipeserve.model.kv_quant import cache_dtype, dequantize, quantize, row_bytes
 from tests.kernels import skip_without_kernel
-from tests.test_cpu_attention import cpu_backend_on, kernel_isa, random_paged_batch  # noqa: F401 (fixture)
+from tests.test_cpu_attention import cpu_backend_on, isa_compilers, kernel_isa, random_paged_batch  # noqa: F401 (fixtures)
 from tests.test_engine_behaviour import random_prompts
 
 needs_kernel = skip_without_kernel("paged_attention")
