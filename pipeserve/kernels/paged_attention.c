@@ -1322,6 +1322,7 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * ------------------------------------------------------------------------- */
 #if defined(__AVX512BF16__)
 #define PREFILL_KERNEL 1
+#include "avx512_transpose.h"
 /* Array bounds are fixed (not R, NV, T) so that, once inlined with constant R,
  * NV and T, the arrays become registers instead of stack VLAs. */
 #define PF_MAX_R 4
@@ -1335,42 +1336,67 @@ int pipeserve_paged_decode(const float *q, const void *k_cache, const void *v_ca
  * kt: [tiles][head_dim / 2][16] dwords, dword (tile, k, j) = dims 2k, 2k+1 of key 16 tile + j.
  * vi: [tiles][8][head_dim] dwords, dword (tile, j, d) = dim d of keys 16 tile + 2j and + 2j + 1.
  * Keys past ctx are zero (they are always masked; zero keeps NaN out).
- * An 8-bit cache's rows are dequantized (code * scale, rounded to bf16) on the way. */
+ * A tile at a time: its 16 key rows transposed 16 dwords by 16 (transpose16), its value rows
+ * interleaved in pairs (vpermt2w). An 8-bit cache's rows are dequantized (code * scale, rounded
+ * to bf16) into a bf16 copy of the tile first. */
 static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, const int64_t *table, int64_t base,
                            int64_t ctx, int64_t kv_head, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                            uint32_t *restrict kt, uint16_t *restrict vi) {
     const int64_t pairs = head_dim / 2, tiles = (ctx - base + 15) / 16, head_bytes = head_row_bytes(dtype, head_dim);
     const int64_t row_stride = kv_heads * head_bytes, block_stride = block_size * row_stride;
     const int64_t head_offset = kv_head * head_bytes;
-    memset(kt, 0, (size_t)(tiles * pairs * 16) * sizeof(uint32_t));
-    memset(vi, 0, (size_t)(tiles * 16 * head_dim) * sizeof(uint16_t));
-    uint16_t kq[PF_MAX_NV * 16], vq[PF_MAX_NV * 16];   /* one dequantized row each (8-bit caches) */
+    static const uint16_t zero_row[PF_MAX_NV * 16];
+    uint16_t kq[16][PF_MAX_NV * 16], vq[16][PF_MAX_NV * 16];   /* a tile's dequantized rows (8-bit caches) */
     float row[PF_MAX_NV * 16];
-    for (int64_t t = base; t < ctx; t++) {
-        const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
-        if (t + STAGE_AHEAD < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
-            const int64_t a = t + STAGE_AHEAD;
-            const int64_t ahead = table[a / block_size] * block_stride + (a % block_size) * row_stride + head_offset;
-            for (int64_t b = 0; b < head_bytes; b += 64) {
-                _mm_prefetch(k_cache + ahead + b, _MM_HINT_T0);
-                _mm_prefetch(v_cache + ahead + b, _MM_HINT_T0);
+    /* vpermt2w indices: dims 16 h .. 16 h + 15 of rows a (0..31) and b (32..63), interleaved. */
+    __m512i mix[2];
+    for (int h = 0; h < 2; h++) {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; i++) idx[i] = (uint16_t)(16 * h + i / 2 + (i % 2) * 32);
+        mix[h] = _mm512_loadu_si512(idx);
+    }
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const uint16_t *kr[16], *vr[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = base + 16 * tile + j;
+            if (t >= ctx) {
+                kr[j] = vr[j] = zero_row;
+                continue;
+            }
+            if (t + STAGE_AHEAD < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
+                const int64_t a = t + STAGE_AHEAD;
+                const int64_t ahead = table[a / block_size] * block_stride + (a % block_size) * row_stride + head_offset;
+                for (int64_t b = 0; b < head_bytes; b += 64) {
+                    _mm_prefetch(k_cache + ahead + b, _MM_HINT_T0);
+                    _mm_prefetch(v_cache + ahead + b, _MM_HINT_T0);
+                }
+            }
+            const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
+            kr[j] = (const uint16_t *)(k_cache + offset);
+            vr[j] = (const uint16_t *)(v_cache + offset);
+            if (is_8bit(dtype)) {
+                load_row(k_cache + offset, dtype, head_dim, row);
+                for (int64_t d = 0; d < head_dim; d++) kq[j][d] = f32_to_bf16(row[d]);
+                load_row(v_cache + offset, dtype, head_dim, row);
+                for (int64_t d = 0; d < head_dim; d++) vq[j][d] = f32_to_bf16(row[d]);
+                kr[j] = kq[j];
+                vr[j] = vq[j];
             }
         }
-        const uint32_t *kr = (const uint32_t *)(k_cache + offset);
-        const uint16_t *vr = (const uint16_t *)(v_cache + offset);
-        if (is_8bit(dtype)) {
-            load_row(k_cache + offset, dtype, head_dim, row);
-            for (int64_t d = 0; d < head_dim; d++) kq[d] = f32_to_bf16(row[d]);
-            load_row(v_cache + offset, dtype, head_dim, row);
-            for (int64_t d = 0; d < head_dim; d++) vq[d] = f32_to_bf16(row[d]);
-            kr = (const uint32_t *)kq;
-            vr = vq;
+        uint32_t *kd = kt + tile * pairs * 16;
+        for (int64_t c = 0; c < pairs; c += 16) {   /* dwords c .. c + 15 of the 16 keys */
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(kr[j] + 2 * c);
+            transpose16(r);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(kd + (c + k) * 16, r[k]);
         }
-        const int64_t u = t - base;
-        uint32_t *kd = kt + (u / 16) * pairs * 16 + u % 16;
-        for (int64_t k = 0; k < pairs; k++) kd[k * 16] = kr[k];
-        uint16_t *vd = vi + (((u / 16) * 8 + (u % 16) / 2) * head_dim) * 2 + (u % 2);
-        for (int64_t d = 0; d < head_dim; d++) vd[2 * d] = vr[d];
+        uint16_t *vd = vi + tile * 16 * head_dim;
+        for (int j = 0; j < 8; j++)
+            for (int64_t d = 0; d < head_dim; d += 32) {   /* dims d .. d + 31 of keys 2j, 2j + 1 */
+                const __m512i va = _mm512_loadu_si512(vr[2 * j] + d), vb = _mm512_loadu_si512(vr[2 * j + 1] + d);
+                _mm512_storeu_si512(vd + (j * head_dim + d) * 2, _mm512_permutex2var_epi16(va, mix[0], vb));
+                _mm512_storeu_si512(vd + (j * head_dim + d + 16) * 2, _mm512_permutex2var_epi16(va, mix[1], vb));
+            }
     }
 }
 
