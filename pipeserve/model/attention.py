@@ -265,7 +265,7 @@ class TorchPagedAttention(AttentionBackend):
             return self.attend_decodes(q, k_cache, v_cache, meta.decodes, shape)
         out = torch.empty_like(q)  # [n, heads, D]
         if meta.decodes is not None:
-            out[meta.decodes.query_index] = self.attend_decodes(q, k_cache, v_cache, meta.decodes, shape)
+            self.attend_decodes_into(q, k_cache, v_cache, meta.decodes, shape, out)
         if meta.prefills:
             self.attend_prefills(q, k, v, k_cache, v_cache, meta, shape, out)
         return out
@@ -287,6 +287,11 @@ class TorchPagedAttention(AttentionBackend):
                        d: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
         """One query per sequence: [B, heads, D]. Overridden by kernel backends."""
         return _attend_decodes(q, k_cache, v_cache, d, shape)
+
+    def attend_decodes_into(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            d: DecodeBatch, shape: ScoreShape, out: torch.Tensor) -> None:
+        """Write the decode rows of ``out`` (a step with prefills too). Overridden by kernel backends."""
+        out[d.query_index] = self.attend_decodes(q, k_cache, v_cache, d, shape)
 
 
 def _attend_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -109,14 +109,35 @@ class CpuPagedAttention(TorchPagedAttention):
             step = g.backend_state["decode"] = _DecodeStep(g)
         return step
 
-    def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
+    @staticmethod
+    def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs contiguous KV caches in CPU memory; "
                              "use --attention-backend torch")
         if k_cache.dtype not in _DTYPE_CODES:
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
+
+    def attend_decodes_into(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            g: DecodeBatch, shape: ScoreShape, out: torch.Tensor) -> None:
+        """A bfloat16 step whose decodes are one run of rows (the scheduler puts them first): the
+        kernel reads their rows of q and writes theirs of ``out`` in place, without the gather,
+        the float32 round trip and the scatter of the general case."""
+        step = self.decode_args(g)
+        if (step.first_row < 0 or q.dtype != torch.bfloat16 or self.decode_io_kernel is None
+                or not (q.is_contiguous() and out.is_contiguous())):
+            super().attend_decodes_into(q, k_cache, v_cache, g, shape, out)
+            return
+        self._check_cache(k_cache, v_cache)
+        rows = slice(step.first_row, step.first_row + step.batch)
+        rc = self.decode_io_kernel(*self.decode_kernel_args(q[rows], k_cache, v_cache, step, shape, out[rows], True),
+                                   1)
+        if rc != 0:
+            raise MemoryError("paged decode kernel could not allocate its work buffer")
+
+    def attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       g: DecodeBatch, shape: ScoreShape) -> torch.Tensor:
+        self._check_cache(k_cache, v_cache)
         step = self.decode_args(g)
         bf16 = q.dtype == torch.bfloat16
         # Every row a decode, in batch order (query_index is increasing): q is the kernel's as it is.
@@ -161,6 +182,9 @@ class _DecodeStep:
         self.batch, self.max_blocks = self.tables.shape
         self.block_size = g.block_size
         self.threads = torch.get_num_threads()
+        # The decodes' first row when they are one run of rows in order (query_index increases), else -1.
+        first, last = int(g.query_index[0]), int(g.query_index[-1])
+        self.first_row = first if last - first == self.batch - 1 else -1
 
 
 def _prefill_args(meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

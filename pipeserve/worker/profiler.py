@@ -74,7 +74,14 @@ class StageProfiler:
         backend._profiled = True
         row_bytes, flops_per_pair = _attention_costs(cfg, elem)
 
+        into = [False]    # inside attend_decodes_into: its own account counts the work, once
+
         def decode(self_ns: int, args: tuple, out: Any) -> None:
+            self.acc.ns["decode_attention"] += self_ns
+            if not into[0]:
+                self.acc.add("decode_attention", flops_per_pair * self._decode_keys, row_bytes * self._decode_keys)
+
+        def decode_into(self_ns: int, args: tuple, out: Any) -> None:
             self.acc.ns["decode_attention"] += self_ns
             self.acc.add("decode_attention", flops_per_pair * self._decode_keys, row_bytes * self._decode_keys)
 
@@ -88,6 +95,16 @@ class StageProfiler:
             self.acc.add("kv_write", 0, 2 * row_bytes * args[0].shape[0])   # read k/v, write the cache
 
         backend.attend_decodes = self.acc.timed(backend.attend_decodes, decode)
+        timed_into = self.acc.timed(backend.attend_decodes_into, decode_into)
+
+        def attend_decodes_into(*args, **kwargs):
+            into[0] = True
+            try:
+                return timed_into(*args, **kwargs)
+            finally:
+                into[0] = False
+
+        backend.attend_decodes_into = attend_decodes_into
         backend.attend_prefills = self.acc.timed(backend.attend_prefills, prefill)
         backend.forward = self.acc.timed(backend.forward, write)
 
