@@ -113,32 +113,54 @@ def _decoder(tp: Any) -> Decoder:
 
 
 def _dataclass_decoder(cls: type) -> Decoder:
-    hints = typing.get_type_hints(cls)
+    """An array of ``cls``'s fields -> ``cls``. The body is generated once per class, on first
+    use (dataclasses may refer to each other), as ``dataclasses`` writes ``__init__``: one
+    unpacking and one line per field, a field of plain types (int, str, bool) checked inline;
+    a walk over the fields took about twice as long on a step of 128 sequences. Only the
+    declared names and decoders go into it; nothing from the wire does."""
     names = _field_names(cls)
-    fields: list[tuple[str, Decoder]] = []
+    built: list[Decoder] = []
 
     def decode(data: Any) -> Any:
-        if type(data) is not list or len(data) != len(names):
-            raise WireError(f"expected {cls.__name__} as an array of {len(names)} fields, got "
-                            f"{_describe(data)}")
-        if not fields:                      # built on first use: dataclasses may refer to each other
-            fields.extend((name, _decoder(hints[name])) for name in names)
-        values = []
-        for (name, dec), value in zip(fields, data):
-            plain = getattr(dec, "plain_types", None)   # int/str/bool fields: check inline
-            if plain is not None and type(value) in plain:
-                values.append(value)
-                continue
-            try:
-                values.append(dec(value))
-            except WireError as exc:
-                raise WireError(f"{cls.__name__}.{name}: {exc}") from None
-        try:
-            return cls(*values)
-        except (TypeError, ValueError) as exc:    # the class's own validation
-            raise WireError(f"invalid {cls.__name__}: {exc}") from None
+        if not built:
+            built.append(_generate_dataclass_decoder(cls, names))
+        return built[0](data)
 
     return decode
+
+
+def _generate_dataclass_decoder(cls: type, names: tuple[str, ...]) -> Decoder:
+    hints = typing.get_type_hints(cls)
+    env: dict[str, Any] = {"cls": cls, "WireError": WireError, "field": _decode_field, "describe": _describe}
+    values = [f"v{i}" for i in range(len(names))]
+    lines = [f"def decode(data):",
+             f"    if type(data) is not list or len(data) != {len(names)}:",
+             f"        raise WireError('expected {cls.__name__} as an array of {len(names)} fields, got '"
+             f" + describe(data))",
+             f"    {', '.join(values)}, = data" if names else "    pass"]
+    for i, name in enumerate(names):
+        dec = env[f"d{i}"] = _decoder(hints[name])
+        env[f"w{i}"] = f"{cls.__name__}.{name}"
+        plain = getattr(dec, "plain_types", None)
+        if plain is not None:
+            env[f"p{i}"] = plain
+            lines.append(f"    if type(v{i}) not in p{i}:")
+            lines.append(f"        v{i} = field(d{i}, v{i}, w{i})")
+        else:
+            lines.append(f"    v{i} = field(d{i}, v{i}, w{i})")
+    lines += ["    try:",
+              f"        return cls({', '.join(values)})",
+              "    except (TypeError, ValueError) as exc:    # the class's own validation",
+              f"        raise WireError(f'invalid {cls.__name__}: {{exc}}') from None"]
+    exec("\n".join(lines), env)   # noqa: S102 - source built from the declarations above only
+    return env["decode"]
+
+
+def _decode_field(dec: Decoder, value: Any, where: str) -> Any:
+    try:
+        return dec(value)
+    except WireError as exc:
+        raise WireError(f"{where}: {exc}") from None
 
 
 def _union_decoder(args: tuple) -> Decoder:
@@ -177,13 +199,16 @@ def _from_base64(text: str) -> bytes:
 
 def _list_decoder(item: Decoder) -> Decoder:
     fast = getattr(item, "scalar_types", None)
+    fast_set = frozenset(fast) if fast is not None else None
 
     def decode(data: Any) -> list:
         if type(data) is not list:
             raise WireError(f"expected an array, got {_describe(data)}")
         if len(data) > MAX_ITEMS:
             raise WireError(f"{len(data)} items is more than {MAX_ITEMS}")
-        if fast is not None and all(type(v) in fast for v in data):
+        # The items' types in one C-level pass (a block table, token ids): a generator over
+        # them took ~2.5 us for 30 ints, ~0.15 ms a step of 128 sequences.
+        if fast_set is not None and fast_set.issuperset(map(type, data)):
             return data if float not in fast else [float(v) for v in data]
         return [item(v) for v in data]
 
