@@ -133,7 +133,7 @@ def _generate_dataclass_decoder(cls: type, names: tuple[str, ...]) -> Decoder:
     hints = typing.get_type_hints(cls)
     env: dict[str, Any] = {"cls": cls, "WireError": WireError, "field": _decode_field, "describe": _describe}
     values = [f"v{i}" for i in range(len(names))]
-    lines = [f"def decode(data):",
+    lines = ["def decode(data):",
              f"    if type(data) is not list or len(data) != {len(names)}:",
              f"        raise WireError('expected {cls.__name__} as an array of {len(names)} fields, got '"
              f" + describe(data))",
