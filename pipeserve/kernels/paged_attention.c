@@ -1363,15 +1363,16 @@ static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, 
                 kr[j] = vr[j] = zero_row;
                 continue;
             }
+#define ROW_OFFSET(t) (table[(t) / block_size] * block_stride + ((t) % block_size) * row_stride + head_offset)
             if (t + STAGE_AHEAD < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
-                const int64_t a = t + STAGE_AHEAD;
-                const int64_t ahead = table[a / block_size] * block_stride + (a % block_size) * row_stride + head_offset;
+                const int64_t ahead = ROW_OFFSET(t + STAGE_AHEAD);
                 for (int64_t b = 0; b < head_bytes; b += 64) {
                     _mm_prefetch(k_cache + ahead + b, _MM_HINT_T0);
                     _mm_prefetch(v_cache + ahead + b, _MM_HINT_T0);
                 }
             }
-            const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * row_stride + head_offset;
+            const int64_t offset = ROW_OFFSET(t);
+#undef ROW_OFFSET
             kr[j] = (const uint16_t *)(k_cache + offset);
             vr[j] = (const uint16_t *)(v_cache + offset);
             if (is_8bit(dtype)) {
@@ -1506,7 +1507,8 @@ static inline __attribute__((always_inline)) void prefill_block(
         __m512 sum = _mm512_setzero_ps();
         UNROLL
         for (int t = 0; t < T; t++) {
-            const __m512 p = _mm512_maskz_mov_ps(valid[t], exp16_core(_mm512_max_ps(_mm512_sub_ps(x[t], vm), _mm512_set1_ps(-87.0f))));
+            const __m512 d = _mm512_max_ps(_mm512_sub_ps(x[t], vm), _mm512_set1_ps(-87.0f));   /* <= 8 */
+            const __m512 p = _mm512_maskz_mov_ps(valid[t], exp16_core(d));
             const __m256bh p16 = _mm512_cvtneps_pbh(p);
             /* Sum the rounded probabilities: numerator and denominator then agree. */
             sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(p16));
