@@ -49,16 +49,20 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # mallopt's parameters (malloc
 
 
 def keep_step_buffers() -> bool:
-    """Raise glibc's mmap and trim thresholds (see above); False where the C library is not
-    glibc or refuses. Called after loading, so the loader's transient buffers are unmapped as
-    before."""
+    """Give the free heap back to the system (``malloc_trim``: what loading left, which after a
+    rejoin includes buffers the raised thresholds kept), then raise glibc's mmap and trim
+    thresholds (see above); False where the C library is not glibc or refuses. Called after
+    each load."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):      # musl and others: their own allocators
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    malloc_trim(0)
     return bool(mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD))
 
 
