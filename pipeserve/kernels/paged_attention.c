@@ -1343,8 +1343,11 @@ static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, 
                            int64_t ctx, int64_t kv_head, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                            uint32_t *restrict kt, uint16_t *restrict vi) {
     const int64_t pairs = head_dim / 2, tiles = (ctx - base + 15) / 16, head_bytes = head_row_bytes(dtype, head_dim);
-    const int64_t row_stride = kv_heads * head_bytes, block_stride = block_size * row_stride;
-    const int64_t head_offset = kv_head * head_bytes;
+    /* The kv head's rows walked with cursors (no division per key), and STAGE_AHEAD keys ahead. */
+    const key_range range = {.k = k_cache, .v = v_cache, .table = table, .begin = base, .end = ctx,
+                             .head_offset = kv_head * head_bytes, .row_stride = kv_heads * head_bytes,
+                             .block_size = block_size, .kv_heads = 1};
+    key_cursor at = cursor_at(&range, base), ahead = cursor_at(&range, base + STAGE_AHEAD);
     static const uint16_t zero_row[PF_MAX_NV * 16];
     uint16_t kq[16][PF_MAX_NV * 16], vq[16][PF_MAX_NV * 16];   /* a tile's dequantized rows (8-bit caches) */
     float row[PF_MAX_NV * 16];
@@ -1358,21 +1361,20 @@ static void stage_kv_tiles(const char *k_cache, const char *v_cache, int dtype, 
     for (int64_t tile = 0; tile < tiles; tile++) {
         const uint16_t *kr[16], *vr[16];
         for (int j = 0; j < 16; j++) {
-            const int64_t t = base + 16 * tile + j;
-            if (t >= ctx) {
+            if (at.t >= ctx) {
                 kr[j] = vr[j] = zero_row;
                 continue;
             }
-#define ROW_OFFSET(t) (table[(t) / block_size] * block_stride + ((t) % block_size) * row_stride + head_offset)
-            if (t + STAGE_AHEAD < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
-                const int64_t ahead = ROW_OFFSET(t + STAGE_AHEAD);
+            if (ahead.t < ctx) {   /* the rows' blocks are scattered: ask for them ahead */
+                const int64_t off = cursor_offset(&range, &ahead);
                 for (int64_t b = 0; b < head_bytes; b += 64) {
-                    _mm_prefetch(k_cache + ahead + b, _MM_HINT_T0);
-                    _mm_prefetch(v_cache + ahead + b, _MM_HINT_T0);
+                    _mm_prefetch(k_cache + off + b, _MM_HINT_T0);
+                    _mm_prefetch(v_cache + off + b, _MM_HINT_T0);
                 }
             }
-            const int64_t offset = ROW_OFFSET(t);
-#undef ROW_OFFSET
+            const int64_t offset = cursor_offset(&range, &at);
+            cursor_advance(&range, &at, 1);
+            cursor_advance(&range, &ahead, 1);
             kr[j] = (const uint16_t *)(k_cache + offset);
             vr[j] = (const uint16_t *)(v_cache + offset);
             if (is_8bit(dtype)) {
