@@ -22,8 +22,8 @@ import time
 
 import torch
 
-KERNEL_ARGS = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + \
-    [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+from pipeserve.model.cpu_attention import PREFILL_ARGTYPES
+
 BF16 = 1   # the kernel's dtype code for a bfloat16 cache
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     kernels = []
     for path in args.libs:
         fn = ctypes.CDLL(os.path.abspath(path)).pipeserve_paged_prefill
-        fn.argtypes, fn.restype = KERNEL_ARGS, ctypes.c_int
+        fn.argtypes, fn.restype = PREFILL_ARGTYPES, ctypes.c_int
         kernels.append((path, fn, torch.zeros_like(q), []))
 
     def call(fn, out) -> None:

@@ -33,6 +33,11 @@ KV_8BIT = (torch.int8, torch.float8_e4m3fn)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
+# pipeserve_paged_prefill's parameters (paged_attention.c; benchmarks/prefill_attention.py binds its builds with them).
+PREFILL_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + \
+    [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+
+
 class CpuPagedAttention(TorchPagedAttention):
     def __init__(self) -> None:
         from pipeserve.kernels.build import load_kernel
@@ -47,9 +52,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self.decode_io_kernel.argtypes = [*self.decode_kernel.argtypes, ctypes.c_int]
         self.decode_io_kernel.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
-        self._prefill.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                                  ctypes.c_float, ptr, ctypes.c_int]
-        self._prefill.restype = ctypes.c_int
+        self._prefill.argtypes, self._prefill.restype = PREFILL_ARGTYPES, ctypes.c_int
         isa = lib.pipeserve_decode_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         self.isa = isa().decode()   # the decode path compiled here: avx512, avx2 or portable
