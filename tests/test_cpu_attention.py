@@ -319,7 +319,6 @@ def test_window_and_softcap_change_the_reference():
     assert (plain - windowed).abs().max() > 0.3 and (windowed - capped).abs().max() > 0.3
 
 
-
 @needs_prefill_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 256)])
 def test_bf16_prefill_follows_a_max_that_keeps_growing(heads, kv_heads, head_dim):
