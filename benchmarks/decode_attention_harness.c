@@ -3,9 +3,10 @@
  * `gcc -O3 -march=native -fopenmp -fPIC -shared -std=gnu11 -Ipipeserve/kernels X.c -o X.so -lm`)
  * over SmolLM2's shape (9 query heads, 3 KV heads of 64, blocks of 16; HEADS=, KV_HEADS=,
  * HEAD_DIM= set another) with the blocks in random order, then a plain read of the same bytes.
- * WS_MB (default 256) sets the KV working set: WS_MB=1 keeps it in L2 (the arithmetic alone) where one call's KV fits (bfloat16: BATCH x CTX x
- * 768 bytes, e.g. 2 x 512; at 64 x 512 it is 25 MB whatever WS_MB says), 256 streams it from
- * memory. SPLIT=n runs the fused stage's way (a plan cut for n threads, every item on this one).
+ * WS_MB (default 256) sets the KV working set: WS_MB=1 keeps it in L2 (the arithmetic alone)
+ * where one call's KV fits (bfloat16: BATCH x CTX x 768 bytes, e.g. 2 x 512; at 64 x 512 it is
+ * 25 MB whatever WS_MB says), 256 streams it from memory. SPLIT=n runs the fused stage's way
+ * (a plan cut for n threads, every item on this one).
  * BS=n: blocks of n tokens (default 16). BF16_MATH=1: the paths a bfloat16 model takes (8-bit
  * caches: AVX512_BF16 products; 0, the default: a float32 model's). The caches are advised for
  * 2 MiB pages, as the engine's.
