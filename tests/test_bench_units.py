@@ -375,3 +375,21 @@ def test_gantt_window_and_stage_ratios_cover_only_the_timed_run(tmp_path):
     png = write_gantt(tmp_path / "g.png", timeline, (10.0, 14.0), 2.0, "test")
     assert png is not None and is_png(png)
     assert write_gantt(tmp_path / "none.png", timeline, (100.0, 101.0), 1.0, "empty") is None
+
+
+def test_summary_says_when_the_timed_run_ran_out_of_kv_blocks():
+    from pipeserve.bench.offline import preemption_delta
+    from pipeserve.bench.run_throughput import format_summary
+    before = {"num_preemptions_recompute": 2, "num_preemptions_swap": 0, "num_preempted_tokens": 300,
+              "num_blocks": 64}
+    after = {**before, "num_preemptions_recompute": 5, "num_preemptions_swap": 1, "num_preempted_tokens": 720}
+    delta = preemption_delta(before, after)   # the warm-up's two are not the timed run's
+    assert delta == {"recompute": 3, "swap": 1, "dropped_tokens": 420, "kv_blocks": 64}
+    assert preemption_delta({}, after) == {}
+    run = {"backend": "pipeserve", "requests_per_s": 1.0, "input_tokens_per_s": 2.0, "output_tokens_per_s": 3.0,
+           "ttft_ms": {"mean": 4.0}, "tpot_ms": {"mean": 5.0}, "engine": {"block_size": 16}, "preemptions": delta}
+    text = format_summary({"runs": [run]})
+    assert ("KV cache of 64 blocks (1024 tokens) ran out: 3 preemptions by recompute (KV of 420 tokens "
+            "dropped), 1 by swap; a larger --kv-cache-memory avoids them") in text
+    quiet = format_summary({"runs": [{**run, "preemptions": {**delta, "recompute": 0, "swap": 0}}]})
+    assert "ran out" not in quiet

@@ -421,6 +421,29 @@ def test_swap_preemption_and_fallback_to_recompute() -> None:
         assert (eng.swapped_in_blocks > 0) == (host_blocks > 0)
 
 
+def test_preempted_tokens_count_the_kv_a_recompute_drops() -> None:
+    for host_blocks in (8, 0):
+        eng = FakeEngine(num_blocks=6, num_host_blocks=host_blocks, preemption_mode="swap",
+                         max_num_batched_tokens=64)
+        dropped = []   # each victim's computed tokens as it is preempted, and whether it is swapped
+        preempt = eng.sched._preempt
+
+        def recording(seq, out, preempt=preempt, dropped=dropped):
+            computed = seq.num_computed_tokens
+            preempt(seq, out)
+            dropped.append((computed, seq in eng.sched.swapped))
+
+        eng.sched._preempt = recording
+        for i in range(4):
+            eng.add([i] * 5, max_tokens=10)
+        eng.drain()
+        eng.assert_clean()
+        stats = eng.sched.stats()
+        assert dropped and stats["num_preemptions"] == len(dropped)
+        assert stats["num_preempted_tokens"] == sum(c for c, swapped in dropped if not swapped)
+        assert (stats["num_preempted_tokens"] > 0) == (host_blocks == 0)
+
+
 def test_can_ever_fit() -> None:
     sched = Scheduler(EngineConfig(block_size=BS), num_blocks=3, num_host_blocks=0, requests={})
     assert sched.can_ever_fit(12) and not sched.can_ever_fit(13)

@@ -121,3 +121,14 @@ def prefix_cache_delta(before: dict, after: dict) -> dict:
         return {}
     query, hit = (after[k] - before[k] for k in keys)
     return {"query_tokens": query, "hit_tokens": hit, "hit_rate": hit / query if query else 0.0}
+
+
+def preemption_delta(before: dict, after: dict) -> dict:
+    """Preemptions of the timed run alone, and the KV cache they ran out of: by recompute (with
+    the tokens whose KV it dropped) and by swap."""
+    keys = ("num_preemptions_recompute", "num_preemptions_swap", "num_preempted_tokens")
+    if not all(k in before and k in after for k in keys):
+        return {}
+    recompute, swap, tokens = (after[k] - before[k] for k in keys)
+    return {"recompute": recompute, "swap": swap, "dropped_tokens": tokens,
+            "kv_blocks": after.get("num_blocks", 0)}

@@ -11,8 +11,8 @@ from pipeserve.bench.datasets import BenchRequest
 from pipeserve.bench.hf_baseline import run_hf
 from pipeserve.bench.hf_source import load_hf_model, load_hf_tokenizer
 from pipeserve.bench.llamacpp_baseline import import_llama_cpp, load_llama, run_llamacpp
-from pipeserve.bench.offline import (pipeline_timeline, prefix_cache_delta, run_pipeserve, stage_ratios,
-                                     warm_up, write_gantt)
+from pipeserve.bench.offline import (pipeline_timeline, preemption_delta, prefix_cache_delta, run_pipeserve,
+                                     stage_ratios, warm_up, write_gantt)
 from pipeserve.bench.plots import plot_latency_cdfs
 from pipeserve.bench.profile_report import measure_roofline, profile_result, roofline_from_file
 from pipeserve.bench.stats import RequestRecord, latency_metrics
@@ -148,6 +148,7 @@ def pipeserve_run(config: EngineConfig, requests: list[BenchRequest],
            **latency_metrics(records, duration),
            "stages": stages, "partition": stats.get("partition"),
            "prefix_cache": prefix_cache_delta(before, stats.get("scheduler", {})),
+           "preemptions": preemption_delta(before, stats.get("scheduler", {})),
            "scheduler": stats.get("scheduler", {})}
     if profile_after is not None:
         run["profile"] = profile_result(profile_before, profile_after, stages, roofline,
@@ -190,6 +191,13 @@ def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
             "tpot": [r.tpot * 1000 for r in ok if r.tpot is not None]}
 
 
+def preemption_line(p: dict, block_size: int) -> str:
+    """What running out of KV blocks cost the timed run (``preemption_delta``)."""
+    return (f"  KV cache of {p['kv_blocks']} blocks ({p['kv_blocks'] * block_size} tokens) ran out: "
+            f"{p['recompute']} preemptions by recompute (KV of {p['dropped_tokens']} tokens dropped), "
+            f"{p['swap']} by swap; a larger --kv-cache-memory avoids them")
+
+
 def format_summary(result: dict) -> str:
     lines = [f"{'backend':<22}{'req/s':>9}{'in tok/s':>11}{'out tok/s':>11}{'mean TTFT ms':>14}"
              f"{'mean TPOT ms':>14}"]
@@ -204,6 +212,8 @@ def format_summary(result: dict) -> str:
                          f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}"
                          f"  (steady state: busy {stage.get('steady_busy_ratio', float('nan')):.2f}"
                          f"  bubble {stage.get('steady_bubble_ratio', float('nan')):.2f})")
+        if run.get("preemptions", {}).get("recompute") or run.get("preemptions", {}).get("swap"):
+            lines.append(preemption_line(run["preemptions"], run["engine"]["block_size"]))
         if run.get("profile"):
             lines.append(run["profile"]["table"])
     if result.get("baseline"):

@@ -153,8 +153,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._inflight = InFlight()                  # seq_id -> its items in flight, oldest first
-        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, steps=0, replayed=0,
-                              rope_recomputes=0, decodes_ahead=0)
+        # preempted_tokens: tokens whose KV a preemption by recompute dropped (computed again
+        # unless the prefix cache still holds their blocks when the sequence comes back)
+        self._counters = dict(preemptions_recompute=0, preemptions_swap=0, preempted_tokens=0, steps=0,
+                              replayed=0, rope_recomputes=0, decodes_ahead=0)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, group: SequenceGroup) -> None:
@@ -244,6 +246,7 @@ class Scheduler:
             "num_preemptions": c["preemptions_recompute"] + c["preemptions_swap"],
             "num_preemptions_recompute": c["preemptions_recompute"],
             "num_preemptions_swap": c["preemptions_swap"],
+            "num_preempted_tokens": c["preempted_tokens"],
             "num_replayed": c["replayed"],
             "num_rope_recomputes": c["rope_recomputes"],
             "num_decodes_ahead": c["decodes_ahead"],
@@ -375,6 +378,7 @@ class Scheduler:
             return
         # Recompute: its generated tokens are kept, so the next prefill covers prompt + output.
         self.block_manager.free(seq)
+        self._counters["preempted_tokens"] += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
