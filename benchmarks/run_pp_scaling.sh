@@ -4,11 +4,14 @@
 # so compare ratios, not absolute speeds). Dense float32 (--quantization none) keeps the
 # figures independent of the quantized kernels. Extra arguments go to every run
 # (e.g. --pp-partition uniform to compare against the default partition).
-#   NUM=<requests> scales the three mixes (default: 64); ROUNDS=<n> repeats each pair.
+#   NUM=<requests> scales the three mixes (default: 256, the reference workload's count; with 64
+#   a PP = 2 micro-batch holds 32 decodes, where the stages' 8-bit GEMMs ran 26-29 % slower than
+#   PP = 1's on all 64 at once: benchmarks/README.md, thirty-third session); ROUNDS=<n> repeats
+#   each pair.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-benchmarks/results/pp_scaling}
-NUM=${NUM:-64}
+NUM=${NUM:-256}
 ROUNDS=${ROUNDS:-1}
 mkdir -p "$RESULTS"
 COMMON=(--model smollm2-135m-instruct --quantization none --dataset random --seed 0
