@@ -233,3 +233,14 @@ def test_kv_integrity_is_checked_whenever_the_engine_goes_idle(llama_dir, monkey
         manager._free.popleft()
         with pytest.raises(KVCacheIntegrityError):
             llm.generate(random_prompts(1, seed=2), greedy(2))
+
+
+def test_start_up_says_how_many_sequences_the_kv_cache_holds():
+    from pipeserve.engine.llm_engine import kv_concurrency
+    small = kv_concurrency(num_blocks=5461, block_size=16, max_model_len=8192, max_num_seqs=256)
+    assert small.startswith("KV cache of 87376 tokens: maximum concurrency 10.67 at max_model_len (8192 tokens), "
+                            "42.7 at 2048 tokens; fewer than max_num_seqs (256)")
+    assert "--kv-cache-memory" in small
+    roomy = kv_concurrency(num_blocks=100000, block_size=16, max_model_len=2048, max_num_seqs=8)
+    assert roomy == ("KV cache of 1600000 tokens: maximum concurrency 781.25 at max_model_len (2048 tokens), "
+                     "3125.0 at 512 tokens")

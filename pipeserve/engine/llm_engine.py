@@ -92,8 +92,9 @@ class LLMEngine:
         # Objects made so far (model, tokenizer, tables) live as long as the
         # engine: take them out of the cyclic collector's scans, as vLLM does.
         gc.freeze()
-        logger.info("engine ready: %d KV blocks of %d tokens (%d host blocks), max_model_len=%d",
-                    self.num_blocks, config.block_size, self.num_host_blocks, self.max_model_len)
+        logger.info("engine ready: %d KV blocks of %d tokens (%d host blocks), max_model_len=%d; %s",
+                    self.num_blocks, config.block_size, self.num_host_blocks, self.max_model_len,
+                    kv_concurrency(self.num_blocks, config.block_size, self.max_model_len, config.max_num_seqs))
 
     # -- set-up ------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -501,3 +502,17 @@ class _Background:
         if not ok:
             raise value
         return value
+
+
+def kv_concurrency(num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int) -> str:
+    """How many sequences the KV cache holds at once (vLLM logs this "maximum concurrency"), at
+    max_model_len tokens each and at a quarter of it; with a hint when the latter is below
+    max_num_seqs, since that many sequences of such lengths then preempt each other."""
+    tokens = num_blocks * block_size
+    quarter = max(1, max_model_len // 4)
+    text = (f"KV cache of {tokens} tokens: maximum concurrency {tokens / max_model_len:.2f} at max_model_len "
+            f"({max_model_len} tokens), {tokens / quarter:.1f} at {quarter} tokens")
+    if tokens < max_num_seqs * quarter:
+        text += (f"; fewer than max_num_seqs ({max_num_seqs}): a larger --kv-cache-memory keeps that many "
+                 "long sequences from preempting each other")
+    return text
