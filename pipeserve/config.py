@@ -80,7 +80,9 @@ class EngineConfig:
     # (llm_engine, "decode ahead")
     pp_decode_ahead: bool = True
     scheduling_policy: str = "fcfs"           # fcfs | priority | fair
-    preemption_mode: str = "recompute"        # recompute | swap
+    # auto: swap where the host pool is the same memory as the cache (CPU stages all on this host)
+    # and both fit in the memory available, else recompute (llm_engine.resolve_preemption_mode)
+    preemption_mode: str = "auto"             # auto | recompute | swap
     # Pipeline
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1             # ranks per stage (pipeserve/model/tensor_parallel.py)
@@ -119,8 +121,8 @@ class EngineConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.scheduling_policy in ("fcfs", "priority", "fair"), "scheduling_policy",
                  f"must be fcfs, priority or fair, got {self.scheduling_policy!r}")
-        _require(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
-                 f"must be recompute or swap, got {self.preemption_mode!r}")
+        _require(self.preemption_mode in ("auto", "recompute", "swap"), "preemption_mode",
+                 f"must be auto, recompute or swap, got {self.preemption_mode!r}")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                  f"must be >= 1, got {self.pipeline_parallel_size}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size",

@@ -83,7 +83,7 @@ def test_prefix_cache_hit_gives_same_tokens(llm, reference):
     assert again == alone
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_preemption_gives_same_tokens(llama_dir, reference, mode):
     prompts, alone = reference
     # 24 blocks of 4 tokens: far less than 6 sequences of up to 60 + 32 tokens need.
@@ -91,7 +91,9 @@ def test_preemption_gives_same_tokens(llama_dir, reference, mode):
              preemption_mode=mode, swap_space="4MiB", enable_prefix_caching=False) as small:
         outs = token_lists(small.generate([{"prompt_token_ids": p} for p in prompts], greedy()))
         stats = small.stats()["scheduler"]
-    assert stats[f"num_preemptions_{mode}"] > 0, stats
+        resolved = small.engine.config.preemption_mode
+    assert resolved == ("swap" if mode == "auto" else mode)   # CPU, one host, 4 MiB of pool fits
+    assert stats[f"num_preemptions_{resolved}"] > 0, stats
     assert outs == alone
     assert stats["num_free_blocks"] == 24
 
@@ -244,3 +246,16 @@ def test_start_up_says_how_many_sequences_the_kv_cache_holds():
     roomy = kv_concurrency(num_blocks=100000, block_size=16, max_model_len=2048, max_num_seqs=8)
     assert roomy == ("KV cache of 1600000 tokens: maximum concurrency 781.25 at max_model_len (2048 tokens), "
                      "3125.0 at 512 tokens")
+
+
+def test_auto_preemption_swaps_only_where_the_pool_is_local_memory_that_fits():
+    from pipeserve.engine.llm_engine import resolve_preemption_mode
+    gib = 1 << 30
+    one_host = EngineConfig(pipeline_parallel_size=2)
+    assert resolve_preemption_mode(one_host, gib, gib, 16 * gib) == "swap"
+    assert resolve_preemption_mode(one_host, gib, gib, None) == "swap"          # unknown: assumed to fit
+    assert resolve_preemption_mode(one_host, gib, gib, 3 * gib) == "recompute"  # two stages need 4 GiB
+    assert resolve_preemption_mode(one_host, gib, 0, 16 * gib) == "recompute"   # --swap-space 0
+    two_hosts = EngineConfig(nnodes=2, pipeline_parallel_size=2)
+    assert resolve_preemption_mode(two_hosts, gib, gib, 16 * gib) == "recompute"
+    assert resolve_preemption_mode(EngineConfig(device="cuda"), gib, gib, 16 * gib) == "recompute"

@@ -81,7 +81,7 @@ def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written(
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
 def test_the_background_population_leaves_the_node_a_reserve(monkeypatch) -> None:
     from pipeserve.worker import model_runner
-    monkeypatch.setattr(model_runner, "_available_bytes", lambda: 512 << 20)   # under the 1 GiB reserve
+    monkeypatch.setattr(model_runner, "available_bytes", lambda: 512 << 20)   # under the 1 GiB reserve
     cache = zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False)
     model_runner.populate_in_background([cache]).join(timeout=60)
     assert _resident_pages(cache) == 0

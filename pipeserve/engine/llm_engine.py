@@ -29,7 +29,7 @@ from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker import thread_governor
-from pipeserve.worker.model_runner import check_kv_fits
+from pipeserve.worker.model_runner import available_bytes, check_kv_fits
 from pipeserve.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
         self.num_blocks, self.num_host_blocks = self._kv_blocks()
+        config = self.config   # --preemption-mode auto resolved
         # The one record of each unfinished request, by id; the scheduler reads it too.
         self.requests: dict[str, SequenceGroup] = {}
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks, self.requests,
@@ -126,7 +127,13 @@ class LLMEngine:
                              f"(one block takes {block_bytes} bytes per stage)")
         if self.config.nnodes == 1 and self.config.device == "cpu":   # refused before the stages start
             check_kv_fits(int(num_blocks) * block_bytes)
-        host = self.config.swap_space_bytes // block_bytes if self.config.preemption_mode == "swap" else 0
+        host_pool = self.config.swap_space_bytes // block_bytes
+        if self.config.preemption_mode == "auto":
+            mode = resolve_preemption_mode(self.config, int(num_blocks) * block_bytes, host_pool * block_bytes,
+                                           available_bytes())
+            logger.info("--preemption-mode auto: %s", mode)
+            self.config = self.config.replace(preemption_mode=mode)
+        host = host_pool if self.config.preemption_mode == "swap" else 0
         return int(num_blocks), int(host)
 
     def _kv_config(self):
@@ -516,3 +523,19 @@ def kv_concurrency(num_blocks: int, block_size: int, max_model_len: int, max_num
         text += (f"; fewer than max_num_seqs ({max_num_seqs}): a larger --kv-cache-memory keeps that many "
                  "long sequences from preempting each other")
     return text
+
+
+def resolve_preemption_mode(config: EngineConfig, kv_bytes: int, host_bytes: int, available: int | None) -> str:
+    """``--preemption-mode auto``: swap where the host pool is the same memory as the cache, i.e.
+    CPU stages that all run on this host, and the busiest stage's cache and pool fit, for every
+    stage, in the memory available now (unknown: assumed to); else recompute, as before. A swap
+    there is a copy of the sequence's blocks within RAM where a recompute is its whole prefill
+    again: the reference workload at 256 requests ran 1.10x faster at PP = 2 (benchmarks/README.md,
+    thirty-third session). On CUDA the pool is across PCIe, and remote stages' memory is not
+    known here."""
+    if config.device != "cpu" or config.nnodes != 1 or host_bytes <= 0:
+        return "recompute"
+    ranks = config.pipeline_parallel_size * config.tensor_parallel_size
+    if available is not None and ranks * (kv_bytes + host_bytes) > available:
+        return "recompute"
+    return "swap"

@@ -218,13 +218,13 @@ def check_kv_fits(nbytes: int) -> None:
     touched as blocks are first written, so an oversized cache would not fail here but
     when the engine fills it, killed by the kernel mid-run and again after every restart.
     Each stage checks its own; the engine checks its local stages' before starting them."""
-    available = _available_bytes()
+    available = available_bytes()
     if available is not None and nbytes > available:
         raise MemoryError(f"the KV cache needs {nbytes / 2**30:.1f} GiB on this stage but the node has "
                           f"{available / 2**30:.1f} GiB available: lower --kv-cache-memory (or --swap-space)")
 
 
-def _available_bytes() -> int | None:
+def available_bytes() -> int | None:
     """The node's MemAvailable, or None where /proc/meminfo does not say."""
     try:
         with open("/proc/meminfo") as f:
@@ -300,7 +300,7 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
         madvise = _madvise()
         page = mmap.PAGESIZE
         for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
-            available = _available_bytes()
+            available = available_bytes()
             if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
                 return
             for alive, address, nbytes in regions:
