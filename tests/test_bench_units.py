@@ -391,5 +391,7 @@ def test_summary_says_when_the_timed_run_ran_out_of_kv_blocks():
     text = format_summary({"runs": [run]})
     assert ("KV cache of 64 blocks (1024 tokens) ran out: 3 preemptions by recompute (KV of 420 tokens "
             "dropped), 1 by swap; a larger --kv-cache-memory avoids them") in text
+    swaps = format_summary({"runs": [{**run, "preemptions": {**delta, "recompute": 0, "dropped_tokens": 0}}]})
+    assert "ran out: 1 by swap; a larger --kv-cache-memory avoids them" in swaps
     quiet = format_summary({"runs": [{**run, "preemptions": {**delta, "recompute": 0, "swap": 0}}]})
     assert "ran out" not in quiet

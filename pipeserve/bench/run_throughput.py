@@ -193,9 +193,10 @@ def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
 
 def preemption_line(p: dict, block_size: int) -> str:
     """What running out of KV blocks cost the timed run (``preemption_delta``)."""
+    parts = ([f"{p['recompute']} preemptions by recompute (KV of {p['dropped_tokens']} tokens dropped)"]
+             if p["recompute"] else []) + ([f"{p['swap']} by swap"] if p["swap"] else [])
     return (f"  KV cache of {p['kv_blocks']} blocks ({p['kv_blocks'] * block_size} tokens) ran out: "
-            f"{p['recompute']} preemptions by recompute (KV of {p['dropped_tokens']} tokens dropped), "
-            f"{p['swap']} by swap; a larger --kv-cache-memory avoids them")
+            f"{', '.join(parts)}; a larger --kv-cache-memory avoids them")
 
 
 def format_summary(result: dict) -> str:

@@ -59,8 +59,13 @@ class LLMEngine:
             check_tensor_parallel_config(config, self.model_config, self._tp_align)
         self.max_model_len = self._max_model_len()
         self.partition = self._partition()
-        self.num_blocks, self.num_host_blocks = self._kv_blocks()
-        config = self.config   # --preemption-mode auto resolved
+        self.num_blocks, host_pool, block_bytes = self._kv_blocks()
+        if config.preemption_mode == "auto":   # resolved once here, as --dtype auto
+            mode = resolve_preemption_mode(config, self.num_blocks * block_bytes, host_pool * block_bytes,
+                                           available_bytes())
+            logger.info("--preemption-mode auto: %s", mode)
+            self.config = config = config.replace(preemption_mode=mode)
+        self.num_host_blocks = host_pool if config.preemption_mode == "swap" else 0
         # The one record of each unfinished request, by id; the scheduler reads it too.
         self.requests: dict[str, SequenceGroup] = {}
         self.scheduler = Scheduler(config, self.num_blocks, self.num_host_blocks, self.requests,
@@ -114,9 +119,10 @@ class LLMEngine:
         from pipeserve.pipeline.partition import partition_for_config
         return partition_for_config(self.config, self.model_config, self.dtype)
 
-    def _kv_blocks(self) -> tuple[int, int]:
+    def _kv_blocks(self) -> tuple[int, int, int]:
         """Blocks per stage from the memory budget: M_KV = 2·layers·kv_heads·row bytes per token,
-        a row being head_dim values (8-bit caches: head_dim codes and a float32 scale)."""
+        a row being head_dim values (8-bit caches: head_dim codes and a float32 scale); the
+        blocks --swap-space would hold, and a block's bytes on the busiest stage."""
         kv = self._kv_config()
         row = row_bytes(kv.head_dim, cache_dtype(self.config.kv_cache_dtype, self.dtype))
         most_layers = max(self._layers_per_worker())
@@ -127,14 +133,7 @@ class LLMEngine:
                              f"(one block takes {block_bytes} bytes per stage)")
         if self.config.nnodes == 1 and self.config.device == "cpu":   # refused before the stages start
             check_kv_fits(int(num_blocks) * block_bytes)
-        host_pool = self.config.swap_space_bytes // block_bytes
-        if self.config.preemption_mode == "auto":
-            mode = resolve_preemption_mode(self.config, int(num_blocks) * block_bytes, host_pool * block_bytes,
-                                           available_bytes())
-            logger.info("--preemption-mode auto: %s", mode)
-            self.config = self.config.replace(preemption_mode=mode)
-        host = host_pool if self.config.preemption_mode == "swap" else 0
-        return int(num_blocks), int(host)
+        return int(num_blocks), int(self.config.swap_space_bytes // block_bytes), int(block_bytes)
 
     def _kv_config(self):
         """The model as the busiest KV holder sees it: with tensor parallelism a rank holds
