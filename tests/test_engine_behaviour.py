@@ -255,6 +255,8 @@ def test_auto_preemption_swaps_only_where_the_pool_is_local_memory_that_fits():
     assert resolve_preemption_mode(one_host, gib, gib, 16 * gib) == "swap"
     assert resolve_preemption_mode(one_host, gib, gib, None) == "swap"          # unknown: assumed to fit
     assert resolve_preemption_mode(one_host, gib, gib, 3 * gib) == "recompute"  # two stages need 4 GiB
+    assert resolve_preemption_mode(one_host, gib, gib, 5 * gib, weight_bytes=gib) == "swap"
+    assert resolve_preemption_mode(one_host, gib, gib, 5 * gib, weight_bytes=2 * gib) == "recompute"
     assert resolve_preemption_mode(one_host, gib, 0, 16 * gib) == "recompute"   # --swap-space 0
     two_hosts = EngineConfig(nnodes=2, pipeline_parallel_size=2)
     assert resolve_preemption_mode(two_hosts, gib, gib, 16 * gib) == "recompute"

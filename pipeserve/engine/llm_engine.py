@@ -62,7 +62,7 @@ class LLMEngine:
         self.num_blocks, host_pool, block_bytes = self._kv_blocks()
         if config.preemption_mode == "auto":   # resolved once here, as --dtype auto
             mode = resolve_preemption_mode(config, self.num_blocks * block_bytes, host_pool * block_bytes,
-                                           available_bytes())
+                                           available_bytes(), self._weight_bytes_estimate())
             logger.info("--preemption-mode auto: %s", mode)
             self.config = config = config.replace(preemption_mode=mode)
         self.num_host_blocks = host_pool if config.preemption_mode == "swap" else 0
@@ -134,6 +134,14 @@ class LLMEngine:
         if self.config.nnodes == 1 and self.config.device == "cpu":   # refused before the stages start
             check_kv_fits(int(num_blocks) * block_bytes)
         return int(num_blocks), int(self.config.swap_space_bytes // block_bytes), int(block_bytes)
+
+    def _weight_bytes_estimate(self) -> int:
+        """The weights' bytes once loaded, before any stage has loaded them: a GGUF kept in its
+        own types holds about its file; anything else its parameters in --dtype (int8/int4 hold
+        less: an upper bound)."""
+        if self.source.kind == "gguf" and self.config.quantization == "auto":
+            return self.source.path.stat().st_size
+        return self.model_config.total_params() * self.dtype.itemsize
 
     def _kv_config(self):
         """The model as the busiest KV holder sees it: with tensor parallelism a rank holds
@@ -524,10 +532,13 @@ def kv_concurrency(num_blocks: int, block_size: int, max_model_len: int, max_num
     return text
 
 
-def resolve_preemption_mode(config: EngineConfig, kv_bytes: int, host_bytes: int, available: int | None) -> str:
+def resolve_preemption_mode(config: EngineConfig, kv_bytes: int, host_bytes: int, available: int | None,
+                            weight_bytes: int = 0) -> str:
     """``--preemption-mode auto``: swap where the host pool is the same memory as the cache, i.e.
-    CPU stages that all run on this host, and the busiest stage's cache and pool fit, for every
-    stage, in the memory available now (unknown: assumed to); else recompute, as before. A swap
+    CPU stages that all run on this host, and the weights (``weight_bytes``, not loaded yet) and
+    the busiest stage's cache and pool for every stage fit in the memory available now
+    (unknown: assumed to); else recompute, as before, so the pool never takes memory that a
+    start without it had. A swap
     there is a copy of the sequence's blocks within RAM where a recompute is its whole prefill
     again: the reference workload at 256 requests ran 1.10x faster at PP = 2 (benchmarks/README.md,
     thirty-third session). On CUDA the pool is across PCIe, and remote stages' memory is not
@@ -535,6 +546,6 @@ def resolve_preemption_mode(config: EngineConfig, kv_bytes: int, host_bytes: int
     if config.device != "cpu" or config.nnodes != 1 or host_bytes <= 0:
         return "recompute"
     ranks = config.pipeline_parallel_size * config.tensor_parallel_size
-    if available is not None and ranks * (kv_bytes + host_bytes) > available:
+    if available is not None and weight_bytes + ranks * (kv_bytes + host_bytes) > available:
         return "recompute"
     return "swap"
