@@ -213,8 +213,9 @@ def format_summary(result: dict) -> str:
                          f"  bubble {stage.get('bubble_ratio', float('nan')):.2f}"
                          f"  (steady state: busy {stage.get('steady_busy_ratio', float('nan')):.2f}"
                          f"  bubble {stage.get('steady_bubble_ratio', float('nan')):.2f})")
-        if run.get("preemptions", {}).get("recompute") or run.get("preemptions", {}).get("swap"):
-            lines.append(preemption_line(run["preemptions"], run["engine"]["block_size"]))
+        preempted = run.get("preemptions", {})
+        if preempted.get("recompute") or preempted.get("swap"):
+            lines.append(preemption_line(preempted, run["engine"]["block_size"]))
         if run.get("profile"):
             lines.append(run["profile"]["table"])
     if result.get("baseline"):

@@ -538,11 +538,10 @@ def resolve_preemption_mode(config: EngineConfig, kv_bytes: int, host_bytes: int
     CPU stages that all run on this host, and the weights (``weight_bytes``, not loaded yet) and
     the busiest stage's cache and pool for every stage fit in the memory available now
     (unknown: assumed to); else recompute, as before, so the pool never takes memory that a
-    start without it had. A swap
-    there is a copy of the sequence's blocks within RAM where a recompute is its whole prefill
-    again: the reference workload at 256 requests ran 1.10x faster at PP = 2 (benchmarks/README.md,
-    thirty-third session). On CUDA the pool is across PCIe, and remote stages' memory is not
-    known here."""
+    start without it had. A swap there is a copy of the sequence's blocks within RAM where a
+    recompute is its whole prefill again: the reference workload at 256 requests ran 1.10x
+    faster at PP = 2 (benchmarks/README.md, thirty-third session). On CUDA the pool is across
+    PCIe, and remote stages' memory is not known here."""
     if config.device != "cpu" or config.nnodes != 1 or host_bytes <= 0:
         return "recompute"
     ranks = config.pipeline_parallel_size * config.tensor_parallel_size

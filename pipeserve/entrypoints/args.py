@@ -28,7 +28,7 @@ _HELP = {
                        "directly instead of through the driver (default on)",
     "scheduling_policy": "fcfs | priority | fair",
     "preemption_mode": "auto (swap on CPU stages all on this host when the --swap-space pool fits beside the "
-                       "cache, else recompute) | recompute | swap",
+                       "weights and the cache, else recompute) | recompute | swap",
     "stage_speeds": "relative stage speeds for auto partition, e.g. 1,0.5",
     "attention_backend": "auto (cpu on CPU when gcc is present, else torch) | torch | cpu (C decode kernel)",
     "quantization": "auto (GGUF kept in its own types, safetensors in --dtype) | none (dequantize to "
