@@ -109,6 +109,20 @@ def test_the_engine_batcher_preempts_when_blocks_run_out() -> None:
     assert slots.preemptions == 0   # the slot model reserves each request's KV at admission
 
 
+def test_with_a_host_pool_the_engine_batcher_swaps_instead_of_recomputing() -> None:
+    # The same run with a host pool (the engine's --preemption-mode auto on one CPU host):
+    # the victims' blocks go to the pool and come back, so no prompt is computed twice and
+    # the run takes fewer prompt tokens' steps; without the pool every preemption recomputes.
+    trace = _at_once([40] * 4)
+    costs = LinearCosts(1, 1.0, 0.0)
+    recompute = PipelineSimulator(costs, SimConfig("async", micro_batches=1, kv_capacity_tokens=8 * 16)).run(trace)
+    swap = PipelineSimulator(costs, SimConfig("async", micro_batches=1, kv_capacity_tokens=8 * 16,
+                                              swap_capacity_tokens=8 * 16)).run(trace)
+    assert len(swap.requests) == 4 and swap.preemptions > 0
+    assert swap.swaps == swap.preemptions and recompute.swaps == 0 and recompute.preemptions > 0
+    assert swap.summary()["swaps"] == swap.swaps
+
+
 @pytest.mark.parametrize("p,cores,threads", [(3, 2, 1), (4, 2, 1), (2, 2, 2), (3, 1, 1)])
 def test_p_stages_on_c_cores_all_busy(p: int, cores: int, threads: int) -> None:
     # P micro-batches keep all P stages busy: runnable threads n = P·threads, each gets

@@ -55,6 +55,24 @@ def test_the_measured_kv_capacity_limits_the_simulated_run(tmp_path):
     assert tight < 0.5 * roomy
 
 
+def test_a_run_with_a_host_pool_is_simulated_swapping(tmp_path):
+    # The engine allocates a host pool only where its preemptions swap (auto on one CPU host):
+    # the recorded pool is the simulated one; a run without it (recompute) keeps none.
+    _bench_json(tmp_path / "a.json", 1, "async", 100.0, requests=4)
+    doc = json.loads((tmp_path / "a.json").read_text())
+    doc["runs"][0]["engine"]["block_size"] = 16
+    doc["runs"][0]["scheduler"] = {"num_blocks": 12}     # 192 tokens: 4 x 80 outgrow it
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    assert load_runs(tmp_path)[0]["engine"]["swap_capacity_tokens"] == 0.0
+    recompute = rows(tmp_path, "cpu-local")[0]
+    doc["runs"][0]["scheduler"]["num_host_blocks"] = 12
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    assert load_runs(tmp_path)[0]["engine"]["swap_capacity_tokens"] == 12 * 16
+    swap = rows(tmp_path, "cpu-local")[0]
+    assert recompute["preemptions"] > 0 and swap["preemptions"] > 0
+    assert swap["predicted"] >= recompute["predicted"]   # nothing computed twice
+
+
 @pytest.mark.parametrize("barrier,layer_wait", [(1.0, 0.0), (0.25, 0.0), (1.0, 0.002)])
 def test_heldout_fits_on_one_set_and_reports_the_other(tmp_path, capsys, barrier, layer_wait):
     # "Measured" = the planner's own prediction on hardware whose stages work 1.25x (1.3x

@@ -1,7 +1,8 @@
 """How micro-batches are formed, for the simulator: the runtime's own scheduler.
 
 ``EngineBatcher`` drives ``pipeserve.scheduler.Scheduler`` (torch-free: sequences,
-block tables, the prefix cache, preemption by recompute) with the limits the engine
+block tables, the prefix cache, preemption by recompute, or by swap where the engine has a
+host pool: ``--preemption-mode auto`` on one CPU host) with the limits the engine
 puts on each micro-batch (``scheduler.micro_batch_limits``, the same call as the
 engine's), so a simulated run gets the engine's prefill/decode mix per
 step, its admission bursts as KV blocks free up, its chunked prompts and its
@@ -31,15 +32,21 @@ class EngineBatcher:
 
     def __init__(self, *, kv_capacity_tokens: float, max_num_seqs: int, max_num_batched_tokens: int,
                  max_inflight: int, gpipe: bool, enable_prefix_caching: bool = True,
-                 block_size: int = BLOCK_SIZE) -> None:
+                 block_size: int = BLOCK_SIZE, swap_capacity_tokens: float = 0.0) -> None:
         """``max_num_batched_tokens``: the engine's (all micro-batches in flight together);
-        ``max_inflight``: micro-batches in flight (1 at PP = 1; gpipe: per step)."""
+        ``max_inflight``: micro-batches in flight (1 at PP = 1; gpipe: per step);
+        ``swap_capacity_tokens``: the host pool a preemption swaps into (0: preemption by
+        recompute). A swap's copies take no time here: on a CPU host they move a victim's
+        blocks within RAM (~40 copies of a few hundred KB a stage in a 50 s reference run),
+        where a recompute is its whole prefill again, which the simulated steps do carry."""
         blocks = int(min(kv_capacity_tokens, 1 << 40) // block_size)
+        host_blocks = int(min(swap_capacity_tokens, 1 << 40) // block_size)
         self.config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   preemption_mode="swap" if host_blocks > 0 else "recompute")
         self.requests: dict[str, SequenceGroup] = {}
-        self.scheduler = Scheduler(self.config, max(1, blocks), 0, self.requests)
+        self.scheduler = Scheduler(self.config, max(1, blocks), host_blocks, self.requests)
         self.max_inflight, self.gpipe = max_inflight, gpipe
         self.inflight: dict[int, SchedulerOutput] = {}
         self.trace: dict[str, TraceRequest] = {}
@@ -125,3 +132,8 @@ class EngineBatcher:
     @property
     def preemptions(self) -> int:
         return self.scheduler.stats().get("num_preemptions", 0)
+
+    @property
+    def swaps(self) -> int:
+        """Of ``preemptions``, those by swap (the rest recomputed)."""
+        return self.scheduler.stats().get("num_preemptions_swap", 0)

@@ -16,13 +16,15 @@ from pipeserve.plan.workload import Workload
 def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Workload,
              record_intervals: bool = True, kv_capacity_tokens: float | None = None,
              threads_per_rank: int | None = None, batcher: str = "engine",
-             time_sharing: bool = True) -> SimResult:
+             time_sharing: bool = True, swap_capacity_tokens: float = 0.0) -> SimResult:
     """Run the simulator for an evaluated configuration (its partition, K and KV
     capacity; ``kv_capacity_tokens`` overrides the capacity the plan derives from
     the hardware's memory, e.g. with the block count a real engine allocated;
     ``threads_per_rank`` as the engine's ``--threads-per-stage``; ``batcher``: the
     runtime's scheduler, or ``slots``, the older model of it; ``time_sharing=False``:
-    the older static split of shared cores, kept to measure what time-sharing changes)."""
+    the older static split of shared cores, kept to measure what time-sharing changes;
+    ``swap_capacity_tokens``: the engine's host pool, where its preemptions swap rather than
+    recompute, e.g. the pool a real engine allocated)."""
     req = est.req
     trace = workload.build()
     capacity = kv_capacity_tokens or est.batch * (req.input_len + req.output_len)
@@ -35,7 +37,7 @@ def simulate(model: ModelConfig, hw: Hardware, est: PlanEstimate, workload: Work
     cfg = SimConfig(schedule=req.schedule, micro_batches=est.micro_batches,
                     max_num_seqs=req.max_num_seqs, max_num_batched_tokens=budget,
                     kv_capacity_tokens=max(capacity, longest), record_intervals=record_intervals,
-                    batcher=batcher)
+                    batcher=batcher, swap_capacity_tokens=swap_capacity_tokens)
 
     def costs(scale: float) -> PipelineCosts:
         made = PipelineCosts(model, hw, est.chunk_layers, req.pp, req.tp, req.dtype, compute_scale=scale,
@@ -77,7 +79,8 @@ def predict_throughput(model: ModelConfig, hardware: Hardware, pp: int, schedule
                        max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                        dtype: str | None = None, kv_capacity_tokens: float | None = None,
                        threads_per_rank: int | None = None, quantization: str | None = None,
-                       batcher: str = "engine", time_sharing: bool = True) -> dict:
+                       batcher: str = "engine", time_sharing: bool = True,
+                       swap_capacity_tokens: float = 0.0) -> dict:
     """Predict a pipeline run: simulated throughput/TTFT/TPOT/bubbles plus the analytic terms.
 
     ``virtual_stages`` defaults to 2 for ``interleaved`` and 1 otherwise; ``partition``
@@ -92,7 +95,8 @@ def predict_throughput(model: ModelConfig, hardware: Hardware, pp: int, schedule
     est = evaluate(model, hardware, req)
     result = simulate(model, hardware, est, workload, record_intervals=False,
                       kv_capacity_tokens=kv_capacity_tokens, threads_per_rank=threads_per_rank,
-                      batcher=batcher, time_sharing=time_sharing).summary()
+                      batcher=batcher, time_sharing=time_sharing,
+                      swap_capacity_tokens=swap_capacity_tokens).summary()
     result.update(analytic_output_tokens_per_s=est.throughput, eta=est.eta, alpha=est.alpha,
                   gain=est.gain, micro_batches=est.micro_batches, partition=est.chunk_layers,
                   stage_forward_s=est.t_stage, t_comm_s=est.t_comm, fits=est.fits,

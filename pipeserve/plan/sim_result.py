@@ -38,7 +38,8 @@ class SimResult:
     last_end: float = 0.0                               # last micro-batch returns
     micro_batches: int = 0                              # micro-batches launched
     driver_busy: float = 0.0                            # s the driver spent forming them
-    preemptions: int = 0                                # engine batcher: preemptions by recompute
+    preemptions: int = 0                                # engine batcher: preemptions (recompute or swap)
+    swaps: int = 0                                      # of them, by swap into the host pool
     # The hardware file's held-out predicted / measured band (low, high, runs); None: not validated.
     validated_ratio: tuple[float, float, int] | None = None
 
@@ -68,7 +69,7 @@ class SimResult:
             "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "e2e_s": percentiles(e2e),
             "bubble_ratio": self.bubble_ratios(), "micro_batches": self.micro_batches,
             "driver_busy_ratio": self.driver_busy / self.span, "preemptions": self.preemptions,
-            "validated_ratio": self.validated_ratio,
+            "swaps": self.swaps, "validated_ratio": self.validated_ratio,
         }
 
 

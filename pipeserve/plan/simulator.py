@@ -19,7 +19,8 @@ its first chunk is ready; micro-batches formed together queue for the driver.
 Two ways to form micro-batches (``SimConfig.batcher``):
 - ``engine`` (default): the runtime's own scheduler with the engine's per-micro-batch
   limits (``plan/batching.py``): KV blocks allocated as sequences grow, preemption by
-  recompute, the prompt-token throttle, any ready sequence in any micro-batch;
+  recompute (or by swap, given ``SimConfig.swap_capacity_tokens``), the prompt-token
+  throttle, any ready sequence in any micro-batch;
 - ``slots``: a model of it: each request in one of K balanced slots, its whole KV
   reserved at admission.
 
@@ -145,6 +146,9 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048     # token budget of one micro-batch
     kv_capacity_tokens: float = math.inf
+    # engine batcher: the host pool preemptions swap into (0: they recompute, as the engine
+    # does on CUDA, across hosts, and with --preemption-mode recompute)
+    swap_capacity_tokens: float = 0.0
     enable_prefix_caching: bool = True
     record_intervals: bool = True
     # engine: the runtime's scheduler, max_num_batched_tokens is the engine's (split over
@@ -248,7 +252,8 @@ class PipelineSimulator:
                 # As the engine: only gpipe waits for the whole step; interleaved tops the
                 # pipeline up like async (its micro-batches go round the ring V times).
                 gpipe=self.cfg.schedule == "gpipe" and self.cfg.micro_batches > 1,
-                enable_prefix_caching=self.cfg.enable_prefix_caching)
+                enable_prefix_caching=self.cfg.enable_prefix_caching,
+                swap_capacity_tokens=self.cfg.swap_capacity_tokens)
         # Time-sharing: jobs on the nodes' cores (None: every worker has its own device).
         self.sharing: CpuSharing | None = getattr(self.costs, "cpu_sharing", lambda: None)()
         self.jobs: list[_Job] = []
@@ -435,6 +440,7 @@ class PipelineSimulator:
             for t, first, end in self.batcher.complete(mb, now):
                 self.result.requests.append(RequestTimes(t.arrival, first, end, t.prompt_len, t.output_len))
             self.result.preemptions = self.batcher.preemptions
+            self.result.swaps = self.batcher.swaps
         else:
             for req, tokens in slot_items[1]:
                 self._advance(now, req, tokens)

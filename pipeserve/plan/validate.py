@@ -89,6 +89,7 @@ def _load(path: Path) -> dict | None:
         "partition": engine.get("pp_partition", "uniform"), "max_num_seqs": engine["max_num_seqs"],
         "max_num_batched_tokens": engine["max_num_batched_tokens"], "dtype": engine["dtype"],
         "kv_capacity_tokens": _kv_capacity(run, engine), "threads_per_rank": engine.get("threads_per_stage"),
+        "swap_capacity_tokens": _swap_capacity(run, engine),
         # auto keeps a GGUF's blocks (the built-in SmolLM2 file: Q4_1); none / absent: the dtype
         "quantization": _weights(quant, engine.get("model")),
     }
@@ -141,7 +142,7 @@ def _predicted(run: dict, cfg, hw) -> dict:
         virtual_stages=e["virtual_stages"], partition=e["partition"], max_num_seqs=e["max_num_seqs"],
         max_num_batched_tokens=e["max_num_batched_tokens"], dtype=e["dtype"],
         kv_capacity_tokens=e["kv_capacity_tokens"], threads_per_rank=e["threads_per_rank"],
-        quantization=e["quantization"])
+        quantization=e["quantization"], swap_capacity_tokens=e.get("swap_capacity_tokens") or 0.0)
     pred = predicted["output_tokens_per_s"]
     ttft = run.get("ttft")
     return {"predicted": pred, "ratio": pred / run["measured"], "preemptions": predicted["preemptions"],
@@ -175,6 +176,14 @@ def _kv_capacity(run: dict, engine: dict) -> float | None:
     simulator admits requests under the same memory limit; None if not recorded."""
     blocks = run.get("scheduler", {}).get("num_blocks")
     return blocks * engine["block_size"] if blocks else None
+
+
+def _swap_capacity(run: dict, engine: dict) -> float:
+    """Tokens of the measured engine's host pool, which it has only where its preemptions swap
+    (``--preemption-mode swap``, or ``auto`` resolved to swap: one CPU host); 0: they recompute
+    (and runs recorded before the pool was)."""
+    blocks = run.get("scheduler", {}).get("num_host_blocks")
+    return float(blocks * engine["block_size"]) if blocks else 0.0
 
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
