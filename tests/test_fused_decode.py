@@ -350,15 +350,62 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     runner.model.fused_decode = None
 
 
-def test_an_8bit_kv_cache_runs_the_python_layers(tmp_path):
-    source = resolve_model(str(build_checkpoint("llama_tied_gqa", tmp_path)))
-    cfg = source.load_config()
-    runner = _runner(source, cfg, quantization="int8", kv_cache_dtype="int8")
-    runner.execute(StepInput(0, [SeqStep(0, list(range(3, 12)), 0, [0, 1], GREEDY)]))
-    fused = runner.model.fused_decode
-    assert fused
-    fused._run = lambda *args: pytest.fail("the fused stage ran on an 8-bit cache")
-    runner.execute(StepInput(1, [SeqStep(0, [5], 9, [0, 1], GREEDY)]))
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_8bit_kv_cache_fused_equals_python_layers(kv, dtype, threads, tmp_path):
+    """--kv-cache-dtype int8 | fp8: the fused stage quantizes the new rows in C as kv_quant does
+    (the caches byte for byte the Python layers', at any thread count: one thread writes them) and
+    reads them with the same attention kernel (logits bit for bit at one thread). Sequences of
+    different lengths over block boundaries; Qwen2's q/k/v bias and a sliding window beside
+    Llama's plain layers."""
+    for kind, window in (("llama_tied_gqa", None), ("qwen2_bias", 12)):
+        source = resolve_model(str(build_checkpoint(kind, tmp_path / kind)))
+        cfg = source.load_config()
+        if window is not None:
+            cfg = dataclasses.replace(cfg, sliding_window=window)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            runner = _runner(source, cfg, quantization="int8", dtype=dtype, kv_cache_dtype=kv)
+            prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
+            fused = _decode_logits([runner], prompts, 8)
+            assert runner.model.fused_decode, "the fused stage should apply to an 8-bit cache"
+            caches = [t.view(torch.uint8).clone() for pair in runner.kv_caches for t in pair]
+            runner.model.fused_decode = False
+            python = _decode_logits([runner], prompts, 8)
+            _compare(fused, python, exact=threads == 1)
+            for a, b in zip(caches, (t.view(torch.uint8) for pair in runner.kv_caches for t in pair), strict=True):
+                assert torch.equal(a, b)
+        finally:
+            torch.set_num_threads(previous)
+
+
+def test_the_8bit_row_quantizer_rounds_as_torch():
+    """decode_stage.c's quantizer of a cache row against kv_quant.quantize on rows that hit its
+    cases: ties between int8 codes, fp8 subnormals and ties, the clamp, a zero row."""
+    import ctypes
+    from pipeserve.kernels.build import load_kernel
+    from pipeserve.model.kv_quant import quantize
+    fn = load_kernel("decode_stage").pipeserve_quantize_kv_row
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p], None
+    D = 64
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(D, generator=gen)
+    spread[0] = 448.0                                    # the rest: e4m3 subnormals after the scale
+    # scale 1 (max 127 for int8, 448 for fp8): codes of exact ties, k + 0.5, and e4m3 midpoints
+    int8_ties = torch.cat([torch.tensor([127.0]), torch.arange(-31, 32, dtype=torch.float32) + 0.5])
+    step = 2.0 ** -9                                     # e4m3's subnormal step
+    fp8_ties = torch.tensor([448.0, 1.0625, 1.1875, 2.125, 2.375, -1.0625, 0.5 * step, 1.5 * step, 2.5 * step,
+                             -1.5 * step, 7.5 * step, 0.015625 + 0.5 * step, 232.0, 240.0] + [0.0] * (D - 14))
+    rows = [torch.zeros(D), torch.full((D,), -3.0), torch.arange(D, dtype=torch.float32) - D / 2,
+            int8_ties, fp8_ties, torch.randn(D, generator=gen) * 1e-3,
+            torch.randn(D, generator=gen) * 50, spread, torch.randn(D, generator=gen) * 448 / 3]
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        for x in rows:
+            got = torch.empty(D + 4, dtype=torch.uint8)
+            fn(x.data_ptr(), D, int(dtype == torch.float8_e4m3fn), got.data_ptr())
+            assert torch.equal(got, quantize(x, dtype).view(torch.uint8)), (dtype, x[:4])
 
 
 @pytest.mark.parametrize("setting", ["dense", "torch-backend", "disabled"])

@@ -14,7 +14,9 @@
  * SiLU·up), in the same order: float32 or bfloat16 activations (rounded where the
  * Python path rounds them: every matmul, norm, RoPE and SiLU output, the attention
  * output and the bias and residual adds), weights kept quantized, a KV cache in the
- * activations' dtype. Only the split of the attention over the threads
+ * activations' dtype or in 8 bits (--kv-cache-dtype int8 | fp8: each row of a kv head
+ * head_dim codes and its float32 scale, quantized here as kv_quant.quantize does it, bit
+ * for bit). Only the split of the attention over the threads
  * differs (the Python path runs a small step's attention on one thread): with one
  * thread the result is bit for bit the Python path's, with more it differs by the
  * order in which the partial softmaxes are merged.
@@ -29,6 +31,7 @@
  * with their activation quantization, the attention with its plan, the KV write,
  * the row operations), splitting a one-thread block by its parts' clock times.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -140,9 +143,13 @@ typedef struct {
     const int64_t *block_tables;           /* [rows, max_blocks] */
     const int64_t *context_lens;           /* [rows] */
     int64_t max_blocks, block_size;
-    int64_t bf16;                          /* activations, weights of the norms and bias, cache: bfloat16 */
+    int64_t bf16;                          /* activations, weights of the norms and bias: bfloat16 */
     double *prof;                          /* NULL, or PROF_N nanosecond totals to add to */
+    int64_t kv_dtype;                      /* the cache's, as paged_attention.c's DT_*: the activations'
+                                            * (0 float32, 1 bfloat16), or 3 int8, 4 fp8 (e4m3) */
 } stage_step;
+
+enum { KV_INT8 = 3, KV_FP8 = 4 };   /* paged_attention.c's DT_INT8, DT_FP8 */
 
 enum { PROF_GEMM, PROF_ATTENTION, PROF_KV_WRITE, PROF_ROWS, PROF_N };
 
@@ -192,6 +199,79 @@ static void from_f32(const act_type *a, const float *src, void *dst, int64_t i0,
     for (int64_t i = i0; i < i1; i++) {
         if (a->bf16) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
         else ((float *)dst)[i] = src[i];
+    }
+}
+
+/* float32 -> float8 e4m3 (finite, no infinities; |f| <= 448 here, clamped before), rounded to
+ * nearest even as torch's .to(torch.float8_e4m3fn): below e4m3's smallest normal (2^-6) the value is
+ * added to 2^14, whose float32 ulp is e4m3's subnormal step 2^-9, so the FPU rounds it; above, the
+ * float32 mantissa's low 20 bits are rounded off (ties to the even kept bit) with the exponent rebased. */
+static uint8_t f32_to_e4m3(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t r;
+    if (bits >= 0x43f00000u) {   /* 480 and above (not after the clamp): NaN */
+        r = 0x7f;
+    } else if (bits < (121u << 23)) {
+        float g;
+        memcpy(&g, &bits, 4);
+        g += 16384.0f;
+        memcpy(&bits, &g, 4);
+        r = (uint8_t)(bits - (141u << 23));
+    } else {
+        bits += (uint32_t)(7 - 127) * (1u << 23) + 0x7ffffu + ((bits >> 20) & 1u);
+        r = (uint8_t)(bits >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* One cache row of an 8-bit cache from D values of the activations' dtype: D codes and the float32
+ * scale after them, as kv_quant.quantize makes it: scale = max|x| / 127 (int8) or / 448 (fp8), 1
+ * for a zero row; int8 code = x / scale rounded to nearest even, clamped to +-127; fp8: x / scale
+ * clamped to +-448, then rounded to e4m3. */
+static void quantize_kv_row(const act_type *a, const void *x, int64_t D, int fp8, uint8_t *dst) {
+    float v[D];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < D; i++) {
+        v[i] = a->bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    }
+    const float scale = amax > 0.0f ? amax / (fp8 ? 448.0f : 127.0f) : 1.0f;
+    for (int64_t i = 0; i < D; i++) {
+        const float q = v[i] / scale;
+        if (fp8) {
+            dst[i] = f32_to_e4m3(q < -448.0f ? -448.0f : q > 448.0f ? 448.0f : q);
+        } else {
+            const float r = rintf(q);
+            dst[i] = (uint8_t)(int8_t)(r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r);
+        }
+    }
+    memcpy(dst + D, &scale, sizeof(float));
+}
+
+/* quantize_kv_row of D float32 values (the tests compare it with kv_quant.quantize). */
+void pipeserve_quantize_kv_row(const float *x, int64_t D, int fp8, uint8_t *dst) {
+    const act_type f32 = {0, 4};
+    quantize_kv_row(&f32, x, D, fp8, dst);
+}
+
+/* The step's new k and v rows (rotated k in kr, v in vr: kv_heads x D values each, the activations'
+ * dtype) into the caches at `slot`: copied, or quantized per kv head into an 8-bit cache. */
+static void write_kv(const act_type *a, const stage_step *s, const stage_layer *L, int64_t slot, const void *kr,
+                     const void *vr) {
+    const int64_t D = s->head_dim, kvn = s->kv_heads * D;
+    if (s->kv_dtype != KV_INT8 && s->kv_dtype != KV_FP8) {
+        memcpy(L->k_cache + slot * kvn * a->es, kr, (size_t)(kvn * a->es));
+        memcpy(L->v_cache + slot * kvn * a->es, vr, (size_t)(kvn * a->es));
+        return;
+    }
+    const int64_t row = D + (int64_t)sizeof(float);   /* one byte a code, then the scale */
+    for (int64_t h = 0; h < s->kv_heads; h++) {
+        const int64_t at = (slot * s->kv_heads + h) * row;
+        quantize_kv_row(a, e(a, (void *)kr, h * D), D, s->kv_dtype == KV_FP8, (uint8_t *)L->k_cache + at);
+        quantize_kv_row(a, e(a, (void *)vr, h * D), D, s->kv_dtype == KV_FP8, (uint8_t *)L->v_cache + at);
     }
 }
 
@@ -338,7 +418,6 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
     float *q = f[8], *attn32 = f[9], *xf = f[10], *out32 = f[11];
     char *actbuf = p;
     void *plan = p + MAX_PARTS * act_stride;
-    const int64_t row_bytes = kvn * a->es;
     int failed = 0, scratch_failed = 0;
     int64_t items = 0;
     double *prof = s->prof;
@@ -383,8 +462,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
                 const double t1 = stamp(prof);
                 for (int64_t m = 0; m < M; m++) {
                     to_f32(a, e(a, qk, m * (qn + kvn)), q + m * qn, qn);
-                    memcpy(L->k_cache + s->slots[m] * row_bytes, e(a, qk, m * (qn + kvn) + qn), (size_t)row_bytes);
-                    memcpy(L->v_cache + s->slots[m] * row_bytes, e(a, qkv, m * qkv_n + qn + kvn), (size_t)row_bytes);
+                    write_kv(a, s, L, s->slots[m], e(a, qk, m * (qn + kvn) + qn), e(a, qkv, m * qkv_n + qn + kvn));
                 }
                 part[0] = t1 - t0;
                 part[1] = stamp(prof) - t1;
@@ -394,7 +472,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             TEAM_BARRIER(T);
             account(prof, t, &last, rope_write_plan, part, 3);
             if (failed) break;
-            k->items(plan, q, L->k_cache, L->v_cache, a->bf16, s->block_tables, s->max_blocks, s->context_lens,
+            k->items(plan, q, L->k_cache, L->v_cache, (int)s->kv_dtype, s->block_tables, s->max_blocks, s->context_lens,
                      s->scale, L->softcap, a->bf16, items * t / T, items * (t + 1) / T);
             TEAM_BARRIER(T);
             {

@@ -28,7 +28,7 @@ from pipeserve.model.attention import (AttentionBackend, DecodeBatch, ScoreShape
 logger = logging.getLogger(__name__)
 
 # Cache dtypes the C kernels read; int8 / float8_e4m3fn: 8-bit rows with a scale (kv_quant.py).
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 KV_8BIT = (torch.int8, torch.float8_e4m3fn)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
@@ -66,7 +66,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def prefill_kernel_applies(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Does the C prefill kernel handle this cache dtype and head size on this CPU?
         (bfloat16 queries: a bfloat16 cache, or an 8-bit one, staged as bfloat16.)"""
-        code = _DTYPE_CODES.get(dtype)
+        code = CACHE_DTYPE_CODES.get(dtype)
         return code is not None and bool(self._prefill_supported(code, head_dim))
 
     def attend_prefills(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -82,7 +82,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if args is None:   # once per step, shared by every layer
             args = meta.backend_state["prefill"] = _prefill_args(meta)
         seqs, tables = args
-        rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+        rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
                            seqs.data_ptr(), seqs.shape[0],
                            tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
                            k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
@@ -117,7 +117,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the cpu attention backend needs contiguous KV caches in CPU memory; "
                              "use --attention-backend torch")
-        if k_cache.dtype not in _DTYPE_CODES:
+        if k_cache.dtype not in CACHE_DTYPE_CODES:
             raise ValueError(f"the cpu attention backend does not handle {k_cache.dtype} caches; "
                              "use --attention-backend torch")
 
@@ -164,7 +164,7 @@ class CpuPagedAttention(TorchPagedAttention):
         ``decode_io_kernel``, which takes one more: 1), a cache dtype the kernel reads
         (``attend_decodes`` checks both); bf16_math: the model is bfloat16, so an 8-bit cache may be
         read through bf16 products."""
-        return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype], step.tables_ptr,
+        return (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype], step.tables_ptr,
                 step.max_blocks, step.lens_ptr, step.batch, q.shape[1], k_cache.shape[2], q.shape[2],
                 step.block_size, shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(), step.threads,
                 bf16_math)

@@ -10,7 +10,8 @@ It applies to float32 and bfloat16 CPU stages whose linear layers keep quantized
 weights (float32 is what ``--dtype auto`` gives on CPUs without native bfloat16),
 each in one to three parts of different types (a Q4_K_M GGUF has Q6_K attn_v beside
 Q4_K q and k in some layers: each part is multiplied in its own layout),
-with the C attention backend and a KV cache in the stage's dtype, Llama-shaped
+with the C attention backend and a KV cache in the stage's dtype or in 8 bits
+(``--kv-cache-dtype int8 | fp8``: the new rows quantized in C as ``kv_quant`` does), Llama-shaped
 layers (SwiGLU, plain RMSNorm; a q/k/v bias, Qwen3's per-head q/k norm, a sliding
 window and a soft cap are taken), no tensor parallelism, and steps of at most
 ``QuantKernels.fused_max_rows`` decodes (AVX2: 128, in one pass of the integer gemv, 24 with
@@ -37,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pipeserve.model.attention import AttentionMetadata, KVCache
+from pipeserve.model.cpu_attention import CACHE_DTYPE_CODES
+from pipeserve.model.kv_quant import is_quantized
 from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, _kind,
                                                cpu_kernels)
 
@@ -76,7 +79,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slots", _p),
                 ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64),
-                ("bf16", _i64), ("prof", _p)]
+                ("bf16", _i64), ("prof", _p), ("kv_dtype", _i64)]
 
 PROF_CLASSES = ("gemm", "attention", "kv_write", "rows")   # decode_stage.c's PROF_* order
 
@@ -95,6 +98,7 @@ class FusedDecode:
         self._step = _Step(0, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
         self._step.bf16 = int(model.dtype == torch.bfloat16)
+        self._step.kv_dtype = CACHE_DTYPE_CODES[model.dtype]   # the bound caches' (_bind)
         # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but 24 with
         # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
         # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
@@ -111,11 +115,11 @@ class FusedDecode:
         self.prof_ns = None
 
     def applies(self, h: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]) -> bool:
-        """Every row a decode, at most ``max_rows`` of them, and a cache in the stage's dtype
-        (an 8-bit one, ``--kv-cache-dtype int8|fp8``, is written and read by the Python layers)."""
+        """Every row a decode, at most ``max_rows`` of them, and a cache in the stage's dtype or
+        an 8-bit one (``--kv-cache-dtype int8|fp8``)."""
         decodes = getattr(meta, "decodes", None)
         return (decodes is not None and not meta.prefills and h.shape[0] <= self.max_rows
-                and h.dtype == self.model.dtype and kv_caches[0][0].dtype == self.model.dtype)
+                and h.dtype == self.model.dtype and _cache_taken(kv_caches[0][0].dtype, self.model.dtype))
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                  kv_caches: list[KVCache]) -> torch.Tensor:
@@ -160,10 +164,12 @@ class FusedDecode:
             return self._layers
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if key != self._bound:
-            if len(kv_caches) != len(self._weights) or any(
-                    t.dtype != self.model.dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
-                raise ValueError("fused decode stage: needs one contiguous (K, V) cache pair per layer in the "
-                                 "stage's dtype")
+            dtype = kv_caches[0][0].dtype if kv_caches else None
+            if len(kv_caches) != len(self._weights) or not _cache_taken(dtype, self.model.dtype) or any(
+                    t.dtype != dtype or not t.is_contiguous() for pair in kv_caches for t in pair):
+                raise ValueError("fused decode stage: needs one contiguous (K, V) cache pair per layer, all in "
+                                 "the stage's dtype or all in one 8-bit dtype")
+            self._step.kv_dtype = CACHE_DTYPE_CODES[dtype]
             layers = (_Layer * len(self._weights))()
             for i, (layer, ws, (k_cache, v_cache)) in enumerate(zip(self.model.layers, self._weights, kv_caches)):
                 attn = layer.self_attn
@@ -179,6 +185,11 @@ class FusedDecode:
             self._layers, self._bound = layers, key
         self._bound_tensors = list(chain.from_iterable(kv_caches))
         return self._layers
+
+
+def _cache_taken(cache: torch.dtype | None, model: torch.dtype) -> bool:
+    """A cache the fused stage writes and reads: the stage's dtype, or 8-bit rows."""
+    return cache == model or (cache is not None and is_quantized(cache))
 
 
 def _qlinear(parts) -> _QLinear:
