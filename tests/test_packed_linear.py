@@ -213,3 +213,58 @@ def test_prepack_weights_is_off_by_default_and_counted_when_on(tiny_checkpoints)
             texts[on] = len(out[0].outputs[0].token_ids)
     assert texts == {False: 4, True: 4}
     assert packed > 0 and stats[True] == stats[False] + packed
+
+
+needs_gemv = pytest.mark.skipif(packed_linear.gemv_kernel() is None,
+                                reason="bf16_gemv.c is not usable here (no compiler or no AVX-512): decode rows "
+                                       "take F.linear")
+
+
+def plain_linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> Linear:
+    layer = random_linear(n_in, n_out, bias, torch.bfloat16, seed)
+    layer.prepack = False                          # the default: decode rows by bf16_gemv.c
+    return layer
+
+
+@needs_gemv
+@pytest.mark.parametrize("n_in,n_out", [(576, 960), (33, 77), (1000, 5), (7, 1), (1536, 578)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_rows_take_the_gemv_within_bf16_rounding(n_in, n_out, bias):
+    """Up to 4 rows of x: each output within one bfloat16 rounding of the exact product (plus the
+    bias, added in float32 before the rounding), the same at any thread count and whatever other
+    rows share the call (batch-invariant); a ragged width, a width not a multiple of 4 rows."""
+    layer = plain_linear(n_in, n_out, bias, seed=n_in + n_out)
+    w, b = layer.weight, layer.bias
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            x = torch.randn(4, n_in).bfloat16()
+            assert packed_linear.decode_rows(x, w, b) is not None
+            torch.set_num_threads(1)
+            alone = [layer(x[i:i + 1]) for i in range(4)]
+            torch.set_num_threads(2)
+            for rows in (1, 2, 3, 4):
+                got = layer(x[:rows])
+                assert got.shape == (rows, n_out)
+                assert torch.equal(got, torch.cat(alone[:rows])), rows   # batch- and thread-invariant
+                exact = F.linear(x[:rows].double(), w.double(), None if b is None else b.double())
+                bound = (2 ** -8 * exact.abs()
+                         + n_in * 2 ** -24 * F.linear(x[:rows].double().abs(), w.double().abs()))
+                assert ((got.double() - exact).abs() <= bound).all(), rows
+            strided = torch.randn(1, 2, 2 * n_in).bfloat16()[..., ::2]   # 3-D, 2 rows, not contiguous
+            assert torch.equal(layer(strided), layer(strided.contiguous()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_gemv
+def test_more_rows_or_no_kernel_take_f_linear(monkeypatch):
+    layer = plain_linear(64, 40, True)
+    x = torch.randn(5, 64).bfloat16()
+    assert packed_linear.decode_rows(x, layer.weight, layer.bias) is None
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    monkeypatch.setattr(packed_linear, "gemv_kernel", lambda: None)
+    assert torch.equal(layer(x[:1]), F.linear(x[:1], layer.weight, layer.bias))
+    f32 = random_linear(64, 40, True, torch.float32)
+    f32.prepack = False
+    assert torch.equal(f32(x.float()[:1]), F.linear(x.float()[:1], f32.weight, f32.bias))

@@ -50,7 +50,8 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """x @ weight^T + bias. bfloat16 on the CPU runs with the weight packed once
     (``packed_linear``: our bf16_gemm.c kernel, or oneDNN without its per-call
-    reorder); every other dtype and device is ``F.linear``."""
+    reorder) under --prepack-weights, else its decode rows (a few rows of x) by
+    bf16_gemv.c on the plain weight; every other dtype, device and shape is ``F.linear``."""
 
     prepack = False  # --prepack-weights sets it per layer (ModelRunner); benchmarks flip the class default
 
@@ -64,8 +65,9 @@ class Linear(nn.Module):
         self.packed = packed_linear.PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prepack and packed_linear.applies(x, self.weight):
-            out = self.packed.forward(x, self.weight, self.bias)
+        if packed_linear.applies(x, self.weight):
+            out = (self.packed.forward(x, self.weight, self.bias) if self.prepack
+                   else packed_linear.decode_rows(x, self.weight, self.bias))
             if out is not None:
                 return out
         return F.linear(x, self.weight, self.bias)

@@ -17,8 +17,13 @@ the whole weight per call). Two ways to pack once, measured side by side
   input). Taken for the other layers, and everywhere when the C kernel cannot
   be built or the CPU lacks AVX512_BF16 (logged once).
 
+Without packing, a bfloat16 CPU layer's decode rows (up to ``GEMV_MAX_ROWS`` rows of
+x) go to ``bf16_gemv.c``, which reads the plain weight once per call where ``F.linear``
+has oneDNN reorder it every time: 1.6-2.2x ``F.linear`` at one row, 1.1-1.4x at four
+(benchmarks/README.md, thirty-fourth session), no second copy; on AVX-512 CPUs.
+
 ``F.linear`` stays for every other dtype (float32 is untouched) and device, and
-when neither packing is possible (logged once). The packed copy is made on a
+when neither packing nor the gemv is possible (logged once). The packed copy is made on a
 layer's first bfloat16 forward and remade when the weight is replaced or changed
 in place (its storage or version counter moves; an inference-mode weight has no
 version counter, so only a new storage is seen). It is a second copy: the plain
@@ -127,6 +132,60 @@ def gemm_kernel() -> Bf16Gemm | None:
         return None
     log.info("bfloat16 linear layers: bf16_gemm.c (%s) with weights packed once", kernel.isa)
     return kernel
+
+
+class Bf16Gemv:
+    """``pipeserve/kernels/bf16_gemv.c`` through ctypes; ``KernelBuildError`` when unusable here."""
+
+    def __init__(self) -> None:
+        from pipeserve.kernels.build import KernelBuildError, load_kernel
+        lib = load_kernel("bf16_gemv")
+        lib.pipeserve_bf16_gemv_isa.restype = ctypes.c_char_p
+        self.isa = lib.pipeserve_bf16_gemv_isa().decode()
+        if self.isa == "none":
+            raise KernelBuildError("bf16_gemv.c: this CPU has no AVX-512")
+        lib.pipeserve_bf16_gemv_max_rows.restype = ctypes.c_int64
+        self.max_rows = lib.pipeserve_bf16_gemv_max_rows()
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.pipeserve_bf16_gemv.argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
+        self.fn = lib.pipeserve_bf16_gemv
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """bfloat16 x of at most ``max_rows`` rows (``applies``) against a plain 2-D weight."""
+        return (weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+                and 0 < x.numel() <= self.max_rows * weight.shape[1]
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = weight.shape
+        x2 = x.reshape(-1, k).contiguous()
+        out = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        rc = self.fn(weight.data_ptr(), n, k, x2.data_ptr(), x2.shape[0], None if bias is None else bias.data_ptr(),
+                     out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"bf16_gemv.c returned {rc}")
+        return out.view(*x.shape[:-1], n)
+
+
+@kernel_cache
+def gemv_kernel() -> Bf16Gemv | None:
+    """The decode-row kernel, or None (why logged once: those rows then take ``F.linear``)."""
+    from pipeserve.kernels.build import KernelBuildError
+    try:
+        kernel = Bf16Gemv()
+    except KernelBuildError as exc:
+        log.info("bfloat16 linear layers: F.linear for decode rows (%s)", str(exc).splitlines()[0])
+        return None
+    log.info("bfloat16 linear layers: bf16_gemv.c (%s) for up to %d rows", kernel.isa, kernel.max_rows)
+    return kernel
+
+
+def decode_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight^T + bias by ``bf16_gemv.c`` where it takes them (``applies`` first), else None."""
+    kernel = gemv_kernel()
+    if kernel is None or not kernel.takes(x, weight, bias):
+        return None
+    return kernel(x, weight, bias)
 
 
 def _version(weight: torch.Tensor) -> int | None:

@@ -1,0 +1,154 @@
+/* Decode rows against a plain bfloat16 weight: out[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= 4.
+ *
+ * F.linear hands oneDNN the [N, K] weight as it is, and oneDNN reorders it into its blocked
+ * layout on every call: at one to a few rows of x (decode) that is a read and a write of the
+ * whole weight per call, and SmolLM2's bfloat16 layers ran at 13-17 GB/s a thread, 21-32 at two
+ * (benchmarks/README.md, thirty-fourth session). Packing once (--prepack-weights) keeps a second
+ * copy of every weight. This kernel reads the weight where it is, once per call: each thread takes
+ * a contiguous range of weight rows, and each group of 4 rows is read 64 bytes at a time against
+ * the same 32 columns of every row of x (in L1), into one
+ * float32 accumulator per (x row, weight row) by vdpbf16ps (pairs of bfloat16 products; on
+ * AVX-512 CPUs without AVX512_BF16, the bfloat16 widened to float32 and two FMAs), summed across
+ * lanes at the row's end, plus the bias, rounded once to bfloat16 (to nearest even).
+ *
+ * Each output is one thread's float32 sum over k in the same order whatever M, N or the thread
+ * count (batch-invariant); against F.linear it differs by float32 summation order only (on
+ * SmolLM2's shapes at 1 and 3 rows every output was F.linear's).
+ *
+ * From 5 rows of x it is not taken: one thread measured 1.9-2.2x F.linear at 1 row, 1.1-1.3x at 4
+ * and 0.6-0.8x at 8, where the dot products (16 per 64 bytes of weights) and the rows' final
+ * sums outweigh oneDNN's reorder (two threads 1.6-2.1x, 1.2-1.4x and 0.7-1.1x).
+ *
+ * pipeserve_bf16_gemv(w, N, K, x, M, bias or NULL, out, num_threads): returns 0; -2 on builds
+ * without AVX-512 (pipeserve_bf16_gemv_isa() says "none": the caller keeps F.linear); -3 for M
+ * outside [1, BF16_GEMV_MAX_ROWS].
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define BF16_GEMV_MAX_ROWS 4
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define GEMV_512 1
+#include <immintrin.h>
+#endif
+
+const char *pipeserve_bf16_gemv_isa(void) {
+#if defined(GEMV_512) && defined(__AVX512BF16__)
+    return "avx512-bf16";
+#elif defined(GEMV_512)
+    return "avx512";
+#else
+    return "none";
+#endif
+}
+
+int64_t pipeserve_bf16_gemv_max_rows(void) { return BF16_GEMV_MAX_ROWS; }
+
+#ifdef GEMV_512
+/* acc += the products of 32 bfloat16 pairs (lanes: pairs 2i, 2i + 1). */
+static inline __attribute__((always_inline)) __m512 dot32(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+    /* the same pairs widened: the even elements (low halves of the dwords), then the odd ones */
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                          acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)),
+                           acc);
+#endif
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_value(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Weight rows [n, n + R) against the M rows of x: R and M constants where inlined. */
+static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, int64_t K, const uint16_t *x, int M,
+                                                             int R, int64_t n, const uint16_t *bias, int64_t N,
+                                                             uint16_t *out) {
+    __m512 acc[BF16_GEMV_MAX_ROWS][4];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512i wv[4];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512((const void *)(w + (n + r) * K + k));
+        for (int m = 0; m < M; m++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + k));
+            for (int r = 0; r < R; r++) acc[m][r] = dot32(acc[m][r], xv, wv[r]);
+        }
+    }
+    if (k < K) {   /* the last K % 32 columns: zeros past them on both sides */
+        const __mmask32 live = (__mmask32)((1ull << (K - k)) - 1);
+        __m512i wv[4];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_epi16(live, w + (n + r) * K + k);
+        for (int m = 0; m < M; m++) {
+            const __m512i xv = _mm512_maskz_loadu_epi16(live, x + m * K + k);
+            for (int r = 0; r < R; r++) acc[m][r] = dot32(acc[m][r], xv, wv[r]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) {
+            const float b = bias ? bf16_value(bias[n + r]) : 0.0f;
+            out[m * N + n + r] = round_bf16(_mm512_reduce_add_ps(acc[m][r]) + b);
+        }
+}
+
+/* Rows [n0, n1) of out for M rows of x: groups of 4 weight rows, then single rows. */
+static void rows_range(const uint16_t *w, int64_t K, const uint16_t *x, int M, int64_t n0, int64_t n1,
+                       const uint16_t *bias, int64_t N, uint16_t *out) {
+#define RANGE(MM, RR)                                                                   \
+    {                                                                                   \
+        int64_t n = n0;                                                                 \
+        for (; n + (RR) <= n1; n += (RR)) rows_block(w, K, x, MM, RR, n, bias, N, out); \
+        for (; n < n1; n++) rows_block(w, K, x, MM, 1, n, bias, N, out);                \
+    }                                                                                   \
+    break;
+    switch (M) {
+    case 1: RANGE(1, 4)
+    case 2: RANGE(2, 4)
+    case 3: RANGE(3, 4)
+    default: RANGE(4, 4)
+    }
+#undef RANGE
+}
+#endif
+
+int pipeserve_bf16_gemv(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M, const uint16_t *bias,
+                        uint16_t *out, int num_threads) {
+#ifdef GEMV_512
+    if (M < 1 || M > BF16_GEMV_MAX_ROWS) return -3;
+    /* each thread a contiguous range of whole groups of 4 weight rows */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+        const int t = 0, T = 1;
+#endif
+        const int64_t groups = (N + 3) / 4;
+        const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
+        const int64_t n0 = g0 * 4, n1 = g1 * 4 < N ? g1 * 4 : N;
+        if (n0 < n1) rows_range(w, K, x, (int)M, n0, n1, bias, N, out);
+    }
+    return 0;
+#else
+    (void)w; (void)N; (void)K; (void)x; (void)M; (void)bias; (void)out; (void)num_threads;
+    return -2;
+#endif
+}
