@@ -1,12 +1,12 @@
-/* Decode rows against a plain bfloat16 weight: out[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= 4.
+/* Decode rows against a plain bfloat16 weight: out[M, N] = x[M, K] . W[N, K]^T (+ bias), M <= 8.
  *
  * F.linear hands oneDNN the [N, K] weight as it is, and oneDNN reorders it into its blocked
  * layout on every call: at one to a few rows of x (decode) that is a read and a write of the
  * whole weight per call, and SmolLM2's bfloat16 layers ran at 13-17 GB/s a thread, 21-32 at two
  * (benchmarks/README.md, thirty-fourth session). Packing once (--prepack-weights) keeps a second
  * copy of every weight. This kernel reads the weight where it is, once per call: each thread takes
- * a contiguous range of weight rows, and each group of 4 rows is read 64 bytes at a time against
- * the same 32 columns of every row of x (in L1), into one
+ * a contiguous range of weight rows, and each group of R rows (4 for up to 4 rows of x, else 2) is
+ * read 64 bytes at a time against the same 32 columns of every row of x (in L1), into one
  * float32 accumulator per (x row, weight row) by vdpbf16ps (pairs of bfloat16 products; on
  * AVX-512 CPUs without AVX512_BF16, the bfloat16 widened to float32 and two FMAs), summed across
  * lanes at the row's end, plus the bias, rounded once to bfloat16 (to nearest even).
@@ -15,9 +15,10 @@
  * count (batch-invariant); against F.linear it differs by float32 summation order only (on
  * SmolLM2's shapes at 1 and 3 rows every output was F.linear's).
  *
- * From 5 rows of x it is not taken: one thread measured 1.9-2.2x F.linear at 1 row, 1.1-1.3x at 4
- * and 0.6-0.8x at 8, where the dot products (16 per 64 bytes of weights) and the rows' final
- * sums outweigh oneDNN's reorder (two threads 1.6-2.1x, 1.2-1.4x and 0.7-1.1x).
+ * The layers take it up to 4 rows (packed_linear.GEMV_MAX_ROWS): one thread measured 1.9-2.2x
+ * F.linear at 1 row, 1.1-1.3x at 4 and 0.6-0.8x at 8, where the dot products (16 per 64 bytes of
+ * weights) and the rows' final sums outweigh oneDNN's reorder (two threads 1.6-2.1x, 1.2-1.4x and
+ * 0.7-1.1x; benchmarks/bf16_gemv.py).
  *
  * pipeserve_bf16_gemv(w, N, K, x, M, bias or NULL, out, num_threads): returns 0; -2 on builds
  * without AVX-512 (pipeserve_bf16_gemv_isa() says "none": the caller keeps F.linear); -3 for M
@@ -29,7 +30,7 @@
 #include <omp.h>
 #endif
 
-#define BF16_GEMV_MAX_ROWS 4
+#define BF16_GEMV_MAX_ROWS 8
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define GEMV_512 1
@@ -109,7 +110,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, 
         }
 }
 
-/* Rows [n0, n1) of out for M rows of x: groups of 4 weight rows, then single rows. */
+/* Rows [n0, n1) of out for M rows of x: groups of R weight rows, then single rows. */
 static void rows_range(const uint16_t *w, int64_t K, const uint16_t *x, int M, int64_t n0, int64_t n1,
                        const uint16_t *bias, int64_t N, uint16_t *out) {
 #define RANGE(MM, RR)                                                                   \
@@ -123,7 +124,11 @@ static void rows_range(const uint16_t *w, int64_t K, const uint16_t *x, int M, i
     case 1: RANGE(1, 4)
     case 2: RANGE(2, 4)
     case 3: RANGE(3, 4)
-    default: RANGE(4, 4)
+    case 4: RANGE(4, 4)
+    case 5: RANGE(5, 2)
+    case 6: RANGE(6, 2)
+    case 7: RANGE(7, 2)
+    default: RANGE(8, 2)
     }
 #undef RANGE
 }

@@ -134,6 +134,11 @@ def gemm_kernel() -> Bf16Gemm | None:
     return kernel
 
 
+# Rows of x up to which a layer takes bf16_gemv.c (the kernel takes 8): at 4 one thread measured
+# 1.1-1.3x F.linear, at 8 0.6-0.8x (benchmarks/bf16_gemv.py).
+GEMV_MAX_ROWS = 4
+
+
 class Bf16Gemv:
     """``pipeserve/kernels/bf16_gemv.c`` through ctypes; ``KernelBuildError`` when unusable here."""
 
@@ -145,7 +150,7 @@ class Bf16Gemv:
         if self.isa == "none":
             raise KernelBuildError("bf16_gemv.c: this CPU has no AVX-512")
         lib.pipeserve_bf16_gemv_max_rows.restype = ctypes.c_int64
-        self.max_rows = lib.pipeserve_bf16_gemv_max_rows()
+        self.max_rows = min(GEMV_MAX_ROWS, lib.pipeserve_bf16_gemv_max_rows())
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.pipeserve_bf16_gemv.argtypes = [p, i64, i64, p, i64, p, p, ctypes.c_int]
         self.fn = lib.pipeserve_bf16_gemv
