@@ -350,6 +350,25 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     runner.model.fused_decode = None
 
 
+@pytest.mark.parametrize("kind, kv", [("llama_tied_gqa", "auto"), ("qwen2_bias", "auto"), ("llama_tied_gqa", "int8")])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_plain_bfloat16_weights_fused_equal_python_layers(kind, kv, threads, tmp_path):
+    """A bfloat16 safetensors checkpoint (``--quantization auto`` keeps its weights plain): steps of
+    up to 4 decodes through the fused stage, its matmuls by bf16_gemv.c as ``layers.Linear``
+    multiplies them (Qwen2's q/k/v bias added before the rounding in both); 5 decodes take the
+    Python layers."""
+    from pipeserve.model import packed_linear
+    if packed_linear.gemv_kernel() is None:
+        pytest.skip("bf16_gemv.c is not usable here (no AVX-512): plain weights keep the Python layers")
+    source = resolve_model(str(build_checkpoint(kind, tmp_path)))
+    cfg = source.load_config()
+    make = lambda: _runner(source, cfg, quantization="auto", dtype=torch.bfloat16, kv_cache_dtype=kv)   # noqa: E731
+    _fused_equals_python(make, torch.bfloat16, threads, 8, sequences=packed_linear.GEMV_MAX_ROWS)
+    runner = make()
+    _decode_logits([runner], [list(range(3, 12))], 1)
+    assert runner.model.fused_decode.max_rows == packed_linear.GEMV_MAX_ROWS
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])

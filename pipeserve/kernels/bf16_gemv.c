@@ -134,6 +134,21 @@ static void rows_range(const uint16_t *w, int64_t K, const uint16_t *x, int M, i
 }
 #endif
 
+/* One thread's share, for callers that run their own threads (decode_stage.c): out rows [n0, n1),
+ * the same outputs as pipeserve_bf16_gemv's (an output does not depend on how rows are shared).
+ * Returns 0, -2 or -3 as it does. */
+int pipeserve_bf16_gemv_rows(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                             const uint16_t *bias, int64_t n0, int64_t n1, uint16_t *out) {
+#ifdef GEMV_512
+    if (M < 1 || M > BF16_GEMV_MAX_ROWS) return -3;
+    if (n0 < n1) rows_range(w, K, x, (int)M, n0, n1, bias, N, out);
+    return 0;
+#else
+    (void)w; (void)N; (void)K; (void)x; (void)M; (void)bias; (void)n0; (void)n1; (void)out;
+    return -2;
+#endif
+}
+
 int pipeserve_bf16_gemv(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M, const uint16_t *bias,
                         uint16_t *out, int num_threads) {
 #ifdef GEMV_512

@@ -16,7 +16,9 @@
  * output and the bias and residual adds), weights kept quantized, a KV cache in the
  * activations' dtype or in 8 bits (--kv-cache-dtype int8 | fp8: each row of a kv head
  * head_dim codes and its float32 scale, quantized here as kv_quant.quantize does it, bit
- * for bit). Only the split of the attention over the threads
+ * for bit). A bfloat16 stage's linear layers may also be plain bfloat16 weights (a
+ * safetensors checkpoint under --quantization auto): those multiply up to 4 rows by
+ * bf16_gemv.c, as layers.Linear does (QW_DENSE). Only the split of the attention over the threads
  * differs (the Python path runs a small step's attention on one thread): with one
  * thread the result is bit for bit the Python path's, with more it differs by the
  * order in which the partial softmaxes are merged.
@@ -71,6 +73,8 @@ typedef void (*items_fn)(const void *plan, const float *q, const void *k_cache, 
                          const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, float scale,
                          float softcap, int bf16_math, int64_t i0, int64_t i1);
 typedef void (*merge_fn)(const void *plan, int64_t bh0, int64_t bh1, float *out);
+typedef int (*dense_rows_fn)(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M,
+                             const uint16_t *bias, int64_t n0, int64_t n1, uint16_t *out);
 
 /* The kernels of the other libraries (the caller resolves them once). */
 typedef struct {
@@ -91,9 +95,14 @@ typedef struct {
     act_bytes_fn m_act_bytes;
     prepare_fn m_prepare;
     m_rows_fn m_rows;
+    /* bf16_gemv.c's rows for plain bfloat16 weights (QW_DENSE parts), or NULL: the bfloat16 output
+     * with the bias added before its rounding, as layers.Linear's decode rows */
+    dense_rows_fn d_rows;
 } stage_kernels;
 
-/* A quantized weight [N, K] as quant_matmul.c takes it. */
+/* A quantized weight [N, K] as quant_matmul.c takes it; or, kind QW_DENSE, a plain bfloat16
+ * weight at qs (the layer's only part; nothing else set). */
+#define QW_DENSE (-1)
 typedef struct {
     const uint8_t *qs, *qh;
     const uint16_t *sc, *mn;
@@ -287,7 +296,7 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
         return;
     }
     for (int64_t i = 0; i < w->parts; i++)
-        if (act_slot(w, i) == i)
+        if (act_slot(w, i) == i && w->part[i].kind != QW_DENSE)   /* a plain weight reads x itself */
             k->prepare(w->part[i].kind, K, a->bf16 ? xf : (const float *)x, M, act + i * act_stride);
 }
 
@@ -313,15 +322,25 @@ static int many_rows(const stage_kernels *k, const qlinear *w, int64_t M) {
  * through its own region of the float scratch f32 ([M, N_i] at M * its column offset, so
  * no thread's part overwrites what another still copies) and is copied to its columns,
  * rounded as the gemv rounds bfloat16 outputs; then the bias is added and rounded as
- * PyTorch adds it. `many`: by the many-row kernel. Returns 0, or -1 when its scratch cannot be had. */
+ * PyTorch adds it. A plain bfloat16 weight (QW_DENSE, the layer's only part) reads x (the bfloat16
+ * rows) and writes its columns of out itself, bias included. `many`: by the many-row kernel.
+ * Returns 0, or -1 when its scratch cannot be had (or bf16_gemv.c refuses the rows, which the
+ * caller's row limit rules out). */
 static int thread_rows(const stage_kernels *k, const act_type *a, const qlinear *w, const void *bias,
-                       const char *act, int64_t act_stride, int64_t M, void *out, float *f32, int t, int T, int many) {
+                       const char *act, int64_t act_stride, const void *x, int64_t M, void *out, float *f32, int t,
+                       int T, int many) {
     const int64_t Nt = linear_n(w);
     const int direct = !a->bf16 && w->parts == 1;
     int64_t off = 0;
     for (int64_t i = 0; i < w->parts; off += w->part[i].N, i++) {
         const qweight *p = &w->part[i];
         const int64_t N = p->N, n0 = N * t / T, n1 = N * (t + 1) / T;
+        if (p->kind == QW_DENSE) {   /* the only part: bfloat16 out with its bias, as layers.Linear */
+            if (k->d_rows((const uint16_t *)p->qs, N, p->K, (const uint16_t *)x, M, (const uint16_t *)bias, n0, n1,
+                          (uint16_t *)out) != 0)
+                return -1;
+            continue;
+        }
         float *res = direct ? (float *)out : f32 + M * off;
         if (many) {
             if (k->m_rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero, act, M, n0, n1, res) != 0)
@@ -363,7 +382,8 @@ static int team_rows(const stage_kernels *k, const act_type *a, const qlinear *w
             prepare(k, a, w, e(a, (void *)x, m0 * K), mc, xf, act, act_stride, many);
             TEAM_BARRIER(T);
         }
-        rc |= thread_rows(k, a, w, bias, act, act_stride, mc, e(a, out, m0 * N), f32, t, T, many);
+        rc |= thread_rows(k, a, w, bias, act, act_stride, e(a, (void *)x, m0 * K), mc, e(a, out, m0 * N), f32, t, T,
+                          many);
     }
     return rc;
 }
@@ -383,7 +403,8 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
         for (int i = 0; i < 4; i++) {
             if (many_rows(k, ws[i], M)) continue;   /* one pass of the many-row kernel */
             for (int64_t j = 0; j < ws[i]->parts; j++)
-                if (k->act_bytes(ws[i]->part[j].kind, ws[i]->part[j].K, ws[i]->part[j].group, M) == 0)
+                if (ws[i]->part[j].kind != QW_DENSE
+                    && k->act_bytes(ws[i]->part[j].kind, ws[i]->part[j].K, ws[i]->part[j].group, M) == 0)
                     P = min64(M, PASS_ROWS);
         }
     }
@@ -394,6 +415,7 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             const int many = many_rows(k, ws[i], M);
             for (int64_t j = 0; j < ws[i]->parts; j++) {
                 const qweight *p = &ws[i]->part[j];
+                if (p->kind == QW_DENSE) continue;
                 act = max64(act, many ? k->m_act_bytes(p->kind, p->K, p->group, M)
                                       : k->act_bytes(p->kind, p->K, p->group, P));
             }

@@ -8,7 +8,10 @@ in the same order (benchmarks/README.md, "Fused decode stage").
 
 It applies to float32 and bfloat16 CPU stages whose linear layers keep quantized
 weights (float32 is what ``--dtype auto`` gives on CPUs without native bfloat16),
-each in one to three parts of different types (a Q4_K_M GGUF has Q6_K attn_v beside
+each in one to three parts of different types, and to bfloat16 stages whose linear layers
+are plain bfloat16 weights (a safetensors checkpoint, ``--quantization auto``), for steps
+of up to ``packed_linear.GEMV_MAX_ROWS`` decodes multiplied by bf16_gemv.c as
+``layers.Linear`` multiplies them (a Q4_K_M GGUF has Q6_K attn_v beside
 Q4_K q and k in some layers: each part is multiplied in its own layout),
 with the C attention backend and a KV cache in the stage's dtype or in 8 bits
 (``--kv-cache-dtype int8 | fp8``: the new rows quantized in C as ``kv_quant`` does), Llama-shaped
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeserve.model import packed_linear
 from pipeserve.model.attention import AttentionMetadata, KVCache
 from pipeserve.model.cpu_attention import CACHE_DTYPE_CODES
 from pipeserve.model.kv_quant import is_quantized
@@ -53,7 +57,8 @@ _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("rmsnorm", "rope", "silu_mul", "act_bytes", "prepare", "rows",
-                                        "plan_bytes", "plan", "items", "merge", "m_act_bytes", "m_prepare", "m_rows")]
+                                        "plan_bytes", "plan", "items", "merge", "m_act_bytes", "m_prepare", "m_rows",
+                                        "d_rows")]
 
 
 class _QWeight(ctypes.Structure):
@@ -62,6 +67,16 @@ class _QWeight(ctypes.Structure):
 
 
 MAX_PARTS = 3   # decode_stage.c's: a linear layer's weights of different types (q, k, v)
+QW_DENSE = -1   # decode_stage.c's kind of a plain bfloat16 weight
+
+
+class _Dense:
+    """A ``layers.Linear``'s plain bfloat16 weight as a part of the fused stage's layer."""
+
+    kind = "dense"
+
+    def __init__(self, linear) -> None:
+        self.weight = linear.weight
 
 
 class _QLinear(ctypes.Structure):
@@ -108,7 +123,9 @@ class FusedDecode:
         # them in one pass here.
         has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
         has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)
-        self.max_rows = (GEMV_ONE_CALL_MAX_ROWS if kernels.m_rows
+        has_dense = any(w.kind == "dense" for layer in weights for parts in layer for w in parts)
+        self.max_rows = (packed_linear.GEMV_MAX_ROWS if has_dense
+                         else GEMV_ONE_CALL_MAX_ROWS if kernels.m_rows
                          else GEMM_MIN_ROWS - 1 if has_gemm
                          else GEMV_PASSES_MAX_ROWS if has_q8 else cpu_kernels().fused_max_rows)
         # --profile (``enable_profile``): nanoseconds per PROF_CLASSES, added to by each launch
@@ -201,6 +218,9 @@ def _qlinear(parts) -> _QLinear:
 
 
 def _qweight(w) -> _QWeight:
+    if isinstance(w, _Dense):
+        n, k = w.weight.shape
+        return _QWeight(w.weight.data_ptr(), None, None, None, n, k, 0, QW_DENSE, 0)
     return _QWeight(w.qs.data_ptr(), None if w.qh is None else w.qh.data_ptr(), w.scale.data_ptr(),
                     None if w.minv is None else w.minv.data_ptr(), w.out_features, w.in_features, w.group,
                     _kind(w), w.zero)
@@ -245,10 +265,27 @@ def _why_not(model: LlamaModel) -> str | None:
         if not isinstance(mlp, SwiGLU) or mlp.act != "silu" or mlp.ops is None or layer.input_layernorm.ops is None:
             return "a layer without SwiGLU or the fused elementwise kernels"
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if not isinstance(linear, QuantLinear) or len(linear.parts) > MAX_PARTS:
-                return f"a linear layer whose weights are not 1 to {MAX_PARTS} quantized parts"
+            if isinstance(linear, QuantLinear) and len(linear.parts) <= MAX_PARTS:
+                continue
+            why = _dense_why_not(model, linear)
+            if why is not None:
+                return why
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return "a bias outside q/k/v"
+    return None
+
+
+def _dense_why_not(model: LlamaModel, linear) -> str | None:
+    """Why the fused stage cannot take this linear layer as a plain bfloat16 weight, or None."""
+    from pipeserve.model.layers import Linear
+    if not isinstance(linear, Linear):
+        return f"a linear layer whose weights are not 1 to {MAX_PARTS} quantized parts or one plain weight"
+    if model.dtype != torch.bfloat16 or linear.weight.dtype != torch.bfloat16:
+        return "plain weights in a float32 stage (its layers keep F.linear)"
+    if linear.prepack:
+        return "--prepack-weights (its layers multiply the packed copies)"
+    if not linear.weight.is_contiguous() or packed_linear.gemv_kernel() is None:
+        return "plain bfloat16 weights without bf16_gemv.c (no AVX-512, or it does not build)"
     return None
 
 
@@ -269,8 +306,9 @@ def _build(model: LlamaModel) -> FusedDecode | str:
     weights = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        ws = tuple(tuple(linear.parts) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        for w in (part for parts in ws for part in parts):
+        ws = tuple(tuple(linear.parts) if hasattr(linear, "parts") else (_Dense(linear),)
+                   for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        for w in (part for parts in ws for part in parts if not isinstance(part, _Dense)):
             if act_bytes(_kind(w), w.in_features, w.group, 1) <= 0:
                 return (f"no integer-activation decode kernel on this CPU for {w.source} "
                         f"(group {w.group}, in_features {w.in_features})")
@@ -278,8 +316,10 @@ def _build(model: LlamaModel) -> FusedDecode | str:
     # bfloat16 stages whose every weight the 8-bit many-row kernel takes: it multiplies the steps of
     # more than GEMV_MAX_ROWS decodes, as the Python layers' QuantKernels.matmul does
     quant_kernels = cpu_kernels()
-    if model.dtype == torch.bfloat16 and all(quant_kernels.gemm_i8_takes(w) for ws in weights for parts in ws
-                                             for w in parts):
+    if any(isinstance(w, _Dense) for ws in weights for parts in ws for w in parts):
+        kernels.d_rows = addr(load_kernel("bf16_gemv"), "pipeserve_bf16_gemv_rows")
+    elif model.dtype == torch.bfloat16 and all(quant_kernels.gemm_i8_takes(w) for ws in weights for parts in ws
+                                               for w in parts):
         i8 = load_kernel("quant_gemm_i8")
         kernels.m_act_bytes, kernels.m_prepare, kernels.m_rows = (
             addr(i8, name) for name in ("pipeserve_quant_i8m_act_bytes", "pipeserve_quant_i8m_prepare",
