@@ -268,3 +268,23 @@ def test_more_rows_or_no_kernel_take_f_linear(monkeypatch):
     f32 = random_linear(64, 40, True, torch.float32)
     f32.prepack = False
     assert torch.equal(f32(x.float()[:1]), F.linear(x.float()[:1], f32.weight, f32.bias))
+
+
+def test_gemv_build_failure_leaves_decode_rows_on_f_linear(monkeypatch, caplog):
+    from pipeserve.kernels import build
+
+    def no_compiler(name):
+        raise build.KernelBuildError("no C compiler found (install gcc, or set CC)")
+    monkeypatch.setattr(build, "load_kernel", no_compiler)
+    packed_linear.gemv_kernel.cache_clear()
+    try:
+        layer = plain_linear(64, 16, True)
+        x = torch.randn(2, 64).bfloat16()
+        with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    finally:
+        packed_linear.gemv_kernel.cache_clear()
+    messages = [r.getMessage() for r in caplog.records if r.name == packed_linear.__name__]
+    assert messages == ["bfloat16 linear layers: F.linear for decode rows "
+                        "(no C compiler found (install gcc, or set CC))"]

@@ -25,10 +25,11 @@
  * outside [1, BF16_GEMV_MAX_ROWS].
  */
 #include <stdint.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "vec_math.h"
 
 #define BF16_GEMV_MAX_ROWS 8
 
@@ -64,20 +65,6 @@ static inline __attribute__((always_inline)) __m512 dot32(__m512 acc, __m512i a,
 #endif
 }
 
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_value(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Weight rows [n, n + R) against the M rows of x: R and M constants where inlined. */
 static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, int64_t K, const uint16_t *x, int M,
                                                              int R, int64_t n, const uint16_t *bias, int64_t N,
@@ -105,8 +92,8 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, 
     }
     for (int m = 0; m < M; m++)
         for (int r = 0; r < R; r++) {
-            const float b = bias ? bf16_value(bias[n + r]) : 0.0f;
-            out[m * N + n + r] = round_bf16(_mm512_reduce_add_ps(acc[m][r]) + b);
+            const float b = bias ? bf16_to_f32(bias[n + r]) : 0.0f;
+            out[m * N + n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m][r]) + b);
         }
 }
 

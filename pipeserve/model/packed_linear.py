@@ -78,16 +78,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _load(name: str, needs: str):
+    """``kernels/<name>.c`` loaded, and the ISA its build reports (``pipeserve_<name>_isa``);
+    ``KernelBuildError`` when it does not build, or built for a CPU without ``needs``."""
+    from pipeserve.kernels.build import KernelBuildError, load_kernel
+    lib = load_kernel(name)
+    isa = getattr(lib, f"pipeserve_{name}_isa")
+    isa.restype = ctypes.c_char_p
+    built = isa().decode()
+    if built == "none":
+        raise KernelBuildError(f"{name}.c: this CPU has no {needs}")
+    return lib, built
+
+
 class Bf16Gemm:
     """``pipeserve/kernels/bf16_gemm.c`` through ctypes; ``KernelBuildError`` when unusable here."""
 
     def __init__(self) -> None:
-        from pipeserve.kernels.build import KernelBuildError, load_kernel
-        lib = load_kernel("bf16_gemm")
-        lib.pipeserve_bf16_gemm_isa.restype = ctypes.c_char_p
-        self.isa = lib.pipeserve_bf16_gemm_isa().decode()
-        if self.isa == "none":
-            raise KernelBuildError("bf16_gemm.c: this CPU has no AVX512_BF16")
+        lib, self.isa = _load("bf16_gemm", "AVX512_BF16")
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.pipeserve_bf16_pack.argtypes = [p, i64, i64, p]
         lib.pipeserve_bf16_gemm.argtypes = [p, i64, i64, p, i64, p, ctypes.c_int]
@@ -143,12 +151,7 @@ class Bf16Gemv:
     """``pipeserve/kernels/bf16_gemv.c`` through ctypes; ``KernelBuildError`` when unusable here."""
 
     def __init__(self) -> None:
-        from pipeserve.kernels.build import KernelBuildError, load_kernel
-        lib = load_kernel("bf16_gemv")
-        lib.pipeserve_bf16_gemv_isa.restype = ctypes.c_char_p
-        self.isa = lib.pipeserve_bf16_gemv_isa().decode()
-        if self.isa == "none":
-            raise KernelBuildError("bf16_gemv.c: this CPU has no AVX-512")
+        lib, self.isa = _load("bf16_gemv", "AVX-512")
         lib.pipeserve_bf16_gemv_max_rows.restype = ctypes.c_int64
         self.max_rows = min(GEMV_MAX_ROWS, lib.pipeserve_bf16_gemv_max_rows())
         p, i64 = ctypes.c_void_p, ctypes.c_int64
