@@ -350,7 +350,8 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
     runner.model.fused_decode = None
 
 
-@pytest.mark.parametrize("kind, kv", [("llama_tied_gqa", "auto"), ("qwen2_bias", "auto"), ("llama_tied_gqa", "int8")])
+@pytest.mark.parametrize("kind, kv", [("llama_tied_gqa", "auto"), ("qwen2_bias", "auto"), ("llama_tied_gqa", "int8"),
+                                      ("mistral", "auto"), ("qwen3", "auto")])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_plain_bfloat16_weights_fused_equal_python_layers(kind, kv, threads, tmp_path):
     """A bfloat16 safetensors checkpoint (``--quantization auto`` keeps its weights plain): steps of
@@ -361,8 +362,14 @@ def test_plain_bfloat16_weights_fused_equal_python_layers(kind, kv, threads, tmp
     from pipeserve.model import packed_linear
     if packed_linear.gemv_kernel() is None:
         pytest.skip("bf16_gemv.c is not usable here (no AVX-512): plain weights keep the Python layers")
-    source = resolve_model(str(build_checkpoint(kind, tmp_path)))
+    if kind == "qwen3":   # q/k norms, head_dim 24 (widths not multiples of 32), sliding layers
+        from tests.test_families import build_family
+        source = resolve_model(str(build_family("qwen3", tmp_path)))
+    else:
+        source = resolve_model(str(build_checkpoint(kind, tmp_path)))
     cfg = source.load_config()
+    if kind == "mistral":
+        cfg = dataclasses.replace(cfg, sliding_window=12)   # shorter than the contexts
     make = lambda: _runner(source, cfg, quantization="auto", dtype=torch.bfloat16, kv_cache_dtype=kv)   # noqa: E731
     _fused_equals_python(make, torch.bfloat16, threads, 8, sequences=packed_linear.GEMV_MAX_ROWS)
     runner = make()
