@@ -355,10 +355,10 @@ def test_steps_it_does_not_take_run_the_python_layers(smollm2):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_plain_bfloat16_weights_fused_equal_python_layers(kind, kv, threads, tmp_path):
     """A bfloat16 safetensors checkpoint (``--quantization auto`` keeps its weights plain): steps of
-    up to 4 decodes through the fused stage, its matmuls by bf16_gemv.c as ``layers.Linear``
+    up to 8 decodes through the fused stage, its matmuls by bf16_gemv.c as ``layers.Linear``
     multiplies them (Qwen2's q/k/v bias added before the rounding in both); the stage takes at
-    most 4 decodes a step (``max_rows``: more take the Python layers, whose matmuls F.linear
-    multiplies from 5 rows)."""
+    most ``GEMV_MAX_ROWS`` decodes a step (``max_rows``: more take the Python layers, whose matmuls
+    F.linear multiplies from there)."""
     from pipeserve.model import packed_linear
     if packed_linear.gemv_kernel() is None:
         pytest.skip("bf16_gemv.c is not usable here (no AVX-512): plain weights keep the Python layers")

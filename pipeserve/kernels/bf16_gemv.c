@@ -15,10 +15,10 @@
  * count (batch-invariant); against F.linear it differs by float32 summation order only (on
  * SmolLM2's shapes at 1 and 3 rows every output was F.linear's).
  *
- * The layers take it up to 4 rows (packed_linear.GEMV_MAX_ROWS): one thread measured 1.9-2.2x
- * F.linear at 1 row, 1.1-1.3x at 4 and 0.6-0.8x at 8, where the dot products (16 per 64 bytes of
- * weights) and the rows' final sums outweigh oneDNN's reorder (two threads 1.6-2.1x, 1.2-1.4x and
- * 0.7-1.1x; benchmarks/bf16_gemv.py).
+ * The layers take it for up to 8 rows (packed_linear.GEMV_MAX_ROWS), weights from memory: one
+ * thread 2.1-2.2x F.linear at 1 row, 1.7-2.1x at 4, 2.1-2.2x at 8; two threads 1.5-2.1x, 1.4-1.8x
+ * and 1.4-2.0x (benchmarks/bf16_gemv.py). Before the prefetches below, 4 rows measured 1.1-1.3x
+ * and 8 rows 0.6-0.8x (one thread).
  *
  * pipeserve_bf16_gemv(w, N, K, x, M, bias or NULL, out, num_threads): returns 0; -2 on builds
  * without AVX-512 (pipeserve_bf16_gemv_isa() says "none": the caller keeps F.linear); -3 for M
@@ -32,6 +32,11 @@
 #include "vec_math.h"
 
 #define BF16_GEMV_MAX_ROWS 8
+/* From 2 rows of x each 64 bytes of weights are asked for PF_BYTES ahead, into L1: with the dot
+ * products of 2-8 rows the hardware prefetchers fell behind (4 rows from memory, one thread:
+ * 17-21 GB/s without, 1.34-1.93x with 8 KB ahead; 2 threads 1.07-1.36x); at one row, which they
+ * keep up with, the prefetches only took issue slots (0.88-1.07x). */
+#define PF_BYTES 8192
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define GEMV_512 1
@@ -75,7 +80,10 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, 
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512i wv[4];
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512((const void *)(w + (n + r) * K + k));
+        for (int r = 0; r < R; r++) {
+            wv[r] = _mm512_loadu_si512((const void *)(w + (n + r) * K + k));
+            if (M > 1) _mm_prefetch((const char *)(w + (n + r) * K + k) + PF_BYTES, _MM_HINT_T0);
+        }
         for (int m = 0; m < M; m++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + k));
             for (int r = 0; r < R; r++) acc[m][r] = dot32(acc[m][r], xv, wv[r]);

@@ -17,7 +17,7 @@
  * activations' dtype or in 8 bits (--kv-cache-dtype int8 | fp8: each row of a kv head
  * head_dim codes and its float32 scale, quantized here as kv_quant.quantize does it, bit
  * for bit). A bfloat16 stage's linear layers may also be plain bfloat16 weights (a
- * safetensors checkpoint under --quantization auto): those multiply up to 4 rows by
+ * safetensors checkpoint under --quantization auto): those multiply up to 8 rows by
  * bf16_gemv.c, as layers.Linear does (QW_DENSE). Only the split of the attention over the threads
  * differs (the Python path runs a small step's attention on one thread): with one
  * thread the result is bit for bit the Python path's, with more it differs by the

@@ -19,7 +19,7 @@ the whole weight per call). Two ways to pack once, measured side by side
 
 Without packing, a bfloat16 CPU layer's decode rows (up to ``GEMV_MAX_ROWS`` rows of
 x) go to ``bf16_gemv.c``, which reads the plain weight once per call where ``F.linear``
-has oneDNN reorder it every time: 1.6-2.2x ``F.linear`` at one row, 1.1-1.4x at four
+has oneDNN reorder it every time: 1.5-2.2x ``F.linear`` at one row, 1.4-2.2x at eight
 (benchmarks/README.md, thirty-fourth session), no second copy; on AVX-512 CPUs.
 
 ``F.linear`` stays for every other dtype (float32 is untouched) and device, and
@@ -142,9 +142,9 @@ def gemm_kernel() -> Bf16Gemm | None:
     return kernel
 
 
-# Rows of x up to which a layer takes bf16_gemv.c (the kernel takes 8): at 4 one thread measured
-# 1.1-1.3x F.linear, at 8 0.6-0.8x (benchmarks/bf16_gemv.py).
-GEMV_MAX_ROWS = 4
+# Rows of x up to which a layer takes bf16_gemv.c (all the kernel takes): at 8 rows, weights from
+# memory, 2.1-2.2x F.linear at one thread, 1.4-2.0x at two (benchmarks/bf16_gemv.py).
+GEMV_MAX_ROWS = 8
 
 
 class Bf16Gemv:
