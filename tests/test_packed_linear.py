@@ -98,23 +98,30 @@ def test_bias_or_a_ragged_width_takes_onednn():
         assert layer.packed.kind == "onednn"
 
 
-@needs_ops
-def test_kernel_build_failure_falls_back_to_onednn_and_logs_once(monkeypatch, caplog):
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """Every kernel build fails as without a C compiler; the kernels' caches are cleared before
+    and after, so no other test sees the failure."""
     from pipeserve.kernels import build
 
-    def no_compiler(name):
+    def refuse(name):
         raise build.KernelBuildError("no C compiler found (install gcc, or set CC)")
-    monkeypatch.setattr(build, "load_kernel", no_compiler)
-    packed_linear.gemm_kernel.cache_clear()
-    try:
-        layers = [random_linear(64, 16, False, torch.bfloat16, seed) for seed in range(2)]
-        x = torch.randn(4, 64).bfloat16()
-        with caplog.at_level(logging.WARNING, logger=packed_linear.__name__):
-            for layer in layers:
-                assert torch.equal(layer(x), F.linear(x, layer.weight))
-                assert layer.packed.kind == "onednn"
-    finally:
-        packed_linear.gemm_kernel.cache_clear()
+    monkeypatch.setattr(build, "load_kernel", refuse)
+    for cached in (packed_linear.gemm_kernel, packed_linear.gemv_kernel):
+        cached.cache_clear()
+    yield
+    for cached in (packed_linear.gemm_kernel, packed_linear.gemv_kernel):
+        cached.cache_clear()
+
+
+@needs_ops
+def test_kernel_build_failure_falls_back_to_onednn_and_logs_once(no_compiler, caplog):
+    layers = [random_linear(64, 16, False, torch.bfloat16, seed) for seed in range(2)]
+    x = torch.randn(4, 64).bfloat16()
+    with caplog.at_level(logging.WARNING, logger=packed_linear.__name__):
+        for layer in layers:
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+            assert layer.packed.kind == "onednn"
     messages = [r.getMessage() for r in caplog.records if r.name == packed_linear.__name__]
     assert messages == ["bfloat16 linear layers: oneDNN with packed weights "
                         "(no C compiler found (install gcc, or set CC))"]
@@ -271,21 +278,12 @@ def test_more_rows_or_no_kernel_take_f_linear(monkeypatch):
     assert torch.equal(f32(x.float()[:1]), F.linear(x.float()[:1], f32.weight, f32.bias))
 
 
-def test_gemv_build_failure_leaves_decode_rows_on_f_linear(monkeypatch, caplog):
-    from pipeserve.kernels import build
-
-    def no_compiler(name):
-        raise build.KernelBuildError("no C compiler found (install gcc, or set CC)")
-    monkeypatch.setattr(build, "load_kernel", no_compiler)
-    packed_linear.gemv_kernel.cache_clear()
-    try:
-        layer = plain_linear(64, 16, True)
-        x = torch.randn(2, 64).bfloat16()
-        with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
-            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    finally:
-        packed_linear.gemv_kernel.cache_clear()
+def test_gemv_build_failure_leaves_decode_rows_on_f_linear(no_compiler, caplog):
+    layer = plain_linear(64, 16, True)
+    x = torch.randn(2, 64).bfloat16()
+    with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     messages = [r.getMessage() for r in caplog.records if r.name == packed_linear.__name__]
     assert messages == ["bfloat16 linear layers: F.linear for decode rows "
                         "(no C compiler found (install gcc, or set CC))"]
