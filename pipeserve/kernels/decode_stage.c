@@ -290,13 +290,14 @@ static void write_kv(const act_type *a, const stage_step *s, const stage_layer *
 static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w, const void *x, int64_t M,
                     float *xf, char *act, int64_t act_stride, int many) {
     const int64_t K = w->part[0].K;
+    if (w->part[0].kind == QW_DENSE) return;   /* the layer's only part, which reads x itself */
     if (a->bf16) to_f32(a, x, xf, M * K);
     if (many) {
         k->m_prepare(w->part[0].kind, K, a->bf16 ? xf : (const float *)x, M, act);
         return;
     }
     for (int64_t i = 0; i < w->parts; i++)
-        if (act_slot(w, i) == i && w->part[i].kind != QW_DENSE)   /* a plain weight reads x itself */
+        if (act_slot(w, i) == i)
             k->prepare(w->part[i].kind, K, a->bf16 ? xf : (const float *)x, M, act + i * act_stride);
 }
 
