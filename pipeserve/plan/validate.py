@@ -88,8 +88,9 @@ def _load(path: Path) -> dict | None:
         "virtual_stages": engine.get("pp_virtual_stages") if schedule == "interleaved" else None,
         "partition": engine.get("pp_partition", "uniform"), "max_num_seqs": engine["max_num_seqs"],
         "max_num_batched_tokens": engine["max_num_batched_tokens"], "dtype": engine["dtype"],
-        "kv_capacity_tokens": _kv_capacity(run, engine), "threads_per_rank": engine.get("threads_per_stage"),
-        "swap_capacity_tokens": _swap_capacity(run, engine),
+        "kv_capacity_tokens": _recorded_tokens(run, engine, "num_blocks"),
+        "threads_per_rank": engine.get("threads_per_stage"),
+        "swap_capacity_tokens": _recorded_tokens(run, engine, "num_host_blocks") or 0.0,
         # auto keeps a GGUF's blocks (the built-in SmolLM2 file: Q4_1); none / absent: the dtype
         "quantization": _weights(quant, engine.get("model")),
     }
@@ -171,19 +172,13 @@ def _engine_inflight(engine: dict) -> int:
     return pp
 
 
-def _kv_capacity(run: dict, engine: dict) -> float | None:
-    """Tokens the measured engine's KV cache held (its block count), so the
-    simulator admits requests under the same memory limit; None if not recorded."""
-    blocks = run.get("scheduler", {}).get("num_blocks")
-    return blocks * engine["block_size"] if blocks else None
-
-
-def _swap_capacity(run: dict, engine: dict) -> float:
-    """Tokens of the measured engine's host pool, which it has only where its preemptions swap
-    (``--preemption-mode swap``, or ``auto`` resolved to swap: one CPU host); 0: they recompute
-    (and runs recorded before the pool was)."""
-    blocks = run.get("scheduler", {}).get("num_host_blocks")
-    return float(blocks * engine["block_size"]) if blocks else 0.0
+def _recorded_tokens(run: dict, engine: dict, blocks: str) -> int | None:
+    """Tokens in the measured engine's ``blocks`` (its scheduler's recorded count): ``num_blocks``,
+    its KV cache, so the simulator admits requests under the same memory limit; ``num_host_blocks``,
+    its host pool, which it has only where its preemptions swap (``--preemption-mode swap``, or
+    ``auto`` resolved to swap: one CPU host). None where not recorded, or none (they recompute)."""
+    count = run.get("scheduler", {}).get(blocks)
+    return count * engine["block_size"] if count else None
 
 
 # -- held-out validation: fit on one set of runs, check on another ---------------------
