@@ -23,20 +23,32 @@ def cache_root() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (x86 AVX512_BF16 or AMX-BF16, Arm BF16).
-    Without it, PyTorch's bfloat16 matmuls convert in software: on an AVX2 EPYC they ran
-    9x slower than float32 (64 x 576 x 1536, one thread)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (x86 ``flags``, Arm ``Features``);
+    empty where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (x86 AVX512_BF16 or AMX-BF16, Arm BF16).
+    Without it, PyTorch's bfloat16 matmuls convert in software: on an AVX2 EPYC they ran
+    9x slower than float32 (64 x 576 x 1536, one thread)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 tile multiplies (Intel Sapphire Rapids and later), which
+    PyTorch's oneDNN matmuls use for bfloat16: 1.1-1.6 TFLOP/s a core at prefill shapes, ~10x
+    AVX512_BF16's vdpbf16ps (benchmarks/README.md, thirty-fifth session)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def auto_dtype(device: str) -> str:

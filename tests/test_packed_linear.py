@@ -69,7 +69,8 @@ needs_gemm = pytest.mark.skipif(packed_linear.gemm_kernel() is None,
 
 @needs_gemm
 @pytest.mark.parametrize("n_in,n_out", [(576, 960), (32, 77), (1536, 5), (64, 1), (1536, 576)])
-def test_gemm_kernel_within_bf16_rounding_at_any_thread_count(n_in, n_out):
+def test_gemm_kernel_within_bf16_rounding_at_any_thread_count(n_in, n_out, monkeypatch):
+    monkeypatch.setattr(packed_linear, "cpu_has_amx_bf16", lambda: False)   # AMX CPUs take oneDNN
     layer = random_linear(n_in, n_out, False, torch.bfloat16, seed=n_in + n_out)
     threads = torch.get_num_threads()
     try:
@@ -88,6 +89,17 @@ def test_gemm_kernel_within_bf16_rounding_at_any_thread_count(n_in, n_out):
     finally:
         torch.set_num_threads(threads)
     assert layer.packed.kind == "gemm"
+
+
+@needs_gemm
+@needs_ops
+def test_amx_cpus_pack_for_onednn(monkeypatch):
+    """On CPUs with AMX-BF16 oneDNN multiplies with tiles, ~10x bf16_gemm.c's vdpbf16ps at prefill
+    rows: a layer bf16_gemm.c would take packs for oneDNN there, bit for bit F.linear's."""
+    monkeypatch.setattr(packed_linear, "cpu_has_amx_bf16", lambda: True)
+    layer = random_linear(576, 960, False, torch.bfloat16)
+    x = torch.randn(64, 576).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, layer.weight)) and layer.packed.kind == "onednn"
 
 
 @needs_gemm
@@ -115,7 +127,8 @@ def no_compiler(monkeypatch):
 
 
 @needs_ops
-def test_kernel_build_failure_falls_back_to_onednn_and_logs_once(no_compiler, caplog):
+def test_kernel_build_failure_falls_back_to_onednn_and_logs_once(no_compiler, caplog, monkeypatch):
+    monkeypatch.setattr(packed_linear, "cpu_has_amx_bf16", lambda: False)   # else oneDNN without asking
     layers = [random_linear(64, 16, False, torch.bfloat16, seed) for seed in range(2)]
     x = torch.randn(4, 64).bfloat16()
     with caplog.at_level(logging.WARNING, logger=packed_linear.__name__):

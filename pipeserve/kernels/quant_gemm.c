@@ -184,7 +184,174 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
     return failed ? -1 : 0;
 }
 
+/* pipeserve_quant_gemm_amx: the same product on Intel AMX (AMX-BF16 tile multiplies), where the
+ * CPU has it and Linux grants this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM).
+ * Same arguments, same dequantized bfloat16 panels (dequant_panel: wp[k / 2][16 rows] pairs is
+ * the layout a B tile reads, 16 pairs of k by 64 bytes); the rows of x are A tiles as they lie
+ * (16 rows by 32 k, the row stride K * 2 bytes; a last block of fewer than 16 rows from a zeroed
+ * copy). Each thread takes pairs of panels (32 weight rows) and runs every pair of 16-row blocks
+ * of x against them: 2 x 2 float32 C tiles, per 32 k two A and two B tile loads and four
+ * tdpbf16ps. The result differs from bf16(x) . bf16(dequantize(W))^T in float32 only by summation
+ * order and the final bfloat16 rounding, as the vdpbf16ps kernel's. Returns as it does, and -2
+ * where there is no AMX (pipeserve_quant_gemm_amx_isa() says "none"). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_REQ_PERM 0x1023   /* arch_prctl ARCH_REQ_XCOMP_PERM */
+#define AMX_XTILEDATA 18      /* XFEATURE_XTILEDATA */
+
+/* Whether this process may use the tile registers: asked of the kernel once (idempotent). */
+static int amx_ready(void) {
+    static int state = 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_XTILEDATA) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_config;
+
+/* One 16-row block of out's columns n0 .. n0 + cols from the float32 tile stored in c. */
+static inline void amx_write(const float *c, uint16_t *out, int64_t N, int64_t n0, int64_t m0, int64_t rows,
+                             int64_t cols) {
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+    for (int64_t r = 0; r < rows; r++)
+        _mm256_mask_storeu_epi16(out + (m0 + r) * N + n0, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 16)));
+}
+
+/* Blocks a0 (and a1 when TWO_M) of x, each 16 rows with row stride lda bytes, against panels w0
+ * (and w1 when TWO_N) over all of K: tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights. */
+static inline __attribute__((always_inline)) void
+amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *a1, int64_t lda,
+          const uint32_t *w0, const uint32_t *w1, int64_t K, float *c) {
+    _tile_zero(0);
+    if (TWO_N) _tile_zero(1);
+    if (TWO_M) _tile_zero(2);
+    if (TWO_M && TWO_N) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(4, a0 + k, lda);
+        _tile_loadd(6, w0 + k / 2 * NB, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (TWO_N) {
+            _tile_loadd(7, w1 + k / 2 * NB, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (TWO_M) {
+            _tile_loadd(5, a1 + k, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            if (TWO_N) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 64);
+    if (TWO_N) _tile_stored(1, c + 256, 64);
+    if (TWO_M) _tile_stored(2, c + 512, 64);
+    if (TWO_M && TWO_N) _tile_stored(3, c + 768, 64);
+}
+#endif
+
+const char *pipeserve_quant_gemm_amx_isa(void) {
+#ifdef QUANT_AMX
+    return amx_ready() ? "amx-bf16" : "none";
 #else
+    return "none";
+#endif
+}
+
+int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                             int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out,
+                             int num_threads, const uint8_t *qh, int zero) {
+#ifdef QUANT_AMX
+    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
+    if (!quant_shape_ok(kind, K, group)) return -3;
+    if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
+    if (!amx_ready()) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t blocks = (M + 15) / 16, full = M / 16, pairs = (N + 2 * NB - 1) / (2 * NB), lda = K * 2;
+    uint16_t *tail = NULL;   /* the last block's rows, zero-padded to 16 */
+    if (full < blocks) {
+        tail = aligned_alloc(64, (size_t)(16 * K * 2 + 63) / 64 * 64);
+        if (!tail) return -1;
+        memcpy(tail, x + full * 16 * K, (size_t)((M - full * 16) * K * 2));
+        memset(tail + (M - full * 16) * K, 0, (size_t)((16 - (M - full * 16)) * K * 2));
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        uint32_t *wp = aligned_alloc(64, (size_t)(2 * NB * K * 2 + 63) / 64 * 64);
+        float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
+        float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
+        const int ok = wp != NULL && c != NULL && (!quant_two_level(kind) || scales != NULL);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        if (ok) _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t pp = 0; pp < pairs; pp++) {
+            if (!ok) continue;
+            const int64_t n0 = pp * 2 * NB, n1 = n0 + NB;
+            const int two_n = n1 < N;
+            uint32_t *w0 = wp, *w1 = wp + K / 2 * NB;
+            dequant_panel(kind, qs, sc, mn, N, K, group, n0, w0, qh, zero, scales);
+            if (two_n) dequant_panel(kind, qs, sc, mn, N, K, group, n1, w1, qh, zero, scales);
+            const int64_t cols0 = N - n0 < NB ? N - n0 : NB, cols1 = two_n ? (N - n1 < NB ? N - n1 : NB) : 0;
+            for (int64_t mb = 0; mb < blocks; mb += 2) {
+                const int two_m = mb + 1 < blocks;
+                const uint16_t *a0 = mb < full ? x + mb * 16 * K : tail;
+                const uint16_t *a1 = two_m ? (mb + 1 < full ? x + (mb + 1) * 16 * K : tail) : NULL;
+                const int64_t lda0 = mb < full ? lda : K * 2, rows0 = M - mb * 16 < 16 ? M - mb * 16 : 16;
+                if (two_m && two_n) amx_micro(1, 1, a0, a1, lda0, w0, w1, K, c);
+                else if (two_m) amx_micro(1, 0, a0, a1, lda0, w0, w1, K, c);
+                else if (two_n) amx_micro(0, 1, a0, a1, lda0, w0, w1, K, c);
+                else amx_micro(0, 0, a0, a1, lda0, w0, w1, K, c);
+                amx_write(c, out, N, n0, mb * 16, rows0, cols0);
+                if (two_n) amx_write(c + 256, out, N, n1, mb * 16, rows0, cols1);
+                if (two_m) {
+                    const int64_t rows1 = M - (mb + 1) * 16 < 16 ? M - (mb + 1) * 16 : 16;
+                    amx_write(c + 512, out, N, n0, (mb + 1) * 16, rows1, cols0);
+                    if (two_n) amx_write(c + 768, out, N, n1, (mb + 1) * 16, rows1, cols1);
+                }
+            }
+        }
+        if (ok) _tile_release();
+        free(wp);
+        free(scales);
+        free(c);
+    }
+    free(tail);
+    return failed ? -1 : 0;
+#else
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)M; (void)out;
+    (void)num_threads; (void)qh; (void)zero;
+    return -2;
+#endif
+}
+
+#else
+
+const char *pipeserve_quant_gemm_amx_isa(void) {
+    return "none";
+}
+
+int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                             int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out,
+                             int num_threads, const uint8_t *qh, int zero) {
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)x; (void)M; (void)out;
+    (void)num_threads; (void)qh; (void)zero;
+    return -2;
+}
 
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,

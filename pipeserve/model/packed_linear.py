@@ -14,8 +14,11 @@ the whole weight per call). Two ways to pack once, measured side by side
   ``mkldnn._reorder_linear_weight``, then ``mkldnn._linear_pointwise``): the
   same kernel as ``F.linear`` without the reorder, bit-identical results (the
   bias added in float32 before rounding, as ``F.linear`` does for contiguous
-  input). Taken for the other layers, and everywhere when the C kernel cannot
-  be built or the CPU lacks AVX512_BF16 (logged once).
+  input). Taken for the other layers, everywhere when the C kernel cannot
+  be built or the CPU lacks AVX512_BF16 (logged once), and on CPUs with AMX-BF16,
+  whose tiles oneDNN multiplies with: there 1,100-1,600 GFLOP/s a core at SmolLM2's
+  prefill shapes against bf16_gemm.c's 110-115 (benchmarks/prefill_gemm.py, thirty-fifth
+  session).
 
 Without packing, a bfloat16 CPU layer's decode rows (up to ``GEMV_MAX_ROWS`` rows of
 x) go to ``bf16_gemv.c``, which reads the plain weight once per call where ``F.linear``
@@ -41,6 +44,7 @@ import logging
 
 import torch
 
+from pipeserve.config import cpu_has_amx_bf16
 from pipeserve.kernels.build import kernel_cache
 
 log = logging.getLogger(__name__)
@@ -243,7 +247,7 @@ class PackedWeight:
         return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None, key: tuple) -> bool:
-        kernel = gemm_kernel() if Bf16Gemm.takes(weight, bias) else None
+        kernel = gemm_kernel() if Bf16Gemm.takes(weight, bias) and not cpu_has_amx_bf16() else None
         try:
             if kernel is not None:
                 self.packed, self.kind = kernel.pack(weight), "gemm"

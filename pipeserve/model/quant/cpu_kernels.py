@@ -128,6 +128,19 @@ GEMM_MIN_ROWS = 5
 # Activations are int8 per block of 32 there, as on AVX2 builds' prompts and in llama.cpp.
 # False: the bfloat16 kernel.
 GEMM_I8 = True
+# On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) bfloat16 activations of at least
+# amx_from(out_features) rows take quant_gemm.c's AMX kernel (the bfloat16 panels multiplied by
+# tiles) before the 8-bit kernel: on SmolLM2's layer shapes (q4, one thread) 0.88-1.12x the 8-bit
+# kernel at 32 rows, 1.21-1.62x at 64, 1.9-3.0x at 256-512; on its 49152-row head only from 256
+# rows (0.72x at 64, 0.99-1.02x at 256-512: dequantizing the panels, once a call, does not pay
+# for few rows) (benchmarks/README.md, thirty-fifth session).
+AMX_MIN_ROWS = 48
+AMX_ROWS_PER_OUT = 1 / 192
+
+
+def amx_from(out_features: int) -> int:
+    """The rows of bfloat16 x from which a kept weight of ``out_features`` rows takes the AMX kernel."""
+    return max(AMX_MIN_ROWS, int(out_features * AMX_ROWS_PER_OUT))
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -172,7 +185,7 @@ class QuantKernels:
         # the kernel takes many rows in one call, else in passes
         self.fused_max_rows = GEMV_ONE_CALL_MAX_ROWS if self._i8_applies(32, 32, GEMV_ONE_CALL_MAX_ROWS) \
             else GEMV_PASSES_MAX_ROWS
-        self._gemm, self.gemm_isa = _load_gemm()
+        self._gemm, self.gemm_isa, (self._gemm_amx, self.gemm_amx_isa) = _load_gemm()
         self._gemm_i8, self._gemm_i8_takes, self._gemm_i8_from, self.gemm_i8_isa = _load_gemm_i8()
 
     def takes(self, kind: str) -> bool:
@@ -197,6 +210,8 @@ class QuantKernels:
         from which the 8-bit kernel runs where it takes w (default ``gemm_i8_from(w)``; a fused
         linear passes its parts' largest, as the fused decode stage decides per linear)."""
         x = x.contiguous()
+        if self._gemm_amx is not None and x.shape[0] >= amx_from(w.out_features) and self.gemm_applies(w, x):
+            return self.gemm(w, x, amx=True)
         if self.gemm_i8_applies(w, x):   # below its rows the gemv reads the codes as they are: faster
             return self.gemm_i8(w, x) if x.shape[0] >= (i8_from or self.gemm_i8_from(w)) else self.gemv(w, x)
         if x.shape[0] >= GEMM_MIN_ROWS and self.gemm_applies(w, x):
@@ -228,15 +243,18 @@ class QuantKernels:
                 and w.kind in _GEMM_KINDS and w.group % (32 if w.kind == "q4" else 16) == 0
                 and (w.kind not in ("q2", "q3") or (w.group == 256 and w.in_features % 256 == 0)))
 
-    def gemm(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    def gemm(self, w: PackedWeight, x: torch.Tensor, amx: bool = False) -> torch.Tensor:
         """Many rows, bfloat16 in and out: weight panels dequantized to bfloat16 in cache and
-        multiplied with vdpbf16ps (pipeserve/kernels/quant_gemm.c)."""
+        multiplied with vdpbf16ps, or with AMX tiles (``amx``, where ``gemm_amx_isa``)
+        (pipeserve/kernels/quant_gemm.c)."""
         if not self.gemm_applies(w, x):
             raise ValueError(f"the bfloat16 many-row kernel does not apply to {w.source} "
                              f"(in_features {w.in_features}, group {w.group}) with {x.dtype} activations")
+        if amx and self._gemm_amx is None:
+            raise ValueError("no AMX-BF16 many-row kernel on this CPU (or the kernel refused the tile state)")
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
-        rc = self._gemm(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
+        rc = (self._gemm_amx if amx else self._gemm)(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
                         w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads(),
                         _ptr(w.qh), w.zero)
         if rc == -1:
@@ -384,23 +402,27 @@ def _weight_args(w: PackedWeight) -> tuple:
 
 
 def _load_gemm():
-    """(pipeserve_quant_gemm, "avx512-bf16"), or (None, None) where quant_gemm.c cannot be
-    built or this CPU has no AVX512_BF16 (then many rows take the tiled path)."""
+    """(pipeserve_quant_gemm, "avx512-bf16", (pipeserve_quant_gemm_amx, "amx-bf16")), with None for
+    what quant_gemm.c cannot give: no build or no AVX512_BF16 (then many rows take the tiled path),
+    no AMX-BF16 or no tile permission from the kernel (then the AMX pair is (None, None))."""
     from pipeserve.kernels.build import KernelBuildError, load_kernel
     try:
         lib = load_kernel("quant_gemm")
     except KernelBuildError as exc:
         log.warning("quantized weights, many rows: quant_gemm.c unavailable (%s); tiled dequantize path", exc)
-        return None, None
+        return None, None, (None, None)
     lib.pipeserve_quant_gemm_isa.restype = ctypes.c_char_p
     isa = lib.pipeserve_quant_gemm_isa().decode()
     if isa == "none":
-        return None, None
+        return None, None, (None, None)
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn = lib.pipeserve_quant_gemm
-    fn.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]
-    fn.restype = i32
-    return fn, isa
+    fn, amx = lib.pipeserve_quant_gemm, lib.pipeserve_quant_gemm_amx
+    for f in (fn, amx):
+        f.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32]
+        f.restype = i32
+    lib.pipeserve_quant_gemm_amx_isa.restype = ctypes.c_char_p
+    amx_isa = lib.pipeserve_quant_gemm_amx_isa().decode()
+    return fn, isa, (amx, amx_isa) if amx_isa != "none" else (None, None)
 
 
 def bind_gemm_i8(lib: ctypes.CDLL):
