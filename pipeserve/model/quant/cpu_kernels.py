@@ -506,7 +506,9 @@ def cpu_kernels() -> QuantKernels | None:
     except KernelBuildError as exc:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
-    many = [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from "
+    many = [f"{kernels.gemm_amx_isa} tiles for bfloat16 from {AMX_MIN_ROWS} rows (a weight of N rows from "
+            f"N / {round(1 / AMX_ROWS_PER_OUT)})"] if kernels.gemm_amx_isa else []
+    many += [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from "
             f"{kernels._gemm_i8_from(_KINDS['q6'])} rows (Q8_0, Q4_0/Q4_1, Q4_K from "
             f"{kernels._gemm_i8_from(_KINDS['q4'])}, IQ4 from {kernels._gemm_i8_from(_KINDS['i4'])})"] \
         if kernels.gemm_i8_isa and GEMM_I8 else []
