@@ -6,7 +6,10 @@ Per weight shape and row count, bfloat16 activations, one process, the three tim
   ran for 9-24 decodes on AVX512-VNNI builds),
 - ``bf16``: quant_gemm.c's bfloat16 panels and vdpbf16ps (what bfloat16 prompts and batched
   decodes ran from 5 rows),
-- ``i8``: quant_gemm_i8.c (vpdpbusd on int8 activations; now taken beyond 8 rows).
+- ``i8``: quant_gemm_i8.c (vpdpbusd on int8 activations; now taken beyond 8 rows),
+- ``amx``, where the CPU has AMX-BF16: quant_gemm.c's AMX kernel (the same bfloat16 panels as B
+  tiles; what ``QuantKernels.matmul`` takes from ``amx_from(out_features)`` rows there), its
+  speed-up over i8 printed last.
 Weights: Q4_1-like q4 (group 32, with minimum) for the layers, Q8_0-like q8 for the head (or,
 ``--weights Q6_K`` (or Q4_K, Q5_K, Q3_K, Q2_K, IQ4_XS), that GGUF type everywhere as the loader keeps it:
 random valid blocks, widths a multiple of 256, so the llama2k shapes); a layer
@@ -93,6 +96,8 @@ def main() -> None:
                     "bf16": lambda w: kernels.gemm(w, x),
                     "i8": lambda w: kernels.gemm_i8(w, x),
                 }
+                if kernels.gemm_amx_isa is not None:
+                    paths["amx"] = lambda w: kernels.gemm(w, x, amx=True)
                 if rows > 64:
                     del paths["gemv"]            # passes of 8 rows over many rows: not a path anything takes
                 if old_i8 is not None:
@@ -118,8 +123,9 @@ def main() -> None:
                           f"x{statistics.median(ratios):.3f}), outputs equal")
                     continue
                 cells = "  ".join(f"{label} {t * 1e6:8.1f} ({flop / t / 1e9:5.1f})" for label, t in best.items())
-                other = min(t for label, t in best.items() if label != "i8")
-                print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}")
+                other = min(t for label, t in best.items() if label not in ("i8", "amx"))
+                amx = f"  amx speed-up over i8 x{best['i8'] / best['amx']:.2f}" if "amx" in best else ""
+                print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}{amx}")
 
 
 def memory(kernels, old_i8, row_counts: list[int], rounds: int, gen: torch.Generator) -> None:

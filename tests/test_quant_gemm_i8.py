@@ -49,8 +49,9 @@ def _bound(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @needs_matmul
 @needs_i8
 @pytest.mark.parametrize("rows", ROWS)
-def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows):  # noqa: F811
+def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows, monkeypatch):  # noqa: F811
     kernels = _i8_kernels()
+    monkeypatch.setattr(kernels, "_gemm_amx", None)   # AMX CPUs' rows from 48: tests/test_quant_gemm.py
     seen, refused = set(), set()
     for w in _cases(gguf_file):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -162,11 +163,13 @@ def test_kept_smollm2_bfloat16_prompt_in_8_bit_agrees_with_dequantized_float32(s
     calls = []
     real = kernels.gemm_i8
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "_gemm_amx", None)         # AMX CPUs' prompt rows: tests/test_quant_gemm.py
         mp.setattr(kernels, "gemm_i8", lambda w, x: calls.append(w.source) or real(w, x))
         kept = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
     assert {"Q4_1", "Q8_0"} <= set(calls), set(calls)                  # the layers and the tied head
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(quant_cpu, "GEMM_I8", False)
+        mp.setattr(kernels, "_gemm_amx", None)         # the vdpbf16ps kernel, as before AMX
         bf16 = _all_logits(_runner(source, "auto", cfg, dtype=torch.bfloat16), ids).float()
     agree, agree_bf16 = ((out.argmax(-1) == dense_logits.argmax(-1)).float().mean().item() for out in (kept, bf16))
     ppl_kept, ppl_bf16, ppl_dense = (_perplexity(out, ids) for out in (kept, bf16, dense_logits))
