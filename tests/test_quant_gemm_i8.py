@@ -51,7 +51,7 @@ def _bound(w, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows", ROWS)
 def test_gemm_i8_within_its_bound_of_dequantize_then_matmul(gguf_file, rows, monkeypatch):  # noqa: F811
     kernels = _i8_kernels()
-    monkeypatch.setattr(kernels, "_gemm_amx", None)   # AMX CPUs' rows from 48: tests/test_quant_gemm.py
+    monkeypatch.setattr(kernels, "_gemm_amx", None)   # AMX CPUs' rows from AMX_MIN_ROWS: tests/test_quant_gemm.py
     seen, refused = set(), set()
     for w in _cases(gguf_file):
         x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()

@@ -130,11 +130,12 @@ GEMM_MIN_ROWS = 5
 GEMM_I8 = True
 # On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) bfloat16 activations of at least
 # amx_from(out_features) rows take quant_gemm.c's AMX kernel (the bfloat16 panels multiplied by
-# tiles) before the 8-bit kernel: on SmolLM2's layer shapes (q4, one thread) 0.88-1.12x the 8-bit
-# kernel at 32 rows, 1.21-1.62x at 64, 1.9-3.0x at 256-512; on its 49152-row head only from 256
-# rows (0.72x at 64, 0.99-1.02x at 256-512: dequantizing the panels, once a call, does not pay
-# for few rows) (benchmarks/README.md, thirty-fifth session).
-AMX_MIN_ROWS = 48
+# tiles) before the 8-bit kernel. Measured on SmolLM2's shapes (benchmarks/gemm_i8.py, one thread,
+# weights from memory; benchmarks/README.md, thirty-fifth session), AMX over the 8-bit kernel:
+# the layers 0.78-1.12x at 48 rows, 0.93-1.39x at 64 (1.07x summed over a layer's four), 1.77-2.79x
+# at 256-512; the 49152-row head 0.66x at 64, 1.06-1.15x from 256 (dequantizing the panels,
+# once a call, does not pay for few rows).
+AMX_MIN_ROWS = 64
 AMX_ROWS_PER_OUT = 1 / 192
 
 
