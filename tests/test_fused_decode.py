@@ -41,10 +41,10 @@ GREEDY = SeqSampling(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, 
 
 
 def _runner(source, cfg, quantization="auto", dtype=torch.float32, start=0, end=None, backend="auto",
-            group=32, kv_cache_dtype="auto") -> ModelRunner:
+            group=32, kv_cache_dtype="auto", num_blocks=64) -> ModelRunner:
     end = cfg.num_layers if end is None else end
     return ModelRunner(source, cfg, start_layer=start, end_layer=end, is_first=start == 0,
-                       is_last=end == cfg.num_layers, dtype=dtype, device=torch.device("cpu"), num_blocks=64,
+                       is_last=end == cfg.num_layers, dtype=dtype, device=torch.device("cpu"), num_blocks=num_blocks,
                        num_host_blocks=0, block_size=BLOCK, quantization=quantization, attention_backend=backend,
                        quantization_group_size=group, kv_cache_dtype=kv_cache_dtype)
 
@@ -253,6 +253,46 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
         # the Python layers' decodes took the kernel from its rows (3, below q4's and q8's 4: the gemv);
         # prompts too
         assert {13, 40} <= set(calls) and 3 not in calls, sorted(set(calls))
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_bfloat16_amx_decodes_fused_equal_python_layers(threads):
+    """On CPUs with AMX-BF16: steps of amx_from's rows of decodes (64 and more) multiply in quant_gemm.c's
+    AMX kernel inside the fused stage (pipeserve_quant_amxm_*), as the Python layers' matmul gives
+    them to it: bit for bit at one thread (70 sequences: a partial block of x; 100), up to the merge
+    order at two; 40 take the 8-bit kernel in both."""
+    from pipeserve.model.quant.cpu_kernels import AMX_MIN_ROWS, cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or kernels.gemm_i8_isa is None or kernels.gemm_amx_isa is None:
+        pytest.skip("no AMX-BF16 on this CPU/compiler (or no AVX512-VNNI): the fused stage's steps take the "
+                    "8-bit kernel, tested above")
+    source = resolve_model("smollm2-135m-instruct")
+    cfg = source.load_config()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runner = _runner(source, cfg, dtype=torch.bfloat16, start=0, end=4, num_blocks=128)   # a block a sequence
+        calls = []
+        real = kernels.gemm
+        for n in (40, 70, 100):
+            prompts = [list(range(100 + 7 * i, 104 + 7 * i + i % 5)) for i in range(n)]   # 4-8 tokens
+            fused = _decode_logits_hidden(runner, prompts, 2)
+            assert runner.model.fused_decode.max_rows >= n
+            runner.model.fused_decode = False
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(kernels, "gemm", lambda w, x, amx=False: calls.append((len(x), amx)) or real(w, x, amx))
+                python = _decode_logits_hidden(runner, prompts, 2)
+            runner.model.fused_decode = None
+            for a, b in zip(fused, python, strict=True):
+                if threads == 1:
+                    assert torch.equal(a, b), n
+                else:
+                    assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), n
+        decode_rows = {rows for rows, amx in calls if amx and rows < 4 * 100}
+        assert {70, 100} <= decode_rows and all(rows >= AMX_MIN_ROWS for rows, amx in calls if amx), sorted(set(calls))
+        assert 40 not in decode_rows
     finally:
         torch.set_num_threads(previous)
 

@@ -98,7 +98,18 @@ typedef struct {
     /* bf16_gemv.c's rows for plain bfloat16 weights (QW_DENSE parts), or NULL: the bfloat16 output
      * with the bias added before its rounding, as layers.Linear's decode rows */
     dense_rows_fn d_rows;
+    /* quant_gemm.c's AMX kernel in the same two phases (CPUs with AMX-BF16), or NULL: a linear
+     * whose every part it takes, at a_min_rows rows or more and at least N / a_per_out for each
+     * part of N rows (cpu_kernels.amx_from), multiplies them in one pass of it instead of m_rows */
+    act_bytes_fn a_act_bytes;
+    prepare_fn a_prepare;
+    m_rows_fn a_rows;
+    int64_t a_min_rows, a_per_out;
 } stage_kernels;
+
+/* many_rows' answers: the linear's one pass of the 8-bit kernel (m_*) or of the AMX one (a_*) */
+#define MANY_I8 1
+#define MANY_AMX 2
 
 /* A quantized weight [N, K] as quant_matmul.c takes it; or, kind QW_DENSE, a plain bfloat16
  * weight at qs (the layer's only part; nothing else set). */
@@ -293,7 +304,7 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
     if (w->part[0].kind == QW_DENSE) return;   /* the layer's only part, which reads x itself */
     if (a->bf16) to_f32(a, x, xf, M * K);
     if (many) {
-        k->m_prepare(w->part[0].kind, K, a->bf16 ? xf : (const float *)x, M, act);
+        (many == MANY_AMX ? k->a_prepare : k->m_prepare)(w->part[0].kind, K, a->bf16 ? xf : (const float *)x, M, act);
         return;
     }
     for (int64_t i = 0; i < w->parts; i++)
@@ -309,13 +320,21 @@ static void prepare(const stage_kernels *k, const act_type *a, const qlinear *w,
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Whether w multiplies a step's M rows by the many-row 8-bit kernel (k->m_*, in one pass): every
- * part's layout taken by it at M rows (more than a gemv pass; i4 from 6: m_act_bytes says). */
+/* Whether w multiplies a step's M rows in one pass of a many-row kernel: MANY_AMX (k->a_*) where
+ * it takes every part at M rows (as QuantKernels.matmul gives a linear's parts to it), else
+ * MANY_I8 (k->m_*) where the 8-bit kernel takes every part's layout at M rows (more than a gemv
+ * pass; i4 from 6: m_act_bytes says), else 0. */
 static int many_rows(const stage_kernels *k, const qlinear *w, int64_t M) {
+    int amx = k->a_rows != NULL && w->part[0].kind != QW_DENSE;
+    for (int64_t i = 0; amx && i < w->parts; i++) {
+        const qweight *p = &w->part[i];
+        amx = M >= k->a_min_rows && M >= p->N / k->a_per_out && k->a_act_bytes(p->kind, p->K, p->group, M) > 0;
+    }
+    if (amx) return MANY_AMX;
     if (!k->m_rows) return 0;
     for (int64_t i = 0; i < w->parts; i++)
         if (k->m_act_bytes(w->part[i].kind, w->part[i].K, w->part[i].group, M) == 0) return 0;
-    return 1;
+    return MANY_I8;
 }
 
 /* Thread t of T's output rows of out [M, N] = x W^T (+ bias), per part contiguous equal
@@ -344,7 +363,8 @@ static int thread_rows(const stage_kernels *k, const act_type *a, const qlinear 
         }
         float *res = direct ? (float *)out : f32 + M * off;
         if (many) {
-            if (k->m_rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero, act, M, n0, n1, res) != 0)
+            if ((many == MANY_AMX ? k->a_rows : k->m_rows)(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh,
+                                                           p->zero, act, M, n0, n1, res) != 0)
                 return -1;
         } else {
             k->rows(p->kind, p->qs, p->sc, p->mn, N, p->K, p->group, p->qh, p->zero,
@@ -417,8 +437,9 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             for (int64_t j = 0; j < ws[i]->parts; j++) {
                 const qweight *p = &ws[i]->part[j];
                 if (p->kind == QW_DENSE) continue;
-                act = max64(act, many ? k->m_act_bytes(p->kind, p->K, p->group, M)
-                                      : k->act_bytes(p->kind, p->K, p->group, P));
+                act = max64(act, many == MANY_AMX ? k->a_act_bytes(p->kind, p->K, p->group, M)
+                                 : many ? k->m_act_bytes(p->kind, p->K, p->group, M)
+                                        : k->act_bytes(p->kind, p->K, p->group, P));
             }
         }
     }

@@ -220,13 +220,18 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) amx_config;
 
-/* One 16-row block of out's columns n0 .. n0 + cols from the float32 tile stored in c. */
-static inline void amx_write(const float *c, uint16_t *out, int64_t N, int64_t n0, int64_t m0, int64_t rows,
+/* One 16-row block of out's columns n0 .. n0 + cols from the float32 tile stored in c: bfloat16
+ * (rounded to nearest even), or float32 where f32. */
+static inline void amx_write(const float *c, void *out, int f32, int64_t N, int64_t n0, int64_t m0, int64_t rows,
                              int64_t cols) {
     const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
-    for (int64_t r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(out + (m0 + r) * N + n0, keep,
-                                 (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 16)));
+    for (int64_t r = 0; r < rows; r++) {
+        if (f32)
+            _mm512_mask_storeu_ps((float *)out + (m0 + r) * N + n0, keep, _mm512_load_ps(c + r * 16));
+        else
+            _mm256_mask_storeu_epi16((uint16_t *)out + (m0 + r) * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 16)));
+    }
 }
 
 /* Blocks a0 (and a1 when TWO_M) of x, each 16 rows with row stride lda bytes, against panels w0
@@ -257,6 +262,59 @@ amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *
     if (TWO_M) _tile_stored(2, c + 512, 64);
     if (TWO_M && TWO_N) _tile_stored(3, c + 768, 64);
 }
+
+static void amx_tile_config(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Out's columns [n0, n1) (at most AMX_PAIRS pairs of panels, row stride N) for the M rows of x:
+ * block mb's 16 rows at x + mb * 16 * K for mb < full, the zero-padded tail after. wp: room for
+ * 2 * AMX_PAIRS panels; c: 4 tiles of floats. */
+static void amx_range(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
+                      int64_t group, const uint8_t *qh, int zero, const uint16_t *x, const uint16_t *tail,
+                      int64_t full, int64_t M, int64_t n0, int64_t n1, void *out, int f32, uint32_t *wp,
+                      float *scales, float *c) {
+    const int64_t blocks = (M + 15) / 16, np = (n1 - n0 + NB - 1) / NB;
+    for (int64_t j = 0; j < np; j++)   /* rows past n1 dequantize to zero (n1 clips as N would) */
+        dequant_panel(kind, qs, sc, mn, n1, K, group, n0 + j * NB, wp + j * (K / 2) * NB, qh, zero, scales);
+    for (int64_t mb = 0; mb < blocks; mb += 2) {
+        const int two_m = mb + 1 < blocks;
+        const uint16_t *a0 = mb < full ? x + mb * 16 * K : tail;
+        const uint16_t *a1 = two_m ? (mb + 1 < full ? x + (mb + 1) * 16 * K : tail) : NULL;
+        const int64_t rows0 = M - mb * 16 < 16 ? M - mb * 16 : 16;
+        const int64_t rows1 = two_m ? (M - (mb + 1) * 16 < 16 ? M - (mb + 1) * 16 : 16) : 0;
+        for (int64_t j = 0; j < np; j += 2) {
+            const int64_t p0 = n0 + j * NB, p1 = p0 + NB;
+            const int two_n = j + 1 < np;
+            const uint32_t *w0 = wp + j * (K / 2) * NB, *w1 = w0 + (K / 2) * NB;
+            const int64_t cols0 = n1 - p0 < NB ? n1 - p0 : NB, cols1 = two_n ? (n1 - p1 < NB ? n1 - p1 : NB) : 0;
+            if (two_m && two_n) amx_micro(1, 1, a0, a1, K * 2, w0, w1, K, c);
+            else if (two_m) amx_micro(1, 0, a0, a1, K * 2, w0, w1, K, c);
+            else if (two_n) amx_micro(0, 1, a0, a1, K * 2, w0, w1, K, c);
+            else amx_micro(0, 0, a0, a1, K * 2, w0, w1, K, c);
+            amx_write(c, out, f32, N, p0, mb * 16, rows0, cols0);
+            if (two_n) amx_write(c + 256, out, f32, N, p1, mb * 16, rows0, cols1);
+            if (two_m) {
+                amx_write(c + 512, out, f32, N, p0, (mb + 1) * 16, rows1, cols0);
+                if (two_n) amx_write(c + 768, out, f32, N, p1, (mb + 1) * 16, rows1, cols1);
+            }
+        }
+    }
+}
+
+/* Whether the AMX kernel takes this layout (as pipeserve_quant_gemm checks it). */
+static int amx_takes(int kind, int64_t K, int64_t group) {
+    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return 0;
+    if (!quant_shape_ok(kind, K, group)) return 0;
+    return !((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0));
+}
 #endif
 
 const char *pipeserve_quant_gemm_amx_isa(void) {
@@ -271,13 +329,10 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
                              int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out,
                              int num_threads, const uint8_t *qh, int zero) {
 #ifdef QUANT_AMX
-    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
-    if (!quant_shape_ok(kind, K, group)) return -3;
-    if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
+    if (!amx_takes(kind, K, group)) return -3;
     if (!amx_ready()) return -2;
     if (M <= 0 || N <= 0) return 0;
-    const int64_t blocks = (M + 15) / 16, full = M / 16, pairs = (N + 2 * NB - 1) / (2 * NB);
-    const int64_t groups = (pairs + AMX_PAIRS - 1) / AMX_PAIRS;
+    const int64_t blocks = (M + 15) / 16, full = M / 16, span = AMX_PAIRS * 2 * NB, groups = (N + span - 1) / span;
     uint16_t *tail = NULL;   /* the last block's rows, zero-padded to 16 */
     if (full < blocks) {
         tail = aligned_alloc(64, (size_t)(16 * K * 2 + 63) / 64 * 64);
@@ -288,7 +343,7 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        uint32_t *wp = aligned_alloc(64, (size_t)(AMX_PAIRS * 2 * NB * K * 2 + 63) / 64 * 64);
+        uint32_t *wp = aligned_alloc(64, (size_t)(span * K * 2 + 63) / 64 * 64);
         float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
         float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
         const int ok = wp != NULL && c != NULL && (!quant_two_level(kind) || scales != NULL);
@@ -296,45 +351,13 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
 #pragma omp atomic write
             failed = 1;
         }
-        amx_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        if (ok) _tile_loadconfig(&cfg);
+        if (ok) amx_tile_config();
 #pragma omp for schedule(static)
         for (int64_t gp = 0; gp < groups; gp++) {
             if (!ok) continue;
             /* the group's panels dequantized once (L2), then every pair of blocks of x (L1) against them */
-            const int64_t g0 = gp * AMX_PAIRS * 2 * NB, panels = (N - g0 + NB - 1) / NB;
-            const int64_t np = panels < 2 * AMX_PAIRS ? panels : 2 * AMX_PAIRS;
-            for (int64_t j = 0; j < np; j++)
-                dequant_panel(kind, qs, sc, mn, N, K, group, g0 + j * NB, wp + j * (K / 2) * NB, qh, zero, scales);
-            for (int64_t mb = 0; mb < blocks; mb += 2) {
-                const int two_m = mb + 1 < blocks;
-                const uint16_t *a0 = mb < full ? x + mb * 16 * K : tail;
-                const uint16_t *a1 = two_m ? (mb + 1 < full ? x + (mb + 1) * 16 * K : tail) : NULL;
-                const int64_t rows0 = M - mb * 16 < 16 ? M - mb * 16 : 16;
-                const int64_t rows1 = two_m ? (M - (mb + 1) * 16 < 16 ? M - (mb + 1) * 16 : 16) : 0;
-                for (int64_t j = 0; j < np; j += 2) {
-                    const int64_t n0 = g0 + j * NB, n1 = n0 + NB;
-                    const int two_n = j + 1 < np;
-                    const uint32_t *w0 = wp + j * (K / 2) * NB, *w1 = w0 + (K / 2) * NB;
-                    const int64_t cols0 = N - n0 < NB ? N - n0 : NB, cols1 = two_n ? (N - n1 < NB ? N - n1 : NB) : 0;
-                    if (two_m && two_n) amx_micro(1, 1, a0, a1, K * 2, w0, w1, K, c);
-                    else if (two_m) amx_micro(1, 0, a0, a1, K * 2, w0, w1, K, c);
-                    else if (two_n) amx_micro(0, 1, a0, a1, K * 2, w0, w1, K, c);
-                    else amx_micro(0, 0, a0, a1, K * 2, w0, w1, K, c);
-                    amx_write(c, out, N, n0, mb * 16, rows0, cols0);
-                    if (two_n) amx_write(c + 256, out, N, n1, mb * 16, rows0, cols1);
-                    if (two_m) {
-                        amx_write(c + 512, out, N, n0, (mb + 1) * 16, rows1, cols0);
-                        if (two_n) amx_write(c + 768, out, N, n1, (mb + 1) * 16, rows1, cols1);
-                    }
-                }
-            }
+            const int64_t n0 = gp * span, n1 = N - n0 < span ? N : n0 + span;
+            amx_range(kind, qs, sc, mn, N, K, group, qh, zero, x, tail, full, M, n0, n1, out, 0, wp, scales, c);
         }
         if (ok) _tile_release();
         free(wp);
@@ -350,10 +373,82 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
 #endif
 }
 
+/* The AMX kernel in two phases, for callers that run their own threads (decode_stage.c, as
+ * quant_gemm_i8.c's pipeserve_quant_i8m_*): the bytes of M rows' prepared activations (0: a
+ * layout it does not take, or no AMX), the rows converted into them (float32 x, whose values are
+ * bfloat16's in the stage that calls it, so exactly; one thread; zero rows up to a whole block),
+ * and out [M, N] float32 columns [n0, n1) (one thread's share; the bfloat16 rounding is the
+ * caller's). Every output is pipeserve_quant_gemm_amx's bit for bit, before its rounding. */
+int64_t pipeserve_quant_amxm_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
+#ifdef QUANT_AMX
+    if (!amx_takes(kind, K, group) || !amx_ready() || M <= 0) return 0;
+    return (M + 15) / 16 * 16 * K * 2;
+#else
+    (void)kind; (void)K; (void)group; (void)M;
+    return 0;
+#endif
+}
+
+void pipeserve_quant_amxm_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
+    (void)kind;
+    uint16_t *a = act;
+    for (int64_t i = 0; i < M * K; i += 16)
+        _mm256_storeu_si256((__m256i *)(a + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    memset(a + M * K, 0, (size_t)(((M + 15) / 16 * 16 - M) * K * 2));
+}
+
+int pipeserve_quant_amxm_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                              int64_t K, int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M,
+                              int64_t n0, int64_t n1, float *out) {
+#ifdef QUANT_AMX
+    if (!amx_takes(kind, K, group)) return -3;
+    if (!amx_ready()) return -2;
+    if (M <= 0 || n1 <= n0) return 0;
+    const int64_t span = AMX_PAIRS * 2 * NB;
+    uint32_t *wp = aligned_alloc(64, (size_t)(span * K * 2 + 63) / 64 * 64);
+    float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
+    float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
+    int rc = -1;
+    if (wp && c && (!quant_two_level(kind) || scales)) {
+        amx_tile_config();
+        for (int64_t g0 = n0; g0 < n1; g0 += span)
+            amx_range(kind, qs, sc, mn, N, K, group, qh, zero, act, NULL, (M + 15) / 16, M, g0,
+                      n1 - g0 < span ? n1 : g0 + span, out, 1, wp, scales, c);
+        _tile_release();
+        rc = 0;
+    }
+    free(wp);
+    free(scales);
+    free(c);
+    return rc;
+#else
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
+    (void)M; (void)n0; (void)n1; (void)out;
+    return -2;
+#endif
+}
+
 #else
 
 const char *pipeserve_quant_gemm_amx_isa(void) {
     return "none";
+}
+
+int64_t pipeserve_quant_amxm_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
+    (void)kind; (void)K; (void)group; (void)M;
+    return 0;
+}
+
+void pipeserve_quant_amxm_prepare(int kind, int64_t K, const float *x, int64_t M, void *act) {
+    (void)kind; (void)K; (void)x; (void)M; (void)act;
+}
+
+int pipeserve_quant_amxm_rows(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
+                              int64_t K, int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M,
+                              int64_t n0, int64_t n1, float *out) {
+    (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
+    (void)M; (void)n0; (void)n1; (void)out;
+    return -2;
 }
 
 int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,

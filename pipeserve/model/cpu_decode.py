@@ -44,7 +44,7 @@ from pipeserve.model import packed_linear
 from pipeserve.model.attention import AttentionMetadata, KVCache
 from pipeserve.model.cpu_attention import CACHE_DTYPE_CODES
 from pipeserve.model.kv_quant import is_quantized
-from pipeserve.model.quant.cpu_kernels import (GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, _kind,
+from pipeserve.model.quant.cpu_kernels import (AMX_MIN_ROWS, AMX_OUT_PER_ROW, GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, _kind,
                                                cpu_kernels)
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("rmsnorm", "rope", "silu_mul", "act_bytes", "prepare", "rows",
                                         "plan_bytes", "plan", "items", "merge", "m_act_bytes", "m_prepare", "m_rows",
-                                        "d_rows")]
+                                        "d_rows", "a_act_bytes", "a_prepare", "a_rows")] + [("a_min_rows", _i64),
+                                                                                           ("a_per_out", _i64)]
 
 
 class _QWeight(ctypes.Structure):
@@ -324,6 +325,12 @@ def _build(model: LlamaModel) -> FusedDecode | str:
         kernels.m_act_bytes, kernels.m_prepare, kernels.m_rows = (
             addr(i8, name) for name in ("pipeserve_quant_i8m_act_bytes", "pipeserve_quant_i8m_prepare",
                                         "pipeserve_quant_i8m_rows"))
+        if quant_kernels.gemm_amx_isa:   # AMX CPUs: from amx_from's rows, as QuantKernels.matmul
+            amx = load_kernel("quant_gemm")
+            kernels.a_act_bytes, kernels.a_prepare, kernels.a_rows = (
+                addr(amx, name) for name in ("pipeserve_quant_amxm_act_bytes", "pipeserve_quant_amxm_prepare",
+                                             "pipeserve_quant_amxm_rows"))
+            kernels.a_min_rows, kernels.a_per_out = AMX_MIN_ROWS, AMX_OUT_PER_ROW
     run = load_kernel("decode_stage").pipeserve_decode_stage
     run.argtypes, run.restype = [_p, _p, _i64, _p, _p, ctypes.c_int], ctypes.c_int
     return FusedDecode(model, run, kernels, weights)

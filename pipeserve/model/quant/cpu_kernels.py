@@ -136,12 +136,13 @@ GEMM_I8 = True
 # at 256-512; the 49152-row head 0.66x at 64, 1.06-1.15x from 256 (dequantizing the panels,
 # once a call, does not pay for few rows).
 AMX_MIN_ROWS = 64
-AMX_ROWS_PER_OUT = 1 / 192
+AMX_OUT_PER_ROW = 192
 
 
 def amx_from(out_features: int) -> int:
-    """The rows of bfloat16 x from which a kept weight of ``out_features`` rows takes the AMX kernel."""
-    return max(AMX_MIN_ROWS, int(out_features * AMX_ROWS_PER_OUT))
+    """The rows of bfloat16 x from which a kept weight of ``out_features`` rows takes the AMX kernel
+    (the fused decode stage's rule too: decode_stage.c, many_rows)."""
+    return max(AMX_MIN_ROWS, out_features // AMX_OUT_PER_ROW)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -206,12 +207,14 @@ class QuantKernels:
     def applies(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype in _DTYPES
 
-    def matmul(self, w: PackedWeight, x: torch.Tensor, i8_from: int = 0) -> torch.Tensor:
+    def matmul(self, w: PackedWeight, x: torch.Tensor, i8_from: int = 0, amx_rows: int = 0) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] in x's dtype. ``i8_from``: the rows
         from which the 8-bit kernel runs where it takes w (default ``gemm_i8_from(w)``; a fused
-        linear passes its parts' largest, as the fused decode stage decides per linear)."""
+        linear passes its parts' largest, as the fused decode stage decides per linear); ``amx_rows``
+        likewise for the AMX kernel (default ``amx_from(w.out_features)``; -1: not at all)."""
         x = x.contiguous()
-        if self._gemm_amx is not None and x.shape[0] >= amx_from(w.out_features) and self.gemm_applies(w, x):
+        if (self._gemm_amx is not None and x.shape[0] >= (amx_rows or amx_from(w.out_features)) > 0
+                and self.gemm_applies(w, x)):
             return self.gemm(w, x, amx=True)
         if self.gemm_i8_applies(w, x):   # below its rows the gemv reads the codes as they are: faster
             return self.gemm_i8(w, x) if x.shape[0] >= (i8_from or self.gemm_i8_from(w)) else self.gemv(w, x)
@@ -508,7 +511,7 @@ def cpu_kernels() -> QuantKernels | None:
         log.warning("quantized weights: C kernel unavailable (%s); dequantizing with PyTorch per call", exc)
         return None
     many = [f"{kernels.gemm_amx_isa} tiles for bfloat16 from {AMX_MIN_ROWS} rows (a weight of N rows from "
-            f"N / {round(1 / AMX_ROWS_PER_OUT)})"] if kernels.gemm_amx_isa else []
+            f"N / {AMX_OUT_PER_ROW})"] if kernels.gemm_amx_isa else []
     many += [f"{kernels.gemm_i8_isa} 8-bit kernel for bfloat16 kept layouts from "
             f"{kernels._gemm_i8_from(_KINDS['q6'])} rows (Q8_0, Q4_0/Q4_1, Q4_K from "
             f"{kernels._gemm_i8_from(_KINDS['q4'])}, IQ4 from {kernels._gemm_i8_from(_KINDS['i4'])})"] \

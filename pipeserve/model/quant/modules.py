@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeserve.model.quant.cpu_kernels import _DTYPES as _KERNEL_DTYPES, GEMM_MIN_ROWS, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import _DTYPES as _KERNEL_DTYPES, GEMM_MIN_ROWS, amx_from, cpu_kernels
 from pipeserve.model.quant.cuda_kernels import cuda_kernels
 from pipeserve.model.quant.packed import PackedWeight, dequantize
 
@@ -74,7 +74,10 @@ class QuantLinear(_Packed):
                 out = kernels.matmul(parts[0], x)
             else:
                 i8_from = self._i8_from(kernels, parts)
-                out = torch.cat([kernels.matmul(p, x, i8_from) for p in parts], dim=-1)
+                # the AMX kernel for all the parts or none, from the largest part's rows (decode_stage.c)
+                amx_rows = (max(amx_from(p.out_features) for p in parts)
+                            if all(kernels.gemm_applies(p, x) for p in parts) else -1)
+                out = torch.cat([kernels.matmul(p, x, i8_from, amx_rows) for p in parts], dim=-1)
         else:
             gpu = cuda_kernels() if x.is_cuda else None
             outs = [gpu.matmul(p, x) for p in parts] if gpu is not None and gpu.applies(x) else [None]
