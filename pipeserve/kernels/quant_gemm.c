@@ -193,8 +193,9 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
  * into L2) and runs every pair of 16-row blocks of x (then in L1) against each pair of the group:
  * 2 x 2 float32 C tiles, per 32 k two A and two B tile loads and four tdpbf16ps. (A pair of panels
  * at a time, x's tiles came from L2 for every pair: at 256-512 rows the grouping measured 1.06-1.15x
- * on gate_up's [3072, 576] and 1.14-1.29x on the 49152-row head, the other layers within 5 %.) The result differs from bf16(x) . bf16(dequantize(W))^T in float32 only by summation
- * order and the final bfloat16 rounding, as the vdpbf16ps kernel's. Returns as it does, and -2
+ * on gate_up's [3072, 576] and 1.14-1.29x on the 49152-row head, the other layers within 5 %.)
+ * The result differs from bf16(x) . bf16(dequantize(W))^T in float32 only by summation order and
+ * the final bfloat16 rounding, as the vdpbf16ps kernel's. Returns as it does, and -2
  * where there is no AMX (pipeserve_quant_gemm_amx_isa() says "none"). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QUANT_AMX 1

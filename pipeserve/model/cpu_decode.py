@@ -44,8 +44,8 @@ from pipeserve.model import packed_linear
 from pipeserve.model.attention import AttentionMetadata, KVCache
 from pipeserve.model.cpu_attention import CACHE_DTYPE_CODES
 from pipeserve.model.kv_quant import is_quantized
-from pipeserve.model.quant.cpu_kernels import (AMX_MIN_ROWS, AMX_OUT_PER_ROW, GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS, GEMV_PASSES_MAX_ROWS, _kind,
-                                               cpu_kernels)
+from pipeserve.model.quant.cpu_kernels import (AMX_MIN_ROWS, AMX_OUT_PER_ROW, GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS,
+                                               GEMV_PASSES_MAX_ROWS, _kind, cpu_kernels)
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel

@@ -143,6 +143,8 @@ def amx_from(out_features: int) -> int:
     """The rows of bfloat16 x from which a kept weight of ``out_features`` rows takes the AMX kernel
     (the fused decode stage's rule too: decode_stage.c, many_rows)."""
     return max(AMX_MIN_ROWS, out_features // AMX_OUT_PER_ROW)
+
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -258,9 +260,9 @@ class QuantKernels:
             raise ValueError("no AMX-BF16 many-row kernel on this CPU (or the kernel refused the tile state)")
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
-        rc = (self._gemm_amx if amx else self._gemm)(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features,
-                        w.in_features, w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads(),
-                        _ptr(w.qh), w.zero)
+        fn = self._gemm_amx if amx else self._gemm
+        rc = fn(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features, w.in_features,
+                w.group, x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads(), _ptr(w.qh), w.zero)
         if rc == -1:
             raise MemoryError("quantized many-row matmul: cannot allocate its scratch")
         if rc != 0:

@@ -76,7 +76,7 @@ class QuantLinear(_Packed):
                 i8_from = self._i8_from(kernels, parts)
                 # the AMX kernel for all the parts or none, from the largest part's rows (decode_stage.c)
                 amx_rows = (max(amx_from(p.out_features) for p in parts)
-                            if all(kernels.gemm_applies(p, x) for p in parts) else -1)
+                            if kernels.gemm_amx_isa and all(kernels.gemm_applies(p, x) for p in parts) else -1)
                 out = torch.cat([kernels.matmul(p, x, i8_from, amx_rows) for p in parts], dim=-1)
         else:
             gpu = cuda_kernels() if x.is_cuda else None
