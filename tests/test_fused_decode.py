@@ -218,6 +218,26 @@ def test_q2_q3_parts_fused_equal_python_layers(threads, tmp_path):
     assert [p.kind for p in layer.mlp.gate_up_proj.parts] == ["q2"] and layer.mlp.down_proj.parts[0].kind == "q3"
 
 
+def _fused_equals_spied_python(runner, kernels, name: str, spy, prompts: list[list[int]], steps: int,
+                               threads: int) -> int:
+    """``runner``'s hidden states through the fused stage, then through the Python layers with
+    ``kernels.<name>`` replaced by ``spy``: bit for bit at one thread, else up to the merge order.
+    Returns the fused stage's max_rows (it is built again at the next step)."""
+    fused = _decode_logits_hidden(runner, prompts, steps)
+    max_rows = runner.model.fused_decode.max_rows
+    runner.model.fused_decode = False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, name, spy)
+        python = _decode_logits_hidden(runner, prompts, steps)
+    runner.model.fused_decode = None
+    for a, b in zip(fused, python, strict=True):
+        if threads == 1:
+            assert torch.equal(a, b), len(prompts)
+        else:
+            assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), len(prompts)
+    return max_rows
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
     """bfloat16 on AVX512-VNNI: steps of more than GEMV_MAX_ROWS decodes multiply in one pass of the
@@ -238,18 +258,9 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
         real = kernels.gemm_i8
         for n in (3, 13, 40):
             prompts = [list(range(100 + 7 * i, 108 + 7 * i + i % 5)) for i in range(n)]   # 8-12 tokens
-            fused = _decode_logits_hidden(runner, prompts, 3)
-            assert runner.model.fused_decode.max_rows == GEMV_ONE_CALL_MAX_ROWS
-            runner.model.fused_decode = False
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(kernels, "gemm_i8", lambda w, x: calls.append(len(x)) or real(w, x))
-                python = _decode_logits_hidden(runner, prompts, 3)
-            runner.model.fused_decode = None
-            for a, b in zip(fused, python, strict=True):
-                if threads == 1:
-                    assert torch.equal(a, b), n
-                else:
-                    assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), n
+            spy = lambda w, x: calls.append(len(x)) or real(w, x)   # noqa: E731
+            assert _fused_equals_spied_python(runner, kernels, "gemm_i8", spy, prompts, 3, threads) \
+                == GEMV_ONE_CALL_MAX_ROWS
         # the Python layers' decodes took the kernel from its rows (3, below q4's and q8's 4: the gemv);
         # prompts too
         assert {13, 40} <= set(calls) and 3 not in calls, sorted(set(calls))
@@ -278,18 +289,8 @@ def test_smollm2_bfloat16_amx_decodes_fused_equal_python_layers(threads):
         real = kernels.gemm
         for n in (40, 70, 100):
             prompts = [list(range(100 + 7 * i, 104 + 7 * i + i % 5)) for i in range(n)]   # 4-8 tokens
-            fused = _decode_logits_hidden(runner, prompts, 2)
-            assert runner.model.fused_decode.max_rows >= n
-            runner.model.fused_decode = False
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(kernels, "gemm", lambda w, x, amx=False: calls.append((len(x), amx)) or real(w, x, amx))
-                python = _decode_logits_hidden(runner, prompts, 2)
-            runner.model.fused_decode = None
-            for a, b in zip(fused, python, strict=True):
-                if threads == 1:
-                    assert torch.equal(a, b), n
-                else:
-                    assert (a.float() - b.float()).abs().max().item() < 5e-2 * b.float().abs().max().item(), n
+            spy = lambda w, x, amx=False: calls.append((len(x), amx)) or real(w, x, amx)   # noqa: E731
+            assert _fused_equals_spied_python(runner, kernels, "gemm", spy, prompts, 2, threads) >= n
         decode_rows = {rows for rows, amx in calls if amx and rows < 4 * 100}
         assert {70, 100} <= decode_rows and all(rows >= AMX_MIN_ROWS for rows, amx in calls if amx), sorted(set(calls))
         assert 40 not in decode_rows
