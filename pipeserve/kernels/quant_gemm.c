@@ -146,12 +146,18 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
     }
 }
 
+/* Whether the bfloat16 kernels (vdpbf16ps and AMX) take this layout: K a multiple of 32, a group a
+ * multiple of 16 (q4: 32), q2/q3 in whole super-blocks of 256 with a scale each. */
+static int gemm_takes(int kind, int64_t K, int64_t group) {
+    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return 0;
+    if (!quant_shape_ok(kind, K, group)) return 0;
+    return !((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0));
+}
+
 int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
                          int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out, int num_threads,
                          const uint8_t *qh, int zero) {
-    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return -3;
-    if (!quant_shape_ok(kind, K, group)) return -3;
-    if ((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0)) return -3;
+    if (!gemm_takes(kind, K, group)) return -3;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, panels = (N + NB - 1) / NB;
     uint32_t *xp = aligned_alloc(64, (size_t)(blocks * 16 * K * 2 + 63) / 64 * 64);
@@ -235,17 +241,17 @@ static inline void amx_write(const float *c, void *out, int f32, int64_t N, int6
     }
 }
 
-/* Blocks a0 (and a1 when TWO_M) of x, each 16 rows with row stride lda bytes, against panels w0
+/* Blocks a0 (and a1 when TWO_M) of x, each 16 rows of K bfloat16, against panels w0
  * (and w1 when TWO_N) over all of K: tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights. */
 static inline __attribute__((always_inline)) void
-amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *a1, int64_t lda,
-          const uint32_t *w0, const uint32_t *w1, int64_t K, float *c) {
+amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *a1, const uint32_t *w0,
+          const uint32_t *w1, int64_t K, float *c) {
     _tile_zero(0);
     if (TWO_N) _tile_zero(1);
     if (TWO_M) _tile_zero(2);
     if (TWO_M && TWO_N) _tile_zero(3);
     for (int64_t k = 0; k < K; k += 32) {
-        _tile_loadd(4, a0 + k, lda);
+        _tile_loadd(4, a0 + k, K * 2);
         _tile_loadd(6, w0 + k / 2 * NB, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (TWO_N) {
@@ -253,7 +259,7 @@ amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *
             _tile_dpbf16ps(1, 4, 7);
         }
         if (TWO_M) {
-            _tile_loadd(5, a1 + k, lda);
+            _tile_loadd(5, a1 + k, K * 2);
             _tile_dpbf16ps(2, 5, 6);
             if (TWO_N) _tile_dpbf16ps(3, 5, 7);
         }
@@ -296,10 +302,10 @@ static void amx_range(int kind, const uint8_t *qs, const uint16_t *sc, const uin
             const int two_n = j + 1 < np;
             const uint32_t *w0 = wp + j * (K / 2) * NB, *w1 = w0 + (K / 2) * NB;
             const int64_t cols0 = n1 - p0 < NB ? n1 - p0 : NB, cols1 = two_n ? (n1 - p1 < NB ? n1 - p1 : NB) : 0;
-            if (two_m && two_n) amx_micro(1, 1, a0, a1, K * 2, w0, w1, K, c);
-            else if (two_m) amx_micro(1, 0, a0, a1, K * 2, w0, w1, K, c);
-            else if (two_n) amx_micro(0, 1, a0, a1, K * 2, w0, w1, K, c);
-            else amx_micro(0, 0, a0, a1, K * 2, w0, w1, K, c);
+            if (two_m && two_n) amx_micro(1, 1, a0, a1, w0, w1, K, c);
+            else if (two_m) amx_micro(1, 0, a0, a1, w0, w1, K, c);
+            else if (two_n) amx_micro(0, 1, a0, a1, w0, w1, K, c);
+            else amx_micro(0, 0, a0, a1, w0, w1, K, c);
             amx_write(c, out, f32, N, p0, mb * 16, rows0, cols0);
             if (two_n) amx_write(c + 256, out, f32, N, p1, mb * 16, rows0, cols1);
             if (two_m) {
@@ -310,12 +316,6 @@ static void amx_range(int kind, const uint8_t *qs, const uint16_t *sc, const uin
     }
 }
 
-/* Whether the AMX kernel takes this layout (as pipeserve_quant_gemm checks it). */
-static int amx_takes(int kind, int64_t K, int64_t group) {
-    if (K % 32 != 0 || group % 16 != 0 || (kind == 4 && group % 32 != 0)) return 0;
-    if (!quant_shape_ok(kind, K, group)) return 0;
-    return !((kind == QUANT_Q2 || kind == QUANT_Q3) && (group != QUANT_K2_SUPER || K % QUANT_K2_SUPER != 0));
-}
 #endif
 
 const char *pipeserve_quant_gemm_amx_isa(void) {
@@ -330,7 +330,7 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
                              int64_t K, int64_t group, const uint16_t *x, int64_t M, uint16_t *out,
                              int num_threads, const uint8_t *qh, int zero) {
 #ifdef QUANT_AMX
-    if (!amx_takes(kind, K, group)) return -3;
+    if (!gemm_takes(kind, K, group)) return -3;
     if (!amx_ready()) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t blocks = (M + 15) / 16, full = M / 16, span = AMX_PAIRS * 2 * NB, groups = (N + span - 1) / span;
@@ -382,7 +382,7 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
  * caller's). Every output is pipeserve_quant_gemm_amx's bit for bit, before its rounding. */
 int64_t pipeserve_quant_amxm_act_bytes(int kind, int64_t K, int64_t group, int64_t M) {
 #ifdef QUANT_AMX
-    if (!amx_takes(kind, K, group) || !amx_ready() || M <= 0) return 0;
+    if (!gemm_takes(kind, K, group) || !amx_ready() || M <= 0) return 0;
     return (M + 15) / 16 * 16 * K * 2;
 #else
     (void)kind; (void)K; (void)group; (void)M;
@@ -402,7 +402,7 @@ int pipeserve_quant_amxm_rows(int kind, const uint8_t *qs, const uint16_t *sc, c
                               int64_t K, int64_t group, const uint8_t *qh, int zero, const void *act, int64_t M,
                               int64_t n0, int64_t n1, float *out) {
 #ifdef QUANT_AMX
-    if (!amx_takes(kind, K, group)) return -3;
+    if (!gemm_takes(kind, K, group)) return -3;
     if (!amx_ready()) return -2;
     if (M <= 0 || n1 <= n0) return 0;
     const int64_t span = AMX_PAIRS * 2 * NB;
