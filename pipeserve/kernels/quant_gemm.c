@@ -281,16 +281,44 @@ static void amx_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A thread's AMX scratch, kept between calls and grown as needed (OpenMP's threads persist; as
+ * quant_gemm_i8.c's panel scratch): room for 2 * AMX_PAIRS dequantized panels, a panel's expanded
+ * two-level scales, and 4 C tiles of floats. */
+static __thread char *amx_buf;
+static __thread int64_t amx_cap;
+
+typedef struct {
+    uint32_t *wp;
+    float *scales, *c;
+} amx_scratch;
+
+/* This thread's scratch for a width K; 0 when it cannot be had. */
+static int amx_scratch_for(int64_t K, amx_scratch *t) {
+    const int64_t wp_bytes = (AMX_PAIRS * 2 * NB * K * 2 + 63) / 64 * 64;
+    const int64_t scale_bytes = ((int64_t)sizeof(float) * 2 * NB * (K / 16) + 63) / 64 * 64;
+    const int64_t need = wp_bytes + scale_bytes + 4 * 256 * (int64_t)sizeof(float);
+    if (need > amx_cap) {
+        free(amx_buf);
+        amx_buf = aligned_alloc(64, (size_t)need);
+        amx_cap = amx_buf ? need : 0;
+    }
+    if (!amx_buf) return 0;
+    t->wp = (uint32_t *)amx_buf;
+    t->scales = (float *)(amx_buf + wp_bytes);
+    t->c = (float *)(amx_buf + wp_bytes + scale_bytes);
+    return 1;
+}
+
 /* Out's columns [n0, n1) (at most AMX_PAIRS pairs of panels, row stride N) for the M rows of x:
- * block mb's 16 rows at x + mb * 16 * K for mb < full, the zero-padded tail after. wp: room for
- * 2 * AMX_PAIRS panels; c: 4 tiles of floats. */
+ * block mb's 16 rows at x + mb * 16 * K for mb < full, the zero-padded tail after; in t's scratch. */
 static void amx_range(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N, int64_t K,
                       int64_t group, const uint8_t *qh, int zero, const uint16_t *x, const uint16_t *tail,
-                      int64_t full, int64_t M, int64_t n0, int64_t n1, void *out, int f32, uint32_t *wp,
-                      float *scales, float *c) {
+                      int64_t full, int64_t M, int64_t n0, int64_t n1, void *out, int f32, const amx_scratch *t) {
+    uint32_t *wp = t->wp;
+    float *c = t->c;
     const int64_t blocks = (M + 15) / 16, np = (n1 - n0 + NB - 1) / NB;
     for (int64_t j = 0; j < np; j++)   /* rows past n1 dequantize to zero (n1 clips as N would) */
-        dequant_panel(kind, qs, sc, mn, n1, K, group, n0 + j * NB, wp + j * (K / 2) * NB, qh, zero, scales);
+        dequant_panel(kind, qs, sc, mn, n1, K, group, n0 + j * NB, wp + j * (K / 2) * NB, qh, zero, t->scales);
     for (int64_t mb = 0; mb < blocks; mb += 2) {
         const int two_m = mb + 1 < blocks;
         const uint16_t *a0 = mb < full ? x + mb * 16 * K : tail;
@@ -344,10 +372,8 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
-        uint32_t *wp = aligned_alloc(64, (size_t)(span * K * 2 + 63) / 64 * 64);
-        float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
-        float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
-        const int ok = wp != NULL && c != NULL && (!quant_two_level(kind) || scales != NULL);
+        amx_scratch t = {NULL, NULL, NULL};
+        const int ok = amx_scratch_for(K, &t);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -358,12 +384,9 @@ int pipeserve_quant_gemm_amx(int kind, const uint8_t *qs, const uint16_t *sc, co
             if (!ok) continue;
             /* the group's panels dequantized once (L2), then every pair of blocks of x (L1) against them */
             const int64_t n0 = gp * span, n1 = N - n0 < span ? N : n0 + span;
-            amx_range(kind, qs, sc, mn, N, K, group, qh, zero, x, tail, full, M, n0, n1, out, 0, wp, scales, c);
+            amx_range(kind, qs, sc, mn, N, K, group, qh, zero, x, tail, full, M, n0, n1, out, 0, &t);
         }
         if (ok) _tile_release();
-        free(wp);
-        free(scales);
-        free(c);
     }
     free(tail);
     return failed ? -1 : 0;
@@ -406,22 +429,14 @@ int pipeserve_quant_amxm_rows(int kind, const uint8_t *qs, const uint16_t *sc, c
     if (!amx_ready()) return -2;
     if (M <= 0 || n1 <= n0) return 0;
     const int64_t span = AMX_PAIRS * 2 * NB;
-    uint32_t *wp = aligned_alloc(64, (size_t)(span * K * 2 + 63) / 64 * 64);
-    float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
-    float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
-    int rc = -1;
-    if (wp && c && (!quant_two_level(kind) || scales)) {
-        amx_tile_config();
-        for (int64_t g0 = n0; g0 < n1; g0 += span)
-            amx_range(kind, qs, sc, mn, N, K, group, qh, zero, act, NULL, (M + 15) / 16, M, g0,
-                      n1 - g0 < span ? n1 : g0 + span, out, 1, wp, scales, c);
-        _tile_release();
-        rc = 0;
-    }
-    free(wp);
-    free(scales);
-    free(c);
-    return rc;
+    amx_scratch t;
+    if (!amx_scratch_for(K, &t)) return -1;
+    amx_tile_config();
+    for (int64_t g0 = n0; g0 < n1; g0 += span)
+        amx_range(kind, qs, sc, mn, N, K, group, qh, zero, act, NULL, (M + 15) / 16, M, g0,
+                  n1 - g0 < span ? n1 : g0 + span, out, 1, &t);
+    _tile_release();
+    return 0;
 #else
     (void)kind; (void)qs; (void)sc; (void)mn; (void)N; (void)K; (void)group; (void)qh; (void)zero; (void)act;
     (void)M; (void)n0; (void)n1; (void)out;
