@@ -8,7 +8,8 @@ then ``python benchmarks/prefill_attention.py base.so new.so``: the builds take 
 same step (prompts of ``--lens`` tokens, a bf16 cache whose blocks are handed out in random
 order), one thread, and each prints its median and best GFLOP/s of the causal work
 (4 * heads * head_dim per (query, key) pair a query sees) and its largest difference from the
-first build's output. ``--cold``: a cache of ``--blocks`` blocks and a 64 MiB sweep before every
+first build's output. ``X.so:amx`` runs that build's ``pipeserve_paged_prefill_amx`` (AMX tiles)
+instead: ``python benchmarks/prefill_attention.py new.so new.so:amx``. ``--cold``: a cache of ``--blocks`` blocks and a 64 MiB sweep before every
 call, so the staging reads the rows from memory, as a stage does after the decodes' traffic.
 """
 
@@ -29,7 +30,7 @@ BF16 = 1   # the kernel's dtype code for a bfloat16 cache
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("libs", nargs="+", help="builds of paged_attention.c (.so)")
+    ap.add_argument("libs", nargs="+", help="builds of paged_attention.c (.so; .so:amx for the AMX entry point)")
     ap.add_argument("--lens", default="320,200,450,128", help="prompt lengths of the step (comma-separated)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
@@ -61,7 +62,9 @@ def main() -> None:
 
     kernels = []
     for path in args.libs:
-        fn = ctypes.CDLL(os.path.abspath(path)).pipeserve_paged_prefill
+        lib, _, entry = path.partition(":")
+        fn = getattr(ctypes.CDLL(os.path.abspath(lib)), "pipeserve_paged_prefill_amx" if entry == "amx"
+                     else "pipeserve_paged_prefill")
         fn.argtypes, fn.restype = PREFILL_ARGTYPES, ctypes.c_int
         kernels.append((path, fn, torch.zeros_like(q), []))
 
@@ -69,7 +72,7 @@ def main() -> None:
         rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), BF16, seqs_t.data_ptr(), len(lens),
                 tables.data_ptr(), tables.shape[1], args.heads, kvh, d, bs, d ** -0.5, 0, 0.0, out.data_ptr(), 1)
         if rc != 0:
-            raise SystemExit(f"pipeserve_paged_prefill returned {rc} (no AVX512_BF16 kernel in this build?)")
+            raise SystemExit(f"the prefill kernel returned {rc} (no AVX512_BF16 or AMX kernel in this build?)")
 
     for _, fn, out, _ in kernels:
         call(fn, out)

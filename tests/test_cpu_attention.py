@@ -198,6 +198,18 @@ def _prefill_kernel_missing() -> str | None:
 needs_prefill_kernel = pytest.mark.skipif(_prefill_kernel_missing() is not None,
                                           reason=str(_prefill_kernel_missing()))
 
+PREFILL_PATHS = ("amx", "avx512-bf16")
+
+
+def prefill_backend(path: str) -> CpuPagedAttention:
+    """The cpu backend with its prompts on the AMX tiles ("amx") or the vdpbf16ps loop."""
+    backend = CpuPagedAttention()
+    if path == "amx" and backend.prefill_amx is None:
+        pytest.skip("this CPU (or Linux) gives no AMX-BF16 tiles: prompts run the vdpbf16ps loop (the other param)")
+    if path != "amx":
+        backend.prefill_amx = None
+    return backend
+
 
 @needs_prefill_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
@@ -206,7 +218,8 @@ needs_prefill_kernel = pytest.mark.skipif(_prefill_kernel_missing() is not None,
     (4, 4, 32, 5),      # MHA, blocks not a multiple of the kernel's 16-key tiles
     (4, 1, 256, 16),    # MQA, head_dim 256
 ])
-def test_bf16_prefills_match_torch_backend(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+def test_bf16_prefills_match_torch_backend(path, heads, kv_heads, head_dim, block_size):
     rng = random.Random(head_dim * 31 + heads)
     torch.manual_seed(rng.randrange(1 << 30))
     # Fresh prompts (one token short of, at, and past tile edges), chunks after
@@ -214,7 +227,7 @@ def test_bf16_prefills_match_torch_backend(heads, kv_heads, head_dim, block_size
     query_lens = [2, 16, 17, 100, 1, 7, 40]
     context_lens = [2, 16, 17, 100, 50, 30, 333]
     expected, got = _both_backends(rng, query_lens, context_lens, heads, kv_heads, head_dim, block_size,
-                                   torch.bfloat16)
+                                   torch.bfloat16, prefill_backend(path))
     assert (got.float() - expected.float()).abs().max().item() < TOLERANCE[torch.bfloat16]
 
 
@@ -320,8 +333,9 @@ def test_window_and_softcap_change_the_reference():
 
 
 @needs_prefill_kernel
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (4, 1, 256)])
-def test_bf16_prefill_follows_a_max_that_keeps_growing(heads, kv_heads, head_dim):
+def test_bf16_prefill_follows_a_max_that_keeps_growing(path, heads, kv_heads, head_dim):
     """Keys scaled up with their position: each later block of keys holds scores several units
     above every earlier one, so the kernel's reference max moves again and again (what
     RESCALE_SLACK lets it skip for scores that stay close) and what was summed is rescaled."""
@@ -339,13 +353,49 @@ def test_bf16_prefill_follows_a_max_that_keeps_growing(heads, kv_heads, head_dim
         for p in range(ctx - n):
             block, row = table[p // block_size], p % block_size
             cache[0][block, row] = (cache[0][block, row].float().abs() * (1 + p / 8)).to(torch.bfloat16)
-    backend = CpuPagedAttention()
+    backend = prefill_backend(path)
     meta = backend.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
     scale = head_dim ** -0.5
     with torch.inference_mode():
         got = backend.forward(q, k, v, cache, meta, scale)
     expected = reference_attention(q, cache, tables, query_lens, context_lens, block_size, scale, None, None)
     assert (got.double() - expected).abs().max().item() < WINDOW_TOLERANCE[torch.bfloat16]
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("path", PREFILL_PATHS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (37, None), (8, 5.0), (None, 5.0)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 5), (8, 2, 128, 16)])
+def test_bf16_prefill_windows_and_softcaps_match_reference(path, window, softcap, heads, kv_heads, head_dim,
+                                                           block_size):
+    """Both prompt paths (the AMX tiles, the vdpbf16ps loop) with sliding windows that start
+    inside blocks and tiles, and soft-capped scores, against the float64 reference."""
+    _window_and_softcap_check(prefill_backend(path), torch.bfloat16, window, softcap, heads, kv_heads, head_dim,
+                              block_size)
+
+
+@needs_prefill_kernel
+def test_prompts_take_the_amx_tiles_where_the_cpu_has_them():
+    """On a CPU with AMX-BF16 the backend's prompts run pipeserve_paged_prefill_amx, within
+    bfloat16 rounding of the vdpbf16ps loop's output (same staging; float32 summation order and
+    the exponential's polynomial differ)."""
+    backend = CpuPagedAttention()
+    if "amx_bf16" not in _cpu_flags():
+        assert backend.prefill_amx is None
+        pytest.skip("this CPU has no AMX-BF16: only the vdpbf16ps loop runs (checked that it is the one bound)")
+    assert backend.prefill_amx is not None
+    calls = []
+    amx = backend.prefill_amx
+    backend.prefill_amx = lambda *args: calls.append(args) or amx(*args)
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    expected, got = _both_backends(rng, [40, 300], [60, 300], 9, 3, 64, 16, torch.bfloat16, backend)
+    assert len(calls) == 1 and (got.float() - expected.float()).abs().max().item() < TOLERANCE[torch.bfloat16]
+    loop = prefill_backend("avx512-bf16")
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    _, other = _both_backends(rng, [40, 300], [60, 300], 9, 3, 64, 16, torch.bfloat16, loop)
+    assert 0 < (got.float() - other.float()).abs().max().item() < 2 ** -6
 
 
 # -- split-K: one long decode cut into key ranges over threads, merged ------------------------------

@@ -1608,6 +1608,209 @@ PREFILL_ROWS(prefill_rows_64, 4, 4, 4)
 PREFILL_ROWS(prefill_rows_128, 2, 8, 8)
 PREFILL_ROWS(prefill_rows_32, 4, 2, 4)
 PREFILL_ROWS(prefill_rows_256, 1, 16, 16)
+
+/* The same flash attention on Intel AMX tiles (AMX-BF16), where the CPU has them and Linux
+ * grants the tile state: the staged scratch above is already what the tiles read. A block
+ * of 16 query rows (row = query token * group + head in group, copied into a zeroed buffer:
+ * the rows are not evenly spaced in q) against PA_KEYS keys at a time:
+ * - scores (amx_scores): C tiles 0-3 (16 rows x 16 keys each), A tile 4 = 32 dims of the rows,
+ *   B tile 5 = kt's 16 dim pairs x 16 keys of a key tile (contiguous, 64 bytes a row); stored to s;
+ * - each row's softmax (amx_softmax_row): prefill_block's, in base 2 (2^(t - m2), t = score *
+ *   scale * log2(e), one fmsub a vector where every key of the block is seen), with its causal /
+ *   window mask, soft cap, reference max moved by RESCALE_SLACK and probabilities rounded to bf16
+ *   and summed rounded; into p, zero past the block's keys to a multiple of 32;
+ * - values: the rows' float32 outputs (o, in L1) as C tiles 0-3 (64 dims at a time), A tile 4 =
+ *   32 keys' probabilities, B tile 5 = vi's 16 key pairs x 16 dims (two key tiles, head_dim * 4
+ *   bytes a row). An odd last tile pairs with the tile after it: its probabilities are 0 and the
+ *   caller zeroes one tile past the staged ones (0 x NaN would not be 0).
+ * Differs from prefill_block by float32 summation order and the exponential's polynomial (both
+ * within ~1.2e-7 relative). The softmax is most of the time: scores and values on the tiles
+ * alone measured ~0.4 of it (benchmarks/README.md, thirty-sixth session). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PREFILL_AMX 1
+#include "amx_tiles.h"
+#define PA_KEYS 64   /* keys a block: 4 key tiles, the C tiles 0-3 */
+
+/* One row's probabilities over a block of T key tiles (scores si, 16 T floats) into pi as bf16
+ * (zero to a multiple of 32 keys), in base 2: t = score * scale * log2(e), p = 2^(t - m2)
+ * with m2 the row's reference max, moved (and o, lsum rescaled) when a t passes it by more
+ * than RESCALE_SLACK * log2(e); lsum gathers the rounded probabilities. FAST: every key seen,
+ * no soft cap (one fmsub a vector before the exponential); else the causal / window mask and
+ * the soft cap as prefill_block applies them. */
+static inline __attribute__((always_inline)) void amx_softmax_row(
+        const float *si, uint16_t *pi, const int T, const int FAST, float scale, float softcap, int64_t first,
+        int64_t pos, int64_t window, float *m2, __m512 *lsum, float *o, int64_t head_dim) {
+    const float c2 = scale * 1.44269504f;
+    __m512 x[PA_KEYS / 16];
+    __mmask16 valid[PA_KEYS / 16];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int t = 0; t < T; t++) {
+        x[t] = _mm512_load_ps(si + 16 * t);   /* FAST: raw scores, scaled in the fmsub below */
+        valid[t] = 0xFFFF;
+        if (!FAST) {
+            if (softcap > 0.0f) {
+                x[t] = _mm512_mul_ps(_mm512_set1_ps(softcap),
+                                     tanh16(_mm512_mul_ps(x[t], _mm512_set1_ps(scale / softcap))));
+                x[t] = _mm512_mul_ps(x[t], _mm512_set1_ps(1.44269504f));
+            } else {
+                x[t] = _mm512_mul_ps(x[t], _mm512_set1_ps(c2));
+            }
+            const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32((int)(first + 16 * t)), iota);
+            valid[t] = _mm512_mask_cmpgt_epi32_mask(_mm512_cmple_epi32_mask(keys, _mm512_set1_epi32((int)pos)), keys,
+                                                    _mm512_set1_epi32(window > 0 ? (int)(pos - window) : -1));
+            x[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[t], x[t]);
+        }
+        mx = _mm512_max_ps(mx, x[t]);
+    }
+    if (FAST) mx = _mm512_mul_ps(mx, _mm512_set1_ps(c2));   /* c2 > 0: the max of the scaled scores */
+    /* (the lanes compared with m2 + slack: a horizontal max only when one passes it) */
+    if (__builtin_expect(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(*m2 + RESCALE_SLACK * 1.44269504f), _CMP_GT_OQ), 0)) {
+        const float bm = _mm512_reduce_max_ps(mx), alpha = exp_f32((*m2 - bm) * 0.69314718f);
+        *m2 = bm;
+        const __m512 va = _mm512_set1_ps(alpha);
+        *lsum = _mm512_mul_ps(*lsum, va);
+        for (int64_t d = 0; d < head_dim; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(_mm512_load_ps(o + d), va));
+    }
+    const __m512 vm = _mm512_set1_ps(*m2);
+    for (int t = 0; t < T; t++) {
+        __m512 e;
+        if (FAST) {
+            e = exp2_16(_mm512_fmsub_ps(x[t], _mm512_set1_ps(c2), vm));
+        } else {   /* a masked lane (or a row with no key yet: -inf - -inf) -> 0 */
+            e = _mm512_maskz_mov_ps(valid[t], exp2_16(_mm512_max_ps(_mm512_sub_ps(x[t], vm), _mm512_set1_ps(-127.0f))));
+        }
+        const __m256bh p16 = _mm512_cvtneps_pbh(e);
+        *lsum = _mm512_add_ps(*lsum, _mm512_cvtpbh_ps(p16));
+        _mm256_store_si256((__m256i *)(pi + 16 * t), (__m256i)p16);
+    }
+    if (T & 1) _mm256_store_si256((__m256i *)(pi + 16 * T), _mm256_setzero_si256());
+}
+
+/* A block's scores: the 16 rows of qb against key tiles tile .. tile + T - 1 of kt, into C
+ * tiles 0 .. T - 1 (A tile 4: 32 dims of the rows; B tile 5: those dims' pairs of a key tile). */
+static inline __attribute__((always_inline)) void amx_scores(const uint16_t *qb, const uint32_t *kt, int64_t tile,
+                                                             int T, int64_t pairs, int64_t head_dim) {
+    _tile_zero(0);
+    if (T > 1) _tile_zero(1);
+    if (T > 2) _tile_zero(2);
+    if (T > 3) _tile_zero(3);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+        const uint32_t *kb = kt + (tile * pairs + c / 2) * 16;
+        _tile_loadd(4, qb + c, head_dim * 2);
+        _tile_loadd(5, kb, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (T > 1) {
+            _tile_loadd(5, kb + pairs * 16, 64);
+            _tile_dpbf16ps(1, 4, 5);
+        }
+        if (T > 2) {
+            _tile_loadd(5, kb + 2 * pairs * 16, 64);
+            _tile_dpbf16ps(2, 4, 5);
+        }
+        if (T > 3) {
+            _tile_loadd(5, kb + 3 * pairs * 16, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+}
+
+/* C tiles 0 .. T - 1 -> s (16 rows of PA_KEYS floats). */
+static inline __attribute__((always_inline)) void amx_store_scores(float *s, int T) {
+    _tile_stored(0, s, PA_KEYS * 4);
+    if (T > 1) _tile_stored(1, s + 16, PA_KEYS * 4);
+    if (T > 2) _tile_stored(2, s + 32, PA_KEYS * 4);
+    if (T > 3) _tile_stored(3, s + 48, PA_KEYS * 4);
+}
+
+static void prefill_rows_amx(const uint16_t *q, uint16_t *out, int64_t r0, int nr, int64_t first_pos, int64_t group,
+                             int64_t kv_head, int64_t heads, int64_t head_dim, const uint32_t *kt,
+                             const uint16_t *vi, float scale, int64_t base, int64_t window, float softcap) {
+    const int64_t pairs = head_dim / 2;
+    uint16_t qb[16 * PF_MAX_NV * 16] __attribute__((aligned(64)));
+    float s[16 * PA_KEYS] __attribute__((aligned(64)));
+    uint16_t p[16 * PA_KEYS] __attribute__((aligned(64)));
+    float o[16 * PF_MAX_NV * 16] __attribute__((aligned(64)));
+    float m[16];
+    __m512 lsum[16];   /* each row's sum of probabilities, 16 lanes (added up at the end) */
+    int64_t pos[16];
+    uint16_t *op[16];
+    for (int i = 0; i < 16; i++) {
+        m[i] = -INFINITY;
+        lsum[i] = _mm512_setzero_ps();
+        if (i < nr) {
+            const int64_t r = r0 + i, token = r / group, head = kv_head * group + r % group;
+            pos[i] = first_pos + token;
+            op[i] = out + (token * heads + head) * head_dim;
+            memcpy(qb + i * head_dim, q + (token * heads + head) * head_dim, head_dim * 2);
+        } else {
+            pos[i] = pos[nr - 1];
+            memset(qb + i * head_dim, 0, head_dim * 2);
+        }
+    }
+    memset(o, 0, 16 * head_dim * sizeof(float));
+    const int64_t first_key = window > 0 && pos[0] - window + 1 > base ? pos[0] - window + 1 : base;
+    const int64_t end = (pos[nr - 1] - base) / 16 + 1;   /* tiles up to the last row's position */
+    for (int64_t tile = (first_key - base) / 16; tile < end; tile += PA_KEYS / 16) {
+        const int T = end - tile < PA_KEYS / 16 ? (int)(end - tile) : PA_KEYS / 16, halves = (T + 1) / 2;
+        amx_scores(qb, kt, tile, T, pairs, head_dim);
+        amx_store_scores(s, T);
+        /* each row's softmax over the block */
+        const int64_t first = base + tile * 16, last = first + 16 * T - 1;
+        const int full = last <= pos[0] && (window <= 0 || first > pos[nr - 1] - window);
+        for (int i = 0; i < 16; i++) {
+            uint16_t *pi = p + i * PA_KEYS;
+            if (i >= nr) {
+                memset(pi, 0, halves * 64);
+                continue;
+            }
+            if (full && softcap <= 0.0f && T == PA_KEYS / 16)
+                amx_softmax_row(s + i * PA_KEYS, pi, PA_KEYS / 16, 1, scale, 0.0f, first, pos[i], window, m + i, lsum + i,
+                                o + i * head_dim, head_dim);
+            else
+                amx_softmax_row(s + i * PA_KEYS, pi, T, 0, scale, softcap, first, pos[i], window, m + i, lsum + i,
+                                o + i * head_dim, head_dim);
+        }
+        /* values: o += p . v, 64 dims at a time */
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+            const int nc = head_dim - d0 < 64 ? (int)((head_dim - d0) / 16) : 4;
+            float *oc = o + d0;
+            _tile_loadd(0, oc, head_dim * 4);
+            _tile_loadd(1, oc + 16, head_dim * 4);
+            if (nc > 2) {
+                _tile_loadd(2, oc + 32, head_dim * 4);
+                _tile_loadd(3, oc + 48, head_dim * 4);
+            }
+            for (int h = 0; h < halves; h++) {
+                const uint16_t *vb = vi + ((tile + 2 * h) * 8 * head_dim + d0) * 2;
+                _tile_loadd(4, p + 32 * h, PA_KEYS * 2);
+                _tile_loadd(5, vb, head_dim * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, vb + 32, head_dim * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                if (nc > 2) {
+                    _tile_loadd(5, vb + 64, head_dim * 4);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(5, vb + 96, head_dim * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, oc, head_dim * 4);
+            _tile_stored(1, oc + 16, head_dim * 4);
+            if (nc > 2) {
+                _tile_stored(2, oc + 32, head_dim * 4);
+                _tile_stored(3, oc + 48, head_dim * 4);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[i]));
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(op[i] + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + i * head_dim + d), inv)));
+    }
+}
+#endif
 #endif
 
 /* Can pipeserve_paged_prefill run this shape? (bf16 queries; a bf16 or 8-bit cache;
@@ -1623,46 +1826,54 @@ int pipeserve_prefill_supported(int dtype, int64_t head_dim) {
 #endif
 }
 
-/* q, out: [tokens, heads, head_dim] bfloat16 (the flat batch; only prefill rows are written).
- * dtype: the cache's (DT_BFLOAT16, DT_INT8 or DT_FP8).
- * Per prefill sequence s: seqs[4 s .. 4 s + 3] = (first row in the batch, q_len, context_len,
- * unused); block_tables: [num_seqs, max_blocks] int64. window: sliding window in tokens
- * (0: none); softcap: logit soft cap (0: none).
- * Returns 0; -1 when scratch memory cannot be allocated; -2 for an unsupported shape. */
-int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache, int dtype,
-                            const int64_t *seqs, int64_t num_seqs, const int64_t *block_tables,
-                            int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, float scale, int64_t window, float softcap, uint16_t *out,
-                            int num_threads) {
+/* pipeserve_paged_prefill's work on the vdpbf16ps rows (amx 0) or the AMX tiles' (amx 1);
+ * -2 where this build has no prefill kernel. */
+static int paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache, int dtype, const int64_t *seqs,
+                         int64_t num_seqs, const int64_t *block_tables, int64_t max_blocks, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                         float softcap, uint16_t *out, int num_threads, int amx) {
 #if defined(PREFILL_KERNEL)
     if (!pipeserve_prefill_supported(dtype, head_dim) || heads % kv_heads != 0) return -2;
     const int64_t group = heads / kv_heads;
-    const int R = head_dim == 128 ? 2 : head_dim == 256 ? 1 : 4;
+    const int R = amx ? 16 : head_dim == 128 ? 2 : head_dim == 256 ? 1 : 4;
     int64_t max_tiles = 1;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t ctx = seqs[4 * s + 2], base = prefill_base(ctx - seqs[4 * s + 1], window);
         const int64_t tiles = (ctx - base + 15) / 16;
         max_tiles = tiles > max_tiles ? tiles : max_tiles;
     }
-    const size_t scratch = (size_t)max_tiles * 16 * head_dim * 2 * 2;   /* kt + vi bytes */
+    const size_t tile_bytes = (size_t)16 * head_dim * 2;
+    const size_t scratch = (2 * (size_t)max_tiles + 1) * tile_bytes;   /* kt, vi and a tile past vi's (AMX) */
     const int64_t items = num_seqs * kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         char *work = (char *)thread_scratch(scratch, &failed);
+#if defined(PREFILL_AMX)
+        if (amx) amx_tile_config();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             if (!work) continue;
             const int64_t s = item / kv_heads, kv_head = item % kv_heads;
             const int64_t row = seqs[4 * s], q_len = seqs[4 * s + 1], ctx = seqs[4 * s + 2];
             uint32_t *kt = (uint32_t *)work;
-            uint16_t *vi = (uint16_t *)(work + (size_t)max_tiles * 16 * head_dim * 2);
+            uint16_t *vi = (uint16_t *)(work + (size_t)max_tiles * tile_bytes);
             const int64_t base = prefill_base(ctx - q_len, window);
             stage_kv_tiles((const char *)k_cache, (const char *)v_cache, dtype, block_tables + s * max_blocks, base, ctx,
                            kv_head, kv_heads, head_dim, block_size, kt, vi);
             const uint16_t *qs = q + row * heads * head_dim;
             uint16_t *os = out + row * heads * head_dim;
             const int64_t rows = q_len * group;
+            if (amx) {
+#if defined(PREFILL_AMX)
+                memset((char *)vi + (ctx - base + 15) / 16 * tile_bytes, 0, tile_bytes);
+                for (int64_t r0 = 0; r0 < rows; r0 += R)
+                    prefill_rows_amx(qs, os, r0, rows - r0 < R ? (int)(rows - r0) : R, ctx - q_len, group, kv_head,
+                                     heads, head_dim, kt, vi, scale, base, window, softcap);
+#endif
+                continue;
+            }
             for (int64_t r0 = 0; r0 < rows; r0 += R) {
                 const int nr = rows - r0 < R ? (int)(rows - r0) : R;
                 if (head_dim == 64)
@@ -1685,7 +1896,46 @@ int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *
 #else
     (void)q; (void)k_cache; (void)v_cache; (void)dtype; (void)seqs; (void)num_seqs; (void)block_tables; (void)max_blocks;
     (void)heads; (void)kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)window; (void)softcap;
-    (void)out; (void)num_threads;
+    (void)out; (void)num_threads; (void)amx;
     return -2;
 #endif
+}
+
+/* q, out: [tokens, heads, head_dim] bfloat16 (the flat batch; only prefill rows are written).
+ * dtype: the cache's (DT_BFLOAT16, DT_INT8 or DT_FP8).
+ * Per prefill sequence s: seqs[4 s .. 4 s + 3] = (first row in the batch, q_len, context_len,
+ * unused); block_tables: [num_seqs, max_blocks] int64. window: sliding window in tokens
+ * (0: none); softcap: logit soft cap (0: none).
+ * Returns 0; -1 when scratch memory cannot be allocated; -2 for an unsupported shape. */
+int pipeserve_paged_prefill(const uint16_t *q, const void *k_cache, const void *v_cache, int dtype,
+                            const int64_t *seqs, int64_t num_seqs, const int64_t *block_tables,
+                            int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, float scale, int64_t window, float softcap, uint16_t *out,
+                            int num_threads) {
+    return paged_prefill(q, k_cache, v_cache, dtype, seqs, num_seqs, block_tables, max_blocks, heads, kv_heads,
+                         head_dim, block_size, scale, window, softcap, out, num_threads, 0);
+}
+
+static int prefill_amx_ready(void) {
+#if defined(PREFILL_AMX)
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* "amx-bf16" where pipeserve_paged_prefill_amx runs here (an AMX-BF16 build and Linux's grant
+ * of the tile state), else "none". */
+const char *pipeserve_prefill_amx_isa(void) { return prefill_amx_ready() ? "amx-bf16" : "none"; }
+
+/* pipeserve_paged_prefill on AMX tiles (prefill_rows_amx): same arguments and returns, and -2
+ * where pipeserve_prefill_amx_isa() says "none". */
+int pipeserve_paged_prefill_amx(const uint16_t *q, const void *k_cache, const void *v_cache, int dtype,
+                                const int64_t *seqs, int64_t num_seqs, const int64_t *block_tables,
+                                int64_t max_blocks, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, int64_t window, float softcap, uint16_t *out,
+                                int num_threads) {
+    if (!prefill_amx_ready()) return -2;
+    return paged_prefill(q, k_cache, v_cache, dtype, seqs, num_seqs, block_tables, max_blocks, heads, kv_heads,
+                         head_dim, block_size, scale, window, softcap, out, num_threads, 1);
 }

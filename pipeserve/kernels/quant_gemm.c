@@ -205,27 +205,11 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
  * where there is no AMX (pipeserve_quant_gemm_amx_isa() says "none"). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define QUANT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #ifndef AMX_PAIRS
 #define AMX_PAIRS 4   /* pairs of panels a thread dequantizes before running x against them */
 #endif
-#define AMX_REQ_PERM 0x1023   /* arch_prctl ARCH_REQ_XCOMP_PERM */
-#define AMX_XTILEDATA 18      /* XFEATURE_XTILEDATA */
-
-/* Whether this process may use the tile registers: asked of the kernel once (idempotent). */
-static int amx_ready(void) {
-    static int state = 0;
-    if (state == 0) state = syscall(SYS_arch_prctl, AMX_REQ_PERM, AMX_XTILEDATA) == 0 ? 1 : -1;
-    return state > 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) amx_config;
 
 /* One 16-row block of out's columns n0 .. n0 + cols from the float32 tile stored in c: bfloat16
  * (rounded to nearest even), or float32 where f32. */
@@ -268,17 +252,6 @@ amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *
     if (TWO_N) _tile_stored(1, c + 256, 64);
     if (TWO_M) _tile_stored(2, c + 512, 64);
     if (TWO_M && TWO_N) _tile_stored(3, c + 768, 64);
-}
-
-static void amx_tile_config(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* A thread's AMX scratch, kept between calls and grown as needed (OpenMP's threads persist; as

@@ -53,6 +53,14 @@ class CpuPagedAttention(TorchPagedAttention):
         self.decode_io_kernel.restype = ctypes.c_int
         self._prefill = lib.pipeserve_paged_prefill
         self._prefill.argtypes, self._prefill.restype = PREFILL_ARGTYPES, ctypes.c_int
+        # The same on AMX tiles where the CPU has AMX-BF16 and Linux grants the tile state
+        # (about 3x the vdpbf16ps loop there; benchmarks/README.md, thirty-sixth session).
+        amx_isa = lib.pipeserve_prefill_amx_isa
+        amx_isa.argtypes, amx_isa.restype = [], ctypes.c_char_p
+        self.prefill_amx = None
+        if amx_isa().decode() != "none":
+            self.prefill_amx = lib.pipeserve_paged_prefill_amx
+            self.prefill_amx.argtypes, self.prefill_amx.restype = PREFILL_ARGTYPES, ctypes.c_int
         isa = lib.pipeserve_decode_isa
         isa.argtypes, isa.restype = [], ctypes.c_char_p
         self.isa = isa().decode()   # the decode path compiled here: avx512, avx2 or portable
@@ -82,7 +90,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if args is None:   # once per step, shared by every layer
             args = meta.backend_state["prefill"] = _prefill_args(meta)
         seqs, tables = args
-        rc = self._prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
+        rc = (self.prefill_amx or self._prefill)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
                            seqs.data_ptr(), seqs.shape[0],
                            tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
                            k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
