@@ -101,6 +101,7 @@ class EngineConfig:
     tp_all_reduce: str = "shm"                # shm (shared memory, one host) | gloo
     threads_per_stage: int | None = None      # per rank; default: cores // (P * T)
     adaptive_threads: bool = True             # fewer threads while other work holds the cores (worker/thread_governor.py)
+    cpu_bind: str = "auto"                    # auto | none | "0-3|4-7": each stage of a host on its CPUs (worker/cpu_bind.py)
     pp_partition: str = "balanced"            # balanced | uniform | auto | "a,b,c"
     pp_schedule: str = "async"                # async | gpipe | interleaved
     pp_max_inflight: int | None = None        # default: P
@@ -157,7 +158,20 @@ class EngineConfig:
                  f"must be auto (the model dtype), int8 or fp8, got {self.kv_cache_dtype!r}")
         parse_size(self.kv_cache_memory)
         parse_size(self.swap_space)
+        self._check_cpu_bind()
         self._check_bounds()
+
+    def _check_cpu_bind(self) -> None:
+        from pipeserve.worker.cpu_bind import check_setting
+        try:
+            check_setting(self.cpu_bind)
+        except ValueError as exc:
+            raise ValueError(f"cpu_bind: must be auto, none or CPU lists per stage separated by '|' "
+                             f"(e.g. 0-3|4-7): {exc}") from None
+        if self.cpu_bind not in ("auto", "none") and self.nnodes == 1 and self.pipeline_parallel_size > 1:
+            sets = len(self.cpu_bind.split("|"))
+            _require(sets == self.pipeline_parallel_size, "cpu_bind",
+                     f"lists {sets} CPU sets for {self.pipeline_parallel_size} stages (one per stage, '|' between)")
 
     def _check_bounds(self) -> None:
         """Values that would hang or crash the engine later are refused here, naming the flag."""

@@ -10,6 +10,8 @@ from pipeserve.config import EngineConfig
 _HELP = {
     "adaptive_threads": "lower a stage's threads while other processes hold its cores, raise them again when "
                         "the cores are free (default on; --no-adaptive-threads keeps --threads-per-stage fixed)",
+    "cpu_bind": "auto (each stage of a host on its own equal share of the CPUs, when each gets its "
+                "threads; default) | none | CPU lists per stage of the host, '|' between them (e.g. 0-3|4-7)",
     "model": "HF directory, .gguf file, or built-in name (default: smollm2-135m-instruct)",
     "dtype": "auto (bfloat16 on CUDA and on CPUs with native bfloat16, else float32) | float32 | bfloat16 | float16",
     "kv_cache_memory": "KV cache budget per stage, e.g. 512MiB, 2GiB",

@@ -26,6 +26,7 @@ from pipeserve.comm.rendezvous import ask_driver
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.pipeline.spec import stages_of_node
 from pipeserve.pipeline.zygote import stage_zygote
+from pipeserve.worker.cpu_bind import SLOT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,9 @@ def start_stages(stages: list[int], master_addr: str, master_port: int, key: byt
            "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     zygote = stage_zygote(env)
     procs = {}
-    for stage in stages:
+    for slot, stage in enumerate(stages):
         command = stage_command(stage, master_addr, master_port, timeout, rejoin_timeout)
+        env = {**env, SLOT_ENV: f"{slot}/{len(stages)}"}   # where --cpu-bind puts it (worker/cpu_bind.py)
         popen = None
         if zygote is not None:
             try:

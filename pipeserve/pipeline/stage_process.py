@@ -30,6 +30,7 @@ from pipeserve.comm.transport import Kind
 from pipeserve.pipeline.spec import PipelineSpec, node_of_stage, stages_of_node
 from pipeserve.pipeline.stage_worker import STOPPED, StageWorker
 from pipeserve.worker import thread_governor
+from pipeserve.worker.cpu_bind import bind_stage
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     spec = join_driver(transport, addr, port, Hello(stage + 1, os.getpid(), host, listen_port),
                        timeout).to_spec()
     transport.world_size = spec.num_stages + 1
+    bind_stage(spec.config.cpu_bind, spec.config.stage_threads * spec.config.tensor_parallel_size)
     thread_governor.start(spec.config.stage_threads, spec.config.adaptive_threads)
     device = stage_device(spec, stage)
     if device.type == "cuda":

@@ -1,0 +1,95 @@
+"""Each stage process of a host on its own CPUs (``--cpu-bind``).
+
+One request through a pipeline runs its stages in turn, and a stage that wakes for its part
+wherever the scheduler found room starts on a core whose caches hold the other stage's work:
+on the two-core test machine stage 0 moved between the cores about once a token (``perf
+stat``: 214 migrations a second), and one request decoded 12.5-13.8 ms a token at PP = 2
+unbound against 12.0 bound (benchmarks/README.md, thirty-sixth session). vLLM's CPU backend
+binds its workers' threads the same way (``VLLM_CPU_OMP_THREADS_BIND``).
+
+``auto`` (default): the host's stages split the CPUs this process may use into equal, disjoint
+runs in stage order, when each gets at least its ``--threads-per-stage`` (times
+``--tensor-parallel-size``: a stage's ranks share its run); otherwise nothing is bound.
+``none``: nothing is bound. Else one CPU list per stage of the host, ``|`` between stages
+(``0-3|4-7``, ``0,2|1,3``). Only the stage's main thread is bound before it starts its
+compute threads (which inherit it); the transport's reader threads stay where they were.
+One stage on a host (and PP = 1, where the model runs in the driver) binds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SLOT_ENV = "PIPESERVE_CPU_SLOT"   # "i/n": this process is the i-th of the n stages its launcher started
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-3,8`` -> [0, 1, 2, 3, 8]; ValueError naming the part that is not a CPU list."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not a CPU number or range (e.g. 0-3,8)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part.strip()!r} is not a CPU range (first <= last, both >= 0)")
+        cpus.extend(range(first, last + 1))
+    return cpus
+
+
+def check_setting(setting: str) -> None:
+    """auto, none, or CPU lists separated by ``|`` (ValueError otherwise)."""
+    if setting not in ("auto", "none"):
+        for part in setting.split("|"):
+            parse_cpu_list(part)
+
+
+def stage_cpus(setting: str, slot: int, count: int, allowed: list[int], threads: int) -> list[int] | None:
+    """The CPUs stage ``slot`` of the ``count`` on this host binds to, or None for no binding."""
+    if setting == "none" or count <= 1:
+        return None
+    if setting == "auto":
+        per = len(allowed) // count
+        if per < max(1, threads):
+            return None
+        return sorted(allowed)[slot * per:(slot + 1) * per]
+    parts = setting.split("|")
+    if len(parts) != count:
+        raise ValueError(f"--cpu-bind {setting!r} lists {len(parts)} CPU sets for the {count} stages on this host "
+                         f"(one per stage, '|' between them)")
+    cpus = parse_cpu_list(parts[slot])
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        raise ValueError(f"--cpu-bind gives stage slot {slot} CPUs {outside} that this process may not run on "
+                         f"(allowed: {sorted(allowed)})")
+    return cpus
+
+
+def bind_stage(setting: str, threads: int) -> list[int] | None:
+    """Bind the calling thread (a stage's main thread, before its compute threads start) as
+    ``setting`` says for the slot its launcher gave it; returns the CPUs, or None where unbound."""
+    slot_text = os.environ.get(SLOT_ENV)
+    if not slot_text or not hasattr(os, "sched_setaffinity"):
+        return None
+    slot, count = (int(x) for x in slot_text.split("/"))
+    cpus = stage_cpus(setting, slot, count, sorted(os.sched_getaffinity(0)), threads)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+        logger.info("stage slot %d of %d on this host bound to CPUs %s (--cpu-bind %s)", slot, count,
+                    _ranges(cpus), setting)
+    return cpus
+
+
+def _ranges(cpus: list[int]) -> str:
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(out)
