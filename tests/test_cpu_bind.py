@@ -1,0 +1,87 @@
+"""--cpu-bind: each stage process of a host on its own CPUs (pipeserve/worker/cpu_bind.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeserve.config import EngineConfig
+from pipeserve.pipeline.executor import PipelineExecutor
+from pipeserve.pipeline.partition import uniform_partition
+from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+from pipeserve.worker.cpu_bind import parse_cpu_list, stage_cpus
+from tests.test_pipeline_runtime import _synthetic_cfg
+
+
+def test_auto_splits_the_cpus_into_equal_disjoint_runs_in_stage_order():
+    allowed = [0, 1, 2, 3, 4, 5, 6]
+    assert [stage_cpus("auto", s, 3, allowed, 2) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [stage_cpus("auto", s, 2, [5, 1], 1) for s in range(2)] == [[1], [5]]
+
+
+def test_auto_binds_nothing_when_a_stage_would_get_fewer_cpus_than_its_threads_or_is_alone():
+    assert stage_cpus("auto", 0, 2, [0, 1, 2], 2) is None   # 1 CPU each, 2 threads each
+    assert stage_cpus("auto", 0, 3, [0, 1], 1) is None      # more stages than CPUs
+    assert stage_cpus("auto", 0, 1, [0, 1], 1) is None      # one stage: the whole host is its
+    assert stage_cpus("none", 1, 2, [0, 1, 2, 3], 1) is None
+
+
+def test_explicit_lists_one_per_stage():
+    assert stage_cpus("0-1,4|2,3", 0, 2, list(range(8)), 1) == [0, 1, 4]
+    assert stage_cpus("0-1,4|2,3", 1, 2, list(range(8)), 1) == [2, 3]
+    with pytest.raises(ValueError, match="lists 2 CPU sets for the 3 stages"):
+        stage_cpus("0|1", 0, 3, [0, 1, 2], 1)
+    with pytest.raises(ValueError, match=r"CPUs \[9\] that this process may not run on"):
+        stage_cpus("0|9", 1, 2, [0, 1], 1)
+
+
+@pytest.mark.parametrize("text,error", [("a", "not a CPU number"), ("3-1", "not a CPU range"), ("1,,2", "not a CPU")])
+def test_bad_cpu_lists_are_named(text, error):
+    with pytest.raises(ValueError, match=error):
+        parse_cpu_list(text)
+
+
+def test_config_checks_the_flag():
+    EngineConfig(cpu_bind="0|1", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="cpu_bind"):
+        EngineConfig(cpu_bind="fast")
+    with pytest.raises(ValueError, match="lists 3 CPU sets for 2 stages"):
+        EngineConfig(cpu_bind="0|1|2", pipeline_parallel_size=2)
+
+
+def _allowed(pid: int) -> list[int]:
+    """The CPUs a process's main thread may run on (/proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+    return parse_cpu_list(line.split(":", 1)[1].strip())
+
+
+def _stage_affinities(**kw) -> list[list[int]]:
+    cfg = _synthetic_cfg()
+    conf = EngineConfig(pipeline_parallel_size=2, threads_per_stage=1, stage_timeout=30.0, **kw)
+    ex = PipelineExecutor(conf, SyntheticSource(step_seconds=0.01), cfg, uniform_partition(cfg.num_layers, 2), 8, 0,
+                          runner_factory=SleepRunner)
+    try:
+        return [_allowed(ex.procs[s].pid) for s in sorted(ex.procs)]
+    finally:
+        ex.shutdown()
+
+
+needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                    reason="this process may run on one CPU: nothing to split between two stages")
+
+
+@needs_two_cpus
+def test_stage_processes_run_on_disjoint_cpus_by_default():
+    allowed = sorted(os.sched_getaffinity(0))
+    got = _stage_affinities()
+    assert got == [stage_cpus("auto", s, 2, allowed, 1) for s in range(2)]
+    assert not set(got[0]) & set(got[1])
+
+
+@needs_two_cpus
+def test_stage_processes_follow_explicit_lists_and_none():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert _stage_affinities(cpu_bind=f"{allowed[1]}|{allowed[0]}") == [[allowed[1]], [allowed[0]]]
+    assert _stage_affinities(cpu_bind="none") == [allowed, allowed]
