@@ -7,7 +7,10 @@ figure is the median over rounds of each engine's TPOT (first token to last) and
 per-round ratio to PP = 1.
 
     PYTHONPATH=$PWD python benchmarks/pp_lone_request.py [--pp 2] [--rounds 8] [--tokens 256]
-        [--threads-per-stage 1] [--model M]
+        [--threads-per-stage 1] [--model M] [--against cpu-bind|decode-ahead]
+
+The third engine is PP = P without what ``--against`` names: ``--cpu-bind none`` (default) or
+``--no-pp-decode-ahead``.
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads-per-stage", type=int, default=1)
     parser.add_argument("--model", default=None, help="default: the built-in SmolLM2 GGUF")
+    parser.add_argument("--against", choices=("cpu-bind", "decode-ahead"), default="cpu-bind",
+                        help="the third engine: PP = P with --cpu-bind none, or without decode ahead")
     args = parser.parse_args()
     extra = {"model": args.model} if args.model else {}
     common = dict(threads_per_stage=args.threads_per_stage, **extra)
     engines = {
         "PP=1": LLM(pipeline_parallel_size=1, **common),
-        f"PP={args.pp} decode ahead": LLM(pipeline_parallel_size=args.pp, **common),
-        f"PP={args.pp} no decode ahead": LLM(pipeline_parallel_size=args.pp, pp_decode_ahead=False, **common),
+        f"PP={args.pp}": LLM(pipeline_parallel_size=args.pp, **common),
+        (f"PP={args.pp} --cpu-bind none" if args.against == "cpu-bind" else f"PP={args.pp} no decode ahead"):
+            LLM(pipeline_parallel_size=args.pp, **common,
+                **({"cpu_bind": "none"} if args.against == "cpu-bind" else {"pp_decode_ahead": False})),
     }
     prompt = "The history of the city " * 20      # ~128 tokens
     params = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)

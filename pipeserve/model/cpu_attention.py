@@ -5,7 +5,9 @@ KV block per layer per step (index_select) before multiplying; the kernel
 reads each key and value row once, straight from its block.
 Prefills (bfloat16 caches on CPUs with AVX512_BF16): a flash-attention loop on
 vdpbf16ps, about 3x PyTorch's CPU SDPA on SmolLM2's shapes (head_dim 64, where
-SDPA reaches ~35 GFLOP/s); other dtypes and CPUs prefill through SDPA.
+SDPA reaches ~35 GFLOP/s), and on CPUs with AMX-BF16 the same loop with its
+products on AMX tiles (~4x the vdpbf16ps loop there); other dtypes and CPUs
+prefill through SDPA.
 Both kernels take the layer's sliding window (a decode reads only the blocks
 its window touches) and logit soft cap.
 Both live in pipeserve/kernels/paged_attention.c. (The fused RMSNorm, RoPE
@@ -54,7 +56,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self._prefill = lib.pipeserve_paged_prefill
         self._prefill.argtypes, self._prefill.restype = PREFILL_ARGTYPES, ctypes.c_int
         # The same on AMX tiles where the CPU has AMX-BF16 and Linux grants the tile state
-        # (about 3x the vdpbf16ps loop there; benchmarks/README.md, thirty-sixth session).
+        # (3.7-4.6x the vdpbf16ps loop there; benchmarks/README.md, thirty-sixth session).
         amx_isa = lib.pipeserve_prefill_amx_isa
         amx_isa.argtypes, amx_isa.restype = [], ctypes.c_char_p
         self.prefill_amx = None
