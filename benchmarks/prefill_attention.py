@@ -9,7 +9,8 @@ same step (prompts of ``--lens`` tokens, a bf16 cache whose blocks are handed ou
 order), one thread, and each prints its median and best GFLOP/s of the causal work
 (4 * heads * head_dim per (query, key) pair a query sees) and its largest difference from the
 first build's output. ``X.so:amx`` runs that build's ``pipeserve_paged_prefill_amx`` (AMX tiles)
-instead: ``python benchmarks/prefill_attention.py new.so new.so:amx``. ``--cold``: a cache of ``--blocks`` blocks and a 64 MiB sweep before every
+instead: ``python benchmarks/prefill_attention.py new.so new.so:amx``.
+``--cold``: a cache of ``--blocks`` blocks and a 64 MiB sweep before every
 call, so the staging reads the rows from memory, as a stage does after the decodes' traffic.
 """
 

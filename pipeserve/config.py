@@ -101,7 +101,7 @@ class EngineConfig:
     tp_all_reduce: str = "shm"                # shm (shared memory, one host) | gloo
     threads_per_stage: int | None = None      # per rank; default: cores // (P * T)
     adaptive_threads: bool = True             # fewer threads while other work holds the cores (worker/thread_governor.py)
-    cpu_bind: str = "auto"                    # auto | none | "0-3|4-7": each stage of a host on its CPUs (worker/cpu_bind.py)
+    cpu_bind: str = "auto"                    # auto | none | "0-3|4-7": a host's stages on their CPUs (worker/cpu_bind.py)
     pp_partition: str = "balanced"            # balanced | uniform | auto | "a,b,c"
     pp_schedule: str = "async"                # async | gpipe | interleaved
     pp_max_inflight: int | None = None        # default: P

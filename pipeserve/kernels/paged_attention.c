@@ -1765,8 +1765,8 @@ static void prefill_rows_amx(const uint16_t *q, uint16_t *out, int64_t r0, int n
                 continue;
             }
             if (full && softcap <= 0.0f && T == PA_KEYS / 16)
-                amx_softmax_row(s + i * PA_KEYS, pi, PA_KEYS / 16, 1, scale, 0.0f, first, pos[i], window, m + i, lsum + i,
-                                o + i * head_dim, head_dim);
+                amx_softmax_row(s + i * PA_KEYS, pi, PA_KEYS / 16, 1, scale, 0.0f, first, pos[i], window, m + i,
+                                lsum + i, o + i * head_dim, head_dim);
             else
                 amx_softmax_row(s + i * PA_KEYS, pi, T, 0, scale, softcap, first, pos[i], window, m + i, lsum + i,
                                 o + i * head_dim, head_dim);
@@ -1890,6 +1890,9 @@ static int paged_prefill(const uint16_t *q, const void *k_cache, const void *v_c
                                      window, softcap);
             }
         }
+#if defined(PREFILL_AMX)
+        if (amx) _tile_release();   /* as quant_gemm.c's AMX calls: the tile state back once done */
+#endif
         free(work);
     }
     return failed ? -1 : 0;

@@ -92,7 +92,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if args is None:   # once per step, shared by every layer
             args = meta.backend_state["prefill"] = _prefill_args(meta)
         seqs, tables = args
-        rc = (self.prefill_amx or self._prefill)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
+        prefill = self.prefill_amx or self._prefill
+        rc = prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
                            seqs.data_ptr(), seqs.shape[0],
                            tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
                            k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
