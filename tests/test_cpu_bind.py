@@ -51,10 +51,17 @@ def test_config_checks_the_flag():
 
 
 def _allowed(pid: int) -> list[int]:
-    """The CPUs a process's main thread may run on (/proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
-    return parse_cpu_list(line.split(":", 1)[1].strip())
+    """The CPUs every thread of a process may run on (/proc), the same for all of them."""
+    seen = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                line = next(line for line in f if line.startswith("Cpus_allowed_list:"))
+        except FileNotFoundError:   # a thread that ended meanwhile
+            continue
+        seen.append(parse_cpu_list(line.split(":", 1)[1].strip()))
+    assert seen and all(cpus == seen[0] for cpus in seen), f"threads of {pid} on different CPUs: {seen}"
+    return seen[0]
 
 
 def _stage_affinities(**kw) -> list[list[int]]:

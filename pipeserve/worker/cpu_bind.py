@@ -11,9 +11,10 @@ binds its workers' threads the same way (``VLLM_CPU_OMP_THREADS_BIND``).
 runs in stage order, when each gets at least its ``--threads-per-stage`` (times
 ``--tensor-parallel-size``: a stage's ranks share its run); otherwise nothing is bound.
 ``none``: nothing is bound. Else one CPU list per stage of the host, ``|`` between stages
-(``0-3|4-7``, ``0,2|1,3``). Only the stage's main thread is bound before it starts its
-compute threads (which inherit it); the transport's reader threads stay where they were.
-One stage on a host (and PP = 1, where the model runs in the driver) binds nothing.
+(``0-3|4-7``, ``0,2|1,3``). Every thread the stage has when it learns the setting (its main
+thread, the reader thread of its link to the driver, which runs small steps itself) is bound
+before its compute threads start, and the threads started later inherit the binding. One
+stage on a host (and PP = 1, where the model runs in the driver) binds nothing.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def stage_cpus(setting: str, slot: int, count: int, allowed: list[int], threads:
 
 
 def bind_stage(setting: str, threads: int) -> list[int] | None:
-    """Bind the calling thread (a stage's main thread, before its compute threads start) as
+    """Bind every thread of this process (a stage, before its compute threads start) as
     ``setting`` says for the slot its launcher gave it; returns the CPUs, or None where unbound."""
     slot_text = os.environ.get(SLOT_ENV)
     if not slot_text or not hasattr(os, "sched_setaffinity"):
@@ -79,9 +80,21 @@ def bind_stage(setting: str, threads: int) -> list[int] | None:
     cpus = stage_cpus(setting, slot, count, sorted(os.sched_getaffinity(0)), threads)
     if cpus is not None:
         os.sched_setaffinity(0, cpus)
+        for tid in _threads():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except (ProcessLookupError, PermissionError):   # the thread has ended meanwhile
+                pass
         logger.info("stage slot %d of %d on this host bound to CPUs %s (--cpu-bind %s)", slot, count,
                     _ranges(cpus), setting)
     return cpus
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
 
 
 def _ranges(cpus: list[int]) -> str:
