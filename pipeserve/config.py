@@ -59,6 +59,28 @@ def auto_dtype(device: str) -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-3,8`` -> [0, 1, 2, 3, 8]; ValueError naming the part that is not a CPU list."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"{part.strip()!r} is not a CPU number or range (e.g. 0-3,8)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part.strip()!r} is not a CPU range (first <= last, both >= 0)")
+        cpus.extend(range(first, last + 1))
+    return cpus
+
+
+def check_cpu_bind(setting: str) -> None:
+    """--cpu-bind: auto, none, or CPU lists separated by ``|`` (ValueError otherwise; worker/cpu_bind.py)."""
+    if setting not in ("auto", "none"):
+        for part in setting.split("|"):
+            parse_cpu_list(part)
+
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # --kv-cache-dtype; the formats live in pipeserve.model.kv_quant
 
 
@@ -162,9 +184,8 @@ class EngineConfig:
         self._check_bounds()
 
     def _check_cpu_bind(self) -> None:
-        from pipeserve.worker.cpu_bind import check_setting
         try:
-            check_setting(self.cpu_bind)
+            check_cpu_bind(self.cpu_bind)
         except ValueError as exc:
             raise ValueError(f"cpu_bind: must be auto, none or CPU lists per stage separated by '|' "
                              f"(e.g. 0-3|4-7): {exc}") from None

@@ -22,31 +22,11 @@ from __future__ import annotations
 import logging
 import os
 
+from pipeserve.config import parse_cpu_list
+
 logger = logging.getLogger(__name__)
 
 SLOT_ENV = "PIPESERVE_CPU_SLOT"   # "i/n": this process is the i-th of the n stages its launcher started
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``0-3,8`` -> [0, 1, 2, 3, 8]; ValueError naming the part that is not a CPU list."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"{part.strip()!r} is not a CPU number or range (e.g. 0-3,8)") from None
-        if first < 0 or last < first:
-            raise ValueError(f"{part.strip()!r} is not a CPU range (first <= last, both >= 0)")
-        cpus.extend(range(first, last + 1))
-    return cpus
-
-
-def check_setting(setting: str) -> None:
-    """auto, none, or CPU lists separated by ``|`` (ValueError otherwise)."""
-    if setting not in ("auto", "none"):
-        for part in setting.split("|"):
-            parse_cpu_list(part)
 
 
 def stage_cpus(setting: str, slot: int, count: int, allowed: list[int], threads: int) -> list[int] | None:
