@@ -134,9 +134,11 @@ GEMM_I8 = True
 # weights from memory; benchmarks/README.md, thirty-fifth session), AMX over the 8-bit kernel:
 # the layers 0.78-1.12x at 48 rows, 0.93-1.39x at 64 (1.07x summed over a layer's four), 1.77-2.79x
 # at 256-512; the 49152-row head 0.66x at 64, 1.06-1.15x from 256 (dequantizing the panels,
-# once a call, does not pay for few rows).
+# once a call, does not pay for few rows). After the grouped panels (thirty-sixth session, same
+# command): the head 0.74x at 64, 0.84x at 96, 0.98x at 128, 1.27x at 192, 1.41x at 256, so a tall
+# weight takes it from out_features / 320 rows (the head from 153).
 AMX_MIN_ROWS = 64
-AMX_OUT_PER_ROW = 192
+AMX_OUT_PER_ROW = 320
 
 
 def amx_from(out_features: int) -> int:
