@@ -1630,6 +1630,17 @@ PREFILL_ROWS(prefill_rows_256, 1, 16, 16)
 #define PREFILL_AMX 1
 #include "amx_tiles.h"
 #define PA_KEYS 64   /* keys a block: 4 key tiles, the C tiles 0-3 */
+/* The rows' outputs at oc (16 rows, stride bytes apart) <-> C tiles 0 .. nc - 1 (16 dims each;
+ * nc 2 or 4): OP is _tile_loadd or _tile_stored (tile numbers must be constants). */
+#define AMX_OUT_TILES(OP, oc, stride, nc)   \
+    do {                                    \
+        OP(0, (oc), (stride));              \
+        OP(1, (oc) + 16, (stride));         \
+        if ((nc) > 2) {                     \
+            OP(2, (oc) + 32, (stride));     \
+            OP(3, (oc) + 48, (stride));     \
+        }                                   \
+    } while (0)
 
 /* One row's probabilities over a block of T key tiles (scores si, 16 T floats) into pi as bf16
  * (zero to a multiple of 32 keys), in base 2: t = score * scale * log2(e), p = 2^(t - m2)
@@ -1775,12 +1786,7 @@ static void prefill_rows_amx(const uint16_t *q, uint16_t *out, int64_t r0, int n
         for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
             const int nc = head_dim - d0 < 64 ? (int)((head_dim - d0) / 16) : 4;
             float *oc = o + d0;
-            _tile_loadd(0, oc, head_dim * 4);
-            _tile_loadd(1, oc + 16, head_dim * 4);
-            if (nc > 2) {
-                _tile_loadd(2, oc + 32, head_dim * 4);
-                _tile_loadd(3, oc + 48, head_dim * 4);
-            }
+            AMX_OUT_TILES(_tile_loadd, oc, head_dim * 4, nc);
             for (int h = 0; h < halves; h++) {
                 const uint16_t *vb = vi + ((tile + 2 * h) * 8 * head_dim + d0) * 2;
                 _tile_loadd(4, p + 32 * h, PA_KEYS * 2);
@@ -1795,12 +1801,7 @@ static void prefill_rows_amx(const uint16_t *q, uint16_t *out, int64_t r0, int n
                     _tile_dpbf16ps(3, 4, 5);
                 }
             }
-            _tile_stored(0, oc, head_dim * 4);
-            _tile_stored(1, oc + 16, head_dim * 4);
-            if (nc > 2) {
-                _tile_stored(2, oc + 32, head_dim * 4);
-                _tile_stored(3, oc + 48, head_dim * 4);
-            }
+            AMX_OUT_TILES(_tile_stored, oc, head_dim * 4, nc);
         }
     }
     for (int i = 0; i < nr; i++) {
