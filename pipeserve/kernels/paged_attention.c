@@ -1630,6 +1630,8 @@ PREFILL_ROWS(prefill_rows_256, 1, 16, 16)
 #define PREFILL_AMX 1
 #include "amx_tiles.h"
 #define PA_KEYS 64   /* keys a block: 4 key tiles, the C tiles 0-3 */
+#define PA_LOG2E 1.44269504f   /* scores into base 2 */
+#define PA_LN2 0.69314718f
 /* The rows' outputs at oc (16 rows, stride bytes apart) <-> C tiles 0 .. nc - 1 (16 dims each;
  * nc 2 or 4): OP is _tile_loadd or _tile_stored (tile numbers must be constants). */
 #define AMX_OUT_TILES(OP, oc, stride, nc)   \
@@ -1651,7 +1653,7 @@ PREFILL_ROWS(prefill_rows_256, 1, 16, 16)
 static inline __attribute__((always_inline)) void amx_softmax_row(
         const float *si, uint16_t *pi, const int T, const int FAST, float scale, float softcap, int64_t first,
         int64_t pos, int64_t window, float *m2, __m512 *lsum, float *o, int64_t head_dim) {
-    const float c2 = scale * 1.44269504f;
+    const float c2 = scale * PA_LOG2E;
     __m512 x[PA_KEYS / 16];
     __mmask16 valid[PA_KEYS / 16];
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -1663,7 +1665,7 @@ static inline __attribute__((always_inline)) void amx_softmax_row(
             if (softcap > 0.0f) {
                 x[t] = _mm512_mul_ps(_mm512_set1_ps(softcap),
                                      tanh16(_mm512_mul_ps(x[t], _mm512_set1_ps(scale / softcap))));
-                x[t] = _mm512_mul_ps(x[t], _mm512_set1_ps(1.44269504f));
+                x[t] = _mm512_mul_ps(x[t], _mm512_set1_ps(PA_LOG2E));
             } else {
                 x[t] = _mm512_mul_ps(x[t], _mm512_set1_ps(c2));
             }
@@ -1676,8 +1678,8 @@ static inline __attribute__((always_inline)) void amx_softmax_row(
     }
     if (FAST) mx = _mm512_mul_ps(mx, _mm512_set1_ps(c2));   /* c2 > 0: the max of the scaled scores */
     /* (the lanes compared with m2 + slack: a horizontal max only when one passes it) */
-    if (__builtin_expect(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(*m2 + RESCALE_SLACK * 1.44269504f), _CMP_GT_OQ), 0)) {
-        const float bm = _mm512_reduce_max_ps(mx), alpha = exp_f32((*m2 - bm) * 0.69314718f);
+    if (__builtin_expect(_mm512_cmp_ps_mask(mx, _mm512_set1_ps(*m2 + RESCALE_SLACK * PA_LOG2E), _CMP_GT_OQ), 0)) {
+        const float bm = _mm512_reduce_max_ps(mx), alpha = exp_f32((*m2 - bm) * PA_LN2);
         *m2 = bm;
         const __m512 va = _mm512_set1_ps(alpha);
         *lsum = _mm512_mul_ps(*lsum, va);

@@ -94,10 +94,10 @@ class CpuPagedAttention(TorchPagedAttention):
         seqs, tables = args
         prefill = self.prefill_amx or self._prefill
         rc = prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPE_CODES[k_cache.dtype],
-                           seqs.data_ptr(), seqs.shape[0],
-                           tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
-                           k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
-                           torch.get_num_threads())
+                     seqs.data_ptr(), seqs.shape[0],
+                     tables.data_ptr(), tables.shape[1], q.shape[1], k_cache.shape[2], q.shape[2],
+                     k_cache.shape[1], shape.scale, shape.window or 0, shape.softcap or 0.0, out.data_ptr(),
+                     torch.get_num_threads())
         if rc != 0:
             raise MemoryError("paged prefill kernel could not allocate its scratch"
                               if rc == -1 else f"paged prefill kernel refused the shape (code {rc})")

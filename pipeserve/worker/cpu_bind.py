@@ -59,8 +59,7 @@ def bind_stage(setting: str, threads: int) -> list[int] | None:
     slot, count = (int(x) for x in slot_text.split("/"))
     cpus = stage_cpus(setting, slot, count, sorted(os.sched_getaffinity(0)), threads)
     if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-        for tid in _threads():
+        for tid in _threads() or [0]:   # 0: this thread, where /proc does not list them
             try:
                 os.sched_setaffinity(tid, cpus)
             except (ProcessLookupError, PermissionError):   # the thread has ended meanwhile
