@@ -607,3 +607,69 @@ def test_decode_pool_concurrent_and_repeated_calls_match_one_thread():
     assert (first - one).abs().max().item() <= 1e-5
     # Same plan (the step's threads), so the same ranges and merge order whoever ran the items.
     assert all(torch.equal(r, first) for r in results)
+
+
+def _plan(context_lens: list[int], window: int, block_size: int, threads: int, heads: int = 9, kv_heads: int = 3,
+          head_dim: int = 64) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """A decode plan's items (sequence, first key, end) and each thread's share (i0, i1)."""
+    lib = build.load_kernel("paged_attention")
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.pipeserve_decode_plan_bytes.argtypes = [i64, i64, i64, ctypes.c_int]
+    lib.pipeserve_decode_plan_bytes.restype = i64
+    lib.pipeserve_decode_plan.argtypes = [p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+    lib.pipeserve_decode_plan.restype = i64
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    buf = torch.empty(lib.pipeserve_decode_plan_bytes(len(context_lens), heads, head_dim, threads) + 64,
+                      dtype=torch.uint8)
+    addr = (buf.data_ptr() + 63) // 64 * 64
+    items = lib.pipeserve_decode_plan(addr, lens.data_ptr(), len(context_lens), heads, kv_heads, head_dim, block_size,
+                                      window, threads)
+    assert items > 0
+    out = [i64(), i64(), i64()]
+    found = []
+    for c in range(items):
+        lib.pipeserve_decode_item(p(addr), i64(c), *(ctypes.byref(v) for v in out))
+        found.append(tuple(v.value for v in out))
+    shares = []
+    for t in range(threads):
+        lib.pipeserve_decode_share(p(addr), ctypes.c_int(t), ctypes.byref(out[0]), ctypes.byref(out[1]))
+        shares.append((out[0].value, out[1].value))
+    return found, shares
+
+
+@needs_kernel
+@pytest.mark.parametrize("context_lens,window,threads", [
+    ([300], 0, 2), ([129], 0, 2), ([384, 7], 0, 2), ([1500, 3, 40], 0, 4), ([1500, 3, 40], 333, 4),
+    ([200] * 57, 0, 2), ([40, 900, 35, 600, 2, 77], 100, 3), ([5000], 0, 2), ([520, 520], 0, 5)])
+def test_each_thread_of_the_fused_stage_gets_its_share_of_the_keys(context_lens, window, threads):
+    """decode_stage.c hands thread t the plan's items share[t]..share[t + 1]: they tile every
+    sequence's keys in order (from its window's start), and each share holds 1 / threads of
+    the step's keys to within a block, however few the sequences (one alone was split at 128
+    keys a range: a 300-key decode gave one thread 172 keys and the other 128)."""
+    block_size = 16
+    items, shares = _plan(context_lens, window, block_size, threads)
+    starts = [max(0, ctx - window) if window else 0 for ctx in context_lens]
+    pos = {}
+    for seq, lo, hi in items:                       # in sequence order, each range after the last
+        assert lo == pos.get(seq, starts[seq]) and lo < hi <= context_lens[seq]
+        pos[seq] = hi
+    assert pos == dict(enumerate(context_lens))
+    assert [seq for seq, _, _ in items] == sorted(seq for seq, _, _ in items)
+    assert shares[0][0] == 0 and shares[-1][1] == len(items)
+    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    total = sum(ctx - s for ctx, s in zip(context_lens, starts))
+    for i0, i1 in shares:
+        keys = sum(hi - lo for _, lo, hi in items[i0:i1])
+        assert abs(keys - total / threads) <= block_size, (keys, total / threads)
+
+
+@needs_kernel
+def test_a_small_step_is_shared_out_in_whole_sequences():
+    """Under 64 keys a thread (SHARE_MIN_KEYS) no sequence is cut: each share is whole
+    sequences, the nearest cut to an even split (so a few short decodes keep one range each,
+    and the fused stage's result is the Python layers' bit for bit)."""
+    items, shares = _plan([20, 31, 25, 30], 0, 16, 2)
+    assert [(lo, hi) for _, lo, hi in items] == [(0, 20), (0, 31), (0, 25), (0, 30)]
+    assert shares == [(0, 2), (2, 4)]
+    items, shares = _plan([100], 0, 16, 2)          # 50 keys a thread: one range, one thread
+    assert items == [(0, 0, 100)] and shares in ([(0, 0), (0, 1)], [(0, 1), (1, 1)])

@@ -119,3 +119,27 @@ def test_an_mlp_with_them_matches_the_mlp_without(ops, dtype):
     else:
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     assert not ops.applies(x.half())   # other dtypes stay on PyTorch
+
+
+@pytest.mark.parametrize("scaling,factors", [(None, None), ({"rope_type": "llama3", "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 8192}, None),
+                                             (None, tuple(1.0 + i / 16 for i in range(32)))])
+def test_rope_table_rows_equal_the_computed_ones(scaling, factors):
+    """cos/sin looked up in the grown table are, bit for bit, what the step's positions give
+    computed on their own (float32 identity with transformers rests on it); past
+    TABLE_MAX_POSITIONS, or without a limit, they are computed."""
+    rope = RotaryEmbedding(64, 10000.0, scaling, torch.device("cpu"), factors)
+    rng = torch.Generator().manual_seed(0)
+    for limit in (1, 7, 1500, 3000, RotaryEmbedding.TABLE_MAX_POSITIONS):   # grows as the limit does
+        positions = torch.randint(0, limit, (37,), generator=rng)
+        positions[0] = limit - 1
+        got, want = rope.forward(positions, limit), rope._compute(positions)
+        assert got[0].shape == want[0].shape == (37, 1, 64)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert rope._cos.shape[0] >= limit
+    assert rope._cos.shape[0] == RotaryEmbedding.TABLE_MAX_POSITIONS
+    far = torch.tensor([RotaryEmbedding.TABLE_MAX_POSITIONS + 5, 3])
+    got = rope.forward(far, RotaryEmbedding.TABLE_MAX_POSITIONS + 6)
+    assert torch.equal(got[0], rope._compute(far)[0]) and rope._cos.shape[0] == RotaryEmbedding.TABLE_MAX_POSITIONS
+    assert torch.equal(rope.forward(far)[1], rope._compute(far)[1])

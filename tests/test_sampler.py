@@ -280,3 +280,38 @@ def test_cpu_argmax_matches_torch_on_ties_nan_and_inf():
     assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(dim=-1))   # a strided view
     out = Sampler(0).sample(x, [sp(temperature=0.0)] * 6)
     assert tokens(out) == x.argmax(-1).tolist()
+
+
+def test_bf16_argmax_matches_numpy_on_the_widened_rows():
+    """A bfloat16 model's greedy step hands the head's bf16 logits to elementwise.c's argmax:
+    the first maximum of the rows widened to float32 (NaN first, -0 equal to +0, infinities,
+    negative rows, ties at chunk edges, rows shorter than a chunk, a strided view), and the
+    sampler's greedy tokens are those of the widened logits."""
+    from pipeserve.sampling.sampler import _argmax_bf16
+    assert _argmax_bf16() is not None, "elementwise.c should build here"
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(12, 49152, generator=g) * 8).bfloat16()
+    x[0, [100, 64, 30000]] = float("nan")
+    x[1] = float("-inf")
+    x[2] = -1.0
+    x[2, 5], x[2, 70] = -0.0, 0.0   # the first maximum is -0 at 5 (equal to +0 at 70)
+    x[3, 9] = float("inf")
+    x[4] = -torch.rand(49152, generator=g).bfloat16() - 1   # every value negative
+    x[5, [63, 64, 127, 128]] = 1e30   # ties across chunk edges
+    x[6, -1] = 1e30                   # the last
+    x[7] = 1.0                         # all equal
+    x[8, 0] = float("nan")
+    x[9, 49151] = float("nan")
+    x[10, 49088] = x[10].float().max().bfloat16()   # a tie in the last whole chunk
+    wide = x.float()
+    want = torch.from_numpy(wide.numpy().argmax(axis=-1))
+    assert torch.equal(argmax(x), want) and torch.equal(want, wide.argmax(dim=-1))
+    assert argmax(x)[2].item() == 5
+    for n in (1, 3, 63, 64, 65, 200):
+        assert torch.equal(argmax(x[:, :n]), wide[:, :n].argmax(dim=-1)), n
+    assert torch.equal(argmax(x[:, ::3]), wide[:, ::3].argmax(dim=-1))
+    out = Sampler(0).sample(x, [sp(temperature=0.0)] * 12)
+    assert tokens(out) == want.tolist()
+    # Rows that sample (or ask for logprobs) are widened first, as before.
+    mixed = Sampler(0).sample(x[3:5], [sp(temperature=0.0, num_logprobs=2), sp(temperature=0.0)])
+    assert tokens(mixed) == want[3:5].tolist()

@@ -73,6 +73,7 @@ typedef void (*items_fn)(const void *plan, const float *q, const void *k_cache, 
                          const int64_t *block_tables, int64_t max_blocks, const int64_t *context_lens, float scale,
                          float softcap, int bf16_math, int64_t i0, int64_t i1);
 typedef void (*merge_fn)(const void *plan, int64_t bh0, int64_t bh1, float *out);
+typedef void (*share_fn)(const void *plan, int t, int64_t *i0, int64_t *i1);
 typedef int (*dense_rows_fn)(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M,
                              const uint16_t *bias, int64_t n0, int64_t n1, uint16_t *out);
 
@@ -88,6 +89,7 @@ typedef struct {
     plan_fn plan;
     items_fn items;
     merge_fn merge;
+    share_fn share;   /* thread t's items of the plan: its part of the step's keys */
     /* quant_gemm_i8.c's many-row 8-bit kernel in the same two phases (AVX512-VNNI), or NULL:
      * a linear layer whose every part it takes at the step's rows multiplies them in one pass
      * of it (m_act_bytes is 0 for a layout it does not take, or for too few rows: up to
@@ -516,8 +518,12 @@ int pipeserve_decode_stage(const stage_kernels *k, const stage_layer *layers, in
             TEAM_BARRIER(T);
             account(prof, t, &last, rope_write_plan, part, 3);
             if (failed) break;
-            k->items(plan, q, L->k_cache, L->v_cache, (int)s->kv_dtype, s->block_tables, s->max_blocks, s->context_lens,
-                     s->scale, L->softcap, a->bf16, items * t / T, items * (t + 1) / T);
+            {
+                int64_t i0, i1;
+                k->share(plan, t, &i0, &i1);
+                k->items(plan, q, L->k_cache, L->v_cache, (int)s->kv_dtype, s->block_tables, s->max_blocks,
+                         s->context_lens, s->scale, L->softcap, a->bf16, i0, i1);
+            }
             TEAM_BARRIER(T);
             {
                 const int64_t bh0 = M * s->heads * t / T, bh1 = M * s->heads * (t + 1) / T;

@@ -218,3 +218,44 @@ void pipeserve_rope_f32(const float *x, int64_t stride, float *out, int64_t n, i
     }
 }
 #pragma GCC pop_options
+
+/* Per row of `n` bfloat16 values, the index of the first maximum, as NumPy's argmax of the row
+ * widened to float32 (torch's argmax too): the first NaN where there is one; -0 and +0 equal.
+ * A greedy step's logits, read once as they come from the head, without the float32 copy.
+ * The values are compared as 16-bit integers that order as the floats do (negatives' magnitude
+ * bits flipped, -0 taken as +0): a max pass gcc vectorises, then the first index holding it. */
+static inline int16_t bf16_order_key(uint16_t b) {
+    if (b == 0x8000) b = 0;
+    return (int16_t)(b & 0x8000 ? b ^ 0x7FFF : b);
+}
+
+/* The first index in [0, n) whose value's key is `key` (NaN: the first NaN), past chunks of 64
+ * tested at once. */
+static int64_t first_with_key(const uint16_t *row, int64_t n, int16_t key, int nan) {
+    int64_t c = 0;
+    for (; c + 64 <= n; c += 64) {
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = c; i < c + 64; i++)
+            hit |= nan ? (row[i] & 0x7FFF) > 0x7F80 : bf16_order_key(row[i]) == key;
+        if (hit) break;
+    }
+    for (; c < n; c++)
+        if (nan ? (row[c] & 0x7FFF) > 0x7F80 : bf16_order_key(row[c]) == key) return c;
+    return 0;
+}
+
+void pipeserve_argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * n;
+        int16_t best = INT16_MIN;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            const int16_t k = bf16_order_key(row[i]);
+            best = k > best ? k : best;
+            nan |= (row[i] & 0x7FFF) > 0x7F80;
+        }
+        out[r] = first_with_key(row, n, best, nan);
+    }
+}

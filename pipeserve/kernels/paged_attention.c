@@ -104,6 +104,10 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
  * merge and the per-range setup cost about as much as a few keys). */
 #define SPLIT_PER_THREAD 8
 #define SPLIT_MIN_KEYS 128
+/* A fixed share of a step per thread (pipeserve_decode_share) cuts a sequence at the
+ * share's first block where the step has this many keys a thread; a smaller step is
+ * shared out in whole sequences (merging the parts would cost more than it evens out). */
+#define SHARE_MIN_KEYS 64
 /* A step of fewer (key, kv head) rows than this runs on the calling thread: at ~40 ns
  * a row on one AVX2 core that is under ~80 us, less than a thread team's fork and join
  * cost once the machine is loaded (the join waits for every thread to be scheduled). */
@@ -1149,30 +1153,40 @@ void pipeserve_write_rows_strided(char *cache, const int64_t *slots, int64_t n, 
  * [bh0, bh1) into the output. The plan lives in a caller's buffer of
  * pipeserve_decode_plan_bytes: the header, then its arrays. */
 typedef struct {
-    int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items;
+    int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items, threads;
     int64_t *first_range;   /* [batch + 1]: sequence b's ranges are first_range[b] .. first_range[b + 1] */
     int64_t *range_seq;     /* [ranges]: the sequence of each range */
+    int64_t *range_lo;      /* [ranges]: its keys are positions range_lo .. range_hi of its sequence */
+    int64_t *range_hi;
+    int64_t *share;         /* [threads + 1]: thread t's items are share[t] .. share[t + 1] */
     float *parts;           /* [items, heads, pstride]: each item's partial result per query head */
 } decode_plan;
 
 /* At most this many ranges: the cut (split_span) gives about num_threads * SPLIT_PER_THREAD
- * spans of whole blocks over the step's keys, plus up to two partial spans per sequence. */
+ * spans of whole blocks over the step's keys, plus up to two partial spans per sequence, plus
+ * the num_threads - 1 cuts between the threads' shares. */
 static int64_t max_ranges(int64_t batch, int num_threads) {
-    return num_threads <= 1 ? batch : 2 * batch + (int64_t)num_threads * SPLIT_PER_THREAD;
+    return num_threads <= 1 ? batch : 2 * batch + (int64_t)num_threads * (SPLIT_PER_THREAD + 1);
 }
 
 int64_t pipeserve_decode_plan_bytes(int64_t batch, int64_t heads, int64_t head_dim, int num_threads) {
-    const int64_t ranges = max_ranges(batch, num_threads);
-    return (int64_t)sizeof(decode_plan) + (batch + 1 + ranges) * (int64_t)sizeof(int64_t)
+    const int64_t ranges = max_ranges(batch, num_threads), threads = num_threads > 1 ? num_threads : 1;
+    return (int64_t)sizeof(decode_plan) + (batch + 1 + 3 * ranges + threads + 1) * (int64_t)sizeof(int64_t)
            + ranges * heads * (PART_HEAD + head_dim) * (int64_t)sizeof(float) + 64;
 }
 
-/* Ranges of keys cut for num_threads threads (no cut for one). Returns the number of items
- * (-1 only if the cut outgrew max_ranges, which its bound rules out). */
+/* Ranges of keys cut for num_threads threads (no cut for one), in sequence order: spans of
+ * split_span keys from each sequence's first whole block (for callers that hand ranges out
+ * as threads come free), and cuts at the block nearest to each t / num_threads of the step's
+ * keys, so that thread t's share (items share[t] .. share[t + 1], for callers that hand each
+ * thread a fixed share: decode_stage.c) holds its part of the keys to within a block, however
+ * few the sequences (to within a sequence in a step of under SHARE_MIN_KEYS keys a thread). Returns the number of items (-1 only if the cut outgrew max_ranges,
+ * which its bound rules out). */
 int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t batch, int64_t heads,
                               int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
                               int num_threads) {
     decode_plan *p = (decode_plan *)buf;
+    const int64_t most = max_ranges(batch, num_threads), T = num_threads > 1 ? num_threads : 1;
     p->batch = batch;
     p->heads = heads;
     p->kv_heads = kv_heads;
@@ -1181,23 +1195,64 @@ int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t ba
     p->pstride = PART_HEAD + head_dim;
     p->block_size = block_size;
     p->window = window;
+    p->threads = T;
     p->first_range = (int64_t *)(p + 1);
     p->range_seq = p->first_range + batch + 1;
-    p->parts = (float *)(((uintptr_t)(p->range_seq + max_ranges(batch, num_threads)) + 63) & ~(uintptr_t)63);
+    p->range_lo = p->range_seq + most;
+    p->range_hi = p->range_lo + most;
+    p->share = p->range_hi + most;
+    p->parts = (float *)(((uintptr_t)(p->share + T + 1) + 63) & ~(uintptr_t)63);
     p->span = split_span(context_lens, batch, window, block_size, num_threads);
-    const int64_t most = max_ranges(batch, num_threads);
-    int64_t ranges = 0;
+    int64_t keys = 0;
+    for (int64_t b = 0; b < batch; b++) keys += context_lens[b] - window_start(context_lens[b], window);
+    const int cut_inside = keys >= T * SHARE_MIN_KEYS;   /* else the shares are whole sequences */
+    int64_t ranges = 0, seen = 0, t = 1;   /* seen: the keys of the sequences before b */
+    p->share[0] = 0;
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t first = window_start(context_lens[b], window), base = first - first % block_size;
+        const int64_t ctx = context_lens[b], first = window_start(ctx, window), base = first - first % block_size;
         p->first_range[b] = ranges;
-        const int64_t n = p->span ? (context_lens[b] - base + p->span - 1) / p->span : 1;
-        if (ranges + n > most) return -1;
-        for (int64_t c = 0; c < n; c++) p->range_seq[ranges++] = b;
+        for (int64_t lo = first; lo < ctx;) {
+            int64_t hi = p->span ? base + ((lo - base) / p->span + 1) * p->span : ctx;
+            hi = hi < ctx ? hi : ctx;
+            while (t < T) {   /* thread t's share starts at the block (or sequence) nearest its first key */
+                const int64_t x = first + keys * t / T - seen;
+                const int64_t cut = !cut_inside ? (2 * x <= first + ctx ? first : ctx)
+                                    : x <= lo   ? lo
+                                                : (x + block_size / 2) / block_size * block_size;
+                if (cut <= lo) p->share[t++] = ranges;
+                else {
+                    hi = cut < hi ? cut : hi;
+                    break;
+                }
+            }
+            if (ranges == most) return -1;
+            p->range_seq[ranges] = b;
+            p->range_lo[ranges] = lo;
+            p->range_hi[ranges++] = hi;
+            lo = hi;
+        }
+        seen += ctx - first;
     }
+    while (t <= T) p->share[t++] = ranges;
     p->first_range[batch] = ranges;
     p->ranges = ranges;
     p->items = ranges;   /* an item is a range of keys, every kv head */
     return p->items;
+}
+
+/* Item c of a plan: its sequence and its keys' positions [*lo, *hi) (for tests). */
+void pipeserve_decode_item(const void *plan, int64_t c, int64_t *seq, int64_t *lo, int64_t *hi) {
+    const decode_plan *p = (const decode_plan *)plan;
+    *seq = p->range_seq[c];
+    *lo = p->range_lo[c];
+    *hi = p->range_hi[c];
+}
+
+/* Thread t's share of the plan's items: [*i0, *i1). */
+void pipeserve_decode_share(const void *plan, int t, int64_t *i0, int64_t *i1) {
+    const decode_plan *p = (const decode_plan *)plan;
+    *i0 = p->share[t];
+    *i1 = p->share[t + 1];
 }
 
 void pipeserve_decode_items(const void *plan, const float *q, const void *k_cache, const void *v_cache, int dtype,
@@ -1207,11 +1262,10 @@ void pipeserve_decode_items(const void *plan, const float *q, const void *k_cach
     const int64_t head_bytes = head_row_bytes(dtype, p->head_dim);
     const range_fn fn = pick_range(dtype, p->head_dim, bf16_math);
     for (int64_t c = i0; c < i1; c++) {
-        const int64_t b = p->range_seq[c], ctx = context_lens[b], first = window_start(ctx, p->window);
-        const int64_t base = first - first % p->block_size + (c - p->first_range[b]) * p->span;
-        key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks,
-                       base > first ? base : first, p->span && base + p->span < ctx ? base + p->span : ctx,
-                       0, p->kv_heads * head_bytes, p->block_size, p->kv_heads, p->group, scale, softcap};
+        const int64_t b = p->range_seq[c];
+        key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks, p->range_lo[c],
+                       p->range_hi[c], 0, p->kv_heads * head_bytes, p->block_size, p->kv_heads, p->group, scale,
+                       softcap};
         fn(q + b * p->heads * p->head_dim, &r, dtype, p->head_dim, p->parts + c * p->heads * p->pstride);
     }
 }

@@ -57,9 +57,9 @@ _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("rmsnorm", "rope", "silu_mul", "act_bytes", "prepare", "rows",
-                                        "plan_bytes", "plan", "items", "merge", "m_act_bytes", "m_prepare", "m_rows",
-                                        "d_rows", "a_act_bytes", "a_prepare", "a_rows")] + [("a_min_rows", _i64),
-                                                                                           ("a_per_out", _i64)]
+                                        "plan_bytes", "plan", "items", "merge", "share", "m_act_bytes", "m_prepare",
+                                        "m_rows", "d_rows", "a_act_bytes", "a_prepare", "a_rows")] + [
+        ("a_min_rows", _i64), ("a_per_out", _i64)]
 
 
 class _QWeight(ctypes.Structure):
@@ -301,7 +301,8 @@ def _build(model: LlamaModel) -> FusedDecode | str:
                        addr(elementwise, f"pipeserve_silu_mul_{suffix}"), addr(quant, "pipeserve_quant_act_bytes"),
                        addr(quant, "pipeserve_quant_prepare"), addr(quant, "pipeserve_quant_rows"),
                        addr(attention, "pipeserve_decode_plan_bytes"), addr(attention, "pipeserve_decode_plan"),
-                       addr(attention, "pipeserve_decode_items"), addr(attention, "pipeserve_decode_merge"))
+                       addr(attention, "pipeserve_decode_items"), addr(attention, "pipeserve_decode_merge"),
+                       addr(attention, "pipeserve_decode_share"))
     act_bytes = quant.pipeserve_quant_act_bytes
     act_bytes.argtypes, act_bytes.restype = [ctypes.c_int, _i64, _i64, _i64], _i64
     weights = []

@@ -211,20 +211,26 @@ class LlamaModel(nn.Module):
         return self.tp.all_reduce(h * mine.unsqueeze(1).to(h.dtype))
 
     def _ropes(self, positions: torch.Tensor, meta: AttentionMetadata) -> dict[str, Rope]:
+        limit = max(meta.context_lens, default=0)   # past every position of the step
         if isinstance(self.rotary, LongRotaryEmbedding):
             ropes = {"global": self.rotary.forward(positions, meta.query_lens, meta.seq_lens or meta.context_lens)}
         else:
-            ropes = {"global": self.rotary.forward(positions)}
+            ropes = {"global": self.rotary.forward(positions, limit)}
         if self.local_rotary is not None:
-            ropes["local"] = self.local_rotary.forward(positions)
+            ropes["local"] = self.local_rotary.forward(positions, limit)
         return ropes
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, hidden: torch.Tensor, widen: bool = True) -> torch.Tensor | None:
         """hidden [n, hidden] -> float32 logits [n, vocab] (final norm + head). Under
-        tensor parallelism the full logits exist on TP rank 0 only (None elsewhere)."""
+        tensor parallelism the full logits exist on TP rank 0 only (None elsewhere).
+        ``widen`` False: in the head's dtype where nothing follows the head (the sampler
+        widens them where it needs to; a greedy token does not)."""
         if not self.is_last:
             raise RuntimeError("compute_logits needs the last stage (final norm and LM head)")
-        logits = self.lm_head.forward(self.norm.forward(hidden)).float()
+        logits = self.lm_head.forward(self.norm.forward(hidden))
+        if not widen and self.tp is None and self.cfg.final_logit_softcapping is None:
+            return logits
+        logits = logits.float()
         if self.tp is not None:
             logits = self.tp.gather_to_first(logits)   # [n, T * vocab rows] on rank 0
             if logits is None:

@@ -116,7 +116,7 @@ class ModelRunner:
         sampled_seqs = [s for s in step.seqs if s.sampling is not None]
         if not sampled_seqs:
             return StepOutput(step.step_id, [])
-        logits = self.model.compute_logits(_sample_hidden(hidden, step))  # [S, vocab] float32
+        logits = self.model.compute_logits(_sample_hidden(hidden, step), widen=False)  # [S, vocab]
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return StepOutput(step.step_id, [])
         results = self.sampler.sample(logits, [s.sampling for s in sampled_seqs])
