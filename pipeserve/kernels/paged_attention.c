@@ -1180,8 +1180,8 @@ int64_t pipeserve_decode_plan_bytes(int64_t batch, int64_t heads, int64_t head_d
  * as threads come free), and cuts at the block nearest to each t / num_threads of the step's
  * keys, so that thread t's share (items share[t] .. share[t + 1], for callers that hand each
  * thread a fixed share: decode_stage.c) holds its part of the keys to within a block, however
- * few the sequences (to within a sequence in a step of under SHARE_MIN_KEYS keys a thread). Returns the number of items (-1 only if the cut outgrew max_ranges,
- * which its bound rules out). */
+ * few the sequences (to within a sequence in a step of under SHARE_MIN_KEYS keys a thread).
+ * Returns the number of items (-1 only if the cut outgrew max_ranges, which its bound rules out). */
 int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t batch, int64_t heads,
                               int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
                               int num_threads) {
@@ -1261,6 +1261,7 @@ void pipeserve_decode_items(const void *plan, const float *q, const void *k_cach
     const decode_plan *p = (const decode_plan *)plan;
     const int64_t head_bytes = head_row_bytes(dtype, p->head_dim);
     const range_fn fn = pick_range(dtype, p->head_dim, bf16_math);
+    (void)context_lens;   /* the plan holds each item's keys */
     for (int64_t c = i0; c < i1; c++) {
         const int64_t b = p->range_seq[c];
         key_range r = {(const char *)k_cache, (const char *)v_cache, block_tables + b * max_blocks, p->range_lo[c],
