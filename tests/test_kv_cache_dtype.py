@@ -99,6 +99,37 @@ def test_bf16_decode_and_prefill_kernels_match_torch_path_on_8bit_cache(dtype, h
     assert (got.float() - expected.float()).abs().max().item() < 2e-2
 
 
+def _run_capped(backend, cache, tables, q, k, v, query_lens, context_lens, block_size, softcap):
+    meta = backend.build_metadata(query_lens, context_lens, tables, block_size, torch.device("cpu"))
+    with torch.inference_mode():
+        return backend.forward(q, k, v, (cache[0].clone(), cache[1].clone()), meta, q.shape[2] ** -0.5,
+                               logit_softcap=softcap)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 96)])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_bf16_decodes_score_an_int8_cache_on_its_codes(heads, kv_heads, head_dim, softcap):
+    """A bfloat16 model's decodes on an int8 cache take their scores from the codes where the CPU
+    has AVX512-VNNI (int16 queries against the sign-extended codes, each row's scale applied to
+    the tile's sums): within bfloat16's rounding of the torch path at every head size the
+    kernel has a path for (64, 128, and 96 through the generic one) and with a soft cap; a
+    query that is NaN gives NaN, as on the other paths."""
+    rng = random.Random(head_dim + (softcap or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    context_lens = [1, 16, 17, 40, 200, 333]
+    lens = [1] * len(context_lens)
+    step = _quantized_step(rng, torch.int8, torch.bfloat16, lens, context_lens, heads, kv_heads, head_dim, 16)
+    expected = _run_capped(TorchPagedAttention(), *step, lens, context_lens, 16, softcap)
+    got = _run_capped(CpuPagedAttention(), *step, lens, context_lens, 16, softcap)
+    assert (got.float() - expected.float()).abs().max().item() < 2e-2
+    cache, tables, q, k, v = step
+    q = q.clone()
+    q[3, 0, 5] = float("nan")
+    got = _run_capped(CpuPagedAttention(), cache, tables, q, k, v, lens, context_lens, 16, softcap)
+    assert bool(got[3, 0].isnan().all()) and not bool(got[2].isnan().any())
+
+
 @needs_kernel
 def test_prefill_kernel_takes_8bit_caches_where_it_takes_bf16():
     cpu = CpuPagedAttention()

@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) __m512 tanh16(__m512 x) {
     const __m512 e = exp16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
     const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
     const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+    const __m512 out = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+    return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);   /* NaN stays NaN (exp16 clamps) */
 }
 #endif
 
@@ -128,7 +129,8 @@ static inline __attribute__((always_inline)) __m256 tanh8(__m256 x) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
     const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+    const __m256 out = _mm256_or_ps(t, _mm256_and_ps(x, sign));
+    return _mm256_blendv_ps(out, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));   /* NaN stays NaN (exp8 clamps) */
 }
 #endif
 #endif
