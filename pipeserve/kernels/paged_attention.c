@@ -682,8 +682,8 @@ static inline __attribute__((always_inline)) void tile_scores_i8(const char *src
  * part of each key, contiguous, read once. dtype DT_BFLOAT16: rows read in place; DT_INT8 /
  * DT_FP8 (a bfloat16 model): each tile's K and V rows of a kv head dequantized to bf16 once,
  * for all the group's heads, then the same; DT_INT8's K rows, where AVX512-VNNI is, are not
- * dequantized: their scores come from the codes (tile_scores_i8; one key and kv head 24.1 ->
- * 21.8 ns from memory, 17.4 -> 14.6 in cache, one thread; benchmarks/README.md, thirty-seventh
+ * dequantized: their scores come from the codes (tile_scores_i8; one key and kv head 25.0 ->
+ * 22.8 ns from memory, 19.3 -> 16.1 in cache, one thread; benchmarks/README.md, thirty-seventh
  * session).
  * In chunks of up to CHUNK_KEYS keys, three passes each: every tile's scores for every head
  * (vdpbf16ps, hsum16), then per head the chunk's max, the output so far rescaled once if it
