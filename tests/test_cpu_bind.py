@@ -6,11 +6,10 @@ import os
 
 import pytest
 
-from pipeserve.config import EngineConfig
+from pipeserve.config import EngineConfig, parse_cpu_list
 from pipeserve.pipeline.executor import PipelineExecutor
 from pipeserve.pipeline.partition import uniform_partition
 from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
-from pipeserve.config import parse_cpu_list
 from pipeserve.worker.cpu_bind import stage_cpus
 from tests.test_pipeline_runtime import _synthetic_cfg
 

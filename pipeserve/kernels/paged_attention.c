@@ -699,18 +699,18 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     const int quant = is_8bit(dtype);
     const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
     uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
-    __m512bh qs[heads * npair];
-    const __m512 vscale = _mm512_set1_ps(r->scale);
-    for (int64_t i = 0; i < heads * npair; i++)
-        qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
-                                    _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
 #if defined(__AVX512VNNI__)
     const int k_i16 = dtype == DT_INT8;   /* scores on the codes (tile_scores_i8) */
 #else
     const int k_i16 = 0;
 #endif
+    __m512bh qs[k_i16 ? 1 : heads * npair];   /* the bf16 products' queries */
     int16_t qi[k_i16 ? heads * head_dim : 1];
     float qsc[k_i16 ? heads : 1];
+    const __m512 vscale = _mm512_set1_ps(r->scale);
+    for (int64_t i = 0; !k_i16 && i < heads * npair; i++)
+        qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
+                                    _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
 #if defined(__AVX512VNNI__)
     if (k_i16) quantize_q_i16(q, heads, head_dim, r->scale, qi, qsc);
 #endif
@@ -1183,14 +1183,17 @@ static __attribute__((unused)) void *thread_scratch(size_t bytes, int *failed) {
     return p;
 }
 
-/* Keys per range when splitting: 0 (no split) for one thread, else about
- * 1 / (threads * SPLIT_PER_THREAD) of the step's keys, whole blocks, at least
- * SPLIT_MIN_KEYS. */
-static int64_t split_span(const int64_t *context_lens, int64_t batch, int64_t window, int64_t block_size,
-                          int num_threads) {
-    if (num_threads <= 1) return 0;
+/* The keys a decode step of these contexts attends to (each sequence from its window's start). */
+static int64_t step_keys(const int64_t *context_lens, int64_t batch, int64_t window) {
     int64_t keys = 0;
     for (int64_t b = 0; b < batch; b++) keys += context_lens[b] - window_start(context_lens[b], window);
+    return keys;
+}
+
+/* Keys per range when splitting a step of `keys` keys: 0 (no split) for one thread, else about
+ * 1 / (threads * SPLIT_PER_THREAD) of them, whole blocks, at least SPLIT_MIN_KEYS. */
+static int64_t split_span(int64_t keys, int64_t block_size, int num_threads) {
+    if (num_threads <= 1) return 0;
     int64_t span = keys / ((int64_t)num_threads * SPLIT_PER_THREAD);
     span = span > SPLIT_MIN_KEYS ? span : SPLIT_MIN_KEYS;
     return (span + block_size - 1) / block_size * block_size;
@@ -1199,7 +1202,7 @@ static int64_t split_span(const int64_t *context_lens, int64_t batch, int64_t wi
 /* split_span for tests: keys per range a decode step of these contexts is cut into (0: none). */
 int64_t pipeserve_decode_split_span(const int64_t *context_lens, int64_t batch, int64_t window, int64_t block_size,
                                     int num_threads) {
-    return split_span(context_lens, batch, window, block_size, num_threads);
+    return split_span(step_keys(context_lens, batch, window), block_size, num_threads);
 }
 
 /* out_h = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r over the ranges r of one head. */
@@ -1234,7 +1237,7 @@ void pipeserve_write_rows_strided(char *cache, const int64_t *slots, int64_t n, 
  * [bh0, bh1) into the output. The plan lives in a caller's buffer of
  * pipeserve_decode_plan_bytes: the header, then its arrays. */
 typedef struct {
-    int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items, threads;
+    int64_t batch, heads, kv_heads, group, head_dim, pstride, block_size, window, span, ranges, items;
     int64_t *first_range;   /* [batch + 1]: sequence b's ranges are first_range[b] .. first_range[b + 1] */
     int64_t *range_seq;     /* [ranges]: the sequence of each range */
     int64_t *range_lo;      /* [ranges]: its keys are positions range_lo .. range_hi of its sequence */
@@ -1276,16 +1279,14 @@ int64_t pipeserve_decode_plan(void *buf, const int64_t *context_lens, int64_t ba
     p->pstride = PART_HEAD + head_dim;
     p->block_size = block_size;
     p->window = window;
-    p->threads = T;
     p->first_range = (int64_t *)(p + 1);
     p->range_seq = p->first_range + batch + 1;
     p->range_lo = p->range_seq + most;
     p->range_hi = p->range_lo + most;
     p->share = p->range_hi + most;
     p->parts = (float *)(((uintptr_t)(p->share + T + 1) + 63) & ~(uintptr_t)63);
-    p->span = split_span(context_lens, batch, window, block_size, num_threads);
-    int64_t keys = 0;
-    for (int64_t b = 0; b < batch; b++) keys += context_lens[b] - window_start(context_lens[b], window);
+    const int64_t keys = step_keys(context_lens, batch, window);
+    p->span = split_span(keys, block_size, num_threads);
     const int cut_inside = keys >= T * SHARE_MIN_KEYS;   /* else the shares are whole sequences */
     int64_t ranges = 0, seen = 0, t = 1;   /* seen: the keys of the sequences before b */
     p->share[0] = 0;
@@ -1387,9 +1388,7 @@ int pipeserve_paged_decode_io(const void *q, const void *k_cache, const void *v_
                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
                               int64_t block_size, float scale, int64_t window, float softcap, void *out,
                               int num_threads, int bf16_math, int io_bf16) {
-    int64_t rows = 0;
-    for (int64_t b = 0; b < batch; b++) rows += (context_lens[b] - window_start(context_lens[b], window)) * kv_heads;
-    if (rows < PARALLEL_MIN_ROWS) num_threads = 1;
+    if (step_keys(context_lens, batch, window) * kv_heads < PARALLEL_MIN_ROWS) num_threads = 1;
     const int64_t plan_bytes = (pipeserve_decode_plan_bytes(batch, heads, head_dim, num_threads) + 63) / 64 * 64;
     const int64_t nq = batch * heads * head_dim;
     const int64_t q_bytes = io_bf16 ? (nq * (int64_t)sizeof(float) + 63) / 64 * 64 : 0;   /* sizes: multiples of 64 */
