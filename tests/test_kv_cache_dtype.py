@@ -110,20 +110,26 @@ def _run_capped(backend, cache, tables, q, k, v, query_lens, context_lens, block
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 96)])
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_bf16_decodes_score_an_int8_cache_on_its_codes(heads, kv_heads, head_dim, softcap):
-    """A bfloat16 model's decodes on an int8 cache take their scores from the codes where the CPU
-    has AVX512-VNNI (int16 queries against the sign-extended codes, each row's scale applied to
-    the tile's sums): within bfloat16's rounding of the torch path at every head size the
-    kernel has a path for (64, 128, and 96 through the generic one) and with a soft cap; a
-    query that is NaN gives NaN, as on the other paths."""
+    """A bfloat16 model's decodes on an int8 cache take their scores and values from the codes
+    where the CPU has AVX512-VNNI (int16 queries against the sign-extended codes, each row's scale
+    applied to the tile's sums; probabilities times the V rows' scales rounded to int16 against
+    the tile's largest scale): within bfloat16's rounding of the torch path at every head size
+    the kernel has a path for (64, 128, and 96 through the generic one) and with a soft cap, and
+    within one bfloat16 step of the float32 attention over the same codes (the torch path's
+    bfloat16 rows and probabilities are up to 2-3 steps off); a query that is NaN gives NaN, as
+    on the other paths."""
     rng = random.Random(head_dim + (softcap or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     context_lens = [1, 16, 17, 40, 200, 333]
     lens = [1] * len(context_lens)
     step = _quantized_step(rng, torch.int8, torch.bfloat16, lens, context_lens, heads, kv_heads, head_dim, 16)
     expected = _run_capped(TorchPagedAttention(), *step, lens, context_lens, 16, softcap)
-    got = _run_capped(CpuPagedAttention(), *step, lens, context_lens, 16, softcap)
-    assert (got.float() - expected.float()).abs().max().item() < 2e-2
+    got = _run_capped(CpuPagedAttention(), *step, lens, context_lens, 16, softcap).float()
+    assert (got - expected.float()).abs().max().item() < 2e-2
     cache, tables, q, k, v = step
+    exact = _run_capped(TorchPagedAttention(), cache, tables, q.float(), k.float(), v.float(), lens, context_lens,
+                        16, softcap)
+    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
     q = q.clone()
     q[3, 0, 5] = float("nan")
     got = _run_capped(CpuPagedAttention(), cache, tables, q, k, v, lens, context_lens, 16, softcap)

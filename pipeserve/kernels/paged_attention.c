@@ -672,6 +672,94 @@ static inline __attribute__((always_inline)) void tile_scores_i8(const char *src
         _mm512_storeu_ps(sc + g * sstride + n, s);
     }
 }
+
+/* One tile's int8 V rows of a kv head at src for GN query heads, on the codes: acc_g += sum_t
+ * e_g[t] vs[t] v[t] (e_g: the heads' exp(s - m), pstride apart, lanes past `valid` dropped;
+ * vs: the rows' scales). Each head's e_g[t] vs[t] is rounded to int16 against the largest
+ * scale of the tile (vq = vs * 32767 / that scale; e <= 1), the codes are sign-extended, two
+ * rows a vpdpwssd as pv_tile_bf16 pairs them (same lane order, see unscramble), and the int32
+ * sums (at most 16 products of 32767 x 127 a lane) go into acc times inv = that scale / 32767. */
+static inline __attribute__((always_inline)) void pv_tile_i8(const char *src, int64_t rows, int64_t row_stride,
+                                                             const float *e, int64_t pstride, __mmask16 valid,
+                                                             __m512 vq, float inv, float *acc, int64_t acc_stride,
+                                                             const int GN, const int64_t npair) {
+    if (npair > PV_MAX_PAIRS) __builtin_unreachable();   /* head_dim <= 256 (pick_range) */
+    int16_t pq[PV_MAX_G][TILE];
+    UNROLL
+    for (int g = 0; g < GN; g++)
+        _mm256_storeu_si256((__m256i *)pq[g], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e + g * pstride), vq))));
+    __m512i lo[PV_MAX_G][PV_MAX_PAIRS], hi[PV_MAX_G][PV_MAX_PAIRS];
+    UNROLL
+    for (int g = 0; g < GN; g++) {
+        UNROLL
+        for (int64_t w = 0; w < npair; w++) lo[g][w] = hi[g][w] = _mm512_setzero_si512();
+    }
+    for (int64_t i = 0; i < rows; i += 2) {
+        const char *src0 = src + i * row_stride;
+        const int second = i + 1 < rows;
+        __m512i ulo[PV_MAX_PAIRS], uhi[PV_MAX_PAIRS];
+        UNROLL
+        for (int64_t w = 0; w < npair; w++) {
+            const __m512i r0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(src0 + 32 * w)));
+            const __m512i r1 = second ? _mm512_cvtepi8_epi16(
+                                            _mm256_loadu_si256((const __m256i *)(src0 + row_stride + 32 * w)))
+                                      : _mm512_setzero_si512();
+            ulo[w] = _mm512_unpacklo_epi16(r0, r1);
+            uhi[w] = _mm512_unpackhi_epi16(r0, r1);
+        }
+        UNROLL
+        for (int g = 0; g < GN; g++) {
+            uint32_t pair;
+            memcpy(&pair, pq[g] + i, sizeof pair);
+            const __m512i pp = _mm512_set1_epi32((int)pair);
+            UNROLL
+            for (int64_t w = 0; w < npair; w++) {
+                lo[g][w] = _mm512_dpwssd_epi32(lo[g][w], ulo[w], pp);
+                hi[g][w] = _mm512_dpwssd_epi32(hi[g][w], uhi[w], pp);
+            }
+        }
+    }
+    const __m512 vinv = _mm512_set1_ps(inv);
+    UNROLL
+    for (int g = 0; g < GN; g++) {
+        UNROLL
+        for (int64_t w = 0; w < npair; w++) {
+            float *a = acc + g * acc_stride + 32 * w;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo[g][w]), vinv, _mm512_loadu_ps(a)));
+            _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi[g][w]), vinv, _mm512_loadu_ps(a + 16)));
+        }
+    }
+}
+
+/* A tile's int8 V rows of kv head kvh (at `off`) summed for its group's heads on the codes
+ * (pv_tile_i8): the rows' scales, the tile's largest, then gmax heads at a time. A scale that is
+ * NaN makes inv NaN, so the heads' outputs are NaN as dequantized rows would make them. */
+static inline __attribute__((always_inline)) void values_tile_i8(const key_range *r, int64_t rows, int64_t off,
+                                                                 int64_t kvh, const int64_t npair, const float *e,
+                                                                 int64_t sstride, float *part, int64_t pstride,
+                                                                 const int gmax) {
+    const int64_t head_dim = 32 * npair, group = r->group;
+    const char *src = r->v + off + kvh * head_row_bytes(DT_INT8, head_dim);
+    float vs[TILE];
+    for (int64_t j = 0; j < TILE; j++) vs[j] = j < rows ? row_scale(src + j * r->row_stride, DT_INT8, head_dim) : 0.0f;
+    const __m512 vvs = _mm512_loadu_ps(vs);
+    const float vmax = _mm512_reduce_max_ps(vvs);
+    const float inv = _mm512_cmp_ps_mask(vvs, vvs, _CMP_UNORD_Q) ? NAN : vmax / 32767.0f;
+    const __m512 vq = _mm512_mul_ps(vvs, _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f));
+    const __mmask16 valid = rows >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
+    for (int64_t g0 = 0; g0 < group; g0 += gmax) {
+        const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
+        float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
+        const float *eg = e + (kvh * group + g0) * sstride;
+        switch (gn) {
+            case 4: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 4, npair); break;
+            case 3: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 3, npair); break;
+            case 2: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 2, npair); break;
+            default: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 1, npair); break;
+        }
+    }
+}
 #endif
 
 /* Keys whose scores are taken before any of their values are summed (attend_range_bf16dp):
@@ -700,19 +788,19 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
     uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
 #if defined(__AVX512VNNI__)
-    const int k_i16 = dtype == DT_INT8;   /* scores on the codes (tile_scores_i8) */
+    const int on_codes = dtype == DT_INT8;   /* scores and values on the codes (tile_scores_i8, values_tile_i8) */
 #else
-    const int k_i16 = 0;
+    const int on_codes = 0;
 #endif
-    __m512bh qs[k_i16 ? 1 : heads * npair];   /* the bf16 products' queries */
-    int16_t qi[k_i16 ? heads * head_dim : 1];
-    float qsc[k_i16 ? heads : 1];
+    __m512bh qs[on_codes ? 1 : heads * npair];   /* the bf16 products' queries */
+    int16_t qi[on_codes ? heads * head_dim : 1];
+    float qsc[on_codes ? heads : 1];
     const __m512 vscale = _mm512_set1_ps(r->scale);
-    for (int64_t i = 0; !k_i16 && i < heads * npair; i++)
+    for (int64_t i = 0; !on_codes && i < heads * npair; i++)
         qs[i] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * i + 16), vscale),
                                     _mm512_mul_ps(_mm512_loadu_ps(q + 32 * i), vscale));
 #if defined(__AVX512VNNI__)
-    if (k_i16) quantize_q_i16(q, heads, head_dim, r->scale, qi, qsc);
+    if (on_codes) quantize_q_i16(q, heads, head_dim, r->scale, qi, qsc);
 #endif
     start_parts(part, heads, head_dim);
     prefetch_first(r, key_bytes);
@@ -732,7 +820,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
             const int64_t rows = cursor_rows(r, &at), off = cursor_offset(r, &at);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
 #if defined(__AVX512VNNI__)
-                if (k_i16) {
+                if (on_codes) {
                     prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
                     tile_scores_i8(r->k + off + kvh * head_bytes, rows, r->row_stride, npair, qi, qsc, kvh * group,
                                    group, r->softcap, (int16_t *)kq, sc, sstride, n);
@@ -787,7 +875,8 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                 const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + i), mx)));
                 if (i & 16) sum1 = _mm512_add_ps(sum1, e);
                 else sum0 = _mm512_add_ps(sum0, e);
-                _mm256_storeu_si256((__m256i *)(p + g * sstride + i), (__m256i)_mm512_cvtneps_pbh(e));
+                if (on_codes) _mm512_storeu_ps(sg + i, e);   /* the values on the codes take e itself */
+                else _mm256_storeu_si256((__m256i *)(p + g * sstride + i), (__m256i)_mm512_cvtneps_pbh(e));
             }
             p[g * sstride + n] = 0;
             pg[1] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
@@ -796,6 +885,13 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
         for (int64_t i = 0; i < n;) {   /* values */
             const int64_t rows = cursor_rows(r, &vc), off = cursor_offset(r, &vc);
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
+#if defined(__AVX512VNNI__)
+                if (on_codes) {
+                    prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
+                    values_tile_i8(r, rows, off, kvh, npair, sc + i, sstride, part, pstride, gmax);
+                    continue;
+                }
+#endif
                 const char *values = kv_head_tile(r, pfv, rows, off, kvh, r->v, dtype, npair, vq);
                 for (int64_t g0 = 0; g0 < group; g0 += gmax) {
                     const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
