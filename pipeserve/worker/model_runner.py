@@ -82,8 +82,9 @@ class ModelRunner:
 
     def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: bool = False) -> list[KVCache]:
         """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
-        mapped in by a background thread (``populate_in_background``); the host pool for swaps
-        is used only under memory pressure and faults in as written."""
+        mapped in at start-up for a few seconds and the rest by a background thread
+        (``populate_in_background``); the host pool for swaps is used only under memory pressure
+        and faults in as written."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
@@ -101,7 +102,7 @@ class ModelRunner:
 
         caches = [(make(), make()) for _ in range(self.model.num_layers)]
         if populate and device.type == "cpu" and blocks:
-            populate_in_background([t for pair in caches for t in pair])
+            populate_in_background([t for pair in caches for t in pair], upfront_s=POPULATE_UPFRONT_S)
         return caches
 
     # -- one step ----------------------------------------------------------
@@ -271,19 +272,28 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
 _MADV_POPULATE_WRITE = 23   # Linux 5.14+
 _POPULATE_CHUNK = 2 * _HUGE_PAGE
 _POPULATE_RESERVE = 1 << 30     # the node's memory the background population leaves free
+# A stage's start-up maps its KV cache in for at most this long (populate_in_background): the
+# default 1 GiB in 0.1-2.3 s, and a restarted stage rejoins at most this much later.
+POPULATE_UPFRONT_S = 3.0
 
 
-def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
-    """Fault in the lazily mapped KV cache (``zeros_on_huge_pages(prefault=False)``) on a thread of
-    the lowest priority (SCHED_IDLE: it runs only where a core has nothing else to do), a chunk
-    of each tensor in turn from the first block on, as the block manager hands blocks out.
+def populate_in_background(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threading.Thread | None:
+    """Fault in the lazily mapped KV cache (``zeros_on_huge_pages(prefault=False)``), a chunk of
+    each tensor in turn from the first block on, as the block manager hands blocks out: on the
+    calling thread for up to ``upfront_s`` seconds, the rest on a thread of the lowest priority
+    (SCHED_IDLE: it runs only where a core has nothing else to do). Returns that thread, or
+    None where nothing is left for it.
 
     A page's first write costs its zeroing, and in a VM whose host backs guest memory lazily the
-    host's fault too: ~2.3 s per GiB here, paid by the attention's KV writes of the first
-    prompts (4.5 % of a prefill-heavy run's stage time). MADV_POPULATE_WRITE maps the pages
-    writable without changing what they hold, so it may run beside the stage's own writes.
-    It stops where the node has less than 1 GiB available (the cache was checked against the
-    memory available at start; other processes may have taken some since): the rest faults in
+    host's fault too (0.1-2.3 s per GiB on the machines measured), paid by the attention's KV
+    writes of the first prompts. The idle thread alone did not keep ahead of them when a
+    benchmark starts at once (a stage busy 92 % of a reference run still had 2.7 s of faulting
+    writes, 4.4 % of its time), and where it ran beside a stage it delayed the stage's next
+    message (a hop's p99 4 ms): the engine maps the default cache in at start-up, bounded so that
+    a large cache (or a restarted stage) still starts within seconds. MADV_POPULATE_WRITE maps the
+    pages writable without changing what they hold, so the thread may run beside the stage's own
+    writes. It stops where the node has less than 1 GiB available (the cache was checked against
+    the memory available at start; other processes may have taken some since): the rest faults in
     as written. Best effort: nothing on kernels without it, or with PIPESERVE_KV_POPULATE=0."""
     if not sys.platform.startswith("linux") or os.environ.get("PIPESERVE_KV_POPULATE", "1") == "0":
         return None
@@ -291,28 +301,55 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     regions = [(weakref.ref(t), t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
     if not regions:
         return None
+    chunks = _population_chunks(regions)
+    deadline = time.perf_counter() + upfront_s
+    if upfront_s > 0:
+        t0, done = time.perf_counter(), 0
+        for nbytes in chunks:
+            if nbytes < 0:
+                return None
+            done += nbytes
+            if time.perf_counter() >= deadline:
+                break
+        else:
+            log.info("KV cache mapped in at start-up: %.1f MiB in %.2f s", done / 2**20, time.perf_counter() - t0)
+            return None
+        total = sum(n for _, _, n in regions)
+        log.info("KV cache mapped in at start-up: %.1f of %.1f MiB in %.2f s; the rest in the background at idle "
+                 "priority", done / 2**20, total / 2**20, time.perf_counter() - t0)
 
     def run() -> None:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # this thread only
         except (AttributeError, OSError):
             pass
-        madvise = _madvise()
-        page = mmap.PAGESIZE
-        for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
-            available = available_bytes()
-            if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
+        for nbytes in chunks:
+            if nbytes < 0:
                 return
-            for alive, address, nbytes in regions:
-                start = (address + offset) // page * page
-                stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
-                if start >= stop:
-                    continue
-                if alive() is None or madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
-                    return    # the cache is gone, or the kernel has no MADV_POPULATE_WRITE (EINVAL)
     thread = threading.Thread(target=run, name="kv-populate", daemon=True)
     thread.start()
     return thread
+
+
+def _population_chunks(regions: list[tuple[weakref.ref, int, int]]):
+    """Map in _POPULATE_CHUNK bytes of each region in turn, yielding the bytes of each; -1 (and
+    stop) where the node's reserve is reached, a region is gone or madvise refuses."""
+    madvise = _madvise()
+    page = mmap.PAGESIZE
+    for offset in range(0, max(n for _, _, n in regions), _POPULATE_CHUNK):
+        available = available_bytes()
+        if available is not None and available < _POPULATE_RESERVE + len(regions) * _POPULATE_CHUNK:
+            yield -1
+            return
+        for alive, address, nbytes in regions:
+            start = (address + offset) // page * page
+            stop = min(address + nbytes, address + offset + _POPULATE_CHUNK)
+            if start >= stop:
+                continue
+            if alive() is None or madvise(start, stop - start, _MADV_POPULATE_WRITE) != 0:
+                yield -1    # the cache is gone, or the kernel has no MADV_POPULATE_WRITE (EINVAL)
+                return
+            yield stop - start
 
 
 def _advise_huge(address: int, nbytes: int) -> None:
