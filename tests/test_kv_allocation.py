@@ -64,11 +64,11 @@ def _resident_pages(t: torch.Tensor) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE and mincore are Linux's")
 def test_the_lazy_cache_is_populated_in_the_background_keeping_what_was_written() -> None:
-    from pipeserve.worker.model_runner import populate_in_background
+    from pipeserve.worker.model_runner import populate_cache
     caches = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
     caches[1][(5 << 20) + 3] = 7        # a KV row written before the thread gets there
     assert _resident_pages(caches[0]) == 0
-    thread = populate_in_background(caches)
+    thread = populate_cache(caches)
     assert thread is not None
     thread.join(timeout=60)
     if _resident_pages(caches[0]) == 0:
@@ -83,7 +83,7 @@ def test_the_background_population_leaves_the_node_a_reserve(monkeypatch) -> Non
     from pipeserve.worker import model_runner
     monkeypatch.setattr(model_runner, "available_bytes", lambda: 512 << 20)   # under the 1 GiB reserve
     cache = zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False)
-    model_runner.populate_in_background([cache]).join(timeout=60)
+    model_runner.populate_cache([cache]).join(timeout=60)
     assert _resident_pages(cache) == 0
 
 
@@ -91,18 +91,18 @@ def test_the_background_population_leaves_the_node_a_reserve(monkeypatch) -> Non
 def test_the_cache_is_mapped_in_up_front_within_the_time_given() -> None:
     """A stage maps its cache in before it starts for up to ``upfront_s`` (no thread left when
     that suffices); past it, the rest goes to the idle-priority thread."""
-    from pipeserve.worker.model_runner import populate_in_background
+    from pipeserve.worker.model_runner import populate_cache
     pages = (6 << 20) // __import__("mmap").PAGESIZE
     caches = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
     caches[0][123] = 5
-    if populate_in_background(caches, upfront_s=60.0) is not None:
+    if populate_cache(caches, upfront_s=60.0) is not None:
         pytest.fail("6 MiB took over a minute to map in, or the background thread was started anyway")
     if _resident_pages(caches[0]) == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): the cache faults in as written")
     assert [_resident_pages(c) for c in caches] == [pages, pages]
     assert int(caches[0].sum()) == 5 and int(caches[1].sum()) == 0
     late = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
-    thread = populate_in_background(late, upfront_s=1e-9)   # one chunk up front, then the deadline
+    thread = populate_cache(late, upfront_s=1e-9)   # one chunk up front, then the deadline
     assert thread is not None
     thread.join(timeout=60)
     assert [_resident_pages(c) for c in late] == [pages, pages]

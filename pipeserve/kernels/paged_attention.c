@@ -676,19 +676,20 @@ static inline __attribute__((always_inline)) void tile_scores_i8(const char *src
 /* One tile's int8 V rows of a kv head at src for GN query heads, on the codes: acc_g += sum_t
  * e_g[t] vs[t] v[t] (e_g: the heads' exp(s - m), pstride apart, lanes past `valid` dropped;
  * vs: the rows' scales). Each head's e_g[t] vs[t] is rounded to int16 against the largest
- * scale of the tile (vq = vs * 32767 / that scale; e <= 1), the codes are sign-extended, two
+ * scale of the tile (pscale = vs * 32767 / that scale; e <= 1), the codes are sign-extended, two
  * rows a vpdpwssd as pv_tile_bf16 pairs them (same lane order, see unscramble), and the int32
  * sums (at most 16 products of 32767 x 127 a lane) go into acc times inv = that scale / 32767. */
 static inline __attribute__((always_inline)) void pv_tile_i8(const char *src, int64_t rows, int64_t row_stride,
                                                              const float *e, int64_t pstride, __mmask16 valid,
-                                                             __m512 vq, float inv, float *acc, int64_t acc_stride,
+                                                             __m512 pscale, float inv, float *acc, int64_t acc_stride,
                                                              const int GN, const int64_t npair) {
     if (npair > PV_MAX_PAIRS) __builtin_unreachable();   /* head_dim <= 256 (pick_range) */
     int16_t pq[PV_MAX_G][TILE];
     UNROLL
-    for (int g = 0; g < GN; g++)
-        _mm256_storeu_si256((__m256i *)pq[g], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
-                                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e + g * pstride), vq))));
+    for (int g = 0; g < GN; g++) {
+        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, e + g * pstride), pscale);
+        _mm256_storeu_si256((__m256i *)pq[g], _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(p)));   /* saturates */
+    }
     __m512i lo[PV_MAX_G][PV_MAX_PAIRS], hi[PV_MAX_G][PV_MAX_PAIRS];
     UNROLL
     for (int g = 0; g < GN; g++) {
@@ -746,17 +747,17 @@ static inline __attribute__((always_inline)) void values_tile_i8(const key_range
     const __m512 vvs = _mm512_loadu_ps(vs);
     const float vmax = _mm512_reduce_max_ps(vvs);
     const float inv = _mm512_cmp_ps_mask(vvs, vvs, _CMP_UNORD_Q) ? NAN : vmax / 32767.0f;
-    const __m512 vq = _mm512_mul_ps(vvs, _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f));
+    const __m512 pscale = _mm512_mul_ps(vvs, _mm512_set1_ps(vmax > 0.0f ? 32767.0f / vmax : 0.0f));
     const __mmask16 valid = rows >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1u);
     for (int64_t g0 = 0; g0 < group; g0 += gmax) {
         const int gn = group - g0 < gmax ? (int)(group - g0) : gmax;
         float *a = part + (kvh * group + g0) * pstride + PART_HEAD;
         const float *eg = e + (kvh * group + g0) * sstride;
         switch (gn) {
-            case 4: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 4, npair); break;
-            case 3: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 3, npair); break;
-            case 2: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 2, npair); break;
-            default: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, vq, inv, a, pstride, 1, npair); break;
+            case 4: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, pscale, inv, a, pstride, 4, npair); break;
+            case 3: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, pscale, inv, a, pstride, 3, npair); break;
+            case 2: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, pscale, inv, a, pstride, 2, npair); break;
+            default: pv_tile_i8(src, rows, r->row_stride, eg, sstride, valid, pscale, inv, a, pstride, 1, npair); break;
         }
     }
 }

@@ -83,7 +83,7 @@ class ModelRunner:
     def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: bool = False) -> list[KVCache]:
         """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
         mapped in at start-up for a few seconds and the rest by a background thread
-        (``populate_in_background``); the host pool for swaps is used only under memory pressure
+        (``populate_cache``); the host pool for swaps is used only under memory pressure
         and faults in as written."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
@@ -102,7 +102,7 @@ class ModelRunner:
 
         caches = [(make(), make()) for _ in range(self.model.num_layers)]
         if populate and device.type == "cpu" and blocks:
-            populate_in_background([t for pair in caches for t in pair], upfront_s=POPULATE_UPFRONT_S)
+            populate_cache([t for pair in caches for t in pair], upfront_s=POPULATE_UPFRONT_S)
         return caches
 
     # -- one step ----------------------------------------------------------
@@ -272,12 +272,12 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
 _MADV_POPULATE_WRITE = 23   # Linux 5.14+
 _POPULATE_CHUNK = 2 * _HUGE_PAGE
 _POPULATE_RESERVE = 1 << 30     # the node's memory the background population leaves free
-# A stage's start-up maps its KV cache in for at most this long (populate_in_background): the
-# default 1 GiB in 0.1-2.3 s, and a restarted stage rejoins at most this much later.
+# A stage's start-up maps its KV cache in for at most this long (populate_cache): the
+# default 1 GiB in 2.1-2.6 s at start-up here, and a restarted stage rejoins at most this much later.
 POPULATE_UPFRONT_S = 3.0
 
 
-def populate_in_background(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threading.Thread | None:
+def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threading.Thread | None:
     """Fault in the lazily mapped KV cache (``zeros_on_huge_pages(prefault=False)``), a chunk of
     each tensor in turn from the first block on, as the block manager hands blocks out: on the
     calling thread for up to ``upfront_s`` seconds, the rest on a thread of the lowest priority
