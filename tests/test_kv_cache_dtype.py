@@ -314,3 +314,29 @@ def test_8bit_cache_top1_agrees_with_bf16_cache_on_smollm2(smollm2_text):
         agree = (_teacher_forced_top1(runner, ids, kv) == reference).float().mean().item()
         print(f"{kv} KV cache: top-1 agreement with the bf16 cache {agree:.4f} over {len(ids)} positions")
         assert agree >= bound, (kv, agree)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_cache_rows_written_in_c_equal_the_pytorch_quantizer(dtype):
+    """A prompt's rows into an int8 cache through the C writer (decode_stage.c's
+    pipeserve_write_kv_int8, taken by the cpu backend): the cache's bytes and the returned rows
+    (as the cache holds them) equal kv_quant.write_rows', for rows that lie apart (k and v are
+    slices of the fused qkv rows), a zero row and blocks in any order."""
+    from pipeserve.model.kv_quant import write_rows
+    backend = CpuPagedAttention()
+    if backend.int8_writer() is None:
+        pytest.skip("decode_stage.c does not build here: the PyTorch quantizer writes (the warning says so)")
+    torch.manual_seed(0)
+    n, kv_heads, D, blocks, bs = 37, 3, 64, 12, 16
+    qkv = (torch.randn(n, (9 + 2 * kv_heads) * D) * 3).to(dtype)
+    qkv[5] = 0
+    k = qkv[:, 9 * D:(9 + kv_heads) * D].view(n, kv_heads, D)
+    v = qkv[:, (9 + kv_heads) * D:].view(n, kv_heads, D)
+    slots = torch.randperm(blocks * bs)[:n]
+    caches = [torch.zeros(blocks, bs, kv_heads, D + 4, dtype=torch.int8) for _ in range(4)]
+    got = backend.write_kv(caches[0], caches[1], slots, k, v)
+    want = (write_rows(caches[2], slots, k), write_rows(caches[3], slots, v))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g, w)

@@ -69,6 +69,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self._write_rows_strided = lib.pipeserve_write_rows_strided
         self._write_rows_strided.argtypes = [ptr, ptr, i64, ptr, i64, i64]
         self._write_rows_strided.restype = None
+        self._int8_writer: ctypes._CFuncPtr | None | bool = False   # decode_stage.c's, loaded at first use
         self._prefill_supported = lib.pipeserve_prefill_supported
         self._prefill_supported.argtypes = [ctypes.c_int, i64]
         self._prefill_supported.restype = ctypes.c_int
@@ -104,15 +105,41 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (k.dtype == k_cache.dtype == v.dtype and k_cache.device.type == "cpu" and _rows_dense(k)
-                and _rows_dense(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and k.shape[1:] == k_cache.shape[2:] and slots.dtype == torch.int64):
-            return super().write_kv(k_cache, v_cache, slots, k, v)   # 8-bit caches quantize first
+        if not (k.dtype == v.dtype and k_cache.device.type == "cpu" and _rows_dense(k) and _rows_dense(v)
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
+                and (k.dtype == k_cache.dtype and k.shape[1:] == k_cache.shape[2:]
+                     or k_cache.dtype == torch.int8 and k.dtype in (torch.bfloat16, torch.float32)
+                     and k_cache.shape[3] == k.shape[2] + 4 and self.int8_writer() is not None)):
+            return super().write_kv(k_cache, v_cache, slots, k, v)   # fp8 caches quantize in PyTorch
+        if k_cache.dtype == torch.int8:   # quantized in C; returned as the cache holds them (write_rows)
+            return self._write_int8(k_cache, slots, k), self._write_int8(v_cache, slots, v)
         n, row = slots.shape[0], k_cache.shape[2] * k_cache.shape[3] * k.element_size()
         for cache, x in ((k_cache, k), (v_cache, v)):   # rows of a fused qkv (v's) lie a qkv row apart
             self._write_rows_strided(cache.data_ptr(), slots.data_ptr(), n, x.data_ptr(), x.stride(0) * x.element_size(),
                                      row)
         return k, v
+
+    def int8_writer(self) -> ctypes._CFuncPtr | None:
+        """decode_stage.c's ``pipeserve_write_kv_int8``, or None where it does not build (the
+        PyTorch quantizer then writes, as for fp8)."""
+        if self._int8_writer is False:
+            from pipeserve.kernels.build import KernelBuildError, load_kernel
+            try:
+                fn = load_kernel("decode_stage").pipeserve_write_kv_int8
+            except KernelBuildError as exc:
+                logger.warning("int8 KV rows are quantized in PyTorch (the C quantizer is unavailable: %s)", exc)
+                fn = None
+            else:
+                i64, ptr = ctypes.c_int64, ctypes.c_void_p
+                fn.argtypes, fn.restype = [ptr, i64, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr], None
+            self._int8_writer = fn
+        return self._int8_writer
+
+    def _write_int8(self, cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        back = torch.empty(x.shape, dtype=x.dtype)
+        self._int8_writer(x.data_ptr(), x.stride(0) * x.element_size(), int(x.dtype == torch.bfloat16),
+                          slots.data_ptr(), slots.shape[0], x.shape[1], x.shape[2], cache.data_ptr(), back.data_ptr())
+        return back
 
     @staticmethod
     def decode_args(g: DecodeBatch) -> _DecodeStep:
