@@ -526,5 +526,8 @@ def test_profile_splits_the_fused_stage_by_class(tmp_path):
     per_token = layer_matmul_flops(cfg)
     assert snap.flops["decode_gemm"] == pytest.approx(steps * len(prompts) * cfg.num_layers * per_token)
     assert snap.flops["prefill_gemm"] == pytest.approx(sum(map(len, prompts)) * cfg.num_layers * per_token)
-    # the classes and the runner's own Python add up to the busy time, nothing counted twice
-    assert sum(snap.ns.values()) == pytest.approx(snap.busy_ns, rel=0.02)
+    # the classes and the runner's own Python add up to the busy time, nothing counted twice; a
+    # pause in the wrappers' few µs that no class holds (a preemption, a collection) is not the
+    # profiler's: at least 0.2 ms of slack, the 2 % of this test's usual 9 ms busy time (a full
+    # suite run once measured 4.3 ms, 0.1 ms of it in no class)
+    assert sum(snap.ns.values()) == pytest.approx(snap.busy_ns, rel=0.02, abs=200_000)

@@ -257,16 +257,10 @@ static inline __m512 load_act16(const act_type *a, const void *x, int64_t i) {
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
     return _mm512_loadu_ps((const float *)x + i);
 }
-#endif
 
-/* One cache row of an 8-bit cache from D values of the activations' dtype: D codes and the float32
- * scale after them, as kv_quant.quantize makes it: scale = max|x| / 127 (int8) or / 448 (fp8), 1
- * for a zero row; int8 code = x / scale rounded to nearest even, clamped to +-127; fp8: x / scale
- * clamped to +-448, then rounded to e4m3. */
-#if defined(__AVX512F__)
 /* quantize_kv_row's int8 case 16 values at a time (D a multiple of 16), the same operations lane by
- * lane (a true division, round to nearest even, the clamp), so the same bytes; a prompt's rows went
- * through it at 2.2 ns a value one at a time. */
+ * lane (a true division, round to nearest even, the clamp), so the same bytes (one value at a time,
+ * a prompt's rows took 2.2 ns a value; 16 at a time, 0.8 with the scattered writes). */
 static void quantize_int8_row16(const act_type *a, const void *x, int64_t D, uint8_t *dst) {
     __m512 amax = _mm512_setzero_ps();
     for (int64_t i = 0; i < D; i += 16)
@@ -284,6 +278,10 @@ static void quantize_int8_row16(const act_type *a, const void *x, int64_t D, uin
 }
 #endif
 
+/* One cache row of an 8-bit cache from D values of the activations' dtype: D codes and the float32
+ * scale after them, as kv_quant.quantize makes it: scale = max|x| / 127 (int8) or / 448 (fp8), 1
+ * for a zero row; int8 code = x / scale rounded to nearest even, clamped to +-127; fp8: x / scale
+ * clamped to +-448, then rounded to e4m3. */
 static void quantize_kv_row(const act_type *a, const void *x, int64_t D, int fp8, uint8_t *dst) {
 #if defined(__AVX512F__)
     if (!fp8 && D % 16 == 0) {
