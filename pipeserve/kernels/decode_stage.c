@@ -252,10 +252,7 @@ static uint8_t f32_to_e4m3(float f) {
 #if defined(__AVX512F__)
 /* Values i .. i + 15 of x (the activations' dtype) as float32. */
 static inline __m512 load_act16(const act_type *a, const void *x, int64_t i) {
-    if (a->bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
-    return _mm512_loadu_ps((const float *)x + i);
+    return a->bf16 ? load_bf16x16((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
 }
 
 /* quantize_kv_row's int8 case 16 values at a time (D a multiple of 16), the same operations lane by

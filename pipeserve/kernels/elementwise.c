@@ -49,10 +49,6 @@ void pipeserve_rmsnorm_bf16(const uint16_t *h, const uint16_t *delta, uint16_t *
 }
 
 #if defined(__AVX512BF16__)
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* bf16 rounding in one instruction (vcvtneps2bf16: round to nearest even; it
  * flushes float32 subnormals, |x| < 1.2e-38, to zero, where PyTorch keeps them). */
 static inline __m256i to_bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }

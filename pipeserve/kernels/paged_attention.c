@@ -294,13 +294,17 @@ static __attribute__((unused)) void each_kv_group(range_fn one, const float *q, 
     kv_passes(one, q, r, dtype, head_dim, part, r->group >= PASS_MAX_HEADS ? 1 : PASS_MAX_HEADS / r->group);
 }
 
+/* The scales of a tile's `rows` 8-bit rows at src, row_stride apart (0 past rows). */
+static inline void row_scales(const char *src, int64_t rows, int64_t row_stride, int dtype, int64_t head_dim,
+                              float *out) {
+    for (int64_t j = 0; j < TILE; j++) out[j] = j < rows ? row_scale(src + j * row_stride, dtype, head_dim) : 0.0f;
+}
+
 /* The scales of a tile's 8-bit K and V rows (0 past rows). */
 static inline void tile_scales(const char *keys, const char *values, int64_t rows, int64_t row_stride, int dtype,
                                int64_t head_dim, float *ks, float *vs) {
-    for (int64_t j = 0; j < TILE; j++) {
-        ks[j] = j < rows ? row_scale(keys + j * row_stride, dtype, head_dim) : 0.0f;
-        vs[j] = j < rows ? row_scale(values + j * row_stride, dtype, head_dim) : 0.0f;
-    }
+    row_scales(keys, rows, row_stride, dtype, head_dim, ks);
+    row_scales(values, rows, row_stride, dtype, head_dim, vs);
 }
 
 /* The vector decode paths: AVX-512, or else AVX2 + FMA (+ F16C for float16 and fp8 rows). */
@@ -346,9 +350,7 @@ static void prefetch_first(const key_range *r, int64_t head_bytes) {
 }
 /* 16 cache elements -> 16 floats. `dtype` is a constant in each caller. */
 static inline __attribute__((always_inline)) __m512 load16(const char *src, int dtype) {
-    if (dtype == DT_BFLOAT16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+    if (dtype == DT_BFLOAT16) return load_bf16x16((const uint16_t *)src);
     if (dtype == DT_FLOAT16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
     if (dtype == DT_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
     if (dtype == DT_FP8) {   /* codes only: the row's scale carries the 256 (fp8_as_f16_bits) */
@@ -600,15 +602,21 @@ static inline __attribute__((always_inline)) void dequant_tile_bf16(const char *
     }
 }
 
-/* Kv head kvh's rows of the tile at `off` in `base` (K or V) as the bf16 products read them
- * (8-bit rows dequantized into buf), after asking for that kv head's part of the rows ahead. */
+/* Kv head kvh's rows of the tile at `off` in `base` (K or V), as stored, after asking for that kv
+ * head's part of the rows ahead (pf's). */
+static inline __attribute__((always_inline)) const char *kv_head_rows(const key_range *r, key_cursor pf, int64_t rows,
+                                                                      int64_t off, int64_t kvh, const char *base,
+                                                                      int64_t head_bytes) {
+    prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, base);
+    return base + off + kvh * head_bytes;
+}
+
+/* kv_head_rows as the bf16 products read them (8-bit rows dequantized into buf). */
 static inline __attribute__((always_inline)) const char *kv_head_tile(const key_range *r, key_cursor pf, int64_t rows,
                                                                       int64_t off, int64_t kvh, const char *base,
                                                                       const int dtype, const int64_t npair,
                                                                       uint16_t *buf) {
-    const int64_t head_bytes = head_row_bytes(dtype, 32 * npair);
-    prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, base);
-    const char *src = base + off + kvh * head_bytes;
+    const char *src = kv_head_rows(r, pf, rows, off, kvh, base, head_row_bytes(dtype, 32 * npair));
     if (!is_8bit(dtype)) return src;
     dequant_tile_bf16(src, rows, r->row_stride, dtype, 2 * npair, buf);
     return (const char *)buf;
@@ -647,9 +655,9 @@ static inline __attribute__((always_inline)) void tile_scores_i8(const char *src
                                                                  int64_t sstride, int64_t n) {
     const int64_t head_dim = 32 * npair;
     float ks[TILE];
-    for (int64_t j = 0; j < TILE; j++) {
-        ks[j] = j < rows ? row_scale(src + j * row_stride, DT_INT8, head_dim) : 0.0f;
-        for (int64_t w = 0; j < rows && w < npair; w++) {
+    row_scales(src, rows, row_stride, DT_INT8, head_dim, ks);
+    for (int64_t j = 0; j < rows; j++) {
+        for (int64_t w = 0; w < npair; w++) {
             const __m256i codes = _mm256_loadu_si256((const __m256i *)(src + j * row_stride + 32 * w));
             _mm512_storeu_si512(k16 + (j * npair + w) * 32, _mm512_cvtepi8_epi16(codes));
         }
@@ -733,17 +741,16 @@ static inline __attribute__((always_inline)) void pv_tile_i8(const char *src, in
     }
 }
 
-/* A tile's int8 V rows of kv head kvh (at `off`) summed for its group's heads on the codes
+/* A tile's int8 V rows of kv head kvh (at src) summed for its group's heads on the codes
  * (pv_tile_i8): the rows' scales, the tile's largest, then gmax heads at a time. A scale that is
  * NaN makes inv NaN, so the heads' outputs are NaN as dequantized rows would make them. */
-static inline __attribute__((always_inline)) void values_tile_i8(const key_range *r, int64_t rows, int64_t off,
+static inline __attribute__((always_inline)) void values_tile_i8(const key_range *r, const char *src, int64_t rows,
                                                                  int64_t kvh, const int64_t npair, const float *e,
                                                                  int64_t sstride, float *part, int64_t pstride,
                                                                  const int gmax) {
     const int64_t head_dim = 32 * npair, group = r->group;
-    const char *src = r->v + off + kvh * head_row_bytes(DT_INT8, head_dim);
     float vs[TILE];
-    for (int64_t j = 0; j < TILE; j++) vs[j] = j < rows ? row_scale(src + j * r->row_stride, DT_INT8, head_dim) : 0.0f;
+    row_scales(src, rows, r->row_stride, DT_INT8, head_dim, vs);
     const __m512 vvs = _mm512_loadu_ps(vs);
     const float vmax = _mm512_reduce_max_ps(vvs);
     const float inv = _mm512_cmp_ps_mask(vvs, vvs, _CMP_UNORD_Q) ? NAN : vmax / 32767.0f;
@@ -823,9 +830,8 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
 #if defined(__AVX512VNNI__)
                 if (on_codes) {
-                    prefetch_part_ahead_of(r, pf, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->k);
-                    tile_scores_i8(r->k + off + kvh * head_bytes, rows, r->row_stride, npair, qi, qsc, kvh * group,
-                                   group, r->softcap, (int16_t *)kq, sc, sstride, n);
+                    tile_scores_i8(kv_head_rows(r, pf, rows, off, kvh, r->k, head_bytes), rows, r->row_stride, npair,
+                                   qi, qsc, kvh * group, group, r->softcap, (int16_t *)kq, sc, sstride, n);
                     continue;
                 }
 #endif
@@ -880,7 +886,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
                 if (on_codes) _mm512_storeu_ps(sg + i, e);   /* the values on the codes take e itself */
                 else _mm256_storeu_si256((__m256i *)(p + g * sstride + i), (__m256i)_mm512_cvtneps_pbh(e));
             }
-            p[g * sstride + n] = 0;
+            if (!on_codes) p[g * sstride + n] = 0;
             pg[1] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
         }
         key_cursor vc = start;
@@ -889,8 +895,8 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
             for (int64_t kvh = 0; kvh < kvh_n; kvh++) {
 #if defined(__AVX512VNNI__)
                 if (on_codes) {
-                    prefetch_part_ahead_of(r, pfv, rows, kvh * head_bytes, (kvh + 1) * head_bytes, r->v);
-                    values_tile_i8(r, rows, off, kvh, npair, sc + i, sstride, part, pstride, gmax);
+                    values_tile_i8(r, kv_head_rows(r, pfv, rows, off, kvh, r->v, head_bytes), rows, kvh, npair,
+                                   sc + i, sstride, part, pstride, gmax);
                     continue;
                 }
 #endif

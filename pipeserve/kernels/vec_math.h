@@ -54,6 +54,11 @@ static inline float tanh_f32(float x) {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+/* 16 bfloat16 values at p as float32 (exact). */
+static inline __attribute__((always_inline)) __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* exp16 without its clamp, for arguments already in [-87, 88]. */
 static inline __attribute__((always_inline)) __m512 exp16_core(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -26,6 +26,7 @@ import torch
 
 from pipeserve.model.attention import (AttentionBackend, DecodeBatch, ScoreShape, TorchAttentionMetadata,
                                       TorchPagedAttention, block_index_of)
+from pipeserve.model.kv_quant import row_elements
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,8 @@ class CpuPagedAttention(TorchPagedAttention):
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
                 and (k.dtype == k_cache.dtype and k.shape[1:] == k_cache.shape[2:]
                      or k_cache.dtype == torch.int8 and k.dtype in (torch.bfloat16, torch.float32)
-                     and k_cache.shape[2:] == (k.shape[1], k.shape[2] + 4) and self.int8_writer() is not None)):
+                     and k_cache.shape[2:] == (k.shape[1], row_elements(k.shape[2], torch.int8))
+                     and self.int8_writer() is not None)):
             return super().write_kv(k_cache, v_cache, slots, k, v)   # fp8 caches quantize in PyTorch
         if k_cache.dtype == torch.int8:   # quantized in C; returned as the cache holds them (write_rows)
             return self._write_int8(k_cache, slots, k), self._write_int8(v_cache, slots, v)
