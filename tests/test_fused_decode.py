@@ -270,10 +270,10 @@ def test_smollm2_bfloat16_many_decodes_take_the_8_bit_kernel_fused(threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_smollm2_bfloat16_amx_decodes_fused_equal_python_layers(threads):
-    """On CPUs with AMX-BF16: steps of amx_from's rows of decodes (64 and more) multiply in quant_gemm.c's
+    """On CPUs with AMX-BF16: steps of amx_from's rows of decodes (32 and more) multiply in quant_gemm.c's
     AMX kernel inside the fused stage (pipeserve_quant_amxm_*), as the Python layers' matmul gives
     them to it: bit for bit at one thread (70 sequences: a partial block of x; 100), up to the merge
-    order at two; 40 take the 8-bit kernel in both."""
+    order at two; 24 take the 8-bit kernel in both."""
     from pipeserve.model.quant.cpu_kernels import AMX_MIN_ROWS, cpu_kernels
     kernels = cpu_kernels()
     if kernels is None or kernels.gemm_i8_isa is None or kernels.gemm_amx_isa is None:
@@ -287,13 +287,13 @@ def test_smollm2_bfloat16_amx_decodes_fused_equal_python_layers(threads):
         runner = _runner(source, cfg, dtype=torch.bfloat16, start=0, end=4, num_blocks=128)   # a block a sequence
         calls = []
         real = kernels.gemm
-        for n in (40, 70, 100):
+        for n in (24, 70, 100):
             prompts = [list(range(100 + 7 * i, 104 + 7 * i + i % 5)) for i in range(n)]   # 4-8 tokens
             spy = lambda w, x, amx=False: calls.append((len(x), amx)) or real(w, x, amx)   # noqa: E731
             assert _fused_equals_spied_python(runner, kernels, "gemm", spy, prompts, 2, threads) >= n
         decode_rows = {rows for rows, amx in calls if amx and rows < 4 * 100}
         assert {70, 100} <= decode_rows and all(rows >= AMX_MIN_ROWS for rows, amx in calls if amx), sorted(set(calls))
-        assert 40 not in decode_rows
+        assert 24 not in decode_rows
     finally:
         torch.set_num_threads(previous)
 

@@ -136,9 +136,13 @@ GEMM_I8 = True
 # at 256-512; the 49152-row head 0.66x at 64, 1.06-1.15x from 256 (dequantizing the panels,
 # once a call, does not pay for few rows). After the grouped panels (thirty-sixth session, same
 # command): the head 0.74x at 64, 0.84x at 96, 0.98x at 128, 1.27x at 192, 1.41x at 256, so a tall
-# weight takes it from out_features / 320 rows (the head from 153).
-AMX_MIN_ROWS = 64
-AMX_OUT_PER_ROW = 320
+# weight takes it from out_features / 320 rows (the head from 153). With the panels' next rows
+# prefetched (dequant_panel, thirty-ninth session; same command, rows 16-128): the layers 0.99-1.20x
+# at 32 rows (1.04x summed over a layer's four), 1.15-1.39x at 48, 1.30-1.59x at 64; the head 0.92x
+# at 64, 1.02x at 96, 1.15x at 128: the layers from 32 rows, a tall weight from out_features / 480
+# (the head from 102).
+AMX_MIN_ROWS = 32
+AMX_OUT_PER_ROW = 480
 
 
 def amx_from(out_features: int) -> int:
