@@ -96,10 +96,10 @@ def test_gemm_matches_dequantize_then_matmul(gguf_file, rows, amx):  # noqa: F81
 @needs_matmul
 @needs_gemm
 def test_amx_rows_by_weight_height_and_the_other_kernels_without_amx(gguf_file, monkeypatch):  # noqa: F811
-    """The AMX kernel from AMX_MIN_ROWS rows of a layer's weight, from out_features / 480 of a tall
-    one (a 49152-row head: 102; fewer rows do not pay for dequantizing its panels); without AMX
+    """The AMX kernel from AMX_MIN_ROWS rows of a layer's weight and of SmolLM2's 49152-row head, from
+    out_features / 1536 of a taller one (128256 rows: 83); without AMX
     the same rows take the 8-bit kernel (or the vdpbf16ps one) as before."""
-    assert amx_from(576) == amx_from(3072) == AMX_MIN_ROWS and amx_from(49152) == 102
+    assert amx_from(576) == amx_from(3072) == AMX_MIN_ROWS and amx_from(49152) == AMX_MIN_ROWS and amx_from(128256) == 83
     kernels = _gemm_kernels(amx=True)
     w = _cases(gguf_file)[-1]                                     # int4, group 64: the 8-bit kernel takes it
     calls = []

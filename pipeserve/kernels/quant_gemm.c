@@ -51,15 +51,15 @@ const char *pipeserve_quant_gemm_isa(void) {
 
 #ifdef PIPESERVE_BF16_TILES
 
-/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order); qh, zero: q5/q6/q3 only
- * (q2: qh its sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h);
+/* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order), g0 and g1 the groups of k and
+ * k + 16 (q4's group is a multiple of 32: g0 both); qh, zero: q5/q6/q3 only (q2: qh its sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h);
  * q2/q3's weights are code * (d * sub) + (-dmin * min) per group of 16 in float32 (d * sub exact,
  * one rounding), the values of packed.py's dequantize, then rounded to bfloat16. */
 static inline __attribute__((always_inline)) __m512i
 dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
-          int64_t group, int64_t k, int f32) {
+          int64_t g0, int64_t g1, int64_t k, int f32) {
     if (kind == 4) {   /* group is a multiple of 32: one table per run; f32: q4k's float32 scales */
-        const int64_t g = k / group;
+        const int64_t g = g0;
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const float sg = quant_scale_at(s, g, f32);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
         const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg),
@@ -85,7 +85,6 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
         return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
     }
     /* q8, q5, q6, i4: group is a multiple of 16 (Q6_K has 16) */
-    const int64_t g0 = k / group, g1 = (k + 16) / group;
     __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
     if (kind == QUANT_I4 || kind == 6) {   /* the codebook's values (one vpshufb), or q6's own bytes */
         const __m256i c = kind == 6 ? _mm256_sub_epi8(quant_q6_codes32_avx2(q, qh, k / 32), _mm256_set1_epi8((char)zero))
@@ -127,12 +126,42 @@ static inline __attribute__((always_inline)) void prefetch_part(const void *p, i
         _mm_prefetch((const char *)(first + (uintptr_t)l * 64), _MM_HINT_T1);
 }
 
+/* dequant_panel's runs of 32 k, for the codes' kind ck and `two` as constants where the caller
+ * passes them so (the q4 and q8 layouts): dequant32's branches on the layout then fold away. */
+static inline __attribute__((always_inline)) void
+panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
+           int64_t K, int64_t group, int64_t n0, int64_t rows, uint32_t *wp, const uint8_t *qh, int zero,
+           const uint16_t *const *rs, const uint16_t *const *rm) {
+    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
+    const int64_t spr = quant_scales_per_row(kind, K, group), next = n0 + NB;
+    for (int64_t k = 0; k < K; k += 32) {
+        /* the next panel's bytes, a share each 32 k (prefetch_part) */
+        prefetch_part(qs + next * row_bytes, NB * row_bytes, k / 32, K / 32);
+        if (qh) prefetch_part(qh + next * high_bytes, NB * high_bytes, k / 32, K / 32);
+        prefetch_part(sc + next * spr, NB * spr * 2, k / 32, K / 32);
+        if (mn) prefetch_part(mn + next * spr, NB * spr * 2, k / 32, K / 32);
+        /* the groups of k .. k + 15 and k + 16 .. k + 31, once for the 16 rows (a division a row
+         * had cost more than the rest of q4's run) */
+        const int64_t g0 = k / group, g1 = (k + 16) / group;
+        __m512i r[NB];
+        for (int64_t j = 0; j < NB; j++) {
+            const int64_t n = n0 + j;
+            r[j] = j < rows ? dequant32(ck, qs + n * row_bytes,
+                                        qh && ck != 4 ? quant_high_bits_at(kind, qh + n * high_bytes, K) : NULL, zero,
+                                        rs[j], rm[j], g0, g1, k, two)
+                            : _mm512_setzero_si512();
+        }
+        transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
+        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wp + (k / 2 + c) * NB), r[c]);
+    }
+}
+
 /* Rows [n0, n0 + NB) of W, dequantized to bfloat16 and pair-interleaved:
  * wp[k / 2][j] = (w[n0 + j, k], w[n0 + j, k + 1]) as 32 bits (rows past N are zero). */
 static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn, int64_t N,
                           int64_t K, int64_t group, int64_t n0, uint32_t *wp, const uint8_t *qh, int zero,
                           float *scales) {
-    const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K), groups = K / group;
+    const int64_t groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
     /* each row's scales and minimums (two-level: float32, expanded into `scales`) */
     const uint16_t *rs[NB], *rm[NB];
@@ -145,24 +174,9 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
     for (int64_t j = 0; two && j < rows; j++)
         quant_two_level_row(kind, sc, mn, qh, K, n0 + j, scales + j * groups, scales + (NB + j) * groups);
     const int ck = quant_codes_kind(kind);
-    const int64_t spr = quant_scales_per_row(kind, K, group), next = n0 + NB;
-    for (int64_t k = 0; k < K; k += 32) {
-        /* the next panel's bytes, a share each 32 k (prefetch_part) */
-        prefetch_part(qs + next * row_bytes, NB * row_bytes, k / 32, K / 32);
-        if (qh) prefetch_part(qh + next * high_bytes, NB * high_bytes, k / 32, K / 32);
-        prefetch_part(sc + next * spr, NB * spr * 2, k / 32, K / 32);
-        if (mn) prefetch_part(mn + next * spr, NB * spr * 2, k / 32, K / 32);
-        __m512i r[NB];
-        for (int64_t j = 0; j < NB; j++) {
-            const int64_t n = n0 + j;
-            r[j] = j < rows ? dequant32(ck, qs + n * row_bytes,
-                                        qh && ck != 4 ? quant_high_bits_at(kind, qh + n * high_bytes, K) : NULL, zero,
-                                        rs[j], rm[j], group, k, two)
-                            : _mm512_setzero_si512();
-        }
-        transpose16(r);   /* r[c] = pair k / 2 + c of the 16 rows */
-        for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(wp + (k / 2 + c) * NB), r[c]);
-    }
+    if (ck == 4 && !two) panel_runs(4, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
+    else if (ck == 8 && !two) panel_runs(8, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
+    else panel_runs(ck, two, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
 }
 
 /* Whether the bfloat16 kernels (vdpbf16ps and AMX) take this layout: K a multiple of 32, a group a

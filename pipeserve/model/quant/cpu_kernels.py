@@ -137,12 +137,12 @@ GEMM_I8 = True
 # once a call, does not pay for few rows). After the grouped panels (thirty-sixth session, same
 # command): the head 0.74x at 64, 0.84x at 96, 0.98x at 128, 1.27x at 192, 1.41x at 256, so a tall
 # weight takes it from out_features / 320 rows (the head from 153). With the panels' next rows
-# prefetched (dequant_panel, thirty-ninth session; same command, rows 16-128): the layers 0.99-1.20x
-# at 32 rows (1.04x summed over a layer's four), 1.15-1.39x at 48, 1.30-1.59x at 64; the head 0.92x
-# at 64, 1.02x at 96, 1.15x at 128: the layers from 32 rows, a tall weight from out_features / 480
-# (the head from 102).
+# prefetched and a run's group found once for the 16 rows (dequant_panel, thirty-ninth session;
+# same command): the layers 0.97-1.00x at 24 rows, 1.08-1.21x at 32, 1.38-1.60x at 64; the head
+# 0.88x at 24, 1.00x at 32, 1.32x at 64: every weight from 32 rows, a taller one than 1536 x 32
+# rows from out_features / 1536 (a 128k-row head from 83; not measured there).
 AMX_MIN_ROWS = 32
-AMX_OUT_PER_ROW = 480
+AMX_OUT_PER_ROW = 1536
 
 
 def amx_from(out_features: int) -> int:
