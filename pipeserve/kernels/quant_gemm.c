@@ -51,6 +51,28 @@ const char *pipeserve_quant_gemm_isa(void) {
 
 #ifdef PIPESERVE_BF16_TILES
 
+/* q4's 32 weights k..k+31 of a row (its 16 bytes at q + k / 2: low nibbles k..k+15, high ones
+ * k+16..k+31) as bfloat16: a table of bf16(i * scale + bias), i < 16 (entries 16..31 unused), looked
+ * up by each code (vpermw). The bytes are loaded twice into one register as 32 words (a broadcast
+ * load), the second half shifted right by 4 per word: one shuffle fewer than unpacking the two
+ * halves apart and joining them. */
+static inline __attribute__((always_inline)) __m512i q4_lookup(const uint8_t *q, int64_t k, __m512 scale,
+                                                               __m512 bias) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, scale, bias)));
+    const __m512i twice = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + k / 2))));
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srlv_epi16(twice, shift), _mm512_set1_epi16(15)), table);
+}
+
+/* 32 int8 codes (c0: k..k+15, c1: k+16..k+31) as bfloat16 code * scale + bias, each half its own. */
+static inline __attribute__((always_inline)) __m512i codes_bf16(__m128i c0, __m128i c1, __m512 s0, __m512 b0,
+                                                                __m512 s1, __m512 b1) {
+    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), s0, b0);
+    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), s1, b1);
+    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+}
+
 /* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order), g0 and g1 the groups of k and
  * k + 16 (q4's group is a multiple of 32: g0 both); qh, zero: q5/q6/q3 only (q2: qh its sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h);
  * q2/q3's weights are code * (d * sub) + (-dmin * min) per group of 16 in float32 (d * sub exact,
@@ -60,16 +82,9 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
           int64_t g0, int64_t g1, int64_t k, int f32) {
     if (kind == 4) {   /* group is a multiple of 32: one table per run; f32: q4k's float32 scales */
         const int64_t g = g0;
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const float sg = quant_scale_at(s, g, f32);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
-        const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(sg),
-                                            _mm512_set1_ps((b ? quant_scale_at(b, g, f32) : 0.0f) - (float)zero * sg));
-        /* table[i] = bf16(i * scale + min - zero * scale), i < 16 (entries 16..31 unused) */
-        const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(vals));
-        const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
-        const __m256i codes = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_and_si128(v, lo4)), _mm_and_si128(_mm_srli_epi16(v, 4), lo4), 1);
-        return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+        return q4_lookup(q, k, _mm512_set1_ps(sg),
+                         _mm512_set1_ps((b ? quant_scale_at(b, g, f32) : 0.0f) - (float)zero * sg));
     }
     if (kind == QUANT_Q2 || kind == QUANT_Q3) {   /* group 256: the run's two groups of 16, d * sub exact */
         const __m256i c = quant_later_codes32_avx2(kind, q, qh, zero, k / 32);
@@ -106,11 +121,9 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
         c0 = _mm_sub_epi8(c0, _mm_set1_epi8((char)zero));
         c1 = _mm_sub_epi8(c1, _mm_set1_epi8((char)zero));
     }
-    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)),    /* f32: q5k's, q6k's scales */
-        _mm512_set1_ps(quant_scale_at(s, g0, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g0, f32) : 0.0f));
-    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)),
-        _mm512_set1_ps(quant_scale_at(s, g1, f32)), _mm512_set1_ps(b ? quant_scale_at(b, g1, f32) : 0.0f));
-    return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+    return codes_bf16(c0, c1, _mm512_set1_ps(quant_scale_at(s, g0, f32)),   /* f32: q5k's, q6k's scales */
+                      _mm512_set1_ps(b ? quant_scale_at(b, g0, f32) : 0.0f), _mm512_set1_ps(quant_scale_at(s, g1, f32)),
+                      _mm512_set1_ps(b ? quant_scale_at(b, g1, f32) : 0.0f));
 }
 
 /* Share `part` of `parts` of the 64-byte lines that hold [p, p + bytes), prefetched into L2. A
@@ -127,11 +140,14 @@ static inline __attribute__((always_inline)) void prefetch_part(const void *p, i
 }
 
 /* dequant_panel's runs of 32 k, for the codes' kind ck and `two` as constants where the caller
- * passes them so (the q4 and q8 layouts): dequant32's branches on the layout then fold away. */
+ * passes them so (the q4 and q8 layouts): dequant32's branches on the layout then fold away.
+ * fs, fb (q4's and q8's one-level layouts, else NULL): the panel's scales and biases (min - zero *
+ * scale; q8: min) in float32, row j's groups at j * groups, so a run broadcasts them from memory
+ * (a float16 scale converted and broadcast in registers had taken two of a run's shuffles). */
 static inline __attribute__((always_inline)) void
 panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
            int64_t K, int64_t group, int64_t n0, int64_t rows, uint32_t *wp, const uint8_t *qh, int zero,
-           const uint16_t *const *rs, const uint16_t *const *rm) {
+           const uint16_t *const *rs, const uint16_t *const *rm, const float *fs, const float *fb) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t spr = quant_scales_per_row(kind, K, group), next = n0 + NB;
     for (int64_t k = 0; k < K; k += 32) {
@@ -146,6 +162,16 @@ panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint1
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
+            if (fs) {   /* q4 (group a multiple of 32: g0 both halves') and q8 */
+                const float *js = fs + j * (K / group), *jb = fb + j * (K / group);
+                const uint8_t *q = qs + n * row_bytes;
+                if (j >= rows) r[j] = _mm512_setzero_si512();
+                else if (ck == 4) r[j] = q4_lookup(q, k, _mm512_set1_ps(js[g0]), _mm512_set1_ps(jb[g0]));
+                else r[j] = codes_bf16(_mm_loadu_si128((const __m128i *)(q + k)),
+                                       _mm_loadu_si128((const __m128i *)(q + k + 16)), _mm512_set1_ps(js[g0]),
+                                       _mm512_set1_ps(jb[g0]), _mm512_set1_ps(js[g1]), _mm512_set1_ps(jb[g1]));
+                continue;
+            }
             r[j] = j < rows ? dequant32(ck, qs + n * row_bytes,
                                         qh && ck != 4 ? quant_high_bits_at(kind, qh + n * high_bytes, K) : NULL, zero,
                                         rs[j], rm[j], g0, g1, k, two)
@@ -174,9 +200,23 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
     for (int64_t j = 0; two && j < rows; j++)
         quant_two_level_row(kind, sc, mn, qh, K, n0 + j, scales + j * groups, scales + (NB + j) * groups);
     const int ck = quant_codes_kind(kind);
-    if (ck == 4 && !two) panel_runs(4, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
-    else if (ck == 8 && !two) panel_runs(8, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
-    else panel_runs(ck, two, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm);
+    if ((ck == 4 || ck == 8) && !two) {   /* the float16 scales and minimums as panel_runs takes them */
+        float *fs = scales, *fb = scales + NB * groups;
+        const __m512 z = _mm512_set1_ps(ck == 4 ? (float)zero : 0.0f);   /* q8's codes have no offset */
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t g = 0; g < groups; g += 16) {
+                const __mmask16 live = (__mmask16)(groups - g >= 16 ? 0xffff : (1u << (groups - g)) - 1u);
+                const int64_t at = (n0 + j) * groups + g;
+                const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc + at));
+                const __m512 m = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + at)) : _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(fs + j * groups + g, live, s);
+                _mm512_mask_storeu_ps(fb + j * groups + g, live, _mm512_fnmadd_ps(z, s, m));   /* as dequant32's */
+            }
+        if (ck == 4) panel_runs(4, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, fs, fb);
+        else panel_runs(8, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, fs, fb);
+    } else {
+        panel_runs(ck, two, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, NULL, NULL);
+    }
 }
 
 /* Whether the bfloat16 kernels (vdpbf16ps and AMX) take this layout: K a multiple of 32, a group a
@@ -200,9 +240,9 @@ int pipeserve_quant_gemm(int kind, const uint8_t *qs, const uint16_t *sc, const 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         uint32_t *wp = aligned_alloc(64, (size_t)(NB * K * 2 + 63) / 64 * 64);
-        /* two-level: a panel's scales and minimums, expanded (quant_codes.h) */
-        float *scales = quant_two_level(kind) ? malloc(sizeof(float) * 2 * NB * (K / 16)) : NULL;
-        const int ok = wp != NULL && (!quant_two_level(kind) || scales != NULL);
+        /* a panel's scales and minimums in float32 (two-level: expanded, quant_codes.h; q4: dequant_panel) */
+        float *scales = malloc(sizeof(float) * 2 * NB * (K / 16));
+        const int ok = wp != NULL && scales != NULL;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
