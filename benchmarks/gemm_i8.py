@@ -25,6 +25,10 @@ microseconds per matmul and GFLOP/s.
 round, their outputs checked bit for bit; prints old / new per shape (best of the rounds, and
 the median of the rounds' ratios).
 
+``--compare-amx-source OLD.c``: the same for quant_gemm.c's AMX kernel (``git show
+BASE:pipeserve/kernels/quant_gemm.c > /tmp/old.c``; CPUs with AMX-BF16): OLD.c's build against this
+tree's (``QuantKernels.gemm(amx=True)``), outputs checked bit for bit.
+
 ``--memory``: instead, the 8-bit kernel on a Q8_0-like head (49152 x 576, SmolLM2's) from memory
 against its first 1024 and 16384 rows (in L2 and in L3 after the first call), nanoseconds per weight
 row at each of ``--rows`` (with ``--compare-source``: both builds): what waiting on memory costs.
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="the head from memory against its first rows in cache")
     ap.add_argument("--compare-source", metavar="OLD.c", help="time quant_gemm_i8.c built from this file against "
                     "this tree's (outputs checked equal)")
+    ap.add_argument("--compare-amx-source", metavar="OLD.c", help="time quant_gemm.c's AMX kernel built from "
+                    "this file against this tree's (outputs checked equal)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.fidelity:
@@ -73,11 +79,17 @@ def main() -> None:
     if kernels is None or kernels.gemm_i8_isa is None:
         raise SystemExit("the 8-bit many-row kernel needs AVX512-VNNI (quant_gemm_i8.c); nothing to compare")
     gen = torch.Generator().manual_seed(0)
-    old_i8 = _old_gemm_i8(args.compare_source) if args.compare_source else None
+    old = _old_gemm_i8(args.compare_source) if args.compare_source else None
+    new = kernels.gemm_i8
+    if args.compare_amx_source:
+        if kernels.gemm_amx_isa is None:
+            raise SystemExit("no AMX-BF16 kernel on this CPU (quant_gemm.c's pipeserve_quant_gemm_amx); nothing to compare")
+        old = _old_gemm_amx(args.compare_amx_source)
+        new = lambda w, x: kernels.gemm(w, x, amx=True)   # noqa: E731
     if args.memory:
-        memory(kernels, old_i8, [int(r) for r in args.rows.split(",")], args.rounds, gen)
+        memory(new, old, [int(r) for r in args.rows.split(",")], args.rounds, gen)
         return
-    print(f"threads {args.threads}; " + ("microseconds per matmul, the old build against this tree's" if old_i8 else
+    print(f"threads {args.threads}; " + ("microseconds per matmul, the old build against this tree's" if old else
                                          "us per matmul (GFLOP/s); i8 speed-up over the faster of the others"))
     for family in args.shapes.split(","):
         for name, (n, k) in SHAPES[family].items():
@@ -100,9 +112,9 @@ def main() -> None:
                     paths["amx"] = lambda w: kernels.gemm(w, x, amx=True)
                 if rows > 64:
                     del paths["gemv"]            # passes of 8 rows over many rows: not a path anything takes
-                if old_i8 is not None:
-                    paths = {"old": lambda w: old_i8(w, x), "i8": paths["i8"]}
-                    if not all(torch.equal(old_i8(w, x), kernels.gemm_i8(w, x)) for w in ws[:2]):
+                if old is not None:
+                    paths = {"old": lambda w: old(w, x), "i8": lambda w: new(w, x)}
+                    if not all(torch.equal(old(w, x), new(w, x)) for w in ws[:2]):
                         raise SystemExit(f"{name} rows {rows}: the two builds' outputs differ")
                 best = dict.fromkeys(paths, float("inf"))
                 ratios = []
@@ -114,10 +126,10 @@ def main() -> None:
                             fn(w)
                         took[label] = (time.perf_counter() - t0) / len(ws)
                         best[label] = min(best[label], took[label])
-                    if old_i8 is not None:
+                    if old is not None:
                         ratios.append(took["old"] / took["i8"])
                 flop = 2 * rows * n * k
-                if old_i8 is not None:
+                if old is not None:
                     print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: old {best['old'] * 1e6:8.1f}  new "
                           f"{best['i8'] * 1e6:8.1f} us  old/new x{best['old'] / best['i8']:.3f} (rounds' median "
                           f"x{statistics.median(ratios):.3f}), outputs equal")
@@ -128,12 +140,13 @@ def main() -> None:
                 print(f"{family:8s} {name:8s} {n:6d}x{k:<5d} rows {rows:4d}: {cells}  x{other / best['i8']:.2f}{amx}")
 
 
-def memory(kernels, old_i8, row_counts: list[int], rounds: int, gen: torch.Generator) -> None:
+def memory(new, old, row_counts: list[int], rounds: int, gen: torch.Generator) -> None:
     n, k = SHAPES["smol"]["head"]
     head = quantize_weight(torch.randn(n, k, generator=gen), 8, 32)
     weights = {"memory": head, "1024 rows": head.rows(torch.arange(1024)), "16384 rows": head.rows(torch.arange(16384))}
-    builds = {"new": kernels.gemm_i8} | ({"old": old_i8} if old_i8 is not None else {})
-    print(f"threads {torch.get_num_threads()}; 8-bit kernel, Q8_0-like head rows: ns per weight row, best of {rounds}")
+    builds = {"new": new} | ({"old": old} if old is not None else {})
+    print(f"threads {torch.get_num_threads()}; 8-bit kernel (--compare-amx-source: AMX), Q8_0-like head rows: "
+          f"ns per weight row, best of {rounds}")
     for rows in row_counts:
         x = torch.randn(rows, k, generator=gen).bfloat16()
         for label, fn in builds.items():
@@ -171,6 +184,31 @@ def _old_gemm_i8(source: str):
             raise RuntimeError("the old build refused the matmul")
         return out
     return gemm_i8
+
+
+def _old_gemm_amx(source: str):
+    """``QuantKernels.gemm(amx=True)`` as quant_gemm.c built from ``source`` (this tree's headers)."""
+    import ctypes
+    import os
+    import subprocess
+    import tempfile
+
+    from pipeserve.kernels import build
+    from pipeserve.model.quant.cpu_kernels import _kind, _ptr
+    kdir = os.path.dirname(build.__file__)
+    lib_path = os.path.join(tempfile.mkdtemp(prefix="gemm_amx_old_"), "old.so")
+    subprocess.run([os.environ.get("CC", "cc"), *build._FLAGS, "-I", kdir, source, "-o", lib_path], check=True)
+    fn = ctypes.CDLL(lib_path).pipeserve_quant_gemm_amx
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes, fn.restype = [i32, p, p, p, i64, i64, i64, p, i64, p, i32, p, i32], i32
+
+    def gemm_amx(w, x):
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+        if fn(_kind(w), w.qs.data_ptr(), w.scale.data_ptr(), _ptr(w.minv), w.out_features, w.in_features, w.group,
+              x.data_ptr(), x.shape[0], out.data_ptr(), torch.get_num_threads(), _ptr(w.qh), w.zero) != 0:
+            raise RuntimeError("the old build refused the matmul")
+        return out
+    return gemm_amx
 
 
 def _gguf_weight(name: str, n: int, k: int, seed: int):

@@ -22,6 +22,9 @@
  *   (nibbles + masked adds of the high-bit planes), then dequantized as q8; i4 (IQ4's
  *   codebook indices) by one vpshufb, then as q8; q2/q3 (Q2_K/Q3_K's bit pairs, q3's
  *   hmask) as the AVX2 kernels expand them, times d * sub per 16 (plus q2's -dmin * min).
+ *   q4's and q8's float16 scales and minimums are converted once a panel into float32
+ *   that each run broadcasts from memory, and the next panel's bytes are prefetched
+ *   while one dequantizes (prefetch_part).
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
@@ -74,9 +77,10 @@ static inline __attribute__((always_inline)) __m512i codes_bf16(__m128i c0, __m1
 }
 
 /* 32 weights k..k+31 of one row as bfloat16 (32 x 16 bits, in order), g0 and g1 the groups of k and
- * k + 16 (q4's group is a multiple of 32: g0 both); qh, zero: q5/q6/q3 only (q2: qh its sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h);
- * q2/q3's weights are code * (d * sub) + (-dmin * min) per group of 16 in float32 (d * sub exact,
- * one rounding), the values of packed.py's dequantize, then rounded to bfloat16. */
+ * k + 16 (q4's group is a multiple of 32: g0 both); qh, zero: q5/q6/q3 only (q2: qh its
+ * sub-scales). i4, q2 and q3 expand their codes as the AVX2 kernels do (quant_codes.h); q2/q3's
+ * weights are code * (d * sub) + (-dmin * min) per group of 16 in float32 (d * sub exact, one
+ * rounding), the values of packed.py's dequantize, then rounded to bfloat16. */
 static inline __attribute__((always_inline)) __m512i
 dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
           int64_t g0, int64_t g1, int64_t k, int f32) {
