@@ -24,7 +24,7 @@
  *   hmask) as the AVX2 kernels expand them, times d * sub per 16 (plus q2's -dmin * min).
  *   q4's and q8's float16 scales and minimums are converted once a panel into float32
  *   that each run broadcasts from memory, and the next panel's bytes are prefetched
- *   while one dequantizes (prefetch_part).
+ *   while one dequantizes (prefetch_share).
  *
  *   So the result differs from bf16(x) . bf16(dequantize(W))^T in float32 only
  *   by summation order (and the final bfloat16 rounding of out).
@@ -130,17 +130,28 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
                       _mm512_set1_ps(b ? quant_scale_at(b, g1, f32) : 0.0f));
 }
 
-/* Share `part` of `parts` of the 64-byte lines that hold [p, p + bytes), prefetched into L2. A
- * panel's rows are read 32 weights at a time, 16 streams a row apart that the hardware prefetchers
- * do not follow (as quant_gemm_i8.c's panel_bytes says): without this the code loads waited on
- * memory, half of dequant_panel's samples (perf, SmolLM2's gate_up at 16 rows). Past the matrix's
- * end the lines are nobody's (a prefetch does not fault). */
-static inline __attribute__((always_inline)) void prefetch_part(const void *p, int64_t bytes, int64_t part,
-                                                                int64_t parts) {
-    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63;
-    const int64_t lines = (int64_t)(((uintptr_t)p + (uintptr_t)bytes + 63 - first) / 64);
-    for (int64_t l = part * lines / parts; l < (part + 1) * lines / parts; l++)
-        _mm_prefetch((const char *)(first + (uintptr_t)l * 64), _MM_HINT_T1);
+/* The 64-byte lines that hold [p, p + bytes), prefetched into L2 `per` lines a call (at most as
+ * many calls as there are runs of 32 k: per = ceil(lines / runs)). A panel's rows are read 32
+ * weights at a time, 16 streams a row apart that the hardware prefetchers do not follow (as
+ * quant_gemm_i8.c's panel_bytes says): without this the code loads waited on memory, half of
+ * dequant_panel's samples (perf, SmolLM2's gate_up at 16 rows). Past the matrix's end the lines
+ * are nobody's (a prefetch does not fault). */
+typedef struct {
+    uintptr_t first;
+    int64_t lines, per;
+} line_span;
+
+static inline line_span span_of(const void *p, int64_t bytes, int64_t runs) {
+    line_span s;
+    s.first = (uintptr_t)p & ~(uintptr_t)63;
+    s.lines = (int64_t)(((uintptr_t)p + (uintptr_t)bytes + 63 - s.first) / 64);
+    s.per = (s.lines + runs - 1) / runs;
+    return s;
+}
+
+static inline __attribute__((always_inline)) void prefetch_share(const line_span *s, int64_t part) {
+    const int64_t end = (part + 1) * s->per < s->lines ? (part + 1) * s->per : s->lines;
+    for (int64_t l = part * s->per; l < end; l++) _mm_prefetch((const char *)(s->first + (uintptr_t)l * 64), _MM_HINT_T1);
 }
 
 /* dequant_panel's runs of 32 k, for the codes' kind ck and `two` as constants where the caller
@@ -154,12 +165,16 @@ panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint1
            const uint16_t *const *rs, const uint16_t *const *rm, const float *fs, const float *fb) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t spr = quant_scales_per_row(kind, K, group), next = n0 + NB;
+    /* the next panel's bytes, a share each 32 k (prefetch_share) */
+    const line_span pq = span_of(qs + next * row_bytes, NB * row_bytes, K / 32);
+    const line_span ph = span_of(qh ? qh + next * high_bytes : NULL, qh ? NB * high_bytes : 0, K / 32);
+    const line_span ps = span_of(sc + next * spr, NB * spr * 2, K / 32);
+    const line_span pm = span_of(mn ? mn + next * spr : NULL, mn ? NB * spr * 2 : 0, K / 32);
     for (int64_t k = 0; k < K; k += 32) {
-        /* the next panel's bytes, a share each 32 k (prefetch_part) */
-        prefetch_part(qs + next * row_bytes, NB * row_bytes, k / 32, K / 32);
-        if (qh) prefetch_part(qh + next * high_bytes, NB * high_bytes, k / 32, K / 32);
-        prefetch_part(sc + next * spr, NB * spr * 2, k / 32, K / 32);
-        if (mn) prefetch_part(mn + next * spr, NB * spr * 2, k / 32, K / 32);
+        prefetch_share(&pq, k / 32);
+        prefetch_share(&ph, k / 32);
+        prefetch_share(&ps, k / 32);
+        prefetch_share(&pm, k / 32);
         /* the groups of k .. k + 15 and k + 16 .. k + 31, once for the 16 rows (a division a row
          * had cost more than the rest of q4's run) */
         const int64_t g0 = k / group, g1 = (k + 16) / group;
