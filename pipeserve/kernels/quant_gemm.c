@@ -84,9 +84,9 @@ static inline __attribute__((always_inline)) __m512i codes_bf16(__m128i c0, __m1
 static inline __attribute__((always_inline)) __m512i
 dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_t *s, const uint16_t *b,
           int64_t g0, int64_t g1, int64_t k, int f32) {
-    if (kind == 4) {   /* group is a multiple of 32: one table per run; f32: q4k's float32 scales */
+    if (kind == 4) {   /* q4k (f32: its float32 scales; the one-level q4 takes panel_runs' float path) */
         const int64_t g = g0;
-        const float sg = quant_scale_at(s, g, f32);   /* the offset: Q4_0's zero 8 (-8 * sg is exact) */
+        const float sg = quant_scale_at(s, g, f32);
         return q4_lookup(q, k, _mm512_set1_ps(sg),
                          _mm512_set1_ps((b ? quant_scale_at(b, g, f32) : 0.0f) - (float)zero * sg));
     }
@@ -103,16 +103,13 @@ dequant32(int kind, const uint8_t *q, const uint8_t *qh, int zero, const uint16_
                                           _mm512_set1_ps(sc[1]), _mm512_set1_ps(mn[1]));
         return (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
     }
-    /* q8, q5, q6, i4: group is a multiple of 16 (Q6_K has 16) */
+    /* q5, q6, i4 (q8 takes panel_runs' float path): group is a multiple of 16 (Q6_K has 16) */
     __m128i c0, c1;   /* codes k..k+15, k+16..k+31 as int8 */
     if (kind == QUANT_I4 || kind == 6) {   /* the codebook's values (one vpshufb), or q6's own bytes */
         const __m256i c = kind == 6 ? _mm256_sub_epi8(quant_q6_codes32_avx2(q, qh, k / 32), _mm256_set1_epi8((char)zero))
                                     : quant_i4_codes32_avx2(q, k / 32);
         c0 = _mm256_castsi256_si128(c);
         c1 = _mm256_extracti128_si256(c, 1);
-    } else if (kind == 8) {
-        c0 = _mm_loadu_si128((const __m128i *)(q + k));
-        c1 = _mm_loadu_si128((const __m128i *)(q + k + 16));
     } else {   /* q5: expanded from the run's nibbles and high-bit plane */
         const __m128i v = _mm_loadu_si128((const __m128i *)(q + k / 2)), lo4 = _mm_set1_epi8(15);
         c0 = _mm_and_si128(v, lo4);
@@ -154,15 +151,15 @@ static inline __attribute__((always_inline)) void prefetch_share(const line_span
     for (int64_t l = part * s->per; l < end; l++) _mm_prefetch((const char *)(s->first + (uintptr_t)l * 64), _MM_HINT_T1);
 }
 
-/* dequant_panel's runs of 32 k, for the codes' kind ck and `two` as constants where the caller
- * passes them so (the q4 and q8 layouts): dequant32's branches on the layout then fold away.
- * fs, fb (q4's and q8's one-level layouts, else NULL): the panel's scales and biases (min - zero *
- * scale; q8: min) in float32, row j's groups at j * groups, so a run broadcasts them from memory
- * (a float16 scale converted and broadcast in registers had taken two of a run's shuffles). */
+/* dequant_panel's runs of 32 k. flt (a constant: the one-level q4 and q8 layouts, ck 4 or 8 as a
+ * constant too): fs, fb are the panel's scales and biases (min - zero * scale; q8: min) in float32,
+ * row j's groups at j * groups, so a run broadcasts them from memory (a float16 scale converted
+ * and broadcast in registers had taken two of a run's shuffles). Otherwise each row's runs go
+ * through dequant32 with rs, rm (its float16 scales and minimums, or two-level's float32 ones). */
 static inline __attribute__((always_inline)) void
-panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint16_t *sc, const uint16_t *mn,
-           int64_t K, int64_t group, int64_t n0, int64_t rows, uint32_t *wp, const uint8_t *qh, int zero,
-           const uint16_t *const *rs, const uint16_t *const *rm, const float *fs, const float *fb) {
+panel_runs(const int ck, const int two, const int flt, int kind, const uint8_t *qs, const uint16_t *sc,
+           const uint16_t *mn, int64_t K, int64_t group, int64_t n0, int64_t rows, uint32_t *wp, const uint8_t *qh,
+           int zero, const uint16_t *const *rs, const uint16_t *const *rm, const float *fs, const float *fb) {
     const int64_t row_bytes = quant_row_bytes(kind, K), high_bytes = quant_high_row_bytes(kind, K);
     const int64_t spr = quant_scales_per_row(kind, K, group), next = n0 + NB;
     /* the next panel's bytes, a share each 32 k (prefetch_share) */
@@ -181,7 +178,7 @@ panel_runs(const int ck, const int two, int kind, const uint8_t *qs, const uint1
         __m512i r[NB];
         for (int64_t j = 0; j < NB; j++) {
             const int64_t n = n0 + j;
-            if (fs) {   /* q4 (group a multiple of 32: g0 both halves') and q8 */
+            if (flt) {   /* q4 (group a multiple of 32: g0 both halves') and q8 */
                 const float *js = fs + j * (K / group), *jb = fb + j * (K / group);
                 const uint8_t *q = qs + n * row_bytes;
                 if (j >= rows) r[j] = _mm512_setzero_si512();
@@ -208,18 +205,8 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
                           float *scales) {
     const int64_t groups = K / group;
     const int64_t rows = N - n0 < NB ? N - n0 : NB;
-    /* each row's scales and minimums (two-level: float32, expanded into `scales`) */
-    const uint16_t *rs[NB], *rm[NB];
-    const int two = quant_two_level(kind);
-    for (int64_t j = 0; j < rows; j++) {
-        const int64_t n = n0 + j;
-        rs[j] = two ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
-        rm[j] = quant_k4_scales(kind) ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
-    }
-    for (int64_t j = 0; two && j < rows; j++)
-        quant_two_level_row(kind, sc, mn, qh, K, n0 + j, scales + j * groups, scales + (NB + j) * groups);
-    const int ck = quant_codes_kind(kind);
-    if ((ck == 4 || ck == 8) && !two) {   /* the float16 scales and minimums as panel_runs takes them */
+    const int two = quant_two_level(kind), ck = quant_codes_kind(kind);
+    if ((ck == 4 || ck == 8) && !two) {   /* the float16 scales and minimums as panel_runs' float path takes them */
         float *fs = scales, *fb = scales + NB * groups;
         const __m512 z = _mm512_set1_ps(ck == 4 ? (float)zero : 0.0f);   /* q8's codes have no offset */
         for (int64_t j = 0; j < rows; j++)
@@ -229,13 +216,23 @@ static void dequant_panel(int kind, const uint8_t *qs, const uint16_t *sc, const
                 const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, sc + at));
                 const __m512 m = mn ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + at)) : _mm512_setzero_ps();
                 _mm512_mask_storeu_ps(fs + j * groups + g, live, s);
-                _mm512_mask_storeu_ps(fb + j * groups + g, live, _mm512_fnmadd_ps(z, s, m));   /* as dequant32's */
+                /* min - zero * scale in one rounding, as dequant32 rounds q4k's */
+                _mm512_mask_storeu_ps(fb + j * groups + g, live, _mm512_fnmadd_ps(z, s, m));
             }
-        if (ck == 4) panel_runs(4, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, fs, fb);
-        else panel_runs(8, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, fs, fb);
-    } else {
-        panel_runs(ck, two, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, NULL, NULL);
+        if (ck == 4) panel_runs(4, 0, 1, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, NULL, NULL, fs, fb);
+        else panel_runs(8, 0, 1, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, NULL, NULL, fs, fb);
+        return;
     }
+    /* each row's scales and minimums (two-level: float32, expanded into `scales`) */
+    const uint16_t *rs[NB], *rm[NB];
+    for (int64_t j = 0; j < rows; j++) {
+        const int64_t n = n0 + j;
+        rs[j] = two ? (const uint16_t *)(scales + j * groups) : sc + n * groups;
+        rm[j] = quant_k4_scales(kind) ? (const uint16_t *)(scales + (NB + j) * groups) : mn ? mn + n * groups : NULL;
+    }
+    for (int64_t j = 0; two && j < rows; j++)
+        quant_two_level_row(kind, sc, mn, qh, K, n0 + j, scales + j * groups, scales + (NB + j) * groups);
+    panel_runs(ck, two, 0, kind, qs, sc, mn, K, group, n0, rows, wp, qh, zero, rs, rm, NULL, NULL);
 }
 
 /* Whether the bfloat16 kernels (vdpbf16ps and AMX) take this layout: K a multiple of 32, a group a
