@@ -126,6 +126,48 @@ def test_stage_zero_keeps_a_bounded_number_of_unclaimed_tokens() -> None:
     assert len(stage._tokens) == StageWorker.MAX_KEPT_TOKENS and min(stage._tokens) == 10
 
 
+def test_the_main_thread_is_woken_only_for_a_message_it_can_handle_now() -> None:
+    """A message that arrives while the stage computes, or a step still waiting for its tokens,
+    does not wake the main thread (on a one-core stage each wake-up preempted the compute); the
+    busy thread's going idle, or the tokens' arrival, wakes it when a message can run."""
+    class CountingCondition:
+        def __init__(self):
+            self.notified, self._cv = 0, __import__("threading").Condition()
+
+        def __enter__(self):
+            return self._cv.__enter__()
+
+        def __exit__(self, *exc):
+            return self._cv.__exit__(*exc)
+
+        def notify(self):
+            self.notified += 1
+            self._cv.notify()
+
+    stage = _stage()
+    stage._direct = False            # every message to the main thread (a CUDA stage's rule)
+    stage._cv = cv = CountingCondition()
+    stage._busy = True
+    stage._arrived(_step_message(2))
+    assert cv.notified == 0, "the busy thread looks at the backlog when it is done"
+    stage._idle()
+    assert cv.notified == 1 and not stage._busy
+    stage._backlog.clear()
+    stage._arrived(_step_message(4, tokens_from=3))
+    assert cv.notified == 1, "a step waiting for its decode-ahead tokens cannot run yet"
+    stage._busy = True
+    stage._tokens_arrived(3, [(7, 11)])
+    assert cv.notified == 1, "tokens that arrive while the stage computes wait for its going idle"
+    stage._idle()
+    assert cv.notified == 2
+    stage._backlog.clear()
+    stage._arrived(_step_message(6, tokens_from=5))
+    stage._tokens_arrived(5, [(7, 12)])
+    assert cv.notified == 3, "an idle stage's main thread runs the step its tokens released"
+    stage._arrived(Message(0, Kind.PING, None, None, 0.0))
+    assert cv.notified == 4
+
+
 def test_stage_zero_prepares_a_waiting_step_before_it_goes_idle() -> None:
     """Only first-chunk steps that wait for their tokens, on stage 0; a failing prepare is left
     to fail when the step runs (the worker goes on)."""
