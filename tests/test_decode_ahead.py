@@ -6,6 +6,7 @@ of waiting steps, and the engine end to end against PP = 1."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -132,7 +133,7 @@ def test_the_main_thread_is_woken_only_for_a_message_it_can_handle_now() -> None
     busy thread's going idle, or the tokens' arrival, wakes it when a message can run."""
     class CountingCondition:
         def __init__(self):
-            self.notified, self._cv = 0, __import__("threading").Condition()
+            self.notified, self._cv = 0, threading.Condition()
 
         def __enter__(self):
             return self._cv.__enter__()
