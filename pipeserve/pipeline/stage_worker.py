@@ -303,8 +303,8 @@ class StageWorker:
         """Under ``_cv``: wake the main thread only when it has something to handle now. While the
         stage is busy, the thread that is busy looks again when it is done (``_idle``); a step
         waiting for its decode-ahead tokens runs when they arrive. Every other wake-up of a
-        one-core stage preempted its compute and took the GIL from it (one request at PP = 2:
-        stage 0's main thread woke ~5 times a token, its compute thread was preempted ~5 times)."""
+        one-core stage preempted its compute thread (one request at PP = 2: stage 0's main
+        thread had woken ~5 times a token)."""
         if not self._busy and self._pick() is not None:
             self._cv.notify()
 
