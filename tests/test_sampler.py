@@ -309,8 +309,16 @@ def test_bf16_argmax_matches_numpy_on_the_widened_rows():
     want = torch.from_numpy(wide.numpy().argmax(axis=-1))
     assert torch.equal(argmax(x), want) and torch.equal(want, wide.argmax(dim=-1))
     assert argmax(x)[2].item() == 5
-    for n in (1, 3, 63, 64, 65, 200):
+    for n in (1, 3, 31, 32, 33, 63, 64, 65, 95, 96, 97, 200):
         assert torch.equal(argmax(x[:, :n]), wide[:, :n].argmax(dim=-1)), n
+    # -0 the maximum with no +0 (its key alone); a negative NaN (sign set) after a positive
+    # maximum; a NaN in a row's tail past its last whole 32 values.
+    y = torch.full((3, 100), -2.0).bfloat16()
+    y[0, [17, 60]] = -0.0
+    y[1, 3] = 5.0
+    y.view(torch.int16)[1, 50] = -64          # 0xFFC0: NaN with the sign bit set
+    y[2, 98] = float("nan")
+    assert argmax(y).tolist() == [17, 50, 98] == y.float().argmax(dim=-1).tolist()
     assert torch.equal(argmax(x[:, ::3]), wide[:, ::3].argmax(dim=-1))
     out = Sampler(0).sample(x, [sp(temperature=0.0)] * 12)
     assert tokens(out) == want.tolist()

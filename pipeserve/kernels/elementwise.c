@@ -241,7 +241,77 @@ static int64_t first_with_key(const uint16_t *row, int64_t n, int16_t key, int n
     return 0;
 }
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* 32 values' keys at once: negatives' magnitude bits flipped by their own sign (arithmetic shift).
+ * -0 becomes -1 here, not 0 as in bf16_order_key: no other value has key -1 (the smallest
+ * negative subnormal's is -2), so a maximum of -1 means -0 and one of 0 means +0 or -0 alike. */
+static inline __m512i bf16_keys32(__m512i v) {
+    return _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi16(v, 15), _mm512_set1_epi16(0x7FFF)));
+}
+
+/* The lanes of `v` that hold the row's answer: a NaN where the row has one, else the key `best`
+ * (0: +0 or -0). */
+static inline __mmask32 bf16_hits32(__m512i v, int16_t best, int nan) {
+    if (nan)
+        return _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F80));
+    const __m512i k = bf16_keys32(v);
+    __mmask32 hit = _mm512_cmpeq_epi16_mask(k, _mm512_set1_epi16(best));
+    if (best == 0) hit |= _mm512_cmpeq_epi16_mask(k, _mm512_set1_epi16(-1));
+    return hit;
+}
+
+/* One row, 32 values a step: the maximum key and whether a NaN is there, then the first lane that
+ * holds the answer (the tail through a masked load). Same answer as the portable loop below; ~4x
+ * fewer instructions than what gcc made of it (16 values a step, the key's branches as blends). */
+static int64_t argmax_bf16_row(const uint16_t *row, int64_t n) {
+    const int64_t whole = n & ~(int64_t)31;
+    const __mmask32 tail = (__mmask32)((1ull << (n - whole)) - 1);
+    const __m512i nan_from = _mm512_set1_epi16(0x7F80), magnitude = _mm512_set1_epi16(0x7FFF);
+    __m512i best0 = _mm512_set1_epi16(INT16_MIN), best1 = best0;
+    __mmask32 nan = 0;
+    int64_t i = 0;
+    for (; i + 64 <= whole; i += 64) {
+        const __m512i a = _mm512_loadu_si512(row + i), b = _mm512_loadu_si512(row + i + 32);
+        best0 = _mm512_max_epi16(best0, bf16_keys32(a));
+        best1 = _mm512_max_epi16(best1, bf16_keys32(b));
+        nan |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(a, magnitude), nan_from)
+             | _mm512_cmpgt_epu16_mask(_mm512_and_si512(b, magnitude), nan_from);
+    }
+    for (; i < whole; i += 32) {
+        const __m512i a = _mm512_loadu_si512(row + i);
+        best0 = _mm512_max_epi16(best0, bf16_keys32(a));
+        nan |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(a, magnitude), nan_from);
+    }
+    if (tail) {
+        const __m512i a = _mm512_maskz_loadu_epi16(tail, row + whole);
+        best1 = _mm512_mask_max_epi16(best1, tail, best1, bf16_keys32(a));
+        nan |= _mm512_mask_cmpgt_epu16_mask(tail, _mm512_and_si512(a, magnitude), nan_from);
+    }
+    int16_t lanes[32];
+    _mm512_storeu_si512(lanes, _mm512_max_epi16(best0, best1));
+    int16_t best = INT16_MIN;
+    for (int l = 0; l < 32; l++) best = lanes[l] > best ? lanes[l] : best;
+    if (best == -1) best = 0;     /* -0 is the maximum: it equals +0 */
+    for (i = 0; i < whole; i += 32) {
+        const __mmask32 hit = bf16_hits32(_mm512_loadu_si512(row + i), best, nan != 0);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    if (tail) {
+        const __mmask32 hit = bf16_hits32(_mm512_maskz_loadu_epi16(tail, row + whole), best, nan != 0) & tail;
+        if (hit) return whole + __builtin_ctz(hit);
+    }
+    return 0;
+}
+#endif
+
 void pipeserve_argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out) {
+#if defined(__AVX512BW__)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_bf16_row(x + r * n, n);
+    return;
+#endif
+    /* CPUs without AVX512-BW: the portable loops */
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * n;
         int16_t best = INT16_MIN;
