@@ -251,11 +251,15 @@ static inline __m512i bf16_keys32(__m512i v) {
     return _mm512_xor_si512(v, _mm512_and_si512(_mm512_srai_epi16(v, 15), _mm512_set1_epi16(0x7FFF)));
 }
 
+/* The lanes of `live` in `v` that hold a NaN (either sign). */
+static inline __mmask32 bf16_nans32(__mmask32 live, __m512i v) {
+    return _mm512_mask_cmpgt_epu16_mask(live, _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F80));
+}
+
 /* The lanes of `v` that hold the row's answer: a NaN where the row has one, else the key `best`
  * (0: +0 or -0). */
 static inline __mmask32 bf16_hits32(__m512i v, int16_t best, int nan) {
-    if (nan)
-        return _mm512_cmpgt_epu16_mask(_mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(0x7F80));
+    if (nan) return bf16_nans32(~(__mmask32)0, v);
     const __m512i k = bf16_keys32(v);
     __mmask32 hit = _mm512_cmpeq_epi16_mask(k, _mm512_set1_epi16(best));
     if (best == 0) hit |= _mm512_cmpeq_epi16_mask(k, _mm512_set1_epi16(-1));
@@ -268,7 +272,7 @@ static inline __mmask32 bf16_hits32(__m512i v, int16_t best, int nan) {
 static int64_t argmax_bf16_row(const uint16_t *row, int64_t n) {
     const int64_t whole = n & ~(int64_t)31;
     const __mmask32 tail = (__mmask32)((1ull << (n - whole)) - 1);
-    const __m512i nan_from = _mm512_set1_epi16(0x7F80), magnitude = _mm512_set1_epi16(0x7FFF);
+    const __mmask32 all = ~(__mmask32)0;
     __m512i best0 = _mm512_set1_epi16(INT16_MIN), best1 = best0;
     __mmask32 nan = 0;
     int64_t i = 0;
@@ -276,18 +280,17 @@ static int64_t argmax_bf16_row(const uint16_t *row, int64_t n) {
         const __m512i a = _mm512_loadu_si512(row + i), b = _mm512_loadu_si512(row + i + 32);
         best0 = _mm512_max_epi16(best0, bf16_keys32(a));
         best1 = _mm512_max_epi16(best1, bf16_keys32(b));
-        nan |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(a, magnitude), nan_from)
-             | _mm512_cmpgt_epu16_mask(_mm512_and_si512(b, magnitude), nan_from);
+        nan |= bf16_nans32(all, a) | bf16_nans32(all, b);
     }
     for (; i < whole; i += 32) {
         const __m512i a = _mm512_loadu_si512(row + i);
         best0 = _mm512_max_epi16(best0, bf16_keys32(a));
-        nan |= _mm512_cmpgt_epu16_mask(_mm512_and_si512(a, magnitude), nan_from);
+        nan |= bf16_nans32(all, a);
     }
     if (tail) {
         const __m512i a = _mm512_maskz_loadu_epi16(tail, row + whole);
         best1 = _mm512_mask_max_epi16(best1, tail, best1, bf16_keys32(a));
-        nan |= _mm512_mask_cmpgt_epu16_mask(tail, _mm512_and_si512(a, magnitude), nan_from);
+        nan |= bf16_nans32(tail, a);
     }
     int16_t lanes[32];
     _mm512_storeu_si512(lanes, _mm512_max_epi16(best0, best1));
@@ -309,9 +312,7 @@ static int64_t argmax_bf16_row(const uint16_t *row, int64_t n) {
 void pipeserve_argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out) {
 #if defined(__AVX512BW__)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_bf16_row(x + r * n, n);
-    return;
-#endif
-    /* CPUs without AVX512-BW: the portable loops */
+#else   /* the portable loops */
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * n;
         int16_t best = INT16_MIN;
@@ -324,4 +325,5 @@ void pipeserve_argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *
         }
         out[r] = first_with_key(row, n, best, nan);
     }
+#endif
 }

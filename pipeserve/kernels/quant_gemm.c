@@ -344,8 +344,9 @@ amx_micro(const int TWO_M, const int TWO_N, const uint16_t *a0, const uint16_t *
 }
 
 /* A thread's AMX scratch, kept between calls and grown as needed (OpenMP's threads persist; as
- * quant_gemm_i8.c's panel scratch): room for 2 * AMX_PAIRS dequantized panels, a panel's expanded
- * two-level scales, and 4 C tiles of floats. */
+ * quant_gemm_i8.c's panel scratch): room for 2 * AMX_PAIRS dequantized panels, a panel's scales
+ * and minimums in float32 (two-level: expanded; q4, q8: converted, dequant_panel), and 4 C tiles
+ * of floats. */
 static __thread char *amx_buf;
 static __thread int64_t amx_cap;
 
