@@ -106,3 +106,27 @@ def test_the_cache_is_mapped_in_up_front_within_the_time_given() -> None:
     assert thread is not None
     thread.join(timeout=60)
     assert [_resident_pages(c) for c in late] == [pages, pages]
+
+
+def test_a_replacement_stage_maps_in_less_of_its_cache_before_it_serves(tiny_checkpoints, monkeypatch) -> None:
+    """A first start maps the whole cache in for up to POPULATE_UPFRONT_S; a stage that replaces
+    a failed one (``PipelineSpec.replacement``: set by ``PipelineExecutor.recover``, carried to
+    the stage by its ``SpecWire``) for up to POPULATE_REPLACEMENT_S, as the engine waits on it."""
+    import dataclasses
+
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.loader import resolve_model
+    from pipeserve.pipeline.spec import PipelineSpec, SpecWire
+    from pipeserve.pipeline.stage_process import build_runners
+    from pipeserve.worker import model_runner
+    seen = []
+    monkeypatch.setattr(model_runner, "populate_cache", lambda tensors, upfront_s=0.0: seen.append(upfront_s))
+    source = resolve_model(str(tiny_checkpoints("llama_tied_gqa")))
+    cfg = source.load_config()
+    spec = PipelineSpec(EngineConfig(dtype="float32", threads_per_stage=1), source, cfg, [(0, cfg.num_layers)], 4, 0)
+    assert not spec.replacement
+    for replacement in (False, True):
+        wire = SpecWire.of(dataclasses.replace(spec, replacement=replacement))
+        build_runners(wire.to_spec(), 0, torch.device("cpu"))
+    assert seen == [model_runner.POPULATE_UPFRONT_S, model_runner.POPULATE_REPLACEMENT_S]
+    assert model_runner.POPULATE_REPLACEMENT_S < model_runner.POPULATE_UPFRONT_S

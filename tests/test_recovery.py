@@ -176,12 +176,14 @@ def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
         reference = token_lists(llm.generate(prompts, GREEDY, use_tqdm=False))
         undisturbed_s = time.monotonic() - start
         victim = llm.engine.stage_pids[1]
+        first_spec = llm.engine.executor.spec
         killer = _kill_when_half_admitted(llm, victim, len(prompts))
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         killer.join()
         stats = llm.stats()
         recovery = stats["recovery"]
         new_pids = llm.engine.stage_pids
+        replaced_spec = llm.engine.executor.spec
     finally:
         llm.shutdown()
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
@@ -191,6 +193,8 @@ def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
     assert "stage 1" in recovery["last_error"], recovery
     assert stats["scheduler"]["num_replayed"] >= 1       # it died mid-generation
     assert victim not in new_pids.values() and len(new_pids) == 3
+    # the new stages serve after mapping in only part of their KV caches (ModelRunner)
+    assert not first_spec.replacement and replaced_spec.replacement
     with pytest.raises(ProcessLookupError):
         os.kill(victim, 0)
     with capsys.disabled():

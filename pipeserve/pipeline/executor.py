@@ -29,6 +29,7 @@ steps) or ``shutdown()`` kills what is left.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -159,6 +160,7 @@ class PipelineExecutor(Executor):
             self._done.get_nowait()
         self._failure = None
         join = self.config.rendezvous_timeout if self.config.nnodes == 1 else self.config.stage_rejoin_timeout
+        self.spec = dataclasses.replace(self.spec, replacement=True)
         try:
             self._start(join)
         except BaseException as exc:

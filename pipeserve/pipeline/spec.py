@@ -37,6 +37,9 @@ class PipelineSpec:
     # None: pipeserve.worker.model_runner.ModelRunner. Must be a module-level name of an
     # importable module (not __main__): stages import it by name.
     runner_factory: Callable | None = None
+    # The stages replace a generation that failed (PipelineExecutor.recover): the engine waits
+    # on them, so each maps in only part of its KV cache before it serves (ModelRunner).
+    replacement: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -65,6 +68,7 @@ class SpecWire:
     num_blocks: int
     num_host_blocks: int
     runner_factory: str | None = None
+    replacement: bool = False
 
     @classmethod
     def of(cls, spec: PipelineSpec) -> "SpecWire":
@@ -74,7 +78,8 @@ class SpecWire:
                             f"{type(spec.source).__name__}")
         factory = None if spec.runner_factory is None else _reference(spec.runner_factory)
         return cls(spec.config.replace(cluster_key=None), _reference(type(spec.source)), to_wire(spec.source),
-                   spec.model_cfg, list(spec.partition), spec.num_blocks, spec.num_host_blocks, factory)
+                   spec.model_cfg, list(spec.partition), spec.num_blocks, spec.num_host_blocks, factory,
+                   spec.replacement)
 
     def to_spec(self) -> PipelineSpec:
         from pipeserve.worker.step_wire import from_wire
@@ -83,7 +88,8 @@ class SpecWire:
             raise TypeError(f"model source type {self.source_type} is not a dataclass")
         factory = None if self.runner_factory is None else _resolve(self.runner_factory)
         return PipelineSpec(self.config, from_wire(source_cls, self.source, "spec.source"), self.model_cfg,
-                            [tuple(p) for p in self.partition], self.num_blocks, self.num_host_blocks, factory)
+                            [tuple(p) for p in self.partition], self.num_blocks, self.num_host_blocks, factory,
+                            bool(self.replacement))
 
 
 def _reference(obj: Any) -> str:

@@ -81,12 +81,13 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
     """The stage's runners (one per chunk); with --tensor-parallel-size T > 1, the shards of
     ``tp_group``'s rank (a ``TensorParallelGroup``: ``pipeline/tensor_group.py``)."""
     factory = spec.runner_factory
+    extra = {} if tp_group is None else {"tp": tp_group}
     if factory is None:
         from pipeserve.worker.model_runner import ModelRunner
         factory = ModelRunner
+        extra["replacement"] = spec.replacement
     last = len(spec.partition) - 1
     dtype = DTYPES[spec.config.torch_dtype_name]
-    extra = {} if tp_group is None else {"tp": tp_group}
     runners = {}
     for chunk in spec.chunks_of(stage):
         start, end = spec.partition[chunk]

@@ -42,11 +42,14 @@ class ModelRunner:
                  sampler_seed: int | None = None, attention_backend: str = "auto",
                  quantization: str = "auto", quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
                  prepack_weights: bool = False,
-                 tp=None) -> None:
+                 tp=None, replacement: bool = False) -> None:
         """``tp``: this stage's tensor-parallel group (``pipeserve.model.tensor_parallel``);
         the runner then holds its rank's slices and KV heads, and only TP rank 0 of the
         last stage samples (the others return an empty ``StepOutput``). ``kv_cache_dtype``:
-        ``--kv-cache-dtype`` (auto: the model dtype; int8 / fp8: ``model/kv_quant.py``)."""
+        ``--kv-cache-dtype`` (auto: the model dtype; int8 / fp8: ``model/kv_quant.py``).
+        ``replacement``: the stage replaces one that failed, and the engine waits on it: its
+        KV cache is mapped in for at most ``POPULATE_REPLACEMENT_S`` before it serves, not
+        ``POPULATE_UPFRONT_S`` (``populate_cache``)."""
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
@@ -71,7 +74,8 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
         log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
                  self.weight_bytes / 2**20, describe(self.model))
-        self.kv_caches = self._allocate(num_blocks, self.device, pin=False, populate=True)
+        self.kv_caches = self._allocate(num_blocks, self.device, pin=False,
+                                        populate=POPULATE_REPLACEMENT_S if replacement else POPULATE_UPFRONT_S)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
                                           pin=self.device.type == "cuda")
         kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
@@ -80,11 +84,11 @@ class ModelRunner:
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
-    def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: bool = False) -> list[KVCache]:
+    def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: float | None = None) -> list[KVCache]:
         """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
-        mapped in at start-up for a few seconds and the rest by a background thread
-        (``populate_cache``); the host pool for swaps is used only under memory pressure
-        and faults in as written."""
+        mapped in at start-up for up to that many seconds and the rest by a background thread
+        (``populate_cache``); None (the host pool for swaps, used only under memory pressure):
+        it faults in as written."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
@@ -101,8 +105,8 @@ class ModelRunner:
             return t.pin_memory() if pin else t
 
         caches = [(make(), make()) for _ in range(self.model.num_layers)]
-        if populate and device.type == "cpu" and blocks:
-            populate_cache([t for pair in caches for t in pair], upfront_s=POPULATE_UPFRONT_S)
+        if populate is not None and device.type == "cpu" and blocks:
+            populate_cache([t for pair in caches for t in pair], upfront_s=populate)
         return caches
 
     # -- one step ----------------------------------------------------------
@@ -272,9 +276,15 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, prefault: bo
 _MADV_POPULATE_WRITE = 23   # Linux 5.14+
 _POPULATE_CHUNK = 2 * _HUGE_PAGE
 _POPULATE_RESERVE = 1 << 30     # the node's memory the background population leaves free
-# A stage's start-up maps its KV cache in for at most this long (populate_cache): the
-# default 1 GiB in 2.1-2.6 s at start-up here, and a restarted stage rejoins at most this much later.
-POPULATE_UPFRONT_S = 3.0
+# A stage's start-up maps its KV cache in for at most this long (populate_cache), as vLLM's
+# zeroed cache is committed at start: the default 1 GiB in 0.2-0.3 s where the host backs the
+# guest's memory, 2.1-2.6 s and 4.4-8.3 s on this VM kind on other days (page reporting hands
+# the host back what the guest frees); a larger cache on such a host maps the rest in the
+# background, and the stage still loads within the driver's --rendezvous-timeout (60 s).
+POPULATE_UPFRONT_S = 20.0
+# A stage that replaces a failed one (PipelineSpec.replacement): the engine's requests wait on
+# it, so it serves after at most this long and maps the rest in the background.
+POPULATE_REPLACEMENT_S = 3.0
 
 
 def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threading.Thread | None:
@@ -285,12 +295,14 @@ def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threa
     None where nothing is left for it.
 
     A page's first write costs its zeroing, and in a VM whose host backs guest memory lazily the
-    host's fault too (0.1-2.3 s per GiB on the machines measured), paid by the attention's KV
-    writes of the first prompts. The idle thread alone did not keep ahead of them when a
-    benchmark starts at once (a stage busy 92 % of a reference run still had 2.7 s of faulting
-    writes, 4.4 % of its time), and where it ran beside a stage it delayed the stage's next
-    message (a hop's p99 4 ms): the engine maps the default cache in at start-up, bounded so that
-    a large cache (or a restarted stage) still starts within seconds. MADV_POPULATE_WRITE maps the
+    host's fault too (0.1-10 s per GiB on the machines measured), paid by the attention's KV
+    writes. The idle thread alone did not keep ahead of them when a benchmark starts at once (a
+    stage busy 92 % of a reference run still had 2.7 s of faulting writes, 4.4 % of its time;
+    with 2 MiB pages the step that first writes past a page's end faults one in every layer's
+    K and V, and stopped a stage for 0.25-0.78 s in mid-run, the other stage idle meanwhile),
+    and where it ran beside a stage it delayed the stage's next message (a hop's p99 4 ms): the
+    engine maps the cache in at start-up, bounded so that a huge cache on a slow host, or a
+    stage that replaces a failed one, still serves within seconds. MADV_POPULATE_WRITE maps the
     pages writable without changing what they hold, so the thread may run beside the stage's own
     writes. It stops where the node has less than 1 GiB available (the cache was checked against
     the memory available at start; other processes may have taken some since): the rest faults in
