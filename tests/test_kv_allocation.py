@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -106,12 +107,18 @@ def test_the_cache_is_mapped_in_up_front_within_the_time_given() -> None:
     assert thread is not None
     thread.join(timeout=60)
     assert [_resident_pages(c) for c in late] == [pages, pages]
+    pool = [zeros_on_huge_pages((6 << 20,), torch.uint8, prefault=False) for _ in range(2)]
+    assert populate_cache(pool, upfront_s=1e-9, background=False) is None   # the host pool: no thread
+    time.sleep(0.2)
+    assert 0 < _resident_pages(pool[0]) < pages and _resident_pages(pool[1]) == 0
 
 
 def test_a_replacement_stage_maps_in_less_of_its_cache_before_it_serves(tiny_checkpoints, monkeypatch) -> None:
-    """A first start maps the whole cache in for up to POPULATE_UPFRONT_S; a stage that replaces
-    a failed one (``PipelineSpec.replacement``: set by ``PipelineExecutor.recover``, carried to
-    the stage by its ``SpecWire``) for up to POPULATE_REPLACEMENT_S, as the engine waits on it."""
+    """A first start maps the whole cache in for up to POPULATE_UPFRONT_S, then the host pool for
+    swaps for up to POPULATE_HOST_UPFRONT_S; a stage that replaces a failed one
+    (``PipelineSpec.replacement``: set by ``PipelineExecutor.recover``, carried to the stage by
+    its ``SpecWire``) the cache for up to POPULATE_REPLACEMENT_S and none of the pool, as the
+    engine waits on it."""
     import dataclasses
 
     from pipeserve.config import EngineConfig
@@ -120,13 +127,15 @@ def test_a_replacement_stage_maps_in_less_of_its_cache_before_it_serves(tiny_che
     from pipeserve.pipeline.stage_process import build_runners
     from pipeserve.worker import model_runner
     seen = []
-    monkeypatch.setattr(model_runner, "populate_cache", lambda tensors, upfront_s=0.0: seen.append(upfront_s))
+    monkeypatch.setattr(model_runner, "populate_cache",
+                        lambda tensors, upfront_s=0.0, **kw: seen.append((upfront_s, kw.get("background", True))))
     source = resolve_model(str(tiny_checkpoints("llama_tied_gqa")))
     cfg = source.load_config()
-    spec = PipelineSpec(EngineConfig(dtype="float32", threads_per_stage=1), source, cfg, [(0, cfg.num_layers)], 4, 0)
+    spec = PipelineSpec(EngineConfig(dtype="float32", threads_per_stage=1), source, cfg, [(0, cfg.num_layers)], 4, 2)
     assert not spec.replacement
     for replacement in (False, True):
         wire = SpecWire.of(dataclasses.replace(spec, replacement=replacement))
         build_runners(wire.to_spec(), 0, torch.device("cpu"))
-    assert seen == [model_runner.POPULATE_UPFRONT_S, model_runner.POPULATE_REPLACEMENT_S]
+    assert seen == [(model_runner.POPULATE_UPFRONT_S, True), (model_runner.POPULATE_HOST_UPFRONT_S, False),
+                    (model_runner.POPULATE_REPLACEMENT_S, True)]
     assert model_runner.POPULATE_REPLACEMENT_S < model_runner.POPULATE_UPFRONT_S

@@ -76,8 +76,10 @@ class ModelRunner:
                  self.weight_bytes / 2**20, describe(self.model))
         self.kv_caches = self._allocate(num_blocks, self.device, pin=False,
                                         populate=POPULATE_REPLACEMENT_S if replacement else POPULATE_UPFRONT_S)
-        self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"),
-                                          pin=self.device.type == "cuda")
+        self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda")
+        if self.device.type == "cpu" and num_host_blocks and not replacement:
+            populate_cache([t for pair in self.host_caches for t in pair], upfront_s=POPULATE_HOST_UPFRONT_S,
+                           background=False, what="host pool for swaps")
         kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
         log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
                  str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
@@ -87,8 +89,7 @@ class ModelRunner:
     def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: float | None = None) -> list[KVCache]:
         """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
         mapped in at start-up for up to that many seconds and the rest by a background thread
-        (``populate_cache``); None (the host pool for swaps, used only under memory pressure):
-        it faults in as written."""
+        (``populate_cache``); None (the host pool for swaps): it faults in as written."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
@@ -285,14 +286,22 @@ POPULATE_UPFRONT_S = 20.0
 # A stage that replaces a failed one (PipelineSpec.replacement): the engine's requests wait on
 # it, so it serves after at most this long and maps the rest in the background.
 POPULATE_REPLACEMENT_S = 3.0
+# The host pool for swaps, after the cache, for at most this long and not in the background (it
+# is written only under memory pressure): its low blocks first, as HostBlockPool hands them out,
+# and swapped sequences come back, so the first MiB of each layer's K and V serve most runs.
+# Unmapped, a reference run's first swap-outs stopped a stage for 0.67-0.80 s, each layer's K and
+# V faulting in a 2 MiB page. A replacement stage maps none of it in.
+POPULATE_HOST_UPFRONT_S = 1.0
 
 
-def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threading.Thread | None:
+def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0, background: bool = True,
+                   what: str = "KV cache") -> threading.Thread | None:
     """Fault in the lazily mapped KV cache (``zeros_on_huge_pages(prefault=False)``), a chunk of
     each tensor in turn from the first block on, as the block manager hands blocks out: on the
     calling thread for up to ``upfront_s`` seconds, the rest on a thread of the lowest priority
-    (SCHED_IDLE: it runs only where a core has nothing else to do). Returns that thread, or
-    None where nothing is left for it.
+    (SCHED_IDLE: it runs only where a core has nothing else to do; with ``background=False`` the
+    rest faults in as written). Returns that thread, or None where nothing is left for it.
+    ``what``: the memory's name in the log line.
 
     A page's first write costs its zeroing, and in a VM whose host backs guest memory lazily the
     host's fault too (0.1-10 s per GiB on the machines measured), paid by the attention's KV
@@ -324,11 +333,14 @@ def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0) -> threa
             if time.perf_counter() >= deadline:
                 break
         else:
-            log.info("KV cache mapped in at start-up: %.1f MiB in %.2f s", done / 2**20, time.perf_counter() - t0)
+            log.info("%s mapped in at start-up: %.1f MiB in %.2f s", what, done / 2**20, time.perf_counter() - t0)
             return None
         total = sum(n for _, _, n in regions)
-        log.info("KV cache mapped in at start-up: %.1f of %.1f MiB in %.2f s; the rest in the background at idle "
-                 "priority", done / 2**20, total / 2**20, time.perf_counter() - t0)
+        log.info("%s mapped in at start-up: %.1f of %.1f MiB in %.2f s; the rest %s", what, done / 2**20,
+                 total / 2**20, time.perf_counter() - t0,
+                 "in the background at idle priority" if background else "faults in as written")
+    if not background:
+        return None
 
     def run() -> None:
         try:
