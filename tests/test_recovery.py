@@ -193,7 +193,7 @@ def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
     assert "stage 1" in recovery["last_error"], recovery
     assert stats["scheduler"]["num_replayed"] >= 1       # it died mid-generation
     assert victim not in new_pids.values() and len(new_pids) == 3
-    # the new stages serve after mapping in only part of their KV caches (ModelRunner)
+    # the new stages map their KV caches in for a shorter time before they serve (ModelRunner)
     assert not first_spec.replacement and replaced_spec.replacement
     with pytest.raises(ProcessLookupError):
         os.kill(victim, 0)

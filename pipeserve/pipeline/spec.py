@@ -38,7 +38,7 @@ class PipelineSpec:
     # importable module (not __main__): stages import it by name.
     runner_factory: Callable | None = None
     # The stages replace a generation that failed (PipelineExecutor.recover): the engine waits
-    # on them, so each maps in only part of its KV cache before it serves (ModelRunner).
+    # on them, so each maps its KV cache in for a shorter time before it serves (ModelRunner).
     replacement: bool = False
 
     @property

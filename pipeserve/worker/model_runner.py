@@ -279,8 +279,8 @@ _POPULATE_CHUNK = 2 * _HUGE_PAGE
 _POPULATE_RESERVE = 1 << 30     # the node's memory the background population leaves free
 # A stage's start-up maps its KV cache in for at most this long (populate_cache), as vLLM's
 # zeroed cache is committed at start: the default 1 GiB in 0.2-0.3 s where the host backs the
-# guest's memory, 2.1-2.6 s and 4.4-8.3 s on this VM kind on other days (page reporting hands
-# the host back what the guest frees); a larger cache on such a host maps the rest in the
+# guest's memory, in 2.1-2.6 s on this VM kind one day and 4.4-9.2 s another (page reporting
+# hands the host back what the guest frees); a larger cache on such a host maps the rest in the
 # background, and the stage still loads within the driver's --rendezvous-timeout (60 s).
 POPULATE_UPFRONT_S = 20.0
 # A stage that replaces a failed one (PipelineSpec.replacement): the engine's requests wait on
@@ -289,8 +289,8 @@ POPULATE_REPLACEMENT_S = 3.0
 # The host pool for swaps, after the cache, for at most this long and not in the background (it
 # is written only under memory pressure): its low blocks first, as HostBlockPool hands them out,
 # and swapped sequences come back, so the first MiB of each layer's K and V serve most runs.
-# Unmapped, a reference run's first swap-outs stopped a stage for 0.67-0.80 s, each layer's K and
-# V faulting in a 2 MiB page. A replacement stage maps none of it in.
+# Unmapped, a reference run's first swap-outs stopped both stages for 0.18-0.80 s, each layer's K
+# and V faulting in a 2 MiB page. A replacement stage maps none of it in.
 POPULATE_HOST_UPFRONT_S = 1.0
 
 
@@ -311,7 +311,7 @@ def populate_cache(tensors: list[torch.Tensor], upfront_s: float = 0.0, backgrou
     K and V, and stopped a stage for 0.25-0.78 s in mid-run, the other stage idle meanwhile),
     and where it ran beside a stage it delayed the stage's next message (a hop's p99 4 ms): the
     engine maps the cache in at start-up, bounded so that a huge cache on a slow host, or a
-    stage that replaces a failed one, still serves within seconds. MADV_POPULATE_WRITE maps the
+    stage that replaces a failed one, still serves within its bound. MADV_POPULATE_WRITE maps the
     pages writable without changing what they hold, so the thread may run beside the stage's own
     writes. It stops where the node has less than 1 GiB available (the cache was checked against
     the memory available at start; other processes may have taken some since): the rest faults in
