@@ -115,10 +115,10 @@ def test_the_cache_is_mapped_in_up_front_within_the_time_given() -> None:
 
 def test_a_replacement_stage_maps_in_less_of_its_cache_before_it_serves(tiny_checkpoints, monkeypatch) -> None:
     """A first start maps the whole cache in for up to POPULATE_UPFRONT_S, then the host pool for
-    swaps for up to POPULATE_HOST_UPFRONT_S; a stage that replaces a failed one
-    (``PipelineSpec.replacement``: set by ``PipelineExecutor.recover``, carried to the stage by
-    its ``SpecWire``) the cache for up to POPULATE_REPLACEMENT_S and none of the pool, as the
-    engine waits on it."""
+    swaps (its first POPULATE_HOST_BYTES a tensor) for up to POPULATE_HOST_UPFRONT_S; a stage that
+    replaces a failed one (``PipelineSpec.replacement``: set by ``PipelineExecutor.recover``,
+    carried to the stage by its ``SpecWire``) the cache for up to POPULATE_REPLACEMENT_S and none
+    of the pool, as the engine waits on it."""
     import dataclasses
 
     from pipeserve.config import EngineConfig
@@ -127,15 +127,22 @@ def test_a_replacement_stage_maps_in_less_of_its_cache_before_it_serves(tiny_che
     from pipeserve.pipeline.stage_process import build_runners
     from pipeserve.worker import model_runner
     seen = []
+    mapped = []
     monkeypatch.setattr(model_runner, "populate_cache",
-                        lambda tensors, upfront_s=0.0, **kw: seen.append((upfront_s, kw.get("background", True))))
+                        lambda tensors, upfront_s=0.0, **kw: (seen.append((upfront_s, kw.get("background", True))),
+                                                              mapped.append(sum(t.nbytes for t in tensors))))
     source = resolve_model(str(tiny_checkpoints("llama_tied_gqa")))
     cfg = source.load_config()
-    spec = PipelineSpec(EngineConfig(dtype="float32", threads_per_stage=1), source, cfg, [(0, cfg.num_layers)], 4, 2)
+    block_bytes = 16 * cfg.num_kv_heads * cfg.head_dim * 4                 # float32 K (or V), 16 tokens
+    pool_blocks = 2 * model_runner.POPULATE_HOST_BYTES // block_bytes     # twice what is mapped in
+    spec = PipelineSpec(EngineConfig(dtype="float32", threads_per_stage=1), source, cfg, [(0, cfg.num_layers)],
+                        4, pool_blocks)
     assert not spec.replacement
     for replacement in (False, True):
         wire = SpecWire.of(dataclasses.replace(spec, replacement=replacement))
         build_runners(wire.to_spec(), 0, torch.device("cpu"))
     assert seen == [(model_runner.POPULATE_UPFRONT_S, True), (model_runner.POPULATE_HOST_UPFRONT_S, False),
                     (model_runner.POPULATE_REPLACEMENT_S, True)]
+    tensors = 2 * cfg.num_layers
+    assert mapped == [tensors * 4 * block_bytes, tensors * model_runner.POPULATE_HOST_BYTES, tensors * 4 * block_bytes]
     assert model_runner.POPULATE_REPLACEMENT_S < model_runner.POPULATE_UPFRONT_S

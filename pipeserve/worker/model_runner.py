@@ -78,8 +78,10 @@ class ModelRunner:
                                         populate=POPULATE_REPLACEMENT_S if replacement else POPULATE_UPFRONT_S)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda")
         if self.device.type == "cpu" and num_host_blocks and not replacement:
-            populate_cache([t for pair in self.host_caches for t in pair], upfront_s=POPULATE_HOST_UPFRONT_S,
-                           background=False, what="host pool for swaps")
+            pool = [t for pair in self.host_caches for t in pair]
+            head = max(1, POPULATE_HOST_BYTES // (pool[0][0].numel() * pool[0].element_size()))
+            populate_cache([t[:head] for t in pool], upfront_s=POPULATE_HOST_UPFRONT_S, background=False,
+                           what="host pool for swaps")
         kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
         log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
                  str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
@@ -286,11 +288,12 @@ POPULATE_UPFRONT_S = 20.0
 # A stage that replaces a failed one (PipelineSpec.replacement): the engine's requests wait on
 # it, so it serves after at most this long and maps the rest in the background.
 POPULATE_REPLACEMENT_S = 3.0
-# The host pool for swaps, after the cache, for at most this long and not in the background (it
-# is written only under memory pressure): its low blocks first, as HostBlockPool hands them out,
-# and swapped sequences come back, so the first MiB of each layer's K and V serve most runs.
+# The host pool for swaps, after the cache: the first POPULATE_HOST_BYTES of each layer's K and V
+# (the blocks HostBlockPool hands out first; swapped sequences come back, so they serve most runs),
+# for at most POPULATE_HOST_UPFRONT_S and not in the background (the rest faults in as written).
 # Unmapped, a reference run's first swap-outs stopped both stages for 0.18-0.80 s, each layer's K
 # and V faulting in a 2 MiB page. A replacement stage maps none of it in.
+POPULATE_HOST_BYTES = 2 * _HUGE_PAGE
 POPULATE_HOST_UPFRONT_S = 1.0
 
 
