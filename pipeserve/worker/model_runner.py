@@ -74,24 +74,31 @@ class ModelRunner:
         self.weight_bytes = weight_bytes(self.model)
         log.info("layers [%d, %d): %.1f MiB of weights resident (%s)", start_layer, end_layer,
                  self.weight_bytes / 2**20, describe(self.model))
-        self.kv_caches = self._allocate(num_blocks, self.device, pin=False,
-                                        populate=POPULATE_REPLACEMENT_S if replacement else POPULATE_UPFRONT_S)
+        self.kv_caches = self._allocate(num_blocks, self.device, pin=False)
         self.host_caches = self._allocate(num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda")
-        if self.device.type == "cpu" and num_host_blocks and not replacement:
-            pool = [t for pair in self.host_caches for t in pair]
-            head = max(1, POPULATE_HOST_BYTES // (pool[0][0].numel() * pool[0].element_size()))
-            populate_cache([t[:head] for t in pool], upfront_s=POPULATE_HOST_UPFRONT_S, background=False,
-                           what="host pool for swaps")
+        if self.device.type == "cpu":
+            self._map_in(replacement)
         kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_caches for t in pair)
         log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
                  str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
         self.sampler = Sampler(sampler_seed) if is_last else None
 
-    def _allocate(self, blocks: int, device: torch.device, pin: bool, populate: float | None = None) -> list[KVCache]:
-        """The per-layer (K, V) tensors of ``blocks`` blocks. ``populate``: the stage's own cache,
-        mapped in at start-up for up to that many seconds and the rest by a background thread
-        (``populate_cache``); None (the host pool for swaps): it faults in as written."""
+    def _map_in(self, replacement: bool) -> None:
+        """Map a CPU stage's lazily mapped caches in at start-up (``populate_cache``): its own KV
+        cache for up to POPULATE_UPFRONT_S (a replacement stage: POPULATE_REPLACEMENT_S) and the
+        rest by a background thread; then the first POPULATE_HOST_BYTES of each of the host pool's
+        tensors (none in a replacement stage), the rest faulting in as written."""
+        populate_cache([t for pair in self.kv_caches for t in pair],
+                       upfront_s=POPULATE_REPLACEMENT_S if replacement else POPULATE_UPFRONT_S)
+        pool = [t for pair in self.host_caches for t in pair]
+        if pool and pool[0].numel() and not replacement:
+            head = max(1, POPULATE_HOST_BYTES // (pool[0][0].numel() * pool[0].element_size()))
+            populate_cache([t[:head] for t in pool], upfront_s=POPULATE_HOST_UPFRONT_S, background=False,
+                           what="host pool for swaps")
+
+    def _allocate(self, blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+        """The per-layer (K, V) tensors of ``blocks`` blocks (``_map_in`` maps a CPU stage's in)."""
         # The model's config: under tensor parallelism, this rank's KV heads only.
         row = row_elements(self.cfg.head_dim, self.kv_dtype)   # head_dim (+ a scale's bytes when 8-bit)
         shape = (blocks, self.block_size, self.model.cfg.num_kv_heads, row)
@@ -107,10 +114,7 @@ class ModelRunner:
                             device=device).view(self.kv_dtype)
             return t.pin_memory() if pin else t
 
-        caches = [(make(), make()) for _ in range(self.model.num_layers)]
-        if populate is not None and device.type == "cpu" and blocks:
-            populate_cache([t for pair in caches for t in pair], upfront_s=populate)
-        return caches
+        return [(make(), make()) for _ in range(self.model.num_layers)]
 
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
