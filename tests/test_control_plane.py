@@ -3,6 +3,7 @@ as their own programs, and a remote stage that rejoins a driver."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pickle
@@ -65,6 +66,24 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
     back = wire.to_spec()
     assert back.model_cfg == cfg and back.source == spec.source and back.runner_factory is SleepRunner
     assert back.config == spec.config.replace(cluster_key=None)
+
+
+def test_the_decoders_fast_paths_keep_the_declared_types() -> None:
+    """A float field passes a JSON float as it is and widens a JSON int; a nullable field passes
+    null and still checks anything else."""
+    from pipeserve.worker.step_wire import dumps, from_wire
+    data = json.loads(dumps(_step()))
+    sampling = data[1][0][4]
+    sampling[0], sampling[9] = 1, None          # temperature as a JSON int; no prompt ids
+    got = from_wire(StepInput, data)
+    assert type(got.seqs[0].sampling.temperature) is float and got.seqs[0].sampling.temperature == 1.0
+    assert got.seqs[0].sampling.prompt_token_ids is None and got.seqs[1].sampling is None
+    sampling[9] = "1, 2"
+    with pytest.raises(WireError, match="SeqSampling.prompt_token_ids"):
+        from_wire(StepInput, data)
+    sampling[9], sampling[1] = None, True        # a bool is no float
+    with pytest.raises(WireError, match="SeqSampling.top_p: expected float, got bool"):
+        from_wire(StepInput, data)
 
 
 @pytest.mark.parametrize("header,error", [

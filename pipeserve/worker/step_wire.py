@@ -146,6 +146,9 @@ def _generate_dataclass_decoder(cls: type, names: tuple[str, ...]) -> Decoder:
             env[f"p{i}"] = plain
             lines.append(f"    if type(v{i}) not in p{i}:")
             lines.append(f"        v{i} = field(d{i}, v{i}, w{i})")
+        elif getattr(dec, "nullable", False):   # X | None: a null is the union decoder's None
+            lines.append(f"    if v{i} is not None:")
+            lines.append(f"        v{i} = field(d{i}, v{i}, w{i})")
         else:
             lines.append(f"    v{i} = field(d{i}, v{i}, w{i})")
     lines += ["    try:",
@@ -183,6 +186,7 @@ def _union_decoder(args: tuple) -> Decoder:
 
     if nullable and all(p is not None for p in plain):   # e.g. int | None
         decode.plain_types = tuple(t for p in plain for t in p) + (type(None),)  # type: ignore[attr-defined]
+    decode.nullable = nullable  # type: ignore[attr-defined]
     return decode
 
 
@@ -238,6 +242,8 @@ def _scalar_decoder(tp: Any) -> Decoder:
     decode.scalar_types = allowed  # type: ignore[attr-defined]
     if convert is None:
         decode.plain_types = allowed  # type: ignore[attr-defined]
+    elif tp is float:   # a JSON float is the value as it is; only an int goes through float()
+        decode.plain_types = (float,)  # type: ignore[attr-defined]
     return decode
 
 
