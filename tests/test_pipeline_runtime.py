@@ -195,13 +195,19 @@ def test_trace_file_is_written_at_shutdown(tmp_path) -> None:
     ex = PipelineExecutor(config(2, trace_file=str(trace)), SyntheticSource(step_seconds=0.01), cfg,
                           uniform_partition(cfg.num_layers, 2), 8, 0, runner_factory=SleepRunner)
     try:
-        ex.submit(StepInput(0, [SeqStep(0, [1], 0, [0], greedy())]))
+        ex.submit(StepInput(0, [SeqStep(0, [1], 4, [0], greedy()), SeqStep(1, [5, 6, 7], 0, [1], greedy())]))
         assert len(ex.wait_all(timeout=10)) == 1
     finally:
         ex.shutdown()
-    tracks = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "M"}
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert {"stage 0 compute", "stage 1 compute"} <= tracks
     assert trace.with_suffix(".png").exists()
+    # each compute slice says what its step carried (benchmarks/pp_trace_gaps.py fits on it)
+    computes = [e["args"] for e in events if e.get("cat") == "compute"]
+    assert [a.pop("chunk") for a in computes] == [0, 1] and all(
+        a == {"step_id": 0, "decodes": 1, "decode_context": 5, "prompt_tokens": 3, "prompts": 1, "swap_in": 0,
+              "swap_out": 0} for a in computes)
 
 
 def test_streaming_sleep_runner_samples_as_the_sleeping_one() -> None:

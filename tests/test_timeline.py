@@ -70,6 +70,16 @@ def test_timeline_collects_steps_and_window() -> None:
     assert [s.bubble_ratio for s in tl.stats()] == pytest.approx([1 / 3, 1 / 3])
 
 
+def test_step_shapes_are_kept_as_the_intervals_are() -> None:
+    tl = Timeline(2, max_intervals=2)
+    for j in range(3):
+        tl.step_submitted(j, float(j), {"decodes": j})
+    tl.step_submitted(3, 3.0)                       # no shape given: none kept
+    assert tl.step_shapes() == {1: {"decodes": 1}, 2: {"decodes": 2}}   # the oldest went
+    tl.clear()
+    assert tl.step_shapes() == {}
+
+
 def test_chrome_trace_has_one_track_per_stage(tmp_path) -> None:
     intervals, steps = gpipe_intervals(3, 2, 0.01)
     intervals.append(Interval(0, "send", 0.01, 0.012, 0))

@@ -70,15 +70,27 @@ class Timeline:
         self._intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._steps: dict[int, list[float | None]] = {}
         self._finished: deque[tuple[int, float, float]] = deque(maxlen=max_intervals)
+        # What each step carried (``step_shape``), kept for the trace's compute slices when given
+        self._shapes: dict[int, dict] = {}
+        self._max_shapes = max_intervals
         self._lock = threading.Lock()
 
     def add_intervals(self, intervals: list[Interval]) -> None:
         with self._lock:
             self._intervals.extend(intervals)
 
-    def step_submitted(self, step_id: int, t: float) -> None:
+    def step_submitted(self, step_id: int, t: float, shape: dict | None = None) -> None:
         with self._lock:
             self._steps[step_id] = [t, None]
+            if shape is not None:
+                if len(self._shapes) >= self._max_shapes:   # the oldest goes, as the intervals' do
+                    del self._shapes[next(iter(self._shapes))]
+                self._shapes[step_id] = shape
+
+    def step_shapes(self) -> dict[int, dict]:
+        """``step_shape`` of the steps submitted with one, by step id."""
+        with self._lock:
+            return dict(self._shapes)
 
     def step_finished(self, step_id: int, t: float) -> None:
         with self._lock:
@@ -116,6 +128,7 @@ class Timeline:
         with self._lock:
             self._intervals.clear()
             self._finished.clear()
+            self._shapes.clear()
 
 
 # -- interval arithmetic ---------------------------------------------------
@@ -183,9 +196,28 @@ def overlapping_compute(intervals: list[Interval]) -> float:
     return total(merge([span for spans in pairs for span in spans]))
 
 
+def step_shape(step) -> dict:
+    """What a ``StepInput`` carries, as the trace's compute slices show it (and
+    benchmarks/pp_trace_gaps.py fits each stage's compute time on): its decodes (one new token
+    each) and the positions they attend to, its prompt tokens (chunks of more than one) and
+    their count, and the KV blocks it swaps in and out."""
+    decodes = context = prompt_tokens = prompts = 0
+    for seq in step.seqs:
+        n = len(seq.token_ids)
+        if n == 1:
+            decodes += 1
+            context += seq.start_pos + 1
+        else:
+            prompts += 1
+            prompt_tokens += n
+    return {"decodes": decodes, "decode_context": context, "prompt_tokens": prompt_tokens, "prompts": prompts,
+            "swap_in": len(step.swap_in), "swap_out": len(step.swap_out)}
+
+
 # -- exports ---------------------------------------------------------------
-def chrome_trace(intervals: list[Interval], step_spans: list[Span] = ()) -> dict:
-    """Chrome trace event JSON (open in Perfetto / chrome://tracing): one track per stage."""
+def chrome_trace(intervals: list[Interval], step_spans: list[Span] = (), shapes: dict[int, dict] | None = None) -> dict:
+    """Chrome trace event JSON (open in Perfetto / chrome://tracing): one track per stage.
+    ``shapes``: ``step_shape`` by step id, added to the args of that step's compute slices."""
     origin = min([iv.start for iv in intervals] + [s for s, _ in step_spans], default=0.0)
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipeline"}}]
     stages = sorted({iv.stage for iv in intervals})
@@ -200,12 +232,14 @@ def chrome_trace(intervals: list[Interval], step_spans: list[Span] = ()) -> dict
         events.append({"ph": "X", "pid": 0, "tid": tid, "name": f"{iv.kind} step {iv.step_id}",
                        "cat": iv.kind, "ts": (iv.start - origin) * 1e6,
                        "dur": max(iv.end - iv.start, 0.0) * 1e6,
-                       "args": {"step_id": iv.step_id, "chunk": iv.chunk}})
+                       "args": {"step_id": iv.step_id, "chunk": iv.chunk,
+                                **((shapes or {}).get(iv.step_id, {}) if iv.kind == "compute" else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(path: str | Path, intervals: list[Interval], step_spans: list[Span] = ()) -> None:
-    Path(path).write_text(json.dumps(chrome_trace(intervals, step_spans)))
+def write_chrome_trace(path: str | Path, intervals: list[Interval], step_spans: list[Span] = (),
+                       shapes: dict[int, dict] | None = None) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(intervals, step_spans, shapes)))
 
 
 _COLORS = {"compute": "tab:blue", "send": "tab:orange", "recv": "tab:red"}

@@ -40,6 +40,7 @@ from typing import Any
 
 from pipeserve.comm.transport import Kind, Message
 from pipeserve.config import EngineConfig
+from pipeserve.metrics.timeline import step_shape
 from pipeserve.model.config import ModelConfig
 from pipeserve.pipeline.links import Links
 from pipeserve.pipeline.spec import PipelineSpec, StepEnvelope, validate_partition
@@ -183,7 +184,9 @@ class PipelineExecutor(Executor):
             if not self._inflight:
                 self._last_progress = time.monotonic()
             self._inflight[step.step_id] = now
-        self.timelines.step_submitted(step.step_id, now)
+        # what the step carries, for the trace's compute slices (a pass over its sequences: only
+        # when a trace is written)
+        self.timelines.step_submitted(step.step_id, now, step_shape(step) if self.config.trace_file else None)
         self.links.send(0, Kind.STEP, StepEnvelope(step, 0))
 
     def wait(self, timeout: float | None = None) -> list[StepOutput]:

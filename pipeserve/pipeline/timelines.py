@@ -27,8 +27,8 @@ class StageTimelines:
         """From one ping: the stage's time at receipt minus the round trip's midpoint."""
         self.clock_offsets[stage] = stage_time - (sent + received) / 2
 
-    def step_submitted(self, step_id: int, t: float) -> None:
-        self.timeline.step_submitted(step_id, t)
+    def step_submitted(self, step_id: int, t: float, shape: dict | None = None) -> None:
+        self.timeline.step_submitted(step_id, t, shape)
 
     def step_finished(self, step_id: int, t: float) -> None:
         self.timeline.step_finished(step_id, t)
@@ -62,7 +62,7 @@ class StageTimelines:
         """Chrome trace JSON at ``path`` and a Gantt PNG beside it (same name, .png)."""
         path = Path(path)
         intervals = self.timeline.intervals()
-        write_chrome_trace(path, intervals, self.timeline.step_spans())
+        write_chrome_trace(path, intervals, self.timeline.step_spans(), self.timeline.step_shapes())
         png = path.with_suffix(".png")
         write_gantt_png(png, intervals, self.num_stages, title=f"{self.num_stages} stages, {self.schedule} schedule")
         return path, png

@@ -1,0 +1,135 @@
+"""Where a pipeline's bubbles are, from a Chrome trace (``--trace-file``) of a run.
+
+Over the middle of the run (``--window``, default the 10 %-90 % of the span between the first and
+the last compute slice), per stage:
+
+- its busy share and its gaps (between two of its compute slices), split by what the other
+  stages did meanwhile: some other stage computing (this one waited on the pipeline: an
+  imbalance of stages or of micro-batches, or a slow step elsewhere), or no stage computing (the
+  round trip through the driver and the links), by the gaps' sizes, and the largest ones;
+- its compute time fitted by least squares on what each step carried (the trace's compute slices
+  have their step's ``decodes``, ``decode_context`` (the positions those decodes attend to),
+  ``prompt_tokens``, ``swap_in`` and ``swap_out`` blocks, ``metrics.timeline.step_shape``): the
+  coefficients, R² and the residuals' spread, i.e. how much the same work's time varies from
+  step to step (the host's noise, which a fixed two-micro-batch round turns into waits).
+
+    python -m pipeserve bench throughput ... -pp 2 --trace-file /tmp/run.json
+    python benchmarks/pp_trace_gaps.py /tmp/run.json [--window 0.1 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+from collections import defaultdict
+
+SHAPE = ("decodes", "decode_context", "prompt_tokens", "swap_in", "swap_out")
+BUCKETS_MS = (0.5, 2, 10, 50)
+
+
+def load(path: str) -> dict[int, list[tuple[float, float, int, dict]]]:
+    """Compute slices per stage: (start, end) in ms, step id, the slice's args."""
+    data = json.load(open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    stages: dict[int, list] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "compute":
+            stages[e["tid"] // 2].append((e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3, e["args"]["step_id"], e["args"]))
+    for slices in stages.values():
+        slices.sort()
+    return dict(stages)
+
+
+def overlap(spans: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
+    """Time in [a, b] covered by ``spans`` (sorted, merged)."""
+    got, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
+    while i < len(spans) and spans[i][0] < b:
+        got += max(0.0, min(spans[i][1], b) - max(spans[i][0], a))
+        i += 1
+    return got
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def gaps(stages: dict, lo: float, hi: float) -> None:
+    for stage, slices in sorted(stages.items()):
+        others = merged([(a, b) for s, sl in stages.items() if s != stage for a, b, *_ in sl])
+        starts = [a for a, _ in others]
+        busy = sum(min(b, hi) - max(a, lo) for a, b, *_ in slices if b > lo and a < hi)
+        found = []
+        for (_, end, step, _), (start, _, nxt, _) in zip(slices, slices[1:]):
+            if end < lo or start > hi or start <= end:
+                continue
+            found.append((start - end, overlap(others, starts, end, start), step, nxt))
+        total = sum(g for g, *_ in found)
+        elsewhere = sum(o for _, o, *_ in found)
+        span = hi - lo
+        print(f"stage {stage}: busy {busy / span:.3f}; gaps {total:.0f} ms ({total / span:.3f}): another stage "
+              f"computing {elsewhere:.0f} ms ({elsewhere / span:.3f}), none {total - elsewhere:.0f} ms "
+              f"({(total - elsewhere) / span:.3f}); {len(found)} gaps")
+        edges = (0.0,) + BUCKETS_MS + (float("inf"),)
+        for low, high in zip(edges, edges[1:]):
+            some = [(g, o) for g, o, *_ in found if low <= g < high]
+            if some:
+                print(f"    gaps {low:g}-{high:g} ms: {len(some):5d}, {sum(g for g, _ in some):8.1f} ms, of it none "
+                      f"computing {sum(g - o for g, o in some):7.1f} ms")
+        largest = sorted(found, reverse=True)[:6]
+        print("    largest (ms, of it another computing, between steps):",
+              ", ".join(f"{g:.1f} ({o:.1f}) {a}->{b}" for g, o, a, b in largest))
+
+
+def fit(stages: dict, lo: float, hi: float) -> None:
+    try:
+        import numpy as np
+    except ImportError:
+        print("(numpy missing: no fit)")
+        return
+    for stage, slices in sorted(stages.items()):
+        rows = [(b - a, [args.get(k, 0) for k in SHAPE]) for a, b, _, args in slices
+                if a >= lo and b <= hi and all(k in args for k in SHAPE)]
+        if len(rows) < 2 * (len(SHAPE) + 1):
+            print(f"stage {stage}: too few compute slices with their step's shape to fit "
+                  "(a trace from before the shapes?)")
+            continue
+        y = np.array([t for t, _ in rows])
+        x = np.array([v + [1.0] for _, v in rows], dtype=float)
+        x[:, 1] /= 1e3                                     # per 1,000 positions attended to
+        used = x.any(axis=0)                               # a column of zeros (no swaps) leaves the fit
+        coef = np.zeros(x.shape[1])
+        coef[used] = np.linalg.lstsq(x[:, used], y, rcond=None)[0]
+        resid = y - x @ coef
+        r2 = 1 - (resid ** 2).sum() / ((y - y.mean()) ** 2).sum()
+        print(f"stage {stage}: compute ms = {coef[0]:.3f} a decode + {coef[1]:.3f} per 1k positions attended + "
+              f"{coef[2]:.4f} a prompt token + {coef[3]:.3f} / {coef[4]:.3f} a block swapped in / out + "
+              f"{coef[5]:.2f} a step; R2 {r2:.3f} over {len(rows)} steps (mean {y.mean():.1f} ms); residuals "
+              f"{resid.std():.1f} ms = {resid.std() / y.mean():.1%} of a step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--window", nargs=2, type=float, default=(0.1, 0.9), metavar=("FROM", "TO"),
+                    help="the part of the run looked at, as fractions of its span")
+    args = ap.parse_args()
+    stages = load(args.trace)
+    if not stages:
+        raise SystemExit(f"{args.trace}: no compute slices")
+    t0 = min(sl[0][0] for sl in stages.values())
+    t1 = max(sl[-1][1] for sl in stages.values())
+    lo, hi = t0 + args.window[0] * (t1 - t0), t0 + args.window[1] * (t1 - t0)
+    print(f"{len(stages)} stages; window {lo - t0:.0f}-{hi - t0:.0f} ms of {t1 - t0:.0f}")
+    gaps(stages, lo, hi)
+    fit(stages, lo, hi)
+
+
+if __name__ == "__main__":
+    main()
