@@ -20,9 +20,10 @@ the last compute slice), per stage:
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 from collections import defaultdict
+
+from pipeserve.metrics.timeline import clip, intersect, merge, total
 
 SHAPE = ("decodes", "decode_context", "prompt_tokens", "swap_in", "swap_out")
 BUCKETS_MS = (0.5, 2, 10, 50)
@@ -41,41 +42,21 @@ def load(path: str) -> dict[int, list[tuple[float, float, int, dict]]]:
     return dict(stages)
 
 
-def overlap(spans: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
-    """Time in [a, b] covered by ``spans`` (sorted, merged)."""
-    got, i = 0.0, max(bisect.bisect_right(starts, a) - 1, 0)
-    while i < len(spans) and spans[i][0] < b:
-        got += max(0.0, min(spans[i][1], b) - max(spans[i][0], a))
-        i += 1
-    return got
-
-
-def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
 def gaps(stages: dict, lo: float, hi: float) -> None:
     for stage, slices in sorted(stages.items()):
-        others = merged([(a, b) for s, sl in stages.items() if s != stage for a, b, *_ in sl])
-        starts = [a for a, _ in others]
-        busy = sum(min(b, hi) - max(a, lo) for a, b, *_ in slices if b > lo and a < hi)
+        others = merge([(a, b) for s, sl in stages.items() if s != stage for a, b, *_ in sl])
+        busy = total(clip(merge([(a, b) for a, b, *_ in slices]), (lo, hi)))
         found = []
         for (_, end, step, _), (start, _, nxt, _) in zip(slices, slices[1:]):
             if end < lo or start > hi or start <= end:
                 continue
-            found.append((start - end, overlap(others, starts, end, start), step, nxt))
-        total = sum(g for g, *_ in found)
+            found.append((start - end, total(intersect(others, [(end, start)])), step, nxt))
+        idle = sum(g for g, *_ in found)
         elsewhere = sum(o for _, o, *_ in found)
         span = hi - lo
-        print(f"stage {stage}: busy {busy / span:.3f}; gaps {total:.0f} ms ({total / span:.3f}): another stage "
-              f"computing {elsewhere:.0f} ms ({elsewhere / span:.3f}), none {total - elsewhere:.0f} ms "
-              f"({(total - elsewhere) / span:.3f}); {len(found)} gaps")
+        print(f"stage {stage}: busy {busy / span:.3f}; gaps {idle:.0f} ms ({idle / span:.3f}): another stage "
+              f"computing {elsewhere:.0f} ms ({elsewhere / span:.3f}), none {idle - elsewhere:.0f} ms "
+              f"({(idle - elsewhere) / span:.3f}); {len(found)} gaps")
         edges = (0.0,) + BUCKETS_MS + (float("inf"),)
         for low, high in zip(edges, edges[1:]):
             some = [(g, o) for g, o, *_ in found if low <= g < high]

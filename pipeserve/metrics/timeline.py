@@ -70,9 +70,9 @@ class Timeline:
         self._intervals: deque[Interval] = deque(maxlen=max_intervals)
         self._steps: dict[int, list[float | None]] = {}
         self._finished: deque[tuple[int, float, float]] = deque(maxlen=max_intervals)
-        # What each step carried (``step_shape``), kept for the trace's compute slices when given
+        # What each step carried (``step_shape``), kept for the trace's compute slices when given;
+        # as many as the finished steps
         self._shapes: dict[int, dict] = {}
-        self._max_shapes = max_intervals
         self._lock = threading.Lock()
 
     def add_intervals(self, intervals: list[Interval]) -> None:
@@ -83,7 +83,7 @@ class Timeline:
         with self._lock:
             self._steps[step_id] = [t, None]
             if shape is not None:
-                if len(self._shapes) >= self._max_shapes:   # the oldest goes, as the intervals' do
+                if len(self._shapes) >= self._finished.maxlen:   # the oldest goes, as the finished steps' do
                     del self._shapes[next(iter(self._shapes))]
                 self._shapes[step_id] = shape
 
@@ -219,6 +219,7 @@ def chrome_trace(intervals: list[Interval], step_spans: list[Span] = (), shapes:
     """Chrome trace event JSON (open in Perfetto / chrome://tracing): one track per stage.
     ``shapes``: ``step_shape`` by step id, added to the args of that step's compute slices."""
     origin = min([iv.start for iv in intervals] + [s for s, _ in step_spans], default=0.0)
+    shapes = shapes or {}
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipeline"}}]
     stages = sorted({iv.stage for iv in intervals})
     for stage in stages:
@@ -233,7 +234,7 @@ def chrome_trace(intervals: list[Interval], step_spans: list[Span] = (), shapes:
                        "cat": iv.kind, "ts": (iv.start - origin) * 1e6,
                        "dur": max(iv.end - iv.start, 0.0) * 1e6,
                        "args": {"step_id": iv.step_id, "chunk": iv.chunk,
-                                **((shapes or {}).get(iv.step_id, {}) if iv.kind == "compute" else {})}})
+                                **(shapes.get(iv.step_id, {}) if iv.kind == "compute" else {})}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

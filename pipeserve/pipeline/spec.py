@@ -89,7 +89,7 @@ class SpecWire:
         factory = None if self.runner_factory is None else _resolve(self.runner_factory)
         return PipelineSpec(self.config, from_wire(source_cls, self.source, "spec.source"), self.model_cfg,
                             [tuple(p) for p in self.partition], self.num_blocks, self.num_host_blocks, factory,
-                            bool(self.replacement))
+                            self.replacement)
 
 
 def _reference(obj: Any) -> str:
