@@ -35,7 +35,7 @@
  *   three strided passes.
  * - AVX-512 paths: a tile is done for every kv head of a pass (up to PASS_MAX_HEADS
  *   query heads) before the next, so each key's row and each block is read as one
- *   run, asking for the rows PF_AHEAD_ROWS keys ahead (into L1: K's before a kv
+ *   run, asking for the rows PF_AHEAD_ROWS keys ahead (into L2: K's before a kv
  *   head's scores, V's before its values, a kv head's part at a time between their
  *   work: reading 6 KiB blocks in random order went from ~4 to ~9 GB/s on one core
  *   with prefetching, K's and V's apart from one burst 1.19-1.39x again, and the
@@ -326,15 +326,18 @@ static inline void tile_scales(const char *keys, const char *values, int64_t row
  * one burst of prefetches that the scores' own loads queued behind (bfloat16, one thread:
  * 1.19-1.39x the time per call; benchmarks/README.md, twenty-fourth session), and so were all
  * of a key's kv heads at once (20.5 against 14.7 ns a key and kv head, thirty-first session).
- * Into L1 (T0): against T1, 12.0-12.2 against 12.2-12.6 ns a key and kv head at one thread,
- * 7.7-7.8 against 8.4-8.6 at two, 34.3-34.6 against 37.8-39.4 on a 70B's shape
- * (benchmarks/README.md, thirty-first session). */
+ * Into L2 (T1): on a Zen 4 host the T0 prefetches stalled at the core's miss buffers (a
+ * quarter of the kernel's samples on the instruction after a prefetcht0) and T1 measured 2x as
+ * fast from memory (SmolLM2's shape, 100 x 400 keys: 16.2-17.2 against 33-35 ns a key and kv
+ * head at one thread, 9.5 against 18.2 at two, a 70B's shape 46.8 against 78.2; level in L2),
+ * where the thirty-first session's host had T0 ahead by 2-10 % (12.0 against 12.2-12.6 ns at one
+ * thread; benchmarks/README.md, forty-third session). */
 static inline __attribute__((always_inline)) void prefetch_part_ahead_of(const key_range *r, key_cursor pf,
                                                                          int64_t rows, int64_t lo, int64_t hi,
                                                                          const char *base) {
     for (; rows > 0 && pf.t < r->end; rows--) {
         const int64_t off = cursor_offset(r, &pf);
-        for (int64_t b = lo; b < hi; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T0);
+        for (int64_t b = lo; b < hi; b += 64) _mm_prefetch(base + off + b, _MM_HINT_T1);
         cursor_advance(r, &pf, 1);
     }
 }
@@ -344,7 +347,7 @@ static void prefetch_first(const key_range *r, int64_t head_bytes) {
     const int64_t stop = r->begin + PF_AHEAD_ROWS < r->end ? r->begin + PF_AHEAD_ROWS : r->end;
     for (int64_t u = r->begin; u < stop; u++)
         for (int64_t b = 0; b < head_bytes; b += 64) {
-            _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T0);
+            _mm_prefetch(r->k + key_offset(r, u) + b, _MM_HINT_T1);
             _mm_prefetch(r->v + key_offset(r, u) + b, _MM_HINT_T1);
         }
 }
