@@ -93,7 +93,8 @@ static inline float row_scale(const char *src, int dtype, int64_t head_dim) {
  * A pass per kv head had taken 32 (16, 32 and 64 alike; no prefetch or whole blocks at once ~2x
  * slower on blocks in random order); every kv head's rows are 3x as many bytes. 20-40 measured alike
  * (SmolLM2's shape, 64 x 512 keys from memory, one thread: 11.5-12.3 ns a key and kv head), 16
- * 13.3, 8 19.8; 32 alone fell out at 14.3-16.7 (benchmarks/README.md, thirty-first session). */
+ * 13.3, 8 19.8; 32 alone fell out at 14.3-16.7 (benchmarks/README.md, thirty-first session), all
+ * into L1; into L2 (prefetch_part_ahead_of), 24, 32 and 48 alike (forty-third session). */
 #ifndef PF_AHEAD_ROWS
 #define PF_AHEAD_ROWS 24
 #endif
