@@ -32,10 +32,13 @@
 #include "vec_math.h"
 
 #define BF16_GEMV_MAX_ROWS 8
-/* From 2 rows of x each 64 bytes of weights are asked for PF_BYTES ahead, into L1: with the dot
- * products of 2-8 rows the hardware prefetchers fell behind (4 rows from memory, one thread:
- * 17-21 GB/s without, 1.34-1.93x with 8 KB ahead; 2 threads 1.07-1.36x); at one row, which they
- * keep up with, the prefetches only took issue slots (0.88-1.07x). */
+/* Each 64 bytes of weights are asked for PF_BYTES ahead, into L2: with the dot products of 2-8
+ * rows the hardware prefetchers fell behind (4 rows from memory, one thread: 17-21 GB/s without,
+ * 1.34-1.93x with 8 KB ahead into L1; 2 threads 1.07-1.36x). On a Zen 4 host the L1 prefetches
+ * stalled at the core's miss buffers: into L2 measured 1.5-2.5x at 2-8 rows (SmolLM2's head, 4
+ * rows, one thread: 2,350 against 5,752 us), and at one row, where the prefetchers had kept up
+ * on the earlier host (L1 prefetches 0.88-1.07x there), 1.2-1.8x (the head 2,885 against 4,861
+ * us); benchmarks/README.md, forty-third session. */
 #define PF_BYTES 8192
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -82,7 +85,7 @@ static inline __attribute__((always_inline)) void rows_block(const uint16_t *w, 
         __m512i wv[4];
         for (int r = 0; r < R; r++) {
             wv[r] = _mm512_loadu_si512((const void *)(w + (n + r) * K + k));
-            if (M > 1) _mm_prefetch((const char *)(w + (n + r) * K + k) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + (n + r) * K + k) + PF_BYTES, _MM_HINT_T1);
         }
         for (int m = 0; m < M; m++) {
             const __m512i xv = _mm512_loadu_si512((const void *)(x + m * K + k));
