@@ -37,8 +37,8 @@
  * 1.34-1.93x with 8 KB ahead into L1; 2 threads 1.07-1.36x). On a Zen 4 host the L1 prefetches
  * stalled at the core's miss buffers: into L2 measured 1.5-2.5x at 2-8 rows (SmolLM2's head, 4
  * rows, one thread: 2,350 against 5,752 us), and at one row, where the prefetchers had kept up
- * on the earlier host (L1 prefetches 0.88-1.07x there), 1.2-1.8x (the head 2,885 against 4,861
- * us); benchmarks/README.md, forty-third session. */
+ * on the earlier host (L1 prefetches 0.88-1.07x there), 1.2-1.8x at one thread (the head 2,885
+ * against 4,861 us) and 0.95-1.7x at two; benchmarks/README.md, forty-third session. */
 #define PF_BYTES 8192
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
