@@ -287,7 +287,8 @@ def test_embedding_lookup_in_c_matches_dequantize(gguf_file, dtype):
     """QuantEmbedding's C lookup (pipeserve_quant_dequant_at) gives the rows PyTorch's dequantize
     gives, every kept type: exact for Q8_0 (one product), else within float32 rounding of the
     scale-and-offset (an FMA where PyTorch rounds twice), which bfloat16 rounds away but at a tie
-    (one bfloat16 step); out-of-range ids raise, as PyTorch's gather does."""
+    (one bfloat16 step); out-of-range ids raise, as PyTorch's gather does. A list of ids (what a
+    runner's step passes) gives the same rows and errors as a tensor of them."""
     path, types = gguf_file
     kernels = cpu_kernels()
     ids = torch.tensor([0, 17, 5, 17, ROWS - 1])
@@ -303,10 +304,12 @@ def test_embedding_lookup_in_c_matches_dequantize(gguf_file, dtype):
         else:
             step = 2.0 ** (-20 if dtype == torch.float32 else -7)
             assert ((got.float() - ref.float()).abs() <= step * ref.float().abs() + 1e-30).all(), ttype.name
-        with pytest.raises(IndexError, match="out of range"):
-            emb.forward(torch.tensor([0, ROWS]))
-        with pytest.raises(IndexError, match="out of range"):
-            emb.forward(torch.tensor([-1]))
+        assert torch.equal(emb.forward(ids.tolist()), got), ttype.name
+        for bad in ([0, ROWS], [-1]):
+            with pytest.raises(IndexError, match="out of range"):
+                emb.forward(torch.tensor(bad))
+            with pytest.raises(IndexError, match=f"got ids {min(bad)}..{max(bad)}"):
+                emb.forward(bad)
 
 
 @needs_kernel

@@ -95,7 +95,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("eps", _f32), ("scale", _f32), ("cos", _p), ("sin", _p), ("slots", _p),
                 ("block_tables", _p), ("context_lens", _p), ("max_blocks", _i64), ("block_size", _i64),
-                ("bf16", _i64), ("prof", _p), ("kv_dtype", _i64)]
+                ("bf16", _i64), ("prof", _p), ("kv_dtype", _i64), ("positions", _p)]
 
 PROF_CLASSES = ("gemm", "attention", "kv_write", "rows")   # decode_stage.c's PROF_* order
 
@@ -140,8 +140,11 @@ class FusedDecode:
                 and h.dtype == self.model.dtype and _cache_taken(kv_caches[0][0].dtype, self.model.dtype))
 
     def __call__(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                 kv_caches: list[KVCache]) -> torch.Tensor:
-        """h [n, hidden] in the stage's dtype, its input (every row a decode) -> its output."""
+                 kv_caches: list[KVCache], positions: torch.Tensor | None = None) -> torch.Tensor:
+        """h [n, hidden] in the stage's dtype, its input (every row a decode) -> its output.
+        ``rope``: the rows' cos and sin [n, head_dim] (float32), or with ``positions`` (int64 [n])
+        the rotary table (``RotaryEmbedding.table``: [positions, head_dim], past every position),
+        whose rows the C code picks."""
         layers = self._bind(kv_caches)
         out = h.contiguous().clone()
         cos, sin = (t.contiguous() for t in rope)
@@ -149,6 +152,7 @@ class FusedDecode:
         args = self.model.backend.decode_args(meta.decodes)
         s = self._step
         s.rows, s.cos, s.sin, s.slots = out.shape[0], cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
+        s.positions = None if positions is None else positions.contiguous().data_ptr()
         s.block_tables, s.context_lens = args.tables_ptr, args.lens_ptr
         s.max_blocks, s.block_size = args.max_blocks, args.block_size
         self.launch(layers, out)

@@ -136,11 +136,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] -> (cos, sin), each float32 [n, 1, head_dim]. ``limit``: more than
         the largest position (then they come from the table, where it reaches that far)."""
-        if limit is not None and limit <= self.TABLE_MAX_POSITIONS:
-            if self._cos is None or self._cos.shape[0] < limit or self._cos.device != self.inv_freq.device:
-                self._grow(limit)
-            return self._cos.index_select(0, positions).unsqueeze(1), self._sin.index_select(0, positions).unsqueeze(1)
+        table = None if limit is None else self.table(limit)
+        if table is not None:
+            return table[0].index_select(0, positions).unsqueeze(1), table[1].index_select(0, positions).unsqueeze(1)
         return self._compute(positions)
+
+    def table(self, limit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) of every position below at least ``limit``, each float32 [positions, head_dim]
+        (the rows ``forward`` looks up), or None past TABLE_MAX_POSITIONS: the fused decode stage
+        picks a step's rows itself."""
+        if limit > self.TABLE_MAX_POSITIONS:
+            return None
+        if self._cos is None or self._cos.shape[0] < limit or self._cos.device != self.inv_freq.device:
+            self._grow(limit)
+        return self._cos, self._sin
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [n, head_dim / 2]

@@ -175,17 +175,16 @@ class LlamaModel(nn.Module):
     def num_layers(self) -> int:
         return self.end_layer - self.start_layer
 
-    def forward(self, input_ids_or_hidden: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids_or_hidden: torch.Tensor | list[int], positions: torch.Tensor,
                 attn_metadata: AttentionMetadata, kv_caches: list[KVCache]) -> torch.Tensor:
-        """input: token ids [n] (first stage) or hidden [n, hidden]; returns hidden
-        [n, hidden] before the final norm (``compute_logits`` applies it)."""
+        """input: token ids [n] (first stage: a tensor or a list) or hidden [n, hidden]; returns
+        hidden [n, hidden] before the final norm (``compute_logits`` applies it)."""
         if self.is_first:
-            h = self._embed(input_ids_or_hidden)  # [n, hidden]
+            h = self._embed(input_ids_or_hidden, positions.device)  # [n, hidden]
             if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the activation dtype, as Gemma does
                 h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         else:
             h = input_ids_or_hidden.to(self.dtype)
-        ropes = self._ropes(positions, attn_metadata)  # shared by every layer of the step
         fused = self.fused_decode
         if fused is None and h.device.type == "cpu" and self.layers:   # decided once, with the weights loaded
             from pipeserve.model.cpu_decode import fused_decode
@@ -193,7 +192,12 @@ class LlamaModel(nn.Module):
             if fused and self.on_fused_decode is not None:
                 self.on_fused_decode(fused)
         if fused and fused.applies(h, attn_metadata, kv_caches):
-            return fused(h, ropes["global"], attn_metadata, kv_caches)
+            table = (self.rotary.table(max(attn_metadata.context_lens, default=0))
+                     if type(self.rotary) is RotaryEmbedding and self.local_rotary is None else None)
+            if table is not None:     # the C code picks the step's rows
+                return fused(h, table, attn_metadata, kv_caches, positions)
+            return fused(h, self._ropes(positions, attn_metadata)["global"], attn_metadata, kv_caches)
+        ropes = self._ropes(positions, attn_metadata)  # shared by every layer of the step
         residual = None
         # The decoder's modules carry no hooks, so the hot path calls ``forward`` directly:
         # nn.Module.__call__ costs ~1.5 us a call, ~210 calls per decode step (measured, 1 thread).
@@ -201,7 +205,11 @@ class LlamaModel(nn.Module):
             h, residual = layer.forward(ropes[layer.rope_kind], h, residual, attn_metadata, kv)
         return h if residual is None else h + residual
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+        """ids: int64 [n], or a list of ints (a runner's step), which a kept-quantized table
+        looks up as they are (``QuantEmbedding.takes_id_list``) and others as a tensor on ``device``."""
+        if isinstance(ids, list) and (self.tp is not None or not getattr(self.embed_tokens, "takes_id_list", False)):
+            ids = torch.tensor(ids, dtype=torch.int64, device=device)
         if self.tp is None:
             return self.embed_tokens.forward(ids)   # .forward: see forward
         # Vocabulary-parallel: look up the ids in our rows, zero the others, sum over ranks.

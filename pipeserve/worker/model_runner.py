@@ -159,9 +159,8 @@ class ModelRunner:
             return torch.empty(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         prepared = step.__dict__.pop("_prepared", None)
         meta, positions = prepared if prepared is not None else self._prepare(step)
-        if self.is_first:
-            ids = [t for s in step.seqs for t in s.token_ids]
-            x = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [num_tokens]
+        if self.is_first:   # the ids as a list: the embedding makes a tensor of them where it needs one
+            x = [t for s in step.seqs for t in s.token_ids]
         else:
             if hidden_states is None:
                 raise ValueError("a stage that is not first needs the previous stage's hidden_states")

@@ -361,20 +361,25 @@ class QuantKernels:
                              _ptr(w.qh), w.zero), w)
         return out
 
-    def lookup(self, w: PackedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """Rows ``ids`` (int64 [n], CPU) of the weight dequantized, [n, K] in ``dtype`` (float32 or
-        bfloat16): an embedding's lookup in one C call. None where this build has no such call
-        or does not take the layout (the caller dequantizes with PyTorch)."""
+    def lookup(self, w: PackedWeight, ids: torch.Tensor | list[int], dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows ``ids`` (int64 [n] on CPU, or a list of ints) of the weight dequantized, [n, K] in
+        ``dtype`` (float32 or bfloat16): an embedding's lookup in one C call. None where this
+        build has no such call or does not take the layout (the caller dequantizes with PyTorch)."""
         if self._dequant_at is None or not self.takes(w.kind) or dtype not in _DTYPES:
             return None
-        ids = ids.contiguous()
-        out = torch.empty(ids.shape[0], w.in_features, dtype=dtype)
+        if isinstance(ids, list):
+            array = (ctypes.c_int64 * len(ids))(*ids)    # no tensor of them: ~60 us a step, cold
+            count, at, span = len(ids), ctypes.addressof(array), (lambda: (min(ids), max(ids)))
+        else:
+            ids = ids.contiguous()
+            count, at, span = ids.shape[0], ids.data_ptr(), (lambda: (ids.min().item(), ids.max().item()))
+        out = torch.empty(count, w.in_features, dtype=dtype)
         kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
-        rc = self._dequant_at(kind, qs, scale, minv, n, k, group, ids.data_ptr(), ids.shape[0], out.data_ptr(),
+        rc = self._dequant_at(kind, qs, scale, minv, n, k, group, at, count, out.data_ptr(),
                               int(dtype == torch.bfloat16), qh, zero)
         if rc == -4:
-            raise IndexError(f"token id out of range: {w.source} has {n} rows, got ids "
-                             f"{ids.min().item()}..{ids.max().item()}")
+            low, high = span()
+            raise IndexError(f"token id out of range: {w.source} has {n} rows, got ids {low}..{high}")
         if rc in (-2, -3):   # a layout or shape the C dequantize does not take
             return None
         if rc:

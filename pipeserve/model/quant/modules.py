@@ -119,14 +119,23 @@ class QuantEmbedding(_Packed):
         self._register([weight])
         self.dtype = dtype
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n] -> [n, hidden] in the model's dtype: on CPU one C call (a decode step's lookup
-        took ~90 us through PyTorch's gather and float ops, ~35 in C, both cold after the step's
-        weights went through the caches), else PyTorch's ops."""
+    takes_id_list = True   # forward takes a list of ids as well (LlamaModel._embed)
+
+    def forward(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """ids [n] (int64, or a list of ints) -> [n, hidden] in the model's dtype: on CPU one C
+        call (a decode step's lookup took ~90 us through PyTorch's gather and float ops, ~35 in
+        C, both cold after the step's weights went through the caches; a tensor of a list's ids
+        ~60 us more), else PyTorch's ops."""
         w = self._parts or self.parts
-        kernels = cpu_kernels() if ids.is_cpu and ids.dtype == torch.int64 and w[0].qs.is_cpu else None
+        listed = isinstance(ids, list)
+        kernels = (cpu_kernels() if (listed or (ids.is_cpu and ids.dtype == torch.int64)) and w[0].qs.is_cpu
+                   else None)
         out = kernels.lookup(w[0], ids, self.dtype) if kernels is not None else None
-        return out if out is not None else dequantize(w[0].rows(ids), self.dtype)
+        if out is not None:
+            return out
+        if listed:
+            ids = torch.tensor(ids, dtype=torch.int64, device=w[0].qs.device)
+        return dequantize(w[0].rows(ids), self.dtype)
 
     def extra_repr(self) -> str:
         return f"types={self.sources[0]}"
