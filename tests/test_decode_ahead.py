@@ -12,7 +12,7 @@ import types
 import pytest
 
 from pipeserve.comm.transport import Kind, Message
-from pipeserve.pipeline.spec import StepEnvelope
+from pipeserve.pipeline.spec import Hop, StepEnvelope
 from pipeserve.pipeline.stage_worker import StageWorker
 from pipeserve.scheduler.scheduler import Scheduler
 from pipeserve.worker.step import SeqStep, StepInput
@@ -193,10 +193,10 @@ def test_stage_zero_prepares_a_waiting_step_before_it_goes_idle() -> None:
     stage.runners = {0: Runner(fail=True)}
     stage._prepare_waiting()
     later = _stage()
-    later.stage, later.runners = 1, {0: Runner()}
+    later.stage, later.runners = 1, {1: Runner()}
     later._backlog.append(_step_message(2, tokens_from=0))
     later._prepare_waiting()
-    assert later.runners[0].prepared == [], "stage 0 only"
+    assert later.runners[1].prepared == [], "waiting for tokens is stage 0's; the others prepare plans"
 
 
 def test_a_step_prepared_ahead_runs_as_one_prepared_when_it_runs(tiny_checkpoints) -> None:
@@ -220,6 +220,78 @@ def test_a_step_prepared_ahead_runs_as_one_prepared_when_it_runs(tiny_checkpoint
     out_plain = runner.forward_logits(plain)       # the same position again: the same KV written
     assert calls == [0, 2, 1] and torch.equal(out_ahead, out_plain)
     assert "_prepared" not in ahead.__dict__
+
+
+# -- plans: the other stages get each step ahead of its activations (HOP = its id) --
+def _hop(step_id: int, chunk: int = 1) -> Message:
+    return Message(1, Kind.HOP, Hop(step_id, chunk, []), None, 0.0)
+
+
+def _worker(stage: int, chunks: tuple[int, ...], num_stages: int = 2) -> StageWorker:
+    spec = types.SimpleNamespace(config=types.SimpleNamespace(device="cpu"), num_stages=num_stages,
+                                 partition=[(0, 1)] * (num_stages * len(chunks)))
+    return StageWorker(spec, stage, {c: None for c in chunks}, transport=None)
+
+
+def test_a_hop_waits_for_its_plan_and_runs_the_planned_step() -> None:
+    stage = _worker(1, (1,))
+    stage._busy = True                 # nothing is handled here: the picks and the bookkeeping
+    hop = _hop(4)
+    stage._arrived(hop)
+    assert stage._pick() is None, "its plan is still on its way (another connection)"
+    stage._arrived(Message(0, Kind.PING, None, None, 0.0))
+    assert stage._pick() == 1, "other messages pass it"
+    stage._backlog.pop()
+    step = StepInput(4, [SeqStep(7, [0], 3, [0])])
+    stage._arrived(Message(0, Kind.PLAN, step, None, 0.0))
+    assert stage._pick() == 0 and stage._plans[4] is step
+    env = stage._envelope(hop)
+    assert env.step is step and env.chunk == 1 and not stage._plans, "this stage's last chunk of it: dropped"
+    for step_id in range(StageWorker.MAX_PLANS + 5):   # plans whose steps failed upstream: bounded
+        stage._plan_arrived(StepInput(step_id, []))
+    assert len(stage._plans) == StageWorker.MAX_PLANS and min(stage._plans) == 5
+
+    idle = _worker(1, (1,))               # idle: the plan's arrival runs the hop that waited for it
+    handled = []
+    idle._handle = handled.append
+    idle._arrived(hop)
+    assert handled == [] and list(idle._backlog) == [hop]
+    idle._plan_arrived(step)
+    assert handled == [hop] and not idle._backlog and not idle._busy
+
+
+def test_a_step_stays_planned_while_a_later_chunk_of_it_runs_on_the_stage() -> None:
+    """Interleaved (V = 2 at P = 2): stage 0 runs chunks 0 and 2, the driver's STEP and then a hop
+    back round the ring; P = 1 hands its chunks to itself in memory, so it keeps nothing."""
+    step = StepInput(9, [SeqStep(7, [0], 3, [0])])
+    first = _worker(0, (0, 2))
+    assert first._envelope(Message(0, Kind.STEP, StepEnvelope(step, 0), None, 0.0)).step is step
+    assert first._plans[9] is step
+    assert first._envelope(_hop(9, chunk=2)).step is step and not first._plans
+    later = _worker(1, (1, 3))
+    later._plans[9] = step                  # the driver's plan
+    assert later._envelope(_hop(9, chunk=1)).step is step and later._plans[9] is step
+    assert later._envelope(_hop(9, chunk=3)).step is step and not later._plans
+    alone = _worker(0, (0, 1), num_stages=1)
+    alone._envelope(Message(1, Kind.STEP, StepEnvelope(step, 0), None, 0.0))
+    assert not alone._plans
+
+
+def test_an_idle_stage_prepares_a_plan_as_it_comes() -> None:
+    class Runner:
+        def __init__(self):
+            self.prepared = []
+
+        def prepare_ahead(self, step):
+            self.prepared.append(step.step_id)
+
+    stage = _worker(1, (1,))
+    stage.runners = {1: Runner()}
+    stage._plan_arrived(StepInput(3, [SeqStep(7, [0], 3, [0])]))
+    assert stage.runners[1].prepared == [3] and not stage._busy
+    stage._busy = True                    # computing: kept, prepared before it goes idle
+    stage._plan_arrived(StepInput(4, [SeqStep(7, [0], 4, [0])]))
+    assert stage.runners[1].prepared == [3]
 
 
 # -- the engine, end to end ----------------------------------------------------

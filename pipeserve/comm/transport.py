@@ -28,7 +28,7 @@ import torch
 
 
 class Kind(IntEnum):
-    STEP = 1       # driver/stage -> stage: a micro-batch (StepEnvelope) + activations
+    STEP = 1       # driver -> stage 0 (or a stage to itself): a micro-batch (StepEnvelope) + activations
     RESULT = 2     # last stage -> driver: (StepOutput, intervals)
     STOP = 3       # driver -> stage: finish and exit
     BYE = 4        # stage -> driver: exiting (unblocks the driver's receiver)
@@ -48,6 +48,8 @@ class Kind(IntEnum):
     LOST = 18      # never sent: the local transport's note that the connection to ``src`` closed
     PROFILE = 19   # stage -> driver: its cumulative --profile figures (StageProfile), before a TIMELINE
     TOKENS = 20    # last stage -> stage 0: a step's sampled tokens (step id, [(seq id, token id)])
+    PLAN = 21      # driver -> stage >= 1: a step it will run (StepInput), sent when stage 0 gets it
+    HOP = 22       # stage -> next stage: a planned step's activations (Hop: step id, chunk, intervals)
 
 
 @dataclass

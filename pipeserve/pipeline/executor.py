@@ -188,6 +188,9 @@ class PipelineExecutor(Executor):
         # when a trace is written)
         self.timelines.step_submitted(step.step_id, now, step_shape(step) if self.config.trace_file else None)
         self.links.send(0, Kind.STEP, StepEnvelope(step, 0))
+        # the other stages get it now, ahead of its activations (stage_worker.py: plans and hops)
+        for stage in range(1, self.spec.num_stages):
+            self.links.send(stage, Kind.PLAN, step)
 
     def wait(self, timeout: float | None = None) -> list[StepOutput]:
         deadline = None if timeout is None else time.monotonic() + timeout

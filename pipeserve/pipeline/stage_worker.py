@@ -20,6 +20,13 @@ as soon as they arrive, on the reader thread that read them when it is idle:
 one request's token goes from the last stage to stage 0 in one hop, without
 the driver. Until then that step waits, with any later first-chunk step that
 shares a sequence with it; every other message is handled.
+
+Steps ahead of their activations: the driver sends every other stage each step (a PLAN)
+when it sends stage 0 the step, and the stages pass each other only the step's id with the
+activations (a HOP). A stage that is idle when a plan comes builds the step's metadata then
+(as stage 0 does for a step that waits for its tokens), so neither the step's encoding and
+decoding nor its metadata lie between one stage's compute and the next. A hop that comes
+before its plan (they travel on different connections) waits for it.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ import torch
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind, Message, Transport
 from pipeserve.metrics.timeline import Interval
-from pipeserve.pipeline.spec import PipelineSpec, StepEnvelope
-from pipeserve.worker.step import StepOutput
+from pipeserve.pipeline.spec import Hop, PipelineSpec, StepEnvelope
+from pipeserve.worker.step import StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +142,7 @@ class Sender(threading.Thread):
             if dst != 0:
                 self.put(0, Kind.LINK_DOWN, (dst, str(exc)))
             return
-        if kind in (Kind.STEP, Kind.RESULT):
+        if kind in (Kind.STEP, Kind.HOP, Kind.RESULT):
             self.log.add("send", start, time.time(), step_id, chunk)
 
     def close(self) -> None:
@@ -148,6 +155,9 @@ class StageWorker:
     # step whose follower was never scheduled (its sequence stopped, new work took the slot)
     # leaves its tokens behind: at most this many are kept, the oldest dropped first.
     MAX_KEPT_TOKENS = 64
+    # Plans (the driver's steps, sent ahead of their activations) kept for hops yet to come: a few
+    # a micro-batch in flight; a plan whose step failed on an earlier stage is dropped, oldest first.
+    MAX_PLANS = 256
 
     def __init__(self, spec: PipelineSpec, stage: int, runners: dict[int, Any], transport: TcpTransport) -> None:
         self.spec, self.stage, self.runners = spec, stage, runners
@@ -163,6 +173,7 @@ class StageWorker:
         self._idle_since = time.time()
         self._crash: BaseException | None = None   # raised on a reader thread; re-raised by run()
         self._tokens: OrderedDict[int, dict[int, int]] = OrderedDict()  # source step id -> {seq id: token}
+        self._plans: OrderedDict[int, StepInput] = OrderedDict()          # step id -> the step, for its hops
         # A CUDA stage computes on its main thread only: the current device and stream are per thread.
         self._direct = not spec.config.device.startswith("cuda")
 
@@ -195,9 +206,12 @@ class StageWorker:
         if message.kind == Kind.TOKENS:
             self._tokens_arrived(*message.obj)
             return
+        if message.kind == Kind.PLAN:
+            self._plan_arrived(message.obj)
+            return
         with self._cv:
             direct = (self._direct and not self._busy and not self._backlog and self._small_step(message)
-                      and self._has_tokens(message))
+                      and self._has_tokens(message) and self._has_plan(message))
             if not direct:
                 self._backlog.append(message)
                 self._wake_main()
@@ -207,11 +221,43 @@ class StageWorker:
 
     @staticmethod
     def _small_step(message: Message) -> bool:
-        return message.kind == Kind.STEP and (message.tensor is None
-                                              or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES)
+        return message.kind in (Kind.STEP, Kind.HOP) and (message.tensor is None
+                                                          or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES)
+
+    def _has_plan(self, message: Message) -> bool:
+        """False for a hop whose step (the driver's plan) has not arrived."""
+        return message.kind != Kind.HOP or message.obj.step_id in self._plans
+
+    def _plan_arrived(self, step: StepInput) -> None:
+        """A step this stage will run, from the driver (on its link's reader thread). A hop that
+        waited for it may run now; an idle stage with nothing to run builds its metadata."""
+        with self._cv:
+            self._plans[step.step_id] = step
+            while len(self._plans) > self.MAX_PLANS:
+                self._plans.popitem(last=False)
+            if self._busy or not self._direct:
+                self._wake_main()
+                return
+            index = self._pick()
+            if index is not None and not self._small_step(self._backlog[index]):
+                self._wake_main()
+                return
+            message = None if index is None else self._backlog[index]
+            if message is not None:
+                del self._backlog[index]
+            self._busy = True
+        if message is not None:
+            self._handle_here(message)
+            return
+        try:
+            self._prepare_waiting()
+        finally:
+            self._idle()
 
     def _has_tokens(self, message: Message) -> bool:
         """False for a first-chunk step whose input tokens (decode ahead) have not arrived."""
+        if message.kind != Kind.STEP:
+            return True
         step = message.obj.step
         return message.obj.chunk != 0 or step.tokens_from < 0 or step.tokens_from in self._tokens
 
@@ -249,16 +295,23 @@ class StageWorker:
         self._idle()
 
     def _prepare_waiting(self) -> None:
-        """Stage 0, before it goes idle: the metadata of the steps that wait for their decode-ahead
-        tokens (ModelRunner.prepare_ahead). Built when the token arrives, it took ~0.12 ms a step,
-        cold after the wait (~0.03 warm), on the path from the last stage's token to the next
-        forward. A step whose metadata fails here is left to fail, and be reported, when it runs."""
-        if self.stage != 0 or not self._direct:
+        """Before the stage goes idle: the metadata (ModelRunner.prepare_ahead) of the steps it
+        will run next and cannot yet: on stage 0 those that wait for their decode-ahead tokens,
+        on the others the plans whose activations have not come (one chunk a stage: with more,
+        each chunk's runner builds its own). Built when the token or the activations arrive, it
+        took ~0.12 ms a step, cold after the wait (~0.03 warm), on the path from one stage's
+        compute to the next. A step whose metadata fails here is left to fail, and be reported,
+        when it runs."""
+        if not self._direct or (self.stage > 0 and len(self.runners) != 1):
             return
         with self._cv:
-            waiting = [m.obj.step for m in self._backlog if m.kind == Kind.STEP and m.obj.chunk == 0
-                       and not self._has_tokens(m)]
-        prepare = getattr(self.runners.get(0), "prepare_ahead", None)
+            if self.stage == 0:
+                waiting = [m.obj.step for m in self._backlog if m.kind == Kind.STEP and m.obj.chunk == 0
+                           and not self._has_tokens(m)]
+            else:
+                waiting = [step for step in self._plans.values() if "_prepared" not in step.__dict__]
+        runner = self.runners.get(0) if self.stage == 0 else next(iter(self.runners.values()))
+        prepare = getattr(runner, "prepare_ahead", None)
         for step in waiting if prepare is not None else ():
             try:
                 prepare(step)
@@ -285,6 +338,8 @@ class StageWorker:
         than they were sent). Other chunks and messages go on."""
         waiting: set[int] = set()      # sequences of the first-chunk steps that stay
         for index, message in enumerate(self._backlog):
+            if message.kind == Kind.HOP and message.obj.step_id not in self._plans:
+                continue   # its plan is on its way from the driver (every later hop's is behind it)
             if message.kind == Kind.STEP and message.obj.chunk == 0:
                 seqs = {s.seq_id for s in message.obj.step.seqs}
                 if not self._has_tokens(message) or (waiting and not waiting.isdisjoint(seqs)):
@@ -310,10 +365,10 @@ class StageWorker:
 
     def _handle(self, message: Message) -> None:
         self.log.add("wait", self._idle_since, message.arrived)
-        if message.kind == Kind.STEP:
-            env: StepEnvelope = message.obj
+        if message.kind in (Kind.STEP, Kind.HOP):
+            env = self._envelope(message)
             self.log.add("recv", max(message.arrived, self._idle_since), time.time(), env.step.step_id, env.chunk)
-            self._run_step(message.obj, message.tensor)
+            self._run_step(env, message.tensor)
         elif message.kind == Kind.PING:
             self.sender.put(0, Kind.PONG, message.arrived)
         elif message.kind == Kind.FLUSH:
@@ -331,6 +386,23 @@ class StageWorker:
             pass    # a neighbour stage connected
         else:
             logger.warning("stage %d ignores an unexpected %s message", self.stage, message.kind.name)
+
+    def _envelope(self, message: Message) -> StepEnvelope:
+        """The step a STEP or HOP runs. A hop's step is its plan, kept while a later chunk of it
+        runs here (P = 1 hands chunks to itself in memory); so is the driver's step on stage 0."""
+        later = len(self.runners) > 1 and self.spec.num_stages > 1   # hops bring it back here
+        if message.kind == Kind.STEP:
+            env = message.obj
+            if later and env.chunk + self.spec.num_stages < len(self.spec.partition):
+                with self._cv:
+                    self._plans[env.step.step_id] = env.step
+            return env
+        hop: Hop = message.obj
+        with self._cv:
+            step = self._plans[hop.step_id]
+            if not later or hop.chunk + self.spec.num_stages >= len(self.spec.partition):
+                del self._plans[hop.step_id]
+        return StepEnvelope(step, hop.chunk, hop.intervals)
 
     def _link(self, peers) -> None:
         """Connect to the stages we exchange activations with (the lower rank dials)."""
@@ -366,13 +438,13 @@ class StageWorker:
                     self.sender.put(1, Kind.TOKENS, (step_id, pairs))
             self.sender.put(0, Kind.RESULT, (out, intervals), step_id=step_id, chunk=chunk)
             return
-        nxt = StepEnvelope(env.step, chunk + 1, intervals)
         dst = (chunk + 1) % self.spec.num_stages + 1
         if dst == self.rank:
             with self._cv:              # the next thing this stage handles
-                self._backlog.appendleft(Message(self.rank, Kind.STEP, nxt, out, time.time()))
+                self._backlog.appendleft(Message(self.rank, Kind.STEP, StepEnvelope(env.step, chunk + 1, intervals),
+                                                 out, time.time()))
         else:
-            self.sender.put(dst, Kind.STEP, nxt, out, step_id, chunk)
+            self.sender.put(dst, Kind.HOP, Hop(step_id, chunk + 1, intervals), out, step_id, chunk)
 
     def _fill_tokens(self, step) -> None:
         """Decode ahead: each sequence's input token is the one step ``tokens_from`` sampled for it."""
