@@ -25,7 +25,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.metrics.timeline import Interval
 from pipeserve.model.config import ModelConfig
 from pipeserve.pipeline.joining import join_stages
-from pipeserve.pipeline.spec import PipelineSpec, SpecWire, StepEnvelope
+from pipeserve.pipeline.spec import Hop, PipelineSpec, SpecWire, StepEnvelope
 from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
 from pipeserve.worker.step import SampledToken, SeqSampling, SeqStep, StepInput, StepOutput
 from pipeserve.worker.step_wire import WireError
@@ -39,8 +39,9 @@ def _roundtrip(kind: Kind, obj, tensor=None):
     header_len, tensor_len = parse_prefix(head[:PREFIX.size])
     kind2, obj2, dtype, shape = decode_header(head[PREFIX.size:PREFIX.size + header_len], tensor_len)
     out = None
-    if dtype is not None:
-        out = torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.uint8).view(dtype).reshape(shape)
+    if dtype is not None:   # as Connection.read: an empty tensor has no bytes
+        out = (torch.frombuffer(bytearray(raw.tobytes()), dtype=torch.uint8).view(dtype).reshape(shape)
+               if tensor_len else torch.empty(shape, dtype=dtype))
     return kind2, obj2, out
 
 
@@ -55,6 +56,13 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
     env = StepEnvelope(_step(), 1, [Interval(0, "compute", 1.5, 2.5, 5, 1)])
     kind, obj, tensor = _roundtrip(Kind.STEP, env, hidden)
     assert kind == Kind.STEP and obj == env and torch.equal(tensor, hidden)
+    # a hop (the step went ahead as a PLAN); the tensor's bytes are a view of a contiguous CPU
+    # tensor's memory, else a copy (a transposed one), and an empty one has none
+    hop = Hop(5, 1, [Interval(0, "compute", 1.5, 2.5, 5, 0)])
+    assert _roundtrip(Kind.PLAN, env.step)[1] == env.step
+    for t in (hidden, hidden.t(), torch.arange(6, dtype=torch.int64).view(2, 3)[:, 1], hidden[:0]):
+        kind, obj, tensor = _roundtrip(Kind.HOP, hop, t)
+        assert kind == Kind.HOP and obj == hop and torch.equal(tensor, t) and tensor.dtype == t.dtype
     result = (StepOutput(5, [SampledToken(1, 42, -math.inf, [(42, -0.5)])]), [])
     assert _roundtrip(Kind.RESULT, result)[1] == result
     cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64, eos_token_ids=(2, 3),
