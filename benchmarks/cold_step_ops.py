@@ -10,6 +10,8 @@ call (warm) and after summing a buffer larger than the L3 (cold), in one process
   array (what ``QuantKernels.lookup`` builds from the list it is given now);
 - a tensor's bytes for the socket: the PyTorch calls and NumPy's view ``encode_frame`` made until
   the forty-fourth session, against a ctypes view of the memory (``messages._bytes_of``, now);
+- the received bytes as a tensor: ``torch.frombuffer`` then ``reshape`` (until the forty-fourth
+  session) or ``view`` (``Connection.read`` now);
 - one frame's encoding (``messages.encode_frame``): a one-request ``Hop`` with its activations, and
   a decode step's ``StepEnvelope`` for 1 and 128 sequences (what a stage re-encoded per hop before
   the plans).
@@ -77,6 +79,10 @@ def main() -> None:
         "a tensor's bytes: PyTorch and NumPy": lambda: memoryview(
             hidden.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()),
         "a tensor's bytes: a ctypes view": lambda: messages._bytes_of(hidden),
+        "received bytes as a tensor: reshape": lambda: torch.frombuffer(bytearray(hidden.nbytes),
+                                                                      dtype=torch.bfloat16).reshape([1, 576]),
+        "received bytes as a tensor: view": lambda: torch.frombuffer(bytearray(hidden.nbytes),
+                                                                   dtype=torch.bfloat16).view([1, 576]),
         "encode a Hop + [1, 576] bf16": lambda: messages.encode_frame(Kind.HOP, Hop(7, 1, []), hidden),
         "encode a 1-sequence step + tensor": lambda: messages.encode_frame(Kind.STEP, one, hidden),
         "encode a 128-sequence step": lambda: messages.encode_frame(Kind.STEP, many, None),
