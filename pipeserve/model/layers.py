@@ -79,7 +79,11 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """ids: int64 [n], or a list of ints (a runner's step: ``QuantEmbedding`` looks those up
+        without a tensor of them)."""
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, dtype=torch.int64, device=self.weight.device)
         return F.embedding(ids, self.weight)
 
 

@@ -206,12 +206,13 @@ class LlamaModel(nn.Module):
         return h if residual is None else h + residual
 
     def _embed(self, ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-        """ids: int64 [n], or a list of ints (a runner's step), which a kept-quantized table
-        looks up as they are (``QuantEmbedding.takes_id_list``) and others as a tensor on ``device``."""
-        if isinstance(ids, list) and (self.tp is not None or not getattr(self.embed_tokens, "takes_id_list", False)):
-            ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        """ids: int64 [n], or a list of ints (a runner's step), which the embedding takes as they
+        are (a kept-quantized table looks them up in C without a tensor of them); the
+        vocabulary-parallel lookup makes a tensor of them on ``device``."""
         if self.tp is None:
             return self.embed_tokens.forward(ids)   # .forward: see forward
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, dtype=torch.int64, device=device)
         # Vocabulary-parallel: look up the ids in our rows, zero the others, sum over ranks.
         start, stop = self.tp.shard.vocab
         mine = (ids >= start) & (ids < stop)

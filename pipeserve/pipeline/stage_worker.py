@@ -296,9 +296,9 @@ class StageWorker:
 
     def _prepare_waiting(self) -> None:
         """Before the stage goes idle: the metadata (ModelRunner.prepare_ahead) of the steps it
-        will run next and cannot yet: on stage 0 those that wait for their decode-ahead tokens,
-        on the others the plans whose activations have not come (one chunk a stage: with more,
-        each chunk's runner builds its own). Built when the token or the activations arrive, it
+        will run next: on stage 0 those that wait for their decode-ahead tokens, on the others
+        the plans not built yet (whose activations may have come: then it is the forward's work,
+        done first; one chunk a stage: with more, each chunk's runner builds its own). Built when the token or the activations arrive, it
         took ~0.12 ms a step, cold after the wait (~0.03 warm), on the path from one stage's
         compute to the next. A step whose metadata fails here is left to fail, and be reported,
         when it runs."""

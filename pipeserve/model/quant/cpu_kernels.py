@@ -367,18 +367,19 @@ class QuantKernels:
         build has no such call or does not take the layout (the caller dequantizes with PyTorch)."""
         if self._dequant_at is None or not self.takes(w.kind) or dtype not in _DTYPES:
             return None
-        if isinstance(ids, list):
+        listed = isinstance(ids, list)
+        if listed:
             array = (ctypes.c_int64 * len(ids))(*ids)    # no tensor of them: ~60 us a step, cold
-            count, at, span = len(ids), ctypes.addressof(array), (lambda: (min(ids), max(ids)))
+            count, at = len(ids), ctypes.addressof(array)
         else:
             ids = ids.contiguous()
-            count, at, span = ids.shape[0], ids.data_ptr(), (lambda: (ids.min().item(), ids.max().item()))
+            count, at = ids.shape[0], ids.data_ptr()
         out = torch.empty(count, w.in_features, dtype=dtype)
         kind, qs, scale, minv, n, k, group, qh, zero = _weight_args(w)
         rc = self._dequant_at(kind, qs, scale, minv, n, k, group, at, count, out.data_ptr(),
                               int(dtype == torch.bfloat16), qh, zero)
         if rc == -4:
-            low, high = span()
+            low, high = (min(ids), max(ids)) if listed else (ids.min().item(), ids.max().item())
             raise IndexError(f"token id out of range: {w.source} has {n} rows, got ids {low}..{high}")
         if rc in (-2, -3):   # a layout or shape the C dequantize does not take
             return None

@@ -119,8 +119,6 @@ class QuantEmbedding(_Packed):
         self._register([weight])
         self.dtype = dtype
 
-    takes_id_list = True   # forward takes a list of ids as well (LlamaModel._embed)
-
     def forward(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """ids [n] (int64, or a list of ints) -> [n, hidden] in the model's dtype: on CPU one C
         call (a decode step's lookup took ~90 us through PyTorch's gather and float ops, ~35 in
