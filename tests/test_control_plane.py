@@ -76,6 +76,51 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
     assert back.config == spec.config.replace(cluster_key=None)
 
 
+def test_hops_and_tokens_go_packed_and_read_back_as_their_json_form() -> None:
+    """A HOP without intervals and a step's TOKENS have a packed header (what one request sends
+    each token); they decode to what the JSON form gives, and a hop with intervals stays JSON."""
+    from pipeserve.comm import messages
+    hidden = torch.randn(4, 8, dtype=torch.bfloat16)
+    values = [(Kind.HOP, Hop(5, 1), t) for t in (hidden, hidden.t(), hidden[:0], torch.zeros((), dtype=torch.int64),
+                                                 torch.arange(6, dtype=torch.int64).view(2, 3)[:, 1])]
+    values += [(Kind.HOP, Hop(2**40, 0), None), (Kind.TOKENS, (9, []), None),
+               (Kind.TOKENS, (2**62, [(i, 49151 - i) for i in range(128)]), None)]
+    for kind, obj, t in values:
+        head, _ = encode_frame(kind, obj, t)
+        assert head[PREFIX.size] == messages.COMPACT_MARK
+        got_kind, got, tensor = _roundtrip(kind, obj, t)
+        saved = dict(messages.COMPACT)
+        messages.COMPACT.clear()
+        try:
+            assert encode_frame(kind, obj, t)[0][PREFIX.size:PREFIX.size + 1] == b"{"
+            as_json = _roundtrip(kind, obj, t)
+        finally:
+            messages.COMPACT.update(saved)
+        assert got_kind == kind and got == obj == as_json[1] and type(got) is type(as_json[1])
+        assert (tensor is None and t is None) or (torch.equal(tensor, t) and tensor.dtype == t.dtype
+                                                  and torch.equal(tensor, as_json[2]))
+    with_intervals = Hop(5, 1, [Interval(0, "compute", 1.5, 2.5, 5, 0)])
+    assert encode_frame(Kind.HOP, with_intervals, hidden)[0][PREFIX.size:PREFIX.size + 1] == b"{"
+    assert _roundtrip(Kind.HOP, with_intervals, hidden)[1] == with_intervals
+
+
+@pytest.mark.parametrize("header,tensor_len,error", [
+    (b"\x01\x16", 0, "too short"),
+    (b"\x01\x63\xff\x00", 0, "kind 99 has no packed form"),
+    (b"\x01\x01\xff\x00", 0, "kind 1 has no packed form"),                   # a STEP is JSON only
+    (b"\x01\x16\x00\x09" + bytes(72), 0, "bad tensor dims 9"),
+    (b"\x01\x16\x00\x02" + bytes(8), 0, "bad tensor dims 2"),
+    (b"\x01\x16\x07\x00" + bytes(12), 0, "unknown tensor dtype code 7"),
+    (b"\x01\x16\x00\x01" + (2).to_bytes(8, "big") + bytes(12), 4, "does not match its 4 bytes"),
+    (b"\x01\x16\xff\x00" + bytes(12), 4, "tensor bytes or dims without a tensor dtype"),
+    (b"\x01\x16\xff\x00" + bytes(11), 0, "HOP frame: bad packed payload"),
+    (b"\x01\x14\xff\x00" + bytes(16), 0, "TOKENS frame: bad packed payload .16 bytes are not"),
+])
+def test_malformed_packed_frames_are_refused(header: bytes, tensor_len: int, error: str) -> None:
+    with pytest.raises(WireError, match=error):
+        decode_header(header, tensor_len)
+
+
 def test_the_decoders_fast_paths_keep_the_declared_types() -> None:
     """A float field passes a JSON float as it is and widens a JSON int; a nullable field passes
     null and still checks anything else."""

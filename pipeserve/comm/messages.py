@@ -12,6 +12,12 @@ pings, errors, timelines); the pipeline declares the types of its own kinds
 (a step, its result, a stage's spec) with ``register_payloads`` when
 ``pipeline/spec.py`` is imported, so ``comm`` does not import ``pipeline``.
 A kind nobody declared is refused on both ends.
+
+The two frames one request sends on every token at P >= 2 (a HOP to the next stage, the
+TOKENS back to stage 0) may carry a packed header instead: a first byte ``COMPACT_MARK`` (a
+JSON header starts with ``{``), the kind, the tensor's dtype code and dims, then the bytes the
+kind's ``register_compact`` codec writes. JSON's Python cost ~0.1 ms a frame on each end with
+cold caches, which is how a stage runs right after its compute (benchmarks/cold_step_ops.py).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import ctypes
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +44,14 @@ MAX_DIMS = 8
 _DECODER = json.JSONDecoder()
 DTYPES = {str(d).removeprefix("torch."): d for d in
           (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)}
+COMPACT_MARK = 1
+_COMPACT_FIRST = bytes([COMPACT_MARK])
+_COMPACT = struct.Struct("!BBBB")     # mark, kind, dtype code (NO_TENSOR: none), dims; then u64 each dim
+_NO_TENSOR = 255
+_DTYPE_LIST = list(DTYPES.values())
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPE_LIST)}
+_DIMS = [struct.Struct(f"!{n}Q") for n in range(MAX_DIMS + 1)]
+_KINDS = {int(kind): kind for kind in Kind}     # a lookup, not the enum's call: this runs cold
 
 
 @dataclass
@@ -69,6 +84,26 @@ PAYLOADS: dict[Kind, Any] = {
 }
 
 
+@dataclass(frozen=True)
+class Compact:
+    """A kind's payload as packed bytes: ``encode(obj)`` gives them, or None where this value goes
+    as JSON (one the packed form cannot hold); ``decode(body)`` reads them back and raises
+    ``ValueError`` or ``struct.error`` on bytes that do not hold one."""
+
+    encode: Callable[[Any], bytes | None]
+    decode: Callable[[bytes], Any]
+
+
+COMPACT: dict[Kind, Compact] = {}
+
+
+def register_compact(kind: Kind, encode: Callable[[Any], bytes | None], decode: Callable[[bytes], Any]) -> None:
+    """Give a declared kind a packed header (``encode_frame`` uses it where ``encode`` gives bytes)."""
+    if kind not in PAYLOADS:
+        raise ValueError(f"{kind.name} carries nothing declared; declare it with register_payloads first")
+    COMPACT[kind] = Compact(encode, decode)
+
+
 def register_payloads(types: dict[Kind, Any]) -> None:
     """Declare what the given kinds carry (the pipeline's step, result and spec).
 
@@ -84,6 +119,11 @@ def encode_frame(kind: Kind, obj: Any, tensor: torch.Tensor | None) -> tuple[byt
     """(prefix + header, tensor bytes): two buffers for one ``sendall`` each, no copy of the tensor."""
     if kind not in PAYLOADS:
         raise ValueError(f"{kind.name} messages are not sent")
+    compact = COMPACT.get(kind)
+    if compact is not None and (tensor is None or (tensor.dtype in _DTYPE_CODES and tensor.dim() <= MAX_DIMS)):
+        body = compact.encode(obj)
+        if body is not None:
+            return _compact_frame(kind, body, tensor)
     meta, raw = None, None
     if tensor is not None:
         if tensor.dim() > MAX_DIMS:
@@ -95,6 +135,17 @@ def encode_frame(kind: Kind, obj: Any, tensor: torch.Tensor | None) -> tuple[byt
     header = dumps({"kind": int(kind), "obj": obj, "tensor": meta}).encode()
     nbytes = 0 if raw is None else raw.nbytes
     return PREFIX.pack(FRAME_MAGIC, len(header), nbytes) + header, raw
+
+
+def _compact_frame(kind: Kind, body: bytes, tensor: torch.Tensor | None) -> tuple[bytes, memoryview | None]:
+    if tensor is None:
+        header = _COMPACT.pack(COMPACT_MARK, kind, _NO_TENSOR, 0) + body
+        return PREFIX.pack(FRAME_MAGIC, len(header), 0) + header, None
+    shape = tensor.shape
+    raw = _bytes_of(tensor)
+    header = (_COMPACT.pack(COMPACT_MARK, kind, _DTYPE_CODES[tensor.dtype], len(shape))
+              + _DIMS[len(shape)].pack(*shape) + body)
+    return PREFIX.pack(FRAME_MAGIC, len(header), raw.nbytes) + header, raw
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -117,6 +168,8 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
 
 def decode_header(header: bytes, tensor_len: int) -> tuple[Kind, Any, torch.dtype | None, list[int]]:
     """(kind, payload, tensor dtype, tensor shape), validated against the declared types."""
+    if header[:1] == _COMPACT_FIRST:
+        return _decode_compact(header, tensor_len)
     try:
         text = header.decode()
         data, end = _DECODER.raw_decode(text)   # json.loads without its wrapper: ~20 us less, cold
@@ -134,6 +187,35 @@ def decode_header(header: bytes, tensor_len: int) -> tuple[Kind, Any, torch.dtyp
         raise WireError(f"{kind.name} messages are not accepted from the wire")
     obj = from_wire(PAYLOADS[kind], data["obj"], kind.name)
     dtype, shape = _tensor_meta(data["tensor"], tensor_len)
+    return kind, obj, dtype, shape
+
+
+def _decode_compact(header: bytes, tensor_len: int) -> tuple[Kind, Any, torch.dtype | None, list[int]]:
+    if len(header) < _COMPACT.size:
+        raise WireError(f"packed frame header of {len(header)} bytes is too short")
+    _, code, dtype_code, dims = _COMPACT.unpack_from(header)
+    kind = _KINDS.get(code)
+    compact = COMPACT.get(kind)
+    if compact is None:
+        raise WireError(f"message kind {code} has no packed form")
+    end = _COMPACT.size + 8 * dims
+    if dims > MAX_DIMS or len(header) < end:
+        raise WireError(f"{kind.name} frame: bad tensor dims {dims}")
+    shape = list(_DIMS[dims].unpack_from(header, _COMPACT.size))
+    if dtype_code == _NO_TENSOR:
+        if dims or tensor_len:
+            raise WireError(f"{kind.name} frame: tensor bytes or dims without a tensor dtype")
+        dtype = None
+    elif dtype_code < len(_DTYPE_LIST):
+        dtype = _DTYPE_LIST[dtype_code]
+        if math.prod(shape) * dtype.itemsize != tensor_len:
+            raise WireError(f"tensor {dtype}{shape} does not match its {tensor_len} bytes")
+    else:
+        raise WireError(f"{kind.name} frame: unknown tensor dtype code {dtype_code}")
+    try:
+        obj = compact.decode(header[end:])
+    except (ValueError, struct.error) as exc:
+        raise WireError(f"{kind.name} frame: bad packed payload ({exc})") from None
     return kind, obj, dtype, shape
 
 

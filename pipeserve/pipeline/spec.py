@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +140,38 @@ messages.register_payloads({
     Kind.PROFILE: StageProfile, Kind.TOKENS: tuple[int, list[tuple[int, int]]], Kind.PLAN: StepInput,
     Kind.HOP: Hop,
 })
+
+# A hop and a step's tokens go packed (``messages.register_compact``): one request sends both on
+# every token at P >= 2, each end right after a compute. A hop carrying intervals (every
+# ``SHIP_EVERY_S``) goes as JSON.
+_HOP = struct.Struct("!qi")
+
+
+def _hop_bytes(hop: Hop) -> bytes | None:
+    return None if hop.intervals else _HOP.pack(hop.step_id, hop.chunk)
+
+
+def _hop_of(body: bytes) -> Hop:
+    return Hop(*_HOP.unpack(body))
+
+
+def _tokens_bytes(tokens: tuple[int, list[tuple[int, int]]]) -> bytes | None:
+    step_id, pairs = tokens
+    try:
+        return struct.pack(f"!{1 + 2 * len(pairs)}q", step_id, *[x for pair in pairs for x in pair])
+    except struct.error:       # an id past int64 (none is): the JSON form says what is wrong
+        return None
+
+
+def _tokens_of(body: bytes) -> tuple[int, list[tuple[int, int]]]:
+    if len(body) % 16 != 8:
+        raise ValueError(f"{len(body)} bytes are not a step id and (sequence, token) pairs")
+    values = struct.unpack(f"!{len(body) // 8}q", body)
+    return values[0], list(zip(values[1::2], values[2::2]))
+
+
+messages.register_compact(Kind.HOP, _hop_bytes, _hop_of)
+messages.register_compact(Kind.TOKENS, _tokens_bytes, _tokens_of)
 
 
 def validate_partition(partition: list[tuple[int, int]], num_layers: int, num_stages: int) -> None:
