@@ -77,14 +77,18 @@ def test_step_messages_round_trip_through_the_declared_format() -> None:
 
 
 def test_hops_and_tokens_go_packed_and_read_back_as_their_json_form() -> None:
-    """A HOP without intervals and a step's TOKENS have a packed header (what one request sends
-    each token); they decode to what the JSON form gives, and a hop with intervals stays JSON."""
+    """A HOP and a RESULT without intervals (nor top logprobs) and a step's TOKENS have a packed
+    header (what one request sends each token); they decode to what the JSON form gives, and the
+    others stay JSON."""
     from pipeserve.comm import messages
     hidden = torch.randn(4, 8, dtype=torch.bfloat16)
     values = [(Kind.HOP, Hop(5, 1), t) for t in (hidden, hidden.t(), hidden[:0], torch.zeros((), dtype=torch.int64),
                                                  torch.arange(6, dtype=torch.int64).view(2, 3)[:, 1])]
     values += [(Kind.HOP, Hop(2**40, 0), None), (Kind.TOKENS, (9, []), None),
-               (Kind.TOKENS, (2**62, [(i, 49151 - i) for i in range(128)]), None)]
+               (Kind.TOKENS, (2**62, [(i, 49151 - i) for i in range(128)]), None),
+               (Kind.RESULT, (StepOutput(3, []), []), None),
+               (Kind.RESULT, (StepOutput(4, [SampledToken(i, 7 * i, -0.1 * i) for i in range(128)]
+                                         + [SampledToken(200, 1, -math.inf), SampledToken(201, 2, 0.0)]), []), None)]
     for kind, obj, t in values:
         head, _ = encode_frame(kind, obj, t)
         assert head[PREFIX.size] == messages.COMPACT_MARK
@@ -99,9 +103,12 @@ def test_hops_and_tokens_go_packed_and_read_back_as_their_json_form() -> None:
         assert got_kind == kind and got == obj == as_json[1] and type(got) is type(as_json[1])
         assert (tensor is None and t is None) or (torch.equal(tensor, t) and tensor.dtype == t.dtype
                                                   and torch.equal(tensor, as_json[2]))
-    with_intervals = Hop(5, 1, [Interval(0, "compute", 1.5, 2.5, 5, 0)])
-    assert encode_frame(Kind.HOP, with_intervals, hidden)[0][PREFIX.size:PREFIX.size + 1] == b"{"
-    assert _roundtrip(Kind.HOP, with_intervals, hidden)[1] == with_intervals
+    interval = Interval(0, "compute", 1.5, 2.5, 5, 0)
+    for kind, obj, t in [(Kind.HOP, Hop(5, 1, [interval]), hidden),
+                         (Kind.RESULT, (StepOutput(5, [SampledToken(1, 2, -0.5)]), [interval]), None),
+                         (Kind.RESULT, (StepOutput(5, [SampledToken(1, 2, -0.5, [(2, -0.5)])]), []), None)]:
+        assert encode_frame(kind, obj, t)[0][PREFIX.size:PREFIX.size + 1] == b"{"    # JSON: intervals, top logprobs
+        assert _roundtrip(kind, obj, t)[1] == obj
 
 
 @pytest.mark.parametrize("header,tensor_len,error", [
@@ -115,6 +122,8 @@ def test_hops_and_tokens_go_packed_and_read_back_as_their_json_form() -> None:
     (b"\x01\x16\xff\x00" + bytes(12), 4, "tensor bytes or dims without a tensor dtype"),
     (b"\x01\x16\xff\x00" + bytes(11), 0, "HOP frame: bad packed payload"),
     (b"\x01\x14\xff\x00" + bytes(16), 0, "TOKENS frame: bad packed payload .16 bytes are not"),
+    (b"\x01\x02\xff\x00" + bytes(20), 0, "RESULT frame: bad packed payload .20 bytes are not"),
+    (b"\x01\x02\xff\x00" + bytes(4), 0, "RESULT frame: bad packed payload"),
 ])
 def test_malformed_packed_frames_are_refused(header: bytes, tensor_len: int, error: str) -> None:
     with pytest.raises(WireError, match=error):

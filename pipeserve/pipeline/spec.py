@@ -24,7 +24,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.metrics.profile import StageProfile
 from pipeserve.metrics.timeline import Interval
 from pipeserve.model.config import ModelConfig
-from pipeserve.worker.step import StepInput, StepOutput
+from pipeserve.worker.step import SampledToken, StepInput, StepOutput
 
 @dataclass(frozen=True)
 class PipelineSpec:
@@ -141,9 +141,10 @@ messages.register_payloads({
     Kind.HOP: Hop,
 })
 
-# A hop and a step's tokens go packed (``messages.register_compact``): one request sends both on
-# every token at P >= 2, each end right after a compute. A hop carrying intervals (every
-# ``SHIP_EVERY_S``) goes as JSON.
+# A hop, a step's tokens and its result go packed (``messages.register_compact``): one request
+# sends all three on every token at P >= 2, each end right after a compute, and the last stage
+# sends a result of up to a micro-batch's tokens on every step. One carrying intervals (every
+# ``SHIP_EVERY_S``) or top logprobs goes as JSON.
 _HOP = struct.Struct("!qi")
 
 
@@ -170,8 +171,30 @@ def _tokens_of(body: bytes) -> tuple[int, list[tuple[int, int]]]:
     return values[0], list(zip(values[1::2], values[2::2]))
 
 
+def _result_bytes(result: tuple[StepOutput, list[Interval]]) -> bytes | None:
+    out, intervals = result
+    sampled = out.sampled
+    if intervals or any(t.top_logprobs for t in sampled):
+        return None
+    try:
+        return struct.pack(f"!{1 + 2 * len(sampled)}q{len(sampled)}d", out.step_id,
+                           *[x for t in sampled for x in (t.seq_id, t.token_id)], *[t.logprob for t in sampled])
+    except struct.error:
+        return None
+
+
+def _result_of(body: bytes) -> tuple[StepOutput, list[Interval]]:
+    n, extra = divmod(len(body) - 8, 24)
+    if n < 0 or extra:
+        raise ValueError(f"{len(body)} bytes are not a step id and (sequence, token, logprob) triples")
+    values = struct.unpack(f"!{1 + 2 * n}q{n}d", body)
+    ids, logprobs = values[1:1 + 2 * n], values[1 + 2 * n:]
+    return StepOutput(values[0], [SampledToken(s, t, lp) for s, t, lp in zip(ids[::2], ids[1::2], logprobs)]), []
+
+
 messages.register_compact(Kind.HOP, _hop_bytes, _hop_of)
 messages.register_compact(Kind.TOKENS, _tokens_bytes, _tokens_of)
+messages.register_compact(Kind.RESULT, _result_bytes, _result_of)
 
 
 def validate_partition(partition: list[tuple[int, int]], num_layers: int, num_stages: int) -> None:
