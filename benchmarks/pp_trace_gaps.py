@@ -11,10 +11,14 @@ the last compute slice), per stage:
   have their step's ``decodes``, ``decode_context`` (the positions those decodes attend to),
   ``prompt_tokens``, ``swap_in`` and ``swap_out`` blocks, ``metrics.timeline.step_shape``): the
   coefficients, R² and the residuals' spread, i.e. how much the same work's time varies from
-  step to step (the host's noise, which a fixed two-micro-batch round turns into waits).
+  step to step (the host's noise, which a fixed two-micro-batch round turns into waits);
+- with ``--phases N``, the whole run in N equal spans of time: each stage's busy share and mean
+  compute a step, and what the steps carried (decodes, prompt tokens): which stage limited the
+  pipeline when (a burst of requests runs its prompts first, then their decodes, and the two
+  load the stages differently: the LM head weighs on the last stage only for the tokens sampled).
 
     python -m pipeserve bench throughput ... -pp 2 --trace-file /tmp/run.json
-    python benchmarks/pp_trace_gaps.py /tmp/run.json [--window 0.1 0.9]
+    python benchmarks/pp_trace_gaps.py /tmp/run.json [--window 0.1 0.9] [--phases 10]
 """
 
 from __future__ import annotations
@@ -95,11 +99,33 @@ def fit(stages: dict, lo: float, hi: float) -> None:
               f"{resid.std():.1f} ms = {resid.std() / y.mean():.1%} of a step")
 
 
+def phases(stages: dict, t0: float, t1: float, count: int) -> None:
+    span = (t1 - t0) / count
+    names = sorted(stages)
+    print(f"the run in {count} spans of {span / 1e3:.1f} s: busy share and mean compute (ms) a step of each stage; "
+          "per step of stage 0, decodes and prompt tokens")
+    print("  span " + "".join(f"   s{s} busy  s{s} ms" for s in names) + "  decodes  prompt tokens")
+    for i in range(count):
+        lo, hi = t0 + i * span, t0 + (i + 1) * span
+        row = []
+        for stage in names:
+            slices = stages[stage]
+            busy = total(clip(merge([(a, b) for a, b, *_ in slices]), (lo, hi)))
+            started = [b - a for a, b, *_ in slices if lo <= a < hi]
+            row.append(f"  {busy / span:8.3f} {sum(started) / max(1, len(started)):7.1f}")
+        first = [args for a, _, _, args in stages[names[0]] if lo <= a < hi]
+        decodes = sum(args.get("decodes", 0) for args in first) / max(1, len(first))
+        prompts = sum(args.get("prompt_tokens", 0) for args in first) / max(1, len(first))
+        print(f"  {i:4d}" + "".join(row) + f"  {decodes:7.1f}  {prompts:13.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--window", nargs=2, type=float, default=(0.1, 0.9), metavar=("FROM", "TO"),
                     help="the part of the run looked at, as fractions of its span")
+    ap.add_argument("--phases", type=int, default=0, metavar="N",
+                    help="also the whole run in N spans: which stage was busy when")
     args = ap.parse_args()
     stages = load(args.trace)
     if not stages:
@@ -110,6 +136,8 @@ def main() -> None:
     print(f"{len(stages)} stages; window {lo - t0:.0f}-{hi - t0:.0f} ms of {t1 - t0:.0f}")
     gaps(stages, lo, hi)
     fit(stages, lo, hi)
+    if args.phases > 0:
+        phases(stages, t0, t1, args.phases)
 
 
 if __name__ == "__main__":
