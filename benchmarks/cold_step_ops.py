@@ -14,7 +14,10 @@ call (warm) and after summing a buffer larger than the L3 (cold), in one process
   session) or ``view`` (``Connection.read`` now);
 - one frame's encoding (``messages.encode_frame``): a one-request ``Hop`` with its activations, and
   a decode step's ``StepEnvelope`` for 1 and 128 sequences (what a stage re-encoded per hop before
-  the plans).
+  the plans);
+- the frames sent every token or step, encoded and their headers decoded, as JSON (until the
+  forty-fifth session) and packed (``messages.register_compact``, now): a one-request ``Hop``,
+  its TOKENS, and a 64-token RESULT.
 
     PYTHONPATH=$PWD python benchmarks/cold_step_ops.py [--calls 400] [--evict-mb 64]
 
@@ -34,7 +37,7 @@ from pipeserve.comm.transport import Kind
 from pipeserve.model.layers import RotaryEmbedding
 from pipeserve.pipeline.spec import Hop, StepEnvelope
 from pipeserve.sampling.inputs import SeqSampling
-from pipeserve.worker.step import SeqStep, StepInput
+from pipeserve.worker.step import SampledToken, SeqStep, StepInput, StepOutput
 
 
 def _decode_step(seqs: int, blocks: int) -> StepInput:
@@ -87,11 +90,27 @@ def main() -> None:
         "encode a 1-sequence step + tensor": lambda: messages.encode_frame(Kind.STEP, one, hidden),
         "encode a 128-sequence step": lambda: messages.encode_frame(Kind.STEP, many, None),
     }
+    packed = dict(messages.COMPACT)
+    frames = {"Hop": (Kind.HOP, Hop(7, 1, []), hidden), "TOKENS": (Kind.TOKENS, (7, [(3, 1234)]), None),
+              "RESULT of 64": (Kind.RESULT, (StepOutput(7, [SampledToken(i, 1000 + i, -0.5 * i) for i in range(64)]),
+                                             []), None)}
+    compact: dict[str, bool] = {}           # the cases that run with the packed forms (the others with JSON)
+    for name, (kind, obj, tensor) in frames.items():
+        for form in ("JSON", "packed"):
+            messages.COMPACT.clear()
+            messages.COMPACT.update(packed if form == "packed" else {})
+            head, _ = messages.encode_frame(kind, obj, tensor)
+            header, size = head[messages.PREFIX.size:], messages.parse_prefix(head[:messages.PREFIX.size])[1]
+            cases[f"{name} encode, {form}"] = lambda k=kind, o=obj, t=tensor: messages.encode_frame(k, o, t)
+            cases[f"{name} decode, {form}"] = lambda h=header, n=size: messages.decode_header(h, n)
+            compact[f"{name} encode, {form}"] = compact[f"{name} decode, {form}"] = form == "packed"
     evict = torch.ones(args.evict_mb << 18)           # float32: 4 bytes an element
     times: dict[tuple[str, bool], list[float]] = {}
     for _ in range(args.calls):
         for cold in (False, True):
             for name, call in cases.items():
+                messages.COMPACT.clear()
+                messages.COMPACT.update(packed if compact.get(name, True) else {})
                 if cold:
                     evict.add_(1.0)
                 else:
