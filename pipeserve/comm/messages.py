@@ -13,11 +13,13 @@ pings, errors, timelines); the pipeline declares the types of its own kinds
 ``pipeline/spec.py`` is imported, so ``comm`` does not import ``pipeline``.
 A kind nobody declared is refused on both ends.
 
-The two frames one request sends on every token at P >= 2 (a HOP to the next stage, the
-TOKENS back to stage 0) may carry a packed header instead: a first byte ``COMPACT_MARK`` (a
-JSON header starts with ``{``), the kind, the tensor's dtype code and dims, then the bytes the
-kind's ``register_compact`` codec writes. JSON's Python cost ~0.1 ms a frame on each end with
-cold caches, which is how a stage runs right after its compute (benchmarks/cold_step_ops.py).
+The frames sent every token or step (a HOP to the next stage, the TOKENS back to stage 0, a
+RESULT to the driver) may carry a packed header instead: a first byte ``COMPACT_MARK`` (a JSON
+header starts with ``{``), the kind, the tensor's dtype code and dims, then the bytes the kind's
+``register_compact`` codec writes (the pipeline's, in ``pipeline/spec.py``). JSON cost ~0.05-0.16
+ms of Python a frame on each end with cold caches, which is how a stage runs right after its
+compute; packed, about half (benchmarks/cold_step_ops.py). The header's size limit bounds what a
+packed payload can hold as it bounds a JSON one.
 """
 
 from __future__ import annotations
