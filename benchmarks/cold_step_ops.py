@@ -94,7 +94,7 @@ def main() -> None:
     frames = {"Hop": (Kind.HOP, Hop(7, 1, []), hidden), "TOKENS": (Kind.TOKENS, (7, [(3, 1234)]), None),
               "RESULT of 64": (Kind.RESULT, (StepOutput(7, [SampledToken(i, 1000 + i, -0.5 * i) for i in range(64)]),
                                              []), None)}
-    compact: dict[str, bool] = {}           # the cases that run with the packed forms (the others with JSON)
+    compact: dict[str, bool] = {}           # per frame case, packed or JSON (the other cases run packed)
     for name, (kind, obj, tensor) in frames.items():
         for form in ("JSON", "packed"):
             messages.COMPACT.clear()
