@@ -298,10 +298,10 @@ class StageWorker:
         """Before the stage goes idle: the metadata (ModelRunner.prepare_ahead) of the steps it
         will run next: on stage 0 those that wait for their decode-ahead tokens, on the others
         the plans not built yet (whose activations may have come: then it is the forward's work,
-        done first; one chunk a stage: with more, each chunk's runner builds its own). Built when the token or the activations arrive, it
-        took ~0.12 ms a step, cold after the wait (~0.03 warm), on the path from one stage's
-        compute to the next. A step whose metadata fails here is left to fail, and be reported,
-        when it runs."""
+        done first; one chunk a stage: with more, each chunk's runner builds its own). Built
+        when the token or the activations arrive, it took ~0.12 ms a step, cold after the wait
+        (~0.03 warm), on the path from one stage's compute to the next. A step whose metadata
+        fails here is left to fail, and be reported, when it runs."""
         if not self._direct or (self.stage > 0 and len(self.runners) != 1):
             return
         with self._cv:
