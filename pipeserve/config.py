@@ -131,7 +131,8 @@ class EngineConfig:
     pp_micro_batches: int | None = None       # gpipe M (default: P)
     stage_speeds: str | None = None           # "1,0.5"
     stage_timeout: float = 60.0
-    max_stage_restarts: int = 3               # pipeline restarts after a stage failure (engine lifetime)
+    max_stage_restarts: int = 3               # pipeline restarts after a stage failure, within ...
+    stage_restart_window: float = 600.0       # ... this many seconds (0: the engine's lifetime)
     stage_rejoin_timeout: float = 300.0       # wait for a replacement remote `pipeserve worker`
     trace_file: str | None = None
     profile: bool = False                     # time each class of work per stage, and the driver (metrics/profile.py)
@@ -170,6 +171,9 @@ class EngineConfig:
                  f"must be auto, torch or cpu, got {self.attention_backend!r}")
         _require(self.max_stage_restarts >= 0, "max_stage_restarts",
                  f"must be >= 0 (0: a stage failure ends every request), got {self.max_stage_restarts}")
+        _require(self.stage_restart_window >= 0, "stage_restart_window",
+                 f"must be >= 0 seconds (0: --max-stage-restarts over the engine's life), "
+                 f"got {self.stage_restart_window}")
         _require(self.stage_rejoin_timeout > 0, "stage_rejoin_timeout",
                  f"must be > 0 seconds, got {self.stage_rejoin_timeout}")
         _require(self.quantization in ("auto", "none", "int8", "int4"), "quantization",

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from pipeserve.config import EngineConfig
+from pipeserve.engine.recovery import RecoveryLog
 from pipeserve.entrypoints.llm import LLM
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.worker.executor import Executor, ExecutorError
@@ -149,6 +151,71 @@ def test_spent_restarts_end_every_request_with_a_clear_error(tiny_checkpoints, r
     assert not llm.engine.healthy
     with pytest.raises(RuntimeError, match="unhealthy"):
         llm.engine.add_request("late", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+
+
+class _Clock:
+    """A clock that moves only when told to (the restart window's, ``RecoveryLog.clock``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_restart_window_counts_only_recent_attempts():
+    clock = _Clock()
+    log = RecoveryLog(clock)
+    log.begin("stage 1 died")
+    clock.now += 100
+    log.begin("stage 1 died")
+    assert (log.recent(50), log.recent(150), log.recent(0), log.restarts) == (1, 2, 2, 2)
+    clock.now += 100
+    assert (log.recent(50), log.recent(150), log.recent(250)) == (0, 1, 2)
+
+
+class _SteppingExecutor(LosingExecutor):
+    """Fails at ``fail_at`` like LosingExecutor; each recovery moves ``clock`` ``gap`` seconds on
+    (the next failure comes that much later)."""
+
+    def __init__(self, inner, fail_at: set[int], clock: _Clock, gap: float) -> None:
+        super().__init__(inner, fail_at)
+        self.clock, self.gap = clock, gap
+
+    def recover(self) -> None:
+        super().recover()
+        self.clock.now += self.gap
+
+
+@pytest.mark.parametrize("window", [50.0, 0.0])
+def test_failures_further_apart_than_the_window_are_each_recovered(tiny_checkpoints, window):
+    """--max-stage-restarts 1: two failures 100 s apart are both recovered with a 50 s window
+    (a long-lived server keeps recovering), and end every request with the window off (0: the
+    engine's life), the error naming both flags."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=5)]
+    llm = _tiny_llm(tiny_checkpoints, max_stage_restarts=1, stage_restart_window=window)
+    try:
+        reference = token_lists(llm.generate(prompts, GREEDY))
+        clock = llm.engine.recovery.clock = _Clock()
+        llm.engine.executor = _SteppingExecutor(llm.engine.executor, fail_at={3, 9}, clock=clock, gap=100.0)
+        outs = llm.generate(prompts, GREEDY)
+        recovery = llm.stats()["recovery"]
+    finally:
+        llm.shutdown()
+    if window:
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+        assert token_lists(outs) == reference
+        assert recovery["stage_restarts"] == 2 and llm.engine.healthy
+    else:
+        assert all(o.outputs[0].finish_reason == "error" for o in outs)
+        assert all("1 of 1" in o.error and "--max-stage-restarts 1, --stage-restart-window 0" in o.error
+                   for o in outs), outs[0].error
+        assert recovery["stage_restarts"] == 1 and not llm.engine.healthy
+
+
+def test_a_negative_restart_window_is_refused():
+    with pytest.raises(ValueError, match="stage-restart-window"):
+        EngineConfig(stage_restart_window=-1)
 
 
 # -- offline: LLM.generate at PP = 3, the middle stage killed -------------------------

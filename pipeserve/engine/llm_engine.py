@@ -394,21 +394,20 @@ class LLMEngine:
     def _on_pipeline_failure(self, message: str) -> list[RequestOutput]:
         """A stage died or stalled: replace the stages and replay every sequence from its
         token ids (its KV died with the stage), or, once ``--max-stage-restarts`` are
-        spent, end every request with an error."""
+        spent (within ``--stage-restart-window``), end every request with an error."""
         logger.error("pipeline failed: %s", message)
         for sched in self._inflight.values():
             self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
-        while self.recovery.restarts < self.config.max_stage_restarts:
+        while self._restarts_left:
             failed = self._recover(message)
             if failed is None:
                 return []
             message = failed
         if self.recovery.restarts:
-            message += (f" (the pipeline was restarted {self.recovery.restarts} time(s), "
-                        f"--max-stage-restarts {self.config.max_stage_restarts})")
+            message += f" (restarts used: {self._restarts_used()})"
         self._dead = message
         return self._fail_all(message)
 
@@ -420,15 +419,25 @@ class LLMEngine:
             self.executor.recover()
         except ExecutorError as exc:
             self.recovery.end(time.monotonic() - start, ok=False)
-            logger.error("restarting the pipeline failed (%d of %d restarts used): %s",
-                         self.recovery.restarts, self.config.max_stage_restarts, exc)
+            logger.error("restarting the pipeline failed (restarts %s): %s", self._restarts_used(), exc)
             return str(exc)
         replayed = self.scheduler.replay_all()
         self.recovery.end(time.monotonic() - start, ok=True)
-        logger.warning("pipeline restarted in %.1f s (%d of %d restarts used); replaying %d sequences",
-                       self.recovery.durations[-1], self.recovery.restarts, self.config.max_stage_restarts,
-                       replayed)
+        logger.warning("pipeline restarted in %.1f s (restarts %s); replaying %d sequences",
+                       self.recovery.durations[-1], self._restarts_used(), replayed)
         return None
+
+    @property
+    def _restarts_left(self) -> bool:
+        return self.recovery.recent(self.config.stage_restart_window) < self.config.max_stage_restarts
+
+    def _restarts_used(self) -> str:
+        """E.g. "1 of 3 within 600 s: --max-stage-restarts 3, --stage-restart-window 600"."""
+        window, most = self.config.stage_restart_window, self.config.max_stage_restarts
+        used = self.recovery.recent(window)
+        if window <= 0:
+            return f"{used} of {most} in the engine's life: --max-stage-restarts {most}, --stage-restart-window 0"
+        return f"{used} of {most} within {window:g} s: --max-stage-restarts {most}, --stage-restart-window {window:g}"
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The pipeline is gone: every request ends with finish_reason "error"."""
@@ -456,7 +465,7 @@ class LLMEngine:
     def recovering(self) -> bool:
         """The pipeline is being restarted, or a stage just failed and a restart is left."""
         return self.recovery.recovering or \
-            (self.needs_recovery and self.recovery.restarts < self.config.max_stage_restarts)
+            (self.needs_recovery and self._restarts_left)
 
     @property
     def needs_recovery(self) -> bool:

@@ -40,7 +40,12 @@ _HELP = {
     "profile": "time every class of work on each stage (GEMM, attention, elementwise, sampling) and the "
                "driver's phases; reported by LLM.stats()['profile'] and `bench throughput --profile`",
     "max_stage_restarts": "times the pipeline is relaunched after a stage dies or stalls, replaying every "
-                          "request (0: each request ends with an error instead; default: 3)",
+                          "request, within --stage-restart-window (0: each request ends with an error "
+                          "instead; default: 3)",
+    "stage_restart_window": "seconds over which --max-stage-restarts counts: one more failure inside it ends "
+                            "every request (a crash loop), older restarts no longer count, so a long-lived "
+                            "server survives failures spread over its life (0: the engine's lifetime; "
+                            "default: 600)",
     "stage_rejoin_timeout": "seconds to wait for a replacement `pipeserve worker` of a failed remote stage "
                             "(default: 300)",
 }
