@@ -34,16 +34,20 @@ MODEL = "fake-model"
 class FakeTokenizer:
     eos_token_ids = (0,)
     chat_template = None
+    vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:   # no special tokens
         return [ord(c) % 256 for c in text]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_special_tokens=False)
 
 
 class _Req:
@@ -315,6 +319,47 @@ def test_api_key():
         r = c.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
         assert c.get("/health").status_code == 200  # probes need no key
+
+
+# -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------
+def test_tokenize_counts_what_the_completion_routes_feed_the_model(client):
+    r = client.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 5, "max_model_len": MAX_MODEL_LEN, "tokens": [*map(ord, "hello")],
+                        "token_strs": None}
+    usage = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == 5
+    r = client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False, "return_token_strs": True})
+    assert r.json()["tokens"] == [104, 105] and r.json()["token_strs"] == ["h", "i"]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == [ord(c) for c in "<system>be brief<user>hi<assistant>"]
+    usage = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == chat["count"]
+    bare = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == [ord(c) for c in "<system>be brief<user>hi"]
+
+
+def test_detokenize_and_the_tokenizer_routes_errors(client):
+    assert client.post("/detokenize", json={"model": MODEL, "tokens": [104, 105]}).json() == {"prompt": "hi"}
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    assert _error(client.post("/detokenize", json={"tokens": [256]}), 400)["param"] == "tokens"
+    assert _error(client.post("/detokenize", json={"tokens": [-1]}), 400)["param"] == "tokens"
+    assert _error(client.post("/detokenize", json={"tokens": ["a"]}), 400)["param"] == "tokens.0"
+    assert _error(client.post("/tokenize", json={}), 400)["param"] == "prompt"
+    assert _error(client.post("/tokenize", json={"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+                  400)["param"] == "prompt"
+    assert _error(client.post("/tokenize", json={"messages": [{"role": "robot", "content": "x"}]}),
+                  400)["param"] == "messages.0.role"
+    assert _error(client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}],
+                                                 "add_special_tokens": True}), 400)["param"] == "add_special_tokens"
+    assert _error(client.post("/tokenize", json={"model": "other", "prompt": "x"}), 404)["code"] == "model_not_found"
+    assert _error(client.post("/tokenize", content=b"{nope", headers={"content-type": "application/json"}), 400)
+    with make_client(FakeEngine(), api_key="s3cret") as c:
+        _error(c.post("/tokenize", json={"prompt": "x"}), 401)
+        _error(c.post("/detokenize", json={"tokens": [104]}), 401)
+        ok = c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["count"] == 1
 
 
 @contextlib.contextmanager

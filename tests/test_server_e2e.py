@@ -255,6 +255,35 @@ def test_errors_leave_the_server_working(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_tokenize_matches_what_the_model_is_fed(server):
+    """``/tokenize`` gives the ids (and count) that the completion and chat routes feed the model,
+    through the real tokenizer and chat template; ``/detokenize`` turns them back into text."""
+    def tokenize(body):
+        r = server.post("/tokenize", {"model": NAME, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    text = "the quick brown fox"
+    plain = tokenize({"prompt": text})
+    usage = server.post("/v1/completions", {"model": NAME, "prompt": text, "max_tokens": 1}).json()["usage"]
+    assert plain["count"] == len(plain["tokens"]) == usage["prompt_tokens"]
+    assert plain["max_model_len"] == MAX_MODEL_LEN
+    done = server.post("/v1/completions", {"model": NAME, "prompt": plain["tokens"], "max_tokens": 1}).json()
+    assert done["usage"]["prompt_tokens"] == plain["count"]
+    bare = tokenize({"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+    assert len(bare["token_strs"]) == bare["count"] > 0
+    assert server.post("/detokenize", {"tokens": bare["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    chat = tokenize({"messages": messages})
+    usage = server.post("/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": 1}).json()["usage"]
+    assert chat["count"] == usage["prompt_tokens"]
+    rendered = server.post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    assert "<|im_start|>user\nhello world<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
+    assert tokenize({"messages": messages, "add_generation_prompt": False})["count"] < chat["count"]
+    _check_error(server.post("/tokenize", {"prompt": text}, key=None), 401)
+    assert _check_error(server.post("/detokenize", {"tokens": [10_000]}), 400)["param"] == "tokens"
+
+
 # -- disconnects and metrics ---------------------------------------------------------
 def _wait_for(predicate, timeout: float) -> bool:
     deadline = time.time() + timeout

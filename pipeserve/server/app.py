@@ -20,6 +20,7 @@ from pipeserve.server.errors import APIError, error_response
 from pipeserve.server.metrics import CONTENT_TYPE
 from pipeserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from pipeserve.server.serving import ClientDisconnected, ServerState, read_json
+from pipeserve.server.tokenize import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     _add_error_handlers(app, state)
     app.include_router(_open_routes(state))
     app.include_router(_v1_routes(state), prefix="/v1", dependencies=[Depends(_key_check(api_key))])
+    app.include_router(_tokenizer_routes(state), dependencies=[Depends(_key_check(api_key))])
     return app
 
 
@@ -104,6 +106,21 @@ def _v1_routes(state: ServerState) -> APIRouter:
     async def chat(request: Request) -> Response:
         body = parse_request(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
         return await create_chat_completion(state, body, request)
+
+    return router
+
+
+def _tokenizer_routes(state: ServerState) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (at the root, as there; behind the API key here)."""
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        return tokenize(state, await read_json(request, state.max_body_bytes))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        return detokenize(state, await read_json(request, state.max_body_bytes))
 
     return router
 

@@ -28,7 +28,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         tools = ChatTools.of(body.tools, body.tool_choice, state.tokenizer.chat_template)
     except ToolsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    ids = _render(state, body, tools)
+    ids = render_messages(state, body, tools)
     max_tokens = resolve_max_tokens(body.requested_max_tokens, len(ids), state.max_model_len,
                                     prompt_field="messages")
     structured = body.structured()
@@ -43,11 +43,13 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                          lambda outputs: view.response(outputs[0]))
 
 
-def _render(state: ServerState, body: ChatCompletionRequest, tools: ChatTools) -> list[int]:
+def render_messages(state: ServerState, body: ChatCompletionRequest, tools: ChatTools,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """The chat's token ids through the model's template (also ``POST /tokenize``'s)."""
     try:
         extra = {"tools": tools.template_tools()} if tools.template_tools() else {}
         return list(state.tokenizer.apply_chat_template(tools.template_messages(body.template_messages()),
-                                                        add_generation_prompt=True, **extra))
+                                                        add_generation_prompt=add_generation_prompt, **extra))
     except APIError:
         raise
     except Exception as exc:  # the template refused the conversation (roles, order)
