@@ -45,8 +45,11 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text += "".join(f"[{k}={v}]" for k, v in (chat_template_kwargs or {}).items())
+        text += "+" * continue_final_message            # marks the open turn
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""), add_special_tokens=False)
 
 
@@ -338,6 +341,26 @@ def test_tokenize_counts_what_the_completion_routes_feed_the_model(client):
     assert usage["prompt_tokens"] == chat["count"]
     bare = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert bare["tokens"] == [ord(c) for c in "<system>be brief<user>hi"]
+    kwargs = client.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"x": 1}}).json()
+    assert kwargs["tokens"] == [ord(c) for c in "<system>be brief<user>hi[x=1]<assistant>"]
+
+
+def test_chat_rendering_options_reach_the_template_or_are_refused(client):
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "He"}]
+    body = {"messages": prefill, "max_tokens": 1, "add_generation_prompt": False, "continue_final_message": True}
+    assert client.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"] == len("<user>hi<assistant>He+")
+    body = {"messages": prefill[:1], "max_tokens": 1, "chat_template_kwargs": {"enable_thinking": False}}
+    usage = client.post("/v1/chat/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens"] == len("<user>hi[enable_thinking=False]<assistant>")
+    bad = [({"messages": prefill, "continue_final_message": True}, "continue_final_message"),
+           ({"messages": prefill[:1], "continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message"),
+           ({"messages": prefill, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+           ({"messages": prefill, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
+           ({"messages": prefill, "continue_final_message": "yes"}, "continue_final_message")]
+    for payload, param in bad:
+        _error(client.post("/v1/chat/completions", json={**payload, "max_tokens": 1}), 400, param)
+        _error(client.post("/tokenize", json=payload), 400, param)
 
 
 def test_detokenize_and_the_tokenizer_routes_errors(client):

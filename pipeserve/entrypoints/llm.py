@@ -56,18 +56,24 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, add_generation_prompt: bool = True, use_tqdm: bool = False,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
 
         ``tools`` (OpenAI format) go into the prompt the way the template renders them
         (SmolLM2's template does not: they go into its function-calling system prompt);
-        ``pipeserve.structured.tools.parse_tool_calls`` reads the calls out of the text."""
+        ``pipeserve.structured.tools.parse_tool_calls`` reads the calls out of the text.
+        As in vLLM, ``continue_final_message=True`` (with ``add_generation_prompt=False``)
+        goes on with a last assistant message instead of opening a new turn, and
+        ``chat_template_kwargs`` are the template's own variables (Qwen3's
+        ``enable_thinking``, for one)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         chat_tools = ChatTools.of(tools, None, tokenizer.chat_template)
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
             chat_tools.template_messages(conv), add_generation_prompt=add_generation_prompt,
-            tools=chat_tools.template_tools())} for conv in conversations]
+            tools=chat_tools.template_tools(), continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:

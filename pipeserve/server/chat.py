@@ -43,13 +43,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                          lambda outputs: view.response(outputs[0]))
 
 
-def render_messages(state: ServerState, body: ChatCompletionRequest, tools: ChatTools,
-                    add_generation_prompt: bool = True) -> list[int]:
+def render_messages(state: ServerState, body: ChatCompletionRequest, tools: ChatTools) -> list[int]:
     """The chat's token ids through the model's template (also ``POST /tokenize``'s)."""
     try:
         extra = {"tools": tools.template_tools()} if tools.template_tools() else {}
+        if body.continue_final_message:
+            extra["continue_final_message"] = True
+        if body.chat_template_kwargs:
+            extra["chat_template_kwargs"] = body.chat_template_kwargs
         return list(state.tokenizer.apply_chat_template(tools.template_messages(body.template_messages()),
-                                                        add_generation_prompt=add_generation_prompt, **extra))
+                                                        add_generation_prompt=body.add_generation_prompt, **extra))
     except APIError:
         raise
     except Exception as exc:  # the template refused the conversation (roles, order)

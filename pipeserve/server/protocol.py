@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from pipeserve.chat_options import check_chat_options
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.server.errors import APIError
 from pipeserve.structured.params import StructuredOutputsParams
@@ -149,9 +150,15 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
+    # vLLM's rendering options: the template's own variables, and going on with a final
+    # assistant message (a prefill) instead of opening a new turn.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
+        self.check_rendering()
         if self.functions:
             raise APIError(400, "the deprecated functions field is not supported; send tools", param="functions")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -162,6 +169,14 @@ class ChatCompletionRequest(_SamplingFields):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                                param="top_logprobs")
+
+    def check_rendering(self) -> None:
+        try:
+            check_chat_options(self.template_messages(), self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
+        except ValueError as exc:
+            param = next((p for p in ("chat_template_kwargs", "continue_final_message") if p in str(exc)), None)
+            raise APIError(400, str(exc), param=param) from None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -25,6 +25,8 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool | None = None      # default: True for a prompt, False for messages
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     return_token_strs: StrictBool = False
 
@@ -53,12 +55,15 @@ def tokenize(state: ServerState, raw: Any) -> dict:
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = state.tokenizer.encode(body.prompt, add_special_tokens=add)
     else:
-        chat = parse_request(ChatCompletionRequest, {"messages": body.messages, "tools": body.tools})
+        chat = parse_request(ChatCompletionRequest, {
+            "messages": body.messages, "tools": body.tools, "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message,
+            "chat_template_kwargs": body.chat_template_kwargs})
         try:
             tools = ChatTools.of(chat.tools, None, state.tokenizer.chat_template)
         except ToolsError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        ids = render_messages(state, chat, tools, add_generation_prompt=body.add_generation_prompt)
+        ids = render_messages(state, chat, tools)
     ids = [int(i) for i in ids]
     strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
