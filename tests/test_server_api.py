@@ -324,6 +324,35 @@ def test_api_key():
         assert c.get("/health").status_code == 200  # probes need no key
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, "echo": True,
+                                             "truncate_prompt_tokens": 3}).json()
+    assert r["usage"]["prompt_tokens"] == 3 and r["choices"][0]["text"].startswith("llo")
+    whole = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, "echo": True,
+                                                 "truncate_prompt_tokens": 9}).json()
+    assert whole["usage"]["prompt_tokens"] == 5 and whole["choices"][0]["text"].startswith("hello")
+    fits = client.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi there"}],
+                                                     "max_tokens": 1, "truncate_prompt_tokens": 4}).json()
+    assert chat["usage"]["prompt_tokens"] == 4
+    for bad in (0, -2):
+        _error(client.post("/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": bad}), 400,
+               "truncate_prompt_tokens")
+
+
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("allowed_token_ids", [104]),
+                                          ("bad_words", ["x"]), ("use_beam_search", True),
+                                          ("logits_processors", ["my.processor"])])
+def test_vllm_fields_pipeserve_cannot_honour_are_refused(client, field, value):
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        _error(client.post(path, json={**body, "max_tokens": 1, field: value}), 400, field)
+        off = {"prompt_logprobs": None, "allowed_token_ids": [], "bad_words": [], "use_beam_search": False,
+               "logits_processors": None}[field]
+        assert client.post(path, json={**body, "max_tokens": 1, field: off}).status_code == 200
+
+
 # -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------
 def test_tokenize_counts_what_the_completion_routes_feed_the_model(client):
     r = client.post("/tokenize", json={"model": MODEL, "prompt": "hello"})

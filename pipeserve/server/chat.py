@@ -28,7 +28,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
         tools = ChatTools.of(body.tools, body.tool_choice, state.tokenizer.chat_template)
     except ToolsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    ids = render_messages(state, body, tools)
+    ids = body.truncate(render_messages(state, body, tools), state.max_model_len)
     max_tokens = resolve_max_tokens(body.requested_max_tokens, len(ids), state.max_model_len,
                                     prompt_field="messages")
     structured = body.structured()

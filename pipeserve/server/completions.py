@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 async def create_completion(state: ServerState, body: CompletionRequest, raw: Request) -> Response:
     state.check_model(body.model)
     state.check_healthy()
-    prompts = [_encode(state, p) for p in body.prompts()]
+    prompts = [_encode(state, p, body) for p in body.prompts()]
     structured = body.structured()
     params = [body.sampling_params(resolve_max_tokens(body.max_tokens, len(ids), state.max_model_len),
                                    body.logprobs, structured) for _, ids in prompts]
@@ -33,10 +33,11 @@ async def create_completion(state: ServerState, body: CompletionRequest, raw: Re
                          lambda streams, admission: _stream(view, streams, admission), view.response)
 
 
-def _encode(state: ServerState, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, str):
-        return prompt, state.tokenizer.encode(prompt)
-    return None, prompt
+def _encode(state: ServerState, prompt: str | list[int], body: CompletionRequest) -> tuple[str | None, list[int]]:
+    """(the prompt's text, or None where only ids stand for it; its ids), truncated as asked."""
+    text, ids = (prompt, state.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
+    kept = body.truncate(ids, state.max_model_len)
+    return (text if len(kept) == len(ids) else None), kept
 
 
 class _View:

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API, validated at the edge, and their SamplingParams.
 
-Known OpenAI fields that pipeserve cannot honour are refused with a 400 that
-names them; unknown fields are ignored (with a log line), as vLLM does, so that
-clients which send a few extra keys keep working.
+Known OpenAI fields, and vLLM's extra ones, that pipeserve cannot honour are
+refused with a 400 that names them (``logit_bias``, ``prompt_logprobs``,
+``allowed_token_ids``, ...); unknown fields are ignored (with a log line), as
+vLLM does, so that clients which send a few extra keys keep working.
 """
 
 from __future__ import annotations
@@ -20,6 +21,17 @@ from pipeserve.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
+
+# vLLM request fields that pipeserve cannot honour: refused by name when set (to anything but
+# their off value), since ignoring them would answer something other than what was asked.
+_UNSUPPORTED_VLLM_FIELDS = {
+    "prompt_logprobs": "prompt logprobs are not computed by pipeserve",
+    "allowed_token_ids": "allowed_token_ids is not supported by pipeserve; a structured output "
+                         "(guided_choice, guided_regex) constrains the output instead",
+    "bad_words": "bad_words is not supported by pipeserve",
+    "use_beam_search": "beam search is not supported by pipeserve",
+    "logits_processors": "logits_processors are not supported by pipeserve",
+}
 
 
 class StreamOptions(BaseModel):
@@ -61,14 +73,31 @@ class _SamplingFields(BaseModel):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    truncate_prompt_tokens: StrictInt | None = None   # vLLM's: keep the prompt's last k tokens (-1: what fits)
 
     def check_common(self) -> None:
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by pipeserve", param="logit_bias")
+        for name, why in _UNSUPPORTED_VLLM_FIELDS.items():
+            if (self.model_extra or {}).get(name) not in (None, False, [], 0, {}):
+                raise APIError(400, why, param=name)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 (keep what fits the context) or at least 1, "
+                           f"got {self.truncate_prompt_tokens}", param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if self.model_extra:
             logger.info("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` ids (-1: the last ``max_model_len - 1``,
+        room for one generated token), as vLLM truncates; all of them when unset."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
 
     @property
     def include_usage(self) -> bool:
