@@ -14,6 +14,7 @@ from pipeserve.outputs import RequestOutput
 from pipeserve.server.errors import APIError, error_body
 from pipeserve.server.logprobs import chat_logprobs
 from pipeserve.server.protocol import ChatCompletionRequest, resolve_max_tokens
+from pipeserve.server.reasoning import ThinkSplitter
 from pipeserve.server.serving import Admission, ServerState, close_all, new_request_id, respond
 from pipeserve.server.streaming import DONE, DeltaTracker, sse, usage
 from pipeserve.structured.chat_tools import ChatTools, ToolsError, ToolStream
@@ -37,7 +38,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
                        "constraint (response_format / structured_outputs / guided_*)", param="tool_choice")
     params = body.sampling_params(max_tokens, body.num_logprobs, tools.structured() or structured)
     request_id = new_request_id("chatcmpl")
-    view = _View(state, body, request_id, tools)
+    # The prompt's end tells a reasoning parser whether the template left a think block open.
+    tail = state.tokenizer.decode(ids[-8:], skip_special_tokens=False) if state.reasoning else ""
+    view = _View(state, body, request_id, tools, tail)
     return await respond(state, raw, body, request_id, [(None, ids)], [params],
                          lambda streams, admission: _stream(view, streams[0], admission),
                          lambda outputs: view.response(outputs[0]))
@@ -64,18 +67,34 @@ class _View:
     """Shapes engine outputs into chat completion objects for one HTTP request."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, request_id: str,
-                 tools: ChatTools) -> None:
+                 tools: ChatTools, prompt_tail: str = "") -> None:
         self.state = state
         self.body = body
         self.tools = tools
         self.id = request_id
         self.created = int(time.time())
         self.top_n = body.top_logprobs or 0
+        self.prompt_tail = prompt_tail
+        self._splitters: dict[int, ThinkSplitter] = {}
+
+    def splitter(self, index: int) -> ThinkSplitter | None:
+        """Choice ``index``'s reasoning splitter (None without ``--reasoning-parser``)."""
+        if self.state.reasoning is None:
+            return None
+        if index not in self._splitters:
+            self._splitters[index] = self.state.reasoning.splitter(self.prompt_tail)
+        return self._splitters[index]
 
     def response(self, out: RequestOutput) -> dict:
         choices = []
         for c in out.outputs:
-            message, has_calls = self.tools.message(c.text)
+            splitter = self.splitter(c.index)
+            reasoning, text = splitter.split(c.text) if splitter is not None else (None, c.text)
+            message, has_calls = self.tools.message(text or "")
+            if splitter is not None:
+                if text is None and not has_calls:
+                    message["content"] = None
+                message["reasoning_content"] = reasoning
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, 0, len(c.token_ids), self.state.decode_token,
                                                       self.top_n),
@@ -129,17 +148,26 @@ def _delta_choices(view: _View, tracker: DeltaTracker, out: RequestOutput,
         delta = tracker.delta(c.index, c)
         if delta is None:
             continue
+        text, reasoning = delta.text, ""
+        splitter = view.splitter(c.index)
+        if splitter is not None:
+            reasoning, text = splitter.feed(delta.text, final=delta.finish_reason is not None)
+            if reasoning:
+                content.append({"index": c.index, "delta": {"reasoning_content": reasoning},
+                                "logprobs": None, "finish_reason": None})
         if tool_stream is not None:
-            deltas, has_calls = tool_stream.deltas(c.index, delta.text, delta.finish_reason is not None)
+            deltas, has_calls = tool_stream.deltas(c.index, text, delta.finish_reason is not None)
             content += [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
             if delta.finish_reason is not None:
                 finished.append({"index": c.index, "delta": {}, "logprobs": None,
                                  "finish_reason": _finish_reason(delta.finish_reason, has_calls)})
             continue
         logprobs = chat_logprobs(c, delta.start, delta.end, view.state.decode_token, view.top_n)
-        if delta.text or (logprobs and logprobs["content"]):
-            content.append({"index": c.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+        if text or (logprobs and logprobs["content"] and not reasoning):
+            content.append({"index": c.index, "delta": {"content": text}, "logprobs": logprobs,
                             "finish_reason": None})
+        elif reasoning and logprobs and logprobs["content"]:
+            content[-1]["logprobs"] = logprobs          # the tokens' logprobs ride on their reasoning
         if delta.finish_reason is not None:
             finished.append({"index": c.index, "delta": {}, "logprobs": None,
                              "finish_reason": delta.finish_reason})

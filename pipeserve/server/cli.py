@@ -9,6 +9,7 @@ import sys
 
 from pipeserve.entrypoints.args import add_engine_args, config_from_args
 from pipeserve.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from pipeserve.server.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ def register(subparsers) -> None:
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before "
                         "they are aborted")
+    server.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="report a thinking model's reasoning (<think>...</think>) as "
+                        "message.reasoning_content apart from message.content, as vLLM's parser of "
+                        "the same name: qwen3 | deepseek_r1 (default: none, all text is content)")
     server.add_argument("--log-level", default="WARNING")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeserve.engine.llm_engine import LLMEngine
     from pipeserve.server.app import build_app
     from pipeserve.server.metrics import ServerMetrics
+    from pipeserve.server.reasoning import reasoning_parser
     from pipeserve.server.runner import serve
     from pipeserve.server.serving import ServerState
 
@@ -59,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_name=name,
                         model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
                         max_queue=args.max_queue, max_n=config.max_n,
-                        max_body_bytes=args.max_request_bytes)
+                        max_body_bytes=args.max_request_bytes, reasoning=reasoning_parser(args.reasoning_parser))
     app = build_app(state, api_key=args.api_key)
     print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
     admitted: int = 0     # sequences (prompts x n) being handled; event-loop thread only
+    reasoning: Any = None  # server/reasoning.py's ReasoningParser (--reasoning-parser), or None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
