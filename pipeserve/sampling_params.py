@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pipeserve.structured.params import StructuredOutputsParams
 
 
+# Tokens one request may bias (OpenAI documents no bound; each entry rides on every step's plan).
+MAX_LOGIT_BIAS = 1024
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next tokens of one request.
@@ -32,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the token's logit before anything else (OpenAI's logit_bias; -100 bans, 100 forces).
+    logit_bias: dict[int, float] | None = None
     # Grammar-constrained output (vLLM's current name; ``guided_decoding`` is its older one).
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = field(default=None, repr=False)
@@ -52,6 +58,9 @@ class SamplingParams:
             self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -79,6 +88,13 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+                   f"keys must be token ids (non-negative integers), got {token!r}")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
+                   "logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        _check(len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias",
+               f"may bias at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias or ())}")
 
     @property
     def needs_penalties(self) -> bool:

@@ -261,3 +261,22 @@ def test_auto_preemption_swaps_only_where_the_pool_is_local_memory_that_fits():
     two_hosts = EngineConfig(nnodes=2, pipeline_parallel_size=2)
     assert resolve_preemption_mode(two_hosts, gib, gib, 16 * gib) == "recompute"
     assert resolve_preemption_mode(EngineConfig(device="cuda"), gib, gib, 16 * gib) == "recompute"
+
+
+def test_logit_bias_crosses_the_pipeline_and_stays_with_its_request(llama_dir):
+    """PP = 2 (the bias travels in each step's plan to the last stage): +100 on one token makes
+    greedy decoding emit only it; -100 on the unbiased run's first token moves the first token;
+    a batch mate without a bias keeps its own tokens; an id outside the vocabulary is refused."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, seed=11)]
+    with LLM(model=str(llama_dir), dtype="float32", kv_cache_memory="16MiB", pipeline_parallel_size=2,
+             threads_per_stage=1) as llm:
+        plain = token_lists(llm.generate(prompts, greedy()))
+        forced = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logit_bias={7: 100.0})
+        banned = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True,
+                                logit_bias={plain[0][0]: -100.0})
+        outs = token_lists(llm.generate(prompts, [forced, greedy()]))
+        assert outs[0] == [7] * NEW and outs[1] == plain[1]
+        moved = token_lists(llm.generate(prompts[:1], banned))[0]
+        assert moved[0] != plain[0][0]
+        refused = llm.generate(prompts[:1], SamplingParams(max_tokens=2, logit_bias={100000: 1.0}))[0]
+        assert refused.outputs[0].finish_reason == "error" and "logit_bias names token id 100000" in refused.error

@@ -212,6 +212,35 @@ def test_banned_ids_are_never_sampled():
     assert greedy[0][0] == 1  # an id outside the vocabulary is ignored
 
 
+def test_logit_bias_shifts_the_choice_before_penalties_and_logprobs_stay_raw():
+    raw = torch.tensor([[3.0, 2.9, 0.0, -1.0], [3.0, 2.9, 0.0, -1.0]])
+    params = [sp(temperature=0.0, num_logprobs=0, logit_bias=[(3, 5.0)]),
+              sp(temperature=0.0, logit_bias=[(0, -100.0), (99, 50.0)])]   # 99: outside, skipped
+    out = Sampler(0).sample(raw.clone(), params)
+    assert tokens(out) == [3, 1]
+    assert out[0][1] == pytest.approx(float(torch.log_softmax(raw[0], -1)[3]), abs=1e-6)
+    # Before the penalties, as vLLM: token 0 biased to 4.0, then its repetition penalty halves it.
+    rep = sp(temperature=0.0, logit_bias=[(0, 1.0)], repetition_penalty=2.0, prompt_token_ids=[0],
+             output_token_ids=[])
+    assert tokens(Sampler(0).sample(torch.tensor([[3.0, 2.9, 0.0, -1.0]]), [rep])) == [1]
+    n = 2000
+    row = torch.tensor([5.0, 0.0, 0.0])
+    drawn = tokens(Sampler(0).sample(row.expand(n, 3).contiguous(),
+                                     [sp(logit_bias=[(2, 10.0)], seed=i) for i in range(n)]))
+    assert drawn.count(2) > 0.95 * n
+
+
+def test_logit_bias_is_checked_where_it_enters():
+    from pipeserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+    assert SamplingParams(logit_bias={5: -100, 6: 2.5}).logit_bias == {5: -100, 6: 2.5}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad, match in [({-1: 1.0}, "non-negative"), ({"5": 1.0}, "token ids"), ({5: 101.0}, r"\[-100, 100\]"),
+                       ({5: True}, "numbers"), ([(5, 1.0)], "map token ids"),
+                       ({t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}, "at most")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logit_bias=bad)
+
+
 # -- logprobs ---------------------------------------------------------------
 
 def test_logprobs_are_raw_log_softmax_with_ordered_top_n(logits):

@@ -266,7 +266,9 @@ def _error(r, status: int, param: str | None = "__any__") -> dict:
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-3": 1}}, "logit_bias"),
 ])
 def test_completion_bad_parameters(client, payload, param):
     _error(client.post("/v1/completions", json=payload), 400, param)

@@ -46,6 +46,9 @@ def make_group(request_id: str, prompt: str | None, ids: list[int], params: Samp
     length could ever hold its KV (the scheduler knows the block count).
     """
     check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len)
+    bad = [t for t in (params.logit_bias or ()) if t >= vocab_size]
+    if bad:
+        raise RequestRejected(f"logit_bias names token id {bad[0]}, out of range for a vocabulary of {vocab_size}")
     if not fits_in_cache(len(ids) + 1):
         raise RequestRejected(
             f"the prompt has {len(ids)} tokens, which can never fit in the KV cache; "

@@ -64,6 +64,7 @@ def sampling_inputs(seq: Sequence, allowed_token_mask: bytes | None = None, pend
         banned_token_ids=banned_tokens(seq, pending),
         num_logprobs=p.logprobs,
         allowed_token_mask=allowed_token_mask,
+        logit_bias=[(int(t), float(b)) for t, b in p.logit_bias.items()] if p.logit_bias else None,
     )
 
 

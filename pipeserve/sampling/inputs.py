@@ -34,3 +34,5 @@ class SeqSampling:
     # Grammar mask (structured outputs): ceil(vocab/32) packed little-endian int32 words,
     # bit t % 32 of word t // 32 set when token t may be sampled. None = unconstrained.
     allowed_token_mask: bytes | None = None
+    # (token id, bias) pairs added to the logits first (OpenAI's logit_bias). None = none.
+    logit_bias: list[tuple[int, float]] | None = None

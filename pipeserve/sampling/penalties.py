@@ -47,6 +47,23 @@ def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     logits[where] = torch.where(seen, penalised, v)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+    """Add each row's ``logit_bias`` in place (ids outside the vocabulary are skipped, as bans
+    are: the engine refuses them at admission)."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in p.logit_bias or ():
+            if 0 <= t < vocab:
+                rows.append(i)
+                cols.append(t)
+                biases.append(b)
+    if rows:
+        logits[rows, cols] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+
+
 def apply_bans(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     """Set banned ids to -inf in place. Ids outside the vocabulary cannot be
     sampled anyway, so they are ignored rather than failing the whole step."""

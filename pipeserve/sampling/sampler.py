@@ -1,7 +1,7 @@
 """The sampler: turns the last stage's logits into one token per sequence.
 
-Per row, in order (as vLLM): repetition/frequency/presence penalties, banned
-ids (-inf), then either argmax (greedy: temperature 0 or top_k 1) or
+Per row, in order (as vLLM): the logit bias (OpenAI's ``logit_bias``),
+repetition/frequency/presence penalties, banned ids (-inf), then either argmax (greedy: temperature 0 or top_k 1) or
 temperature, min-p, top-k, top-p and a random draw.
 
 The random draw is inverse-CDF sampling (``draw.py``): one uniform ``u`` per
@@ -28,7 +28,7 @@ from pipeserve.kernels.build import KernelBuildError, kernel_cache, load_kernel
 from pipeserve.sampling.draw import inverse_cdf
 from pipeserve.sampling.filters import apply_min_p, apply_top_k, apply_top_p
 from pipeserve.sampling.inputs import SeqSampling
-from pipeserve.sampling.penalties import apply_bans, apply_penalties, has_penalty
+from pipeserve.sampling.penalties import apply_bans, apply_logit_bias, apply_penalties, has_penalty
 from pipeserve.sampling.seeding import draw_uniforms
 from pipeserve.sampling.token_mask import apply_token_masks
 
@@ -106,7 +106,7 @@ class Sampler:
             raise ValueError(f"Sampler.sample expects logits [S, V] with S = len(params) = "
                              f"{len(params)}, got shape {tuple(logits.shape)}")
         if all(p.num_logprobs is None and is_greedy(p) and not has_penalty(p) and not p.banned_token_ids
-               and p.allowed_token_mask is None for p in params):
+               and p.allowed_token_mask is None and not p.logit_bias for p in params):
             # Plain greedy (single-stream decode's case): the argmax alone, no logprob work.
             return [(t, 0.0, []) for t in argmax(logits).tolist()]
         logits = logits.float()
@@ -118,7 +118,7 @@ class Sampler:
     # -- steps -------------------------------------------------------------
     @staticmethod
     def _adjusted_logits(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """Logits after penalties, bans and grammar masks.
+        """Logits after the logit bias, penalties, bans and grammar masks.
 
         The raw logits stay untouched where they are still read (logprobs). A
         grammar mask alone is applied in place on its rows: it leaves the allowed
@@ -126,13 +126,15 @@ class Sampler:
         only the chosen (allowed) token's raw logit is read again, unless the row
         wants top-N logprobs. So a constrained row costs its batch mates no copy.
         """
-        if not any(has_penalty(p) or p.banned_token_ids or p.allowed_token_mask is not None for p in params):
-            return logits
-        if not any(has_penalty(p) or p.banned_token_ids or (p.allowed_token_mask is not None and p.num_logprobs)
+        if not any(has_penalty(p) or p.banned_token_ids or p.logit_bias or p.allowed_token_mask is not None
                    for p in params):
+            return logits
+        if not any(has_penalty(p) or p.banned_token_ids or p.logit_bias
+                   or (p.allowed_token_mask is not None and p.num_logprobs) for p in params):
             apply_token_masks(logits, [p.allowed_token_mask for p in params])
             return logits
         adjusted = logits.clone()
+        apply_logit_bias(adjusted, params)
         apply_penalties(adjusted, params)
         apply_bans(adjusted, params)
         apply_token_masks(adjusted, [p.allowed_token_mask for p in params])

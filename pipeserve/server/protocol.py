@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API, validated at the edge, and their SamplingParams.
 
 Known OpenAI fields, and vLLM's extra ones, that pipeserve cannot honour are
-refused with a 400 that names them (``logit_bias``, ``prompt_logprobs``,
-``allowed_token_ids``, ...); unknown fields are ignored (with a log line), as
+refused with a 400 that names them (``prompt_logprobs``, ``allowed_token_ids``,
+...); unknown fields are ignored (with a log line), as
 vLLM does, so that clients which send a few extra keys keep working.
 """
 
@@ -76,8 +76,6 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: StrictInt | None = None   # vLLM's: keep the prompt's last k tokens (-1: what fits)
 
     def check_common(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by pipeserve", param="logit_bias")
         for name, why in _UNSUPPORTED_VLLM_FIELDS.items():
             if (self.model_extra or {}).get(name) not in (None, False, [], 0, {}):
                 raise APIError(400, why, param=name)
@@ -89,6 +87,19 @@ class _SamplingFields(BaseModel):
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if self.model_extra:
             logger.info("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+
+    def token_biases(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; 400 naming
+        it when a key is no token id."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, value in self.logit_bias.items():
+            try:
+                biases[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        return biases
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` ids (-1: the last ``max_model_len - 1``,
@@ -121,7 +132,8 @@ class _SamplingFields(BaseModel):
                 stop=self.stop, stop_token_ids=self.stop_token_ids, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured)
+                include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured,
+                logit_bias=self.token_biases())
         except ValueError as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from None
 
