@@ -5,6 +5,7 @@ server's edge imports it cheaply."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # What apply_chat_template sets itself: a template variable of the same name cannot be passed.
@@ -29,3 +30,27 @@ def check_chat_options(messages: list[dict], add_generation_prompt: bool, contin
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: pass them as the request's "
                              "own fields")
+
+
+def resolve_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it is a template (it holds
+    ``{``); checked to parse as Jinja, so a bad one is refused at start-up, not at the first
+    chat. ValueError naming the flag otherwise."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value!r}: cannot read it: {exc}") from None
+    elif "{" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a template (a Jinja template "
+                         "holds {{ }} or {% %})")
+    import jinja2   # transformers' dependency; only where a template is given
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return text

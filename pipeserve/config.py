@@ -88,6 +88,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")   # --kv-cache-dtype; the formats live
 class EngineConfig:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    chat_template: str | None = None          # a Jinja template, or a file holding one (the model's own: None)
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
     device: str = "cpu"                       # cpu | cuda
     seed: int = 0

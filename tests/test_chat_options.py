@@ -86,3 +86,33 @@ def test_offline_chat_goes_on_with_the_final_message(tiny_checkpoints):
             llm.chat(CHAT, params, continue_final_message=True)
     finally:
         llm.shutdown()
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_and_refuses_the_rest(tmp_path):
+    from pipeserve.chat_options import resolve_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text(THINKING_TEMPLATE)
+    assert resolve_chat_template(str(path)) == THINKING_TEMPLATE
+    assert resolve_chat_template(THINKING_TEMPLATE) == THINKING_TEMPLATE
+    with pytest.raises(ValueError, match="no such file, and not a template"):
+        resolve_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        resolve_chat_template("{% for m in messages %}{{ m['content'] }}")
+
+
+def test_an_engine_renders_chats_with_the_given_template(tiny_checkpoints, tmp_path):
+    from pipeserve.entrypoints.llm import LLM
+    path = tmp_path / "brackets.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]{% endif %}")
+    llm = LLM(model=str(tiny_checkpoints("llama_tied_gqa")), dtype="float32", kv_cache_memory="16MiB",
+              threads_per_stage=1, chat_template=str(path))
+    try:
+        out = llm.chat(CHAT[:1], SamplingParams(temperature=0, max_tokens=2))[0]
+        assert llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False) == \
+            "[user]hello world[assistant]"
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="--chat-template"):
+        LLM(model=str(tiny_checkpoints("llama_tied_gqa")), dtype="float32", kv_cache_memory="16MiB",
+            chat_template=str(tmp_path / "nope.jinja"))

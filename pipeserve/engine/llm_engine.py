@@ -26,6 +26,7 @@ from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batch_limits
 from pipeserve.sequence import SequenceGroup
+from pipeserve.chat_options import resolve_chat_template
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker import thread_governor
@@ -49,6 +50,7 @@ class LLMEngine:
         self.source = resolve_model(config.model)
         self.model_config = self.source.load_config()
         tokenizer_source = resolve_model(config.tokenizer) if config.tokenizer else self.source
+        chat_template = resolve_chat_template(config.chat_template) if config.chat_template else None
         self.dtype = DTYPES[config.torch_dtype_name]
         if config.tensor_parallel_size > 1:   # refuse before any process starts
             from pipeserve.model.loader import split_alignment
@@ -83,6 +85,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()
             raise
+        if chat_template is not None:
+            self.tokenizer.hf_tokenizer.chat_template = chat_template
+            logger.info("chat template: --chat-template's (%d characters), not the model's", len(chat_template))
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}

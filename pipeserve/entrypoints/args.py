@@ -18,6 +18,8 @@ _HELP = {
     "kv_cache_dtype": "auto (the model dtype; default) | int8 | fp8 (e4m3): 8-bit K/V rows with one float32 "
                       "scale per token and kv head, about twice the blocks in the same --kv-cache-memory",
     "swap_space": "host memory pool for preemption by swap, e.g. 1GiB",
+    "chat_template": "chat template to use instead of the model's own (vLLM's flag): the path of a Jinja "
+                     "file, or the template itself; for a model that ships none, or a broken one",
     "pipeline_parallel_size": "number of pipeline stages (processes)",
     "tensor_parallel_size": "ranks (processes) per pipeline stage, each holding a slice of every layer: "
                             "heads, MLP width, vocabulary (default: 1)",
