@@ -98,14 +98,18 @@ class FakeEngine:
         for req in list(self.reqs.values()):
             for i, toks in enumerate(req.tokens):
                 if req.reasons[i] is None:
-                    toks.append(ord("a") + (len(req.ids) + i + len(toks)) % 26)
-                    if len(toks) >= req.params.max_tokens:
-                        req.reasons[i] = "length"
+                    token, req.reasons[i] = self.next_token(req, i, len(toks))
+                    toks.append(token)
             out = self._output(req)
             if out.finished:
                 del self.reqs[req.id]
             outs.append(out)
         return outs
+
+    def next_token(self, req: _Req, index: int, made: int) -> tuple[int, str | None]:
+        """Sequence ``index``'s next token after ``made`` of them, and its finish reason if it ends."""
+        token = ord("a") + (len(req.ids) + index + made) % 26
+        return token, ("length" if made + 1 >= req.params.max_tokens else None)
 
     def _output(self, req: _Req) -> RequestOutput:
         outputs = [CompletionOutput(index=i, text=self.tokenizer.decode(t), token_ids=list(t),

@@ -9,7 +9,6 @@ import random
 
 import pytest
 
-from pipeserve.outputs import RequestOutput
 from pipeserve.server.reasoning import REASONING_PARSERS, reasoning_parser
 from tests.test_server_api import FakeEngine, make_client
 
@@ -67,21 +66,10 @@ class ScriptedEngine(FakeEngine):
         super().__init__(step_s=0.001)
         self.script = script
 
-    def step(self) -> list[RequestOutput]:
-        outs = []
-        for req in list(self.reqs.values()):
-            for i, toks in enumerate(req.tokens):
-                if req.reasons[i] is None:
-                    toks.append(ord(self.script[len(toks)]))
-                    if len(toks) == len(self.script):
-                        req.reasons[i] = "stop"
-                    elif len(toks) >= req.params.max_tokens:
-                        req.reasons[i] = "length"
-            out = self._output(req)
-            if out.finished:
-                del self.reqs[req.id]
-            outs.append(out)
-        return outs
+    def next_token(self, req, index: int, made: int) -> tuple[int, str | None]:
+        if made + 1 == len(self.script):
+            return ord(self.script[made]), "stop"
+        return ord(self.script[made]), ("length" if made + 1 >= req.params.max_tokens else None)
 
 
 SCRIPT = "<think>\nadd 2 and 2\n</think>\n\nIt is 4."
