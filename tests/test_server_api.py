@@ -347,7 +347,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client):
                "truncate_prompt_tokens")
 
 
-@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("allowed_token_ids", [104]),
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("prompt_logprobs", 0), ("allowed_token_ids", [104]),
                                           ("bad_words", ["x"]), ("use_beam_search", True),
                                           ("logits_processors", ["my.processor"])])
 def test_vllm_fields_pipeserve_cannot_honour_are_refused(client, field, value):

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from pipeserve.chat_options import resolve_chat_template
 from pipeserve.config import EngineConfig
 from pipeserve.engine.guides import Guides
 from pipeserve.engine.input_processor import PromptType, RequestRejected, make_group, prompt_to_ids
@@ -26,7 +27,6 @@ from pipeserve.outputs import RequestOutput
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batch_limits
 from pipeserve.sequence import SequenceGroup
-from pipeserve.chat_options import resolve_chat_template
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker import thread_governor

@@ -1,8 +1,9 @@
 """The sampler: turns the last stage's logits into one token per sequence.
 
 Per row, in order (as vLLM): the logit bias (OpenAI's ``logit_bias``),
-repetition/frequency/presence penalties, banned ids (-inf), then either argmax (greedy: temperature 0 or top_k 1) or
-temperature, min-p, top-k, top-p and a random draw.
+repetition/frequency/presence penalties, banned ids (-inf), then either
+argmax (greedy: temperature 0 or top_k 1) or temperature, min-p, top-k,
+top-p and a random draw.
 
 The random draw is inverse-CDF sampling (``draw.py``): one uniform ``u`` per
 row and the first token whose cumulative probability exceeds ``u``. This is

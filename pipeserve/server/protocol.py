@@ -2,8 +2,8 @@
 
 Known OpenAI fields, and vLLM's extra ones, that pipeserve cannot honour are
 refused with a 400 that names them (``prompt_logprobs``, ``allowed_token_ids``,
-...); unknown fields are ignored (with a log line), as
-vLLM does, so that clients which send a few extra keys keep working.
+...); unknown fields are ignored (with a log line), as vLLM does, so that
+clients which send a few extra keys keep working.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class _SamplingFields(BaseModel):
 
     def check_common(self) -> None:
         for name, why in _UNSUPPORTED_VLLM_FIELDS.items():
-            if (self.model_extra or {}).get(name) not in (None, False, [], 0, {}):
+            value = (self.model_extra or {}).get(name)
+            if not (value is None or value is False or (isinstance(value, (list, dict)) and not value)):
                 raise APIError(400, why, param=name)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
