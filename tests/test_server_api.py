@@ -143,8 +143,9 @@ def make_client(engine: FakeEngine, **state_kwargs) -> TestClient:
     metrics = ServerMetrics(MODEL)
     state = ServerState(engine=AsyncEngine(engine, observer=metrics.observe), tokenizer=engine.tokenizer,
                         model_name=MODEL, model_path="/fake", max_model_len=MAX_MODEL_LEN, metrics=metrics,
-                        **{k: v for k, v in state_kwargs.items() if k != "api_key"})
-    return TestClient(build_app(state, api_key=state_kwargs.get("api_key")))
+                        **{k: v for k, v in state_kwargs.items() if k not in ("api_key", "allowed_origins")})
+    return TestClient(build_app(state, api_key=state_kwargs.get("api_key"),
+                                allowed_origins=state_kwargs.get("allowed_origins")))
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +419,37 @@ def test_detokenize_and_the_tokenizer_routes_errors(client):
         _error(c.post("/detokenize", json={"tokens": [104]}), 401)
         ok = c.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["count"] == 1
+
+
+def test_cors_only_for_the_allowed_origins():
+    page = {"Origin": "https://chat.example.com"}
+    preflight = {**page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with make_client(FakeEngine()) as c:               # default: no CORS headers for any page
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=page)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with make_client(FakeEngine(), api_key="s3cret", allowed_origins=["https://chat.example.com"]) as c:
+        r = c.options("/v1/chat/completions", headers=preflight)      # preflight: no key needed
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://chat.example.com"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                   headers={**page, "Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://chat.example.com"
+        _error(c.post("/v1/completions", json={"prompt": "x"}, headers=page), 401)   # the key still counts
+        other = c.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    with make_client(FakeEngine(), allowed_origins=["*"]) as c:
+        r = c.get("/v1/models", headers={"Origin": "http://localhost:3000"})
+        assert r.headers["access-control-allow-origin"] == "*"
+
+
+def test_allowed_origins_flag_refuses_what_is_no_origin():
+    import argparse
+    from pipeserve.server.cli import _origins
+    assert _origins("https://a.example, http://localhost:3000") == ["https://a.example", "http://localhost:3000"]
+    assert _origins("*") == ["*"]
+    for bad in ("a.example", "https://a.example/chat", "ftp://a.example"):
+        with pytest.raises(argparse.ArgumentTypeError, match="no origin"):
+            _origins(bad)
 
 
 @contextlib.contextmanager

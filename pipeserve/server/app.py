@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,8 +29,10 @@ logger = logging.getLogger(__name__)
 _STATS_TIMEOUT_S = 5.0
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
-    """The app for one engine. Shutting the app down (lifespan end) shuts the engine down."""
+def build_app(state: ServerState, api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app for one engine. Shutting the app down (lifespan end) shuts the engine down.
+    ``allowed_origins``: web pages' origins that browsers may let call the API (CORS; ``*``: any);
+    none by default, so a page on another origin cannot use a server on the user's machine."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -38,6 +41,9 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="pipeserve", version=__version__, lifespan=lifespan)
     app.state.server = state
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=False,
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     _add_error_handlers(app, state)
     app.include_router(_open_routes(state))
     app.include_router(_v1_routes(state), prefix="/v1", dependencies=[Depends(_key_check(api_key))])

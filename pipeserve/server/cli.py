@@ -36,9 +36,20 @@ def register(subparsers) -> None:
                         help="report a thinking model's reasoning (<think>...</think>) as "
                         "message.reasoning_content apart from message.content, as vLLM's parser of "
                         "the same name: qwen3 | deepseek_r1 (default: none, all text is content)")
+    server.add_argument("--allowed-origins", type=_origins, default=None,
+                        help="origins of web pages that browsers may let call the API (CORS), comma-separated, "
+                        "e.g. https://chat.example.com or * for any (default: none)")
     server.add_argument("--log-level", default="WARNING")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _origins(text: str) -> list[str]:
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    for origin in origins:
+        if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
+            raise argparse.ArgumentTypeError(f"{origin!r} is no origin: write scheme://host[:port] (no path), or *")
+    return origins
 
 
 def _non_negative(text: str) -> int:
@@ -66,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                         model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
                         max_queue=args.max_queue, max_n=config.max_n,
                         max_body_bytes=args.max_request_bytes, reasoning=reasoning_parser(args.reasoning_parser))
-    app = build_app(state, api_key=args.api_key)
+    app = build_app(state, api_key=args.api_key, allowed_origins=args.allowed_origins)
     print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     try:
