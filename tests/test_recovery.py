@@ -267,3 +267,51 @@ def test_llm_pp3_survives_killing_the_middle_stage(tiny_checkpoints, capsys):
     with capsys.disabled():
         print(f"\nPP=3, stage 1 SIGKILLed: restarted in {recovery['recovery_seconds'][0]:.1f} s "
               f"(undisturbed run {undisturbed_s:.1f} s)")
+
+
+# -- a step that raises in the model (PP = 1: the runner in the driver's process) ---------
+def _raise_in_model(llm: LLM, when) -> list[int]:
+    """Make the runner raise on a step for which ``when(step)`` is true; returns the step ids it
+    raised on."""
+    runner = llm.engine.executor.runner
+    execute, raised = runner.execute, []
+
+    def flaky(step, *args, **kwargs):
+        if when(step):
+            raised.append(step.step_id)
+            raise RuntimeError("simulated kernel failure")
+        return execute(step, *args, **kwargs)
+
+    runner.execute = flaky
+    return raised
+
+
+def test_pp1_a_step_that_raises_costs_a_replay_not_the_engine(tiny_checkpoints):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, seed=6)]
+    llm = _tiny_llm(tiny_checkpoints)
+    try:
+        reference = token_lists(llm.generate(prompts, GREEDY))
+        calls = iter(range(10_000))
+        raised = _raise_in_model(llm, lambda step: next(calls) == 5)
+        outs = llm.generate(prompts, GREEDY)
+        recovery = llm.stats()["recovery"]
+        assert llm.engine.healthy
+    finally:
+        llm.shutdown()
+    assert len(raised) == 1 and recovery["stage_restarts"] == 1
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+    assert token_lists(outs) == reference
+
+
+def test_pp1_a_model_that_keeps_raising_ends_the_requests_once_restarts_are_spent(tiny_checkpoints):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, seed=7)]
+    llm = _tiny_llm(tiny_checkpoints, max_stage_restarts=1)
+    try:
+        raised = _raise_in_model(llm, lambda step: True)
+        outs = llm.generate(prompts, GREEDY)
+        assert not llm.engine.healthy
+    finally:
+        llm.shutdown()
+    assert len(raised) == 2          # the first run and the one restart's
+    assert all(o.outputs[0].finish_reason == "error" for o in outs)
+    assert all("simulated kernel failure" in o.error and "--max-stage-restarts 1" in o.error for o in outs)
