@@ -527,6 +527,24 @@ def test_version_and_models(client):
     assert model["id"] == MODEL and model["max_model_len"] == MAX_MODEL_LEN
 
 
+def test_served_model_name_aliases():
+    with make_client(FakeEngine(), aliases=("alias-b", "alias-c")) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias-b", "alias-c"]
+        r = c.post("/v1/completions", json={"model": "alias-c", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["model"] == MODEL        # responses carry the first name
+        chat = c.post("/v1/chat/completions", json={"model": "alias-b", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_tokens": 1})
+        assert chat.status_code == 200 and chat.json()["model"] == MODEL
+        err = _error(c.post("/v1/completions", json={"model": "other", "prompt": "x"}), 404)
+        assert "alias-b" in err["message"] and err["code"] == "model_not_found"
+    from pipeserve.server.cli import register
+    import argparse
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--served-model-name", "a", "b"])
+    assert args.served_model_name == ["a", "b"]
+
+
 # -- metrics ------------------------------------------------------------------
 def _samples(client) -> dict[tuple[str, tuple], float]:
     text = client.get("/metrics").text

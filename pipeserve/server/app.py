@@ -100,8 +100,9 @@ def _v1_routes(state: ServerState) -> APIRouter:
     @router.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "pipeserve",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}]}
+            "id": name, "object": "model", "created": state.created, "owned_by": "pipeserve",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len}
+            for name in state.model_names]}
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:

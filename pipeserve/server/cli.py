@@ -25,8 +25,9 @@ def register(subparsers) -> None:
     server.add_argument("--max-queue", type=_non_negative, default=DEFAULT_MAX_QUEUE,
                         help="most sequences (prompts x n) the server handles at once (running + "
                         f"waiting); beyond it requests get 429 (default: {DEFAULT_MAX_QUEUE})")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and see (default: the --model value)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model name clients send and see (default: the --model value); with several, "
+                        "clients may send any of them and responses carry the first, as in vLLM")
     server.add_argument("--max-request-bytes", type=_non_negative, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body; bigger ones get 413")
     server.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -69,14 +70,16 @@ def run(args: argparse.Namespace) -> int:
     from pipeserve.server.serving import ServerState
 
     config = config_from_args(args)
-    name = args.served_model_name or config.model
+    names = args.served_model_name or [config.model]
+    name = names[0]
     engine = LLMEngine(config)
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, observer=metrics.observe)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_name=name,
                         model_path=config.model, max_model_len=engine.max_model_len, metrics=metrics,
                         max_queue=args.max_queue, max_n=config.max_n,
-                        max_body_bytes=args.max_request_bytes, reasoning=reasoning_parser(args.reasoning_parser))
+                        max_body_bytes=args.max_request_bytes, reasoning=reasoning_parser(args.reasoning_parser),
+                        aliases=tuple(dict.fromkeys(n for n in names[1:] if n != name)))
     app = build_app(state, api_key=args.api_key, allowed_origins=args.allowed_origins)
     print(f"pipeserve: serving {name} (pp={config.pipeline_parallel_size}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)

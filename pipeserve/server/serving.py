@@ -39,10 +39,17 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     admitted: int = 0     # sequences (prompts x n) being handled; event-loop thread only
     reasoning: Any = None  # server/reasoning.py's ReasoningParser (--reasoning-parser), or None
+    aliases: tuple[str, ...] = ()   # more names clients may send (--served-model-name's others)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The name responses carry first, then its aliases."""
+        return (self.model_name, *self.aliases)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+        if name is not None and name not in self.model_names:
+            served = ", ".join(f"`{n}`" for n in self.model_names)
+            raise APIError(404, f"The model `{name}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
     def check_healthy(self, admitting: bool = True) -> None:
