@@ -55,20 +55,24 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The conversation's ids through the model's template, as vLLM renders them:
-        ``continue_final_message`` leaves the last (assistant) message open for the model to
-        go on with, instead of a new turn; ``chat_template_kwargs`` are the template's own
-        variables (Qwen3's ``enable_thinking``, for one). Bad combinations raise ValueError."""
-        if not self._tok.chat_template:
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        """The conversation's ids through the model's template (or ``chat_template``), as vLLM
+        renders them: ``continue_final_message`` leaves the last (assistant) message open for
+        the model to go on with, instead of a new turn; ``chat_template_kwargs`` are the
+        template's own variables (Qwen3's ``enable_thinking``, for one). Bad combinations
+        raise ValueError."""
+        if not (chat_template or self._tok.chat_template):
             raise ValueError("this model has no chat template; send a plain prompt (completions) instead "
-                             "of chat messages")
+                             "of chat messages, or give one (--chat-template)")
         check_chat_options(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
         # Render to text, then encode without adding BOS again: the template
         # already writes every special token it wants.
         text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False,
-                                             **({"tools": tools} if tools else {}), **(chat_template_kwargs or {}))
+                                             **({"tools": tools} if tools else {}),
+                                             **({"chat_template": chat_template} if chat_template else {}),
+                                             **(chat_template_kwargs or {}))
         return self.encode(text, add_special_tokens=False)
 
 

@@ -111,6 +111,11 @@ def test_an_engine_renders_chats_with_the_given_template(tiny_checkpoints, tmp_p
         out = llm.chat(CHAT[:1], SamplingParams(temperature=0, max_tokens=2))[0]
         assert llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False) == \
             "[user]hello world[assistant]"
+        once = llm.chat(CHAT[:1], SamplingParams(temperature=0, max_tokens=2),     # this call's own (vLLM's)
+                        chat_template="{% for m in messages %}<{{ m['content'] }}>{% endfor %}")[0]
+        assert llm.get_tokenizer().decode(once.prompt_token_ids, skip_special_tokens=False) == "<hello world>"
+        with pytest.raises(ValueError, match="not a valid Jinja template"):
+            llm.chat(CHAT[:1], chat_template="{% if x %}")
     finally:
         llm.shutdown()
     with pytest.raises(ValueError, match="--chat-template"):

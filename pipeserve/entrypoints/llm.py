@@ -14,6 +14,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from pipeserve.chat_options import resolve_chat_template
 from pipeserve.config import DEFAULT_MODEL, EngineConfig
 from pipeserve.engine.input_processor import PromptType
 from pipeserve.engine.llm_engine import LLMEngine
@@ -57,7 +58,7 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, add_generation_prompt: bool = True, use_tqdm: bool = False,
              tools: list[dict] | None = None, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate.
 
         ``tools`` (OpenAI format) go into the prompt the way the template renders them
@@ -66,14 +67,17 @@ class LLM:
         As in vLLM, ``continue_final_message=True`` (with ``add_generation_prompt=False``)
         goes on with a last assistant message instead of opening a new turn, and
         ``chat_template_kwargs`` are the template's own variables (Qwen3's
-        ``enable_thinking``, for one)."""
+        ``enable_thinking``, for one), and ``chat_template`` (a Jinja template) renders these
+        conversations instead of the engine's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        chat_tools = ChatTools.of(tools, None, tokenizer.chat_template)
+        if chat_template is not None:
+            chat_template = resolve_chat_template(chat_template)
+        chat_tools = ChatTools.of(tools, None, chat_template or tokenizer.chat_template)
         prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
             chat_tools.template_messages(conv), add_generation_prompt=add_generation_prompt,
             tools=chat_tools.template_tools(), continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)} for conv in conversations]
+            chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, results: dict[str, RequestOutput], total: int, use_tqdm: bool) -> None:
