@@ -313,5 +313,61 @@ def test_pp1_a_model_that_keeps_raising_ends_the_requests_once_restarts_are_spen
     finally:
         llm.shutdown()
     assert len(raised) == 2          # the first run and the one restart's
-    assert all(o.outputs[0].finish_reason == "error" for o in outs)
-    assert all("simulated kernel failure" in o.error and "--max-stage-restarts 1" in o.error for o in outs)
+    assert all(o.outputs[0].finish_reason == "error" and "simulated kernel failure" in o.error for o in outs)
+    # The first of them ran alone after the restart and raised again: it ends as the culprit.
+    alone = [o for o in outs if "raised on this request twice" in o.error]
+    assert len(alone) == 1
+    assert all("--max-stage-restarts 1" in o.error for o in outs if o is not alone[0])
+
+
+def test_a_request_the_model_raises_on_ends_alone(tiny_checkpoints):
+    """The model raises whenever one request's prompt is in the step: the first time, that step's
+    requests are isolated and replayed one to a micro-batch; the second time the step holds the
+    request alone, so it ends with the error and every other request finishes with its
+    undisturbed tokens (2 restarts of the 3 in the window)."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, seed=8)]
+    poison = prompts[2]["prompt_token_ids"]
+    llm = _tiny_llm(tiny_checkpoints, max_stage_restarts=3, enable_prefix_caching=False)   # prompts from 0
+    try:
+        reference = token_lists(llm.generate(prompts, GREEDY))
+        raised = _raise_in_model(llm, lambda step: any(s.start_pos == 0 and s.token_ids == poison[:len(s.token_ids)]
+                                                       for s in step.seqs))
+        outs = llm.generate(prompts, GREEDY)
+        recovery = llm.stats()["recovery"]
+        assert llm.engine.healthy and not llm.engine.scheduler.isolated
+        again = token_lists(llm.generate(prompts[:2], GREEDY))     # the engine serves on
+    finally:
+        llm.shutdown()
+    assert len(raised) == 2 and recovery["stage_restarts"] == 2
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert "raised on this request twice" in outs[2].error and "simulated kernel failure" in outs[2].error
+    kept = [i for i in range(5) if i != 2]
+    assert all(outs[i].outputs[0].finish_reason == "length" for i in kept)
+    assert [token_lists(outs)[i] for i in kept] == [reference[i] for i in kept]
+    assert again == reference[:2]
+
+
+def test_a_stages_exception_names_its_step_to_the_engine():
+    """PP > 1: a stage's ERROR message (its runner raised on a step) fails the executor with
+    that step's id, which the engine uses to isolate the step's requests; a death names none."""
+    import queue as queue_mod
+
+    from pipeserve.comm.transport import Kind, Message
+    from pipeserve.pipeline.executor import PipelineExecutor
+
+    def bare() -> PipelineExecutor:
+        ex = PipelineExecutor.__new__(PipelineExecutor)      # no stages: only the failure bookkeeping
+        ex.generation, ex._lock, ex._closed, ex._done = 1, threading.Lock(), False, queue_mod.Queue()
+        ex._failure, ex._failed_step = None, None
+        return ex
+
+    ex = bare()
+    ex._on_message(1, Message(2, Kind.ERROR, (17, 1, "Traceback ...\nRuntimeError: boom"), None, 0.0))
+    with pytest.raises(ExecutorError, match="stage 1 raised while running step 17") as info:
+        ex.wait(timeout=0)
+    assert info.value.step_id == 17
+    ex = bare()
+    ex._fail(1, "pipeline stage 1 (pid 5) died")
+    with pytest.raises(ExecutorError) as info:
+        ex.wait(timeout=0)
+    assert info.value.step_id is None

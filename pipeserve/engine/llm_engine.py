@@ -257,7 +257,7 @@ class LLMEngine:
                 # gpipe: the step is done only when all its micro-batches are.
                 results += self.executor.wait(timeout=self.config.stage_timeout)
         except ExecutorError as exc:
-            return self._on_pipeline_failure(str(exc))
+            return self._on_pipeline_failure(str(exc), exc.step_id)
         updated: dict[str, RequestOutput] = {}
         for result in results:
             for out in self._process(result, partial_outputs):
@@ -365,6 +365,9 @@ class LLMEngine:
         self._forwarding.discard(result.step_id)
         self._follows.pop(result.step_id, None)
         self.scheduler.on_step_done(sched)
+        if self.scheduler.isolated:
+            for item in sched.scheduled:              # it ran (alone) without the model raising
+                self.scheduler.release(item.seq.request_id)
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         touched: dict[str, RequestOutput] = {}
         for tok in result.sampled:
@@ -392,29 +395,54 @@ class LLMEngine:
     def _finish_group(self, group: SequenceGroup, reason: str | None,
                       error: str | None = None) -> RequestOutput:
         self.requests.pop(group.request_id, None)
+        self.scheduler.release(group.request_id)
         for seq in group.seqs:
             self.guides.drop(seq.seq_id)
         return self.outputs.finish(group, reason, error)
 
-    def _on_pipeline_failure(self, message: str) -> list[RequestOutput]:
+    def _on_pipeline_failure(self, message: str, step_id: int | None = None) -> list[RequestOutput]:
         """A stage died or stalled: replace the stages and replay every sequence from its
         token ids (its KV died with the stage), or, once ``--max-stage-restarts`` are
-        spent (within ``--stage-restart-window``), end every request with an error."""
+        spent (within ``--stage-restart-window``), end every request with an error.
+
+        ``step_id``: the step a stage's runner raised on. Its requests are isolated (each
+        runs its next micro-batch alone); if the model raises on such a micro-batch, its one
+        request ends with the error and the others are replayed: a request that makes the
+        model raise whenever it runs costs two restarts, not every request."""
         logger.error("pipeline failed: %s", message)
+        culprit = self._suspect(step_id)
         for sched in self._inflight.values():
             self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
+        ended = []
+        if culprit is not None and culprit in self.requests:
+            logger.error("request %s ends: the model raised on it running alone", culprit)
+            ended.append(self._fail_group(self.requests[culprit], f"the model raised on this request twice, the "
+                                          f"second time running alone: {message}"))
         while self._restarts_left:
             failed = self._recover(message)
             if failed is None:
-                return []
+                return ended
             message = failed
         if self.recovery.restarts:
             message += f" (restarts used: {self._restarts_used()})"
         self._dead = message
-        return self._fail_all(message)
+        return ended + self._fail_all(message)
+
+    def _suspect(self, step_id: int | None) -> str | None:
+        """The request to end for the step a runner raised on: its only request, if that one
+        was isolated already (it raised before too). Otherwise the step's requests are
+        isolated, and None."""
+        sched = self._inflight.get(step_id) if step_id is not None else None
+        if sched is None:
+            return None           # a death, a stall, a link: no step to blame
+        batch = {item.seq.request_id for item in sched.scheduled}
+        if len(batch) == 1 and batch <= self.scheduler.isolated:
+            return next(iter(batch))
+        self.scheduler.isolate(batch)
+        return None
 
     def _recover(self, message: str) -> str | None:
         """One restart and replay; None when it worked, else why it did not."""
@@ -451,14 +479,15 @@ class LLMEngine:
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
-        failed = []
-        for group in list(self.requests.values()):
-            unfinished = [s for s in group.seqs if not s.is_finished]
-            self.scheduler.abort_request(group.request_id)
-            for seq in unfinished:
-                seq.finish_reason = "error"
-            failed.append(self._finish_group(group, reason="error", error=message))
-        return failed
+        return [self._fail_group(group, message) for group in list(self.requests.values())]
+
+    def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:
+        """End one request with finish_reason "error" and ``message``."""
+        unfinished = [s for s in group.seqs if not s.is_finished]
+        self.scheduler.abort_request(group.request_id)
+        for seq in unfinished:
+            seq.finish_reason = "error"
+        return self._finish_group(group, reason="error", error=message)
 
     # -- health and stats --------------------------------------------------
     @property

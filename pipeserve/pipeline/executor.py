@@ -81,6 +81,7 @@ class PipelineExecutor(Executor):
         self._flushed: queue.Queue[int] = queue.Queue()
         self._profiles: dict[int, Any] = {}         # stage -> its latest StageProfile (--profile)
         self._failure: str | None = None
+        self._failed_step: int | None = None   # the step a stage's runner raised on, if that was the failure
         self._closed = False
         self._last_progress = time.monotonic()
         self._lock = threading.Lock()
@@ -159,7 +160,7 @@ class PipelineExecutor(Executor):
         self.world = None
         while not self._done.empty():
             self._done.get_nowait()
-        self._failure = None
+        self._failure = self._failed_step = None
         join = self.config.rendezvous_timeout if self.config.nnodes == 1 else self.config.stage_rejoin_timeout
         self.spec = dataclasses.replace(self.spec, replacement=True)
         try:
@@ -238,12 +239,14 @@ class PipelineExecutor(Executor):
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
-            raise ExecutorError(self._failure)
+            raise ExecutorError(self._failure, self._failed_step)
 
-    def _fail(self, gen: int, message: str) -> None:
+    def _fail(self, gen: int, message: str, step_id: int | None = None) -> None:
+        """``step_id``: the step a stage's runner raised on (None: a death, a stall, a link)."""
         with self._lock:
             if gen == self.generation and self._failure is None and not self._closed:
                 self._failure = message
+                self._failed_step = step_id
                 logger.error("pipeline failed: %s", message)
                 self._done.put(None)     # wakes wait()
 
@@ -282,7 +285,7 @@ class PipelineExecutor(Executor):
                 self._flushed.put(message.src - 1)
         elif kind == Kind.ERROR:
             step_id, where, trace = obj
-            self._fail(gen, f"pipeline stage {where} raised while running step {step_id}:\n{trace}")
+            self._fail(gen, f"pipeline stage {where} raised while running step {step_id}:\n{trace}", step_id)
 
     # -- figures ---------------------------------------------------------------
     def flush_timeline(self, timeout: float = 2.0) -> None:

@@ -11,6 +11,9 @@ Sarathi-Serve):
      fit so the order is kept.
 For longrope models (Phi-3) a sequence that outgrew the short rotation of its
 keys first goes back to waiting, to be recomputed (``rope_switch_len``).
+A request under suspicion (``isolate``: it was in a step the model raised on)
+runs its next micro-batch alone, so that if the model raises again, the step
+names that request and no other (the engine then ends it alone).
 ``on_step_done`` then advances what the micro-batch computed. In-flight
 sequences are never preempted; one aborted in flight keeps its blocks until
 its last step in flight is done, since the stages may still be writing them.
@@ -153,6 +156,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._inflight = InFlight()                  # seq_id -> its items in flight, oldest first
+        self._isolated: set[str] = set()             # request ids whose next micro-batch holds them alone
+        self._only: str | None = None                # while forming an isolated request's micro-batch
         # preempted_tokens: tokens whose KV a preemption by recompute dropped (computed again
         # unless the prefix cache still holds their blocks when the sequence comes back)
         self._counters = dict(preemptions_recompute=0, preemptions_swap=0, preempted_tokens=0, steps=0,
@@ -269,14 +274,51 @@ class Scheduler:
         out = SchedulerOutput()
         if self._rope_switch is not None:
             self._recompute_past_rope_switch()
+        for request_id in self._isolated_ready():
+            self._only = request_id
+            self._form(budget, out)
+            if out.scheduled or out.preempted:
+                break
+        self._only = None
+        if not out.scheduled and not out.preempted:
+            self._form(budget, out)
+        for item in out.scheduled:
+            self._inflight.add(item)
+        return out
+
+    def _form(self, budget: _Budget, out: SchedulerOutput) -> None:
         self._schedule_running(budget, out)
         if not out.preempted:
             self._schedule_swapped(budget, out)
             if not self.swapped:
                 self._schedule_waiting(budget, out)
-        for item in out.scheduled:
-            self._inflight.add(item)
-        return out
+
+    # -- isolation (a request the model raised on) ---------------------------
+    def isolate(self, request_ids) -> None:
+        """Each of these requests runs its next micro-batch alone."""
+        self._isolated.update(r for r in request_ids if r in self.requests)
+
+    def release(self, request_id: str) -> None:
+        """A step of ``request_id`` came back (or the request ended): no longer isolated."""
+        self._isolated.discard(request_id)
+
+    @property
+    def isolated(self) -> frozenset[str]:
+        return frozenset(self._isolated)
+
+    def _isolated_ready(self) -> list[str]:
+        """Isolated requests with a sequence that could run now, in queue order."""
+        if not self._isolated:
+            return []
+        seqs = [s for s in self.running if s.seq_id not in self._inflight] + self.swapped + self.waiting
+        return list(dict.fromkeys(s.request_id for s in seqs if s.request_id in self._isolated))
+
+    def _considered(self, seq: Sequence) -> bool:
+        """While an isolated request's micro-batch forms, only its sequences; otherwise none of
+        an isolated request's (their turn is a micro-batch of their own)."""
+        if self._only is not None:
+            return seq.request_id == self._only
+        return not self._isolated or seq.request_id not in self._isolated
 
     def schedule_ahead(self, seqs: list[Sequence]) -> SchedulerOutput:
         """Decode ahead: one micro-batch of the next decode of each of ``seqs``, whose one
@@ -328,8 +370,8 @@ class Scheduler:
         for seq in ready:
             if budget.exhausted:
                 break
-            if seq.status != SequenceStatus.RUNNING:
-                continue                       # preempted earlier in this call
+            if seq.status != SequenceStatus.RUNNING or not self._considered(seq):
+                continue                       # preempted earlier in this call, or isolated
             start = self._inflight.end(seq)
             num_new = min(seq.num_tokens - start, budget.tokens)
             if self._next_is_prefill(seq):
@@ -388,6 +430,8 @@ class Scheduler:
         for seq in self.policy.order(self.swapped):
             if budget.exhausted:
                 break
+            if not self._considered(seq):
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget.tokens)
             if not self.block_manager.can_swap_in(seq, num_new):
                 break
@@ -403,8 +447,8 @@ class Scheduler:
         for seq in self.policy.order_waiting(self.waiting):
             if budget.exhausted:
                 break
-            if self._waits_for_first(seq):
-                continue                # a sibling waits for its first sequence's prefill
+            if self._waits_for_first(seq) or not self._considered(seq):
+                continue                # a sibling waits for its first sequence's prefill, or isolated
             if budget.prefill_tokens <= 0:
                 break
             num_new = self.block_manager.admit(seq, budget.prefill_tokens, self._allow_partial(seq),

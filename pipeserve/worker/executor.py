@@ -17,7 +17,12 @@ from pipeserve.worker.step import StepInput, StepOutput
 
 
 class ExecutorError(RuntimeError):
-    """A stage died, stopped answering or failed; in-flight steps are lost."""
+    """A stage died, stopped answering or failed; in-flight steps are lost. ``step_id``: the
+    step a stage's runner raised on (a live stage's exception), None for a death or a stall."""
+
+    def __init__(self, message: str, step_id: int | None = None) -> None:
+        super().__init__(message)
+        self.step_id = step_id
 
 
 class Executor(ABC):

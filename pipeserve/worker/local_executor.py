@@ -43,7 +43,7 @@ class LocalExecutor(Executor):
             self._done.clear()
             self._failure = f"the model raised while running step {step.step_id}:\n{traceback.format_exc()}"
             logger.error("%s", self._failure)
-            raise ExecutorError(self._failure) from None
+            raise ExecutorError(self._failure, step_id=step.step_id) from None
         assert isinstance(output, StepOutput), "a single stage is also the last stage"
         self._done.append(output)
 
