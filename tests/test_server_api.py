@@ -214,6 +214,31 @@ def test_completion_stream_joins_to_whole(client):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["abc", "de"], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hey"}]}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, path, body):
+    """Each chunk with text carries its prompt's usage so far (the fake's tokens are characters)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _events(client.post(path, json={**body, "max_tokens": 6, "stream": True, "stream_options": options}))
+    n = body.get("n", 1)
+    sent: dict[int, int] = {}                      # prompt -> characters sent so far
+    checked = 0
+    for e in events[:-1]:
+        texts = [(c["index"], c.get("text") or (c.get("delta") or {}).get("content") or "") for c in e["choices"]]
+        if not any(t for _, t in texts):
+            continue
+        prompt = texts[0][0] // n
+        sent[prompt] = sent.get(prompt, 0) + sum(len(t) for _, t in texts)
+        assert e["usage"]["completion_tokens"] == sent[prompt], e
+        checked += 1
+    assert checked and sum(sent.values()) == events[-1]["usage"]["completion_tokens"]
+    plain = _events(client.post(path, json={**body, "max_tokens": 6, "stream": True,
+                                            "stream_options": {"include_usage": True}}))
+    assert all(e["usage"] is None for e in plain[:-1])          # without it: only the last chunk's
+
+
 # -- chat ---------------------------------------------------------------------
 def test_chat_whole(client):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hey"}]}]

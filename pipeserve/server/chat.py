@@ -127,7 +127,7 @@ async def _stream(view: _View, stream: RequestStream, admission: Admission) -> A
             content, finished = _delta_choices(view, tracker, out, tool_stream)
             for choices in (content, finished):  # a finish_reason comes in a chunk of its own
                 if choices:
-                    yield view.chunk(choices)
+                    yield view.chunk(choices, usage([out]) if view.body.continuous_usage else None)
         else:
             if view.body.include_usage and last is not None:
                 yield view.chunk([], usage([last]))

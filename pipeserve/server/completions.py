@@ -71,11 +71,11 @@ class _View:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.state.model_name, "choices": choices, "usage": usage(outputs)}
 
-    def chunk(self, choices: list[dict]) -> str:
+    def chunk(self, choices: list[dict], usage_value: dict | None = None) -> str:
         payload = {"id": self.id, "object": "text_completion", "created": self.created,
                    "model": self.state.model_name, "choices": choices}
         if self.body.include_usage:
-            payload["usage"] = None
+            payload["usage"] = usage_value
         return sse(payload)
 
     def usage_chunk(self, outputs: Sequence[RequestOutput]) -> str:
@@ -109,8 +109,8 @@ async def _stream(view: _View, streams: list[RequestStream], admission: Admissio
                 offsets[key] = offset + sum(len(t) for t in (logprobs or {}).get("tokens", []))
                 choices.append({"index": key, "text": delta.text, "logprobs": logprobs,
                                 "finish_reason": delta.finish_reason})
-            if choices:
-                yield view.chunk(choices)
+            if choices:   # continuous usage: this prompt's so far (its choices' chunk), as vLLM
+                yield view.chunk(choices, usage([out]) if view.body.continuous_usage else None)
         else:
             if view.body.include_usage:
                 yield view.usage_chunk([latest[p] for p in sorted(latest)])

@@ -37,6 +37,7 @@ _UNSUPPORTED_VLLM_FIELDS = {
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False     # vLLM's: usage so far in every chunk too
 
 
 class _SamplingFields(BaseModel):
@@ -114,6 +115,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk with output carries the usage so far (vLLM: with ``include_usage`` only)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def structured(self) -> StructuredOutputsParams | None:
         """The output constraint, compiled once to check it (400 naming a bad one)."""
