@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from pipeserve.config import EngineConfig
@@ -303,8 +304,9 @@ class Scheduler:
         self._isolated.discard(request_id)
 
     @property
-    def isolated(self) -> frozenset[str]:
-        return frozenset(self._isolated)
+    def isolated(self) -> AbstractSet[str]:
+        """The isolated request ids (read only: ``isolate`` and ``release`` change them)."""
+        return self._isolated
 
     def _isolated_ready(self) -> list[str]:
         """Isolated requests with a sequence that could run now, in queue order."""

@@ -50,12 +50,10 @@ def render_messages(state: ServerState, body: ChatCompletionRequest, tools: Chat
     """The chat's token ids through the model's template (also ``POST /tokenize``'s)."""
     try:
         extra = {"tools": tools.template_tools()} if tools.template_tools() else {}
-        if body.continue_final_message:
-            extra["continue_final_message"] = True
-        if body.chat_template_kwargs:
-            extra["chat_template_kwargs"] = body.chat_template_kwargs
-        return list(state.tokenizer.apply_chat_template(tools.template_messages(body.template_messages()),
-                                                        add_generation_prompt=body.add_generation_prompt, **extra))
+        return list(state.tokenizer.apply_chat_template(
+            tools.template_messages(body.template_messages()), add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+            **extra))
     except APIError:
         raise
     except Exception as exc:  # the template refused the conversation (roles, order)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import traceback
 from collections import deque
 
@@ -11,9 +10,6 @@ import torch
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker.model_runner import ModelRunner
 from pipeserve.worker.step import StepInput, StepOutput
-
-
-logger = logging.getLogger(__name__)
 
 
 class LocalExecutor(Executor):
@@ -42,7 +38,6 @@ class LocalExecutor(Executor):
         except Exception:
             self._done.clear()
             self._failure = f"the model raised while running step {step.step_id}:\n{traceback.format_exc()}"
-            logger.error("%s", self._failure)
             raise ExecutorError(self._failure, step_id=step.step_id) from None
         assert isinstance(output, StepOutput), "a single stage is also the last stage"
         self._done.append(output)
