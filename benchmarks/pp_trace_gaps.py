@@ -46,6 +46,20 @@ def load(path: str) -> dict[int, list[tuple[float, float, int, dict]]]:
     return dict(stages)
 
 
+def split_heads(stages: dict) -> dict[int, list]:
+    """--pp-lm-head shared: the slices in which stage 0 ran a step's head (chunk = the partition's
+    chunk count, one more than the last stage's largest chunk), taken out of ``stages`` (they
+    stay in the busy shares, which ``load``'s own lists give): a step is then one slice a stage."""
+    last = max(stages)
+    count = 1 + max((args.get("chunk", 0) for *_, args in stages[last]), default=0)
+    heads = {}
+    for stage, slices in stages.items():
+        heads[stage] = [sl for sl in slices if sl[3].get("chunk", 0) == count]
+        if heads[stage]:
+            stages[stage] = [sl for sl in slices if sl[3].get("chunk", 0) != count]
+    return heads
+
+
 def gaps(stages: dict, lo: float, hi: float) -> None:
     for stage, slices in sorted(stages.items()):
         others = merge([(a, b) for s, sl in stages.items() if s != stage for a, b, *_ in sl])
@@ -99,7 +113,7 @@ def fit(stages: dict, lo: float, hi: float) -> None:
               f"{resid.std():.1f} ms = {resid.std() / y.mean():.1%} of a step")
 
 
-def phases(stages: dict, t0: float, t1: float, count: int) -> None:
+def phases(stages: dict, t0: float, t1: float, count: int, busy_slices: dict) -> None:
     span = (t1 - t0) / count
     names = sorted(stages)
     print(f"the run in {count} spans of {span / 1e3:.1f} s: busy share and mean compute (ms) a step of each stage; "
@@ -110,7 +124,7 @@ def phases(stages: dict, t0: float, t1: float, count: int) -> None:
         row = []
         for stage in names:
             slices = stages[stage]
-            busy = total(clip(merge([(a, b) for a, b, *_ in slices]), (lo, hi)))
+            busy = total(clip(merge([(a, b) for a, b, *_ in busy_slices[stage]]), (lo, hi)))
             started = [b - a for a, b, *_ in slices if lo <= a < hi]
             row.append(f"  {busy / span:8.3f} {sum(started) / max(1, len(started)):7.1f}")
         first = [args for a, _, _, args in stages[names[0]] if lo <= a < hi]
@@ -135,9 +149,16 @@ def main() -> None:
     lo, hi = t0 + args.window[0] * (t1 - t0), t0 + args.window[1] * (t1 - t0)
     print(f"{len(stages)} stages; window {lo - t0:.0f}-{hi - t0:.0f} ms of {t1 - t0:.0f}")
     gaps(stages, lo, hi)
+    every = {stage: list(slices) for stage, slices in stages.items()}
+    heads = split_heads(stages)
+    for stage, slices in sorted(heads.items()):
+        if slices:
+            ms = [b - a for a, b, *_ in slices]
+            print(f"stage {stage} ran {len(slices)} steps' LM heads (--pp-lm-head shared), {sum(ms):.0f} ms, "
+                  f"{sum(ms) / len(ms):.2f} ms each: left out of the fit and the spans' ms a step")
     fit(stages, lo, hi)
     if args.phases > 0:
-        phases(stages, t0, t1, args.phases)
+        phases(stages, t0, t1, args.phases, every)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ class EngineConfig:
     pp_max_inflight: int | None = None        # default: P
     pp_virtual_stages: int = 1
     pp_micro_batches: int | None = None       # gpipe M (default: P)
+    pp_lm_head: str = "auto"                  # auto | last | shared (pipeline/lm_head.py)
     stage_speeds: str | None = None           # "1,0.5"
     stage_timeout: float = 60.0
     max_stage_restarts: int = 3               # pipeline restarts after a stage failure, within ...
@@ -168,6 +169,8 @@ class EngineConfig:
                  f"must be shm or gloo, got {self.tp_all_reduce!r}")
         _require(self.pp_schedule in ("async", "gpipe", "interleaved"), "pp_schedule",
                  f"must be async, gpipe or interleaved, got {self.pp_schedule!r}")
+        _require(self.pp_lm_head in ("auto", "last", "shared"), "pp_lm_head",
+                 f"must be auto, last or shared, got {self.pp_lm_head!r}")
         _require(self.attention_backend in ("auto", "torch", "cpu"), "attention_backend",
                  f"must be auto, torch or cpu, got {self.attention_backend!r}")
         _require(self.max_stage_restarts >= 0, "max_stage_restarts",

@@ -151,7 +151,7 @@ def test_the_decoders_fast_paths_keep_the_declared_types() -> None:
 @pytest.mark.parametrize("header,error", [
     (b"\x80\x04not json", "not JSON"),
     (b'{"kind": 1, "obj": null, "tensor": null}', "expected StepEnvelope as an array"),
-    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null, null]], [], [], [], false, -1], 0, []], '
+    (b'{"kind": 1, "obj": [[1, [[1, ["2"], 0, [0], null, null]], [], [], [], false, -1, false], 0, []], '
      b'"tensor": null}',
      "SeqStep.token_ids: expected int, got str"),
     (b'{"kind": 99, "obj": null, "tensor": null}', "unknown message kind"),

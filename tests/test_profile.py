@@ -97,7 +97,9 @@ def test_bench_profile_breakdown_adds_up_to_busy_time(tiny_model, tmp_path) -> N
         assert gemm["gflops"] > 0 and gemm["roofline_ms"] > 0 and 0 < gemm["of_roofline"]
     last = {row["class"]: row["ms"] for row in prof["stages"][1]["classes"]}
     first = {row["class"]: row["ms"] for row in prof["stages"][0]["classes"]}
-    assert last["logits"] > 0 and last["sampling"] > 0 and first["logits"] == first["sampling"] == 0
+    # the tiny model ties its head to the embedding: --pp-lm-head auto shares it, so both stages
+    # run heads and sample, and the head runner's time is stage 0's busy time (checked above)
+    assert last["logits"] > 0 and last["sampling"] > 0 and first["logits"] > 0 and first["sampling"] > 0
     driver = prof["driver"]
     assert [p["phase"] for p in driver["phases"]] == list(DRIVER_CLASSES)
     assert driver["steps"] > 0 and driver["cpu_ms_per_step"] > 0 and driver["process_cpu_ms"] > 0

@@ -24,6 +24,7 @@ from pipeserve.engine.step_builder import build_step
 from pipeserve.model.kv_quant import cache_dtype, row_bytes
 from pipeserve.model.loader import resolve_model
 from pipeserve.outputs import RequestOutput
+from pipeserve.pipeline.lm_head import HeadBalance, resolve_lm_head
 from pipeserve.sampling_params import SamplingParams
 from pipeserve.scheduler.scheduler import Scheduler, SchedulerOutput, micro_batch_limits
 from pipeserve.sequence import SequenceGroup
@@ -60,7 +61,13 @@ class LLMEngine:
                                              config.quantization_group_size)
             check_tensor_parallel_config(config, self.model_config, self._tp_align)
         self.max_model_len = self._max_model_len()
+        lm_head = resolve_lm_head(config, self.model_config)   # refuses shared where it cannot apply
+        if config.pp_lm_head == "auto" and config.pipeline_parallel_size > 1:
+            logger.info("--pp-lm-head auto: %s%s", lm_head, " (stage 0 uses its embedding as the head)"
+                        if lm_head == "shared" else "")
+        self.config = config = config.replace(pp_lm_head=lm_head)
         self.partition = self._partition()
+        self._head_balance = HeadBalance(self.model_config, self.partition) if lm_head == "shared" else None
         self.num_blocks, host_pool, block_bytes = self._kv_blocks()
         if config.preemption_mode == "auto":   # resolved once here, as --dtype auto
             mode = resolve_preemption_mode(config, self.num_blocks * block_bytes, host_pool * block_bytes,
@@ -314,8 +321,11 @@ class LLMEngine:
         return [i for i in self._inflight if self._follows.get(i) not in self._inflight]
 
     def _build_step(self, sched: SchedulerOutput, **ahead) -> StepInput:
-        return build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
+        step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                           self.guides.mask if len(self.guides) else None, **ahead)
+        if self._head_balance is not None:
+            self._head_balance.place(step)
+        return step
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
     # A micro-batch's next decode could only be sent after its result reached the driver:
@@ -515,7 +525,13 @@ class LLMEngine:
         return {"scheduler": self.scheduler.stats(), "pipeline": self.executor.stats(),
                 "num_kv_blocks": self.num_blocks, "num_host_blocks": self.num_host_blocks,
                 "partition": self.partition, "healthy": self.healthy, "recovery": self.recovery.stats(),
-                "weight_bytes": self.executor.weight_bytes()}
+                "weight_bytes": self.executor.weight_bytes(), "lm_head": self._lm_head_stats()}
+
+    def _lm_head_stats(self) -> dict:
+        """--pp-lm-head as resolved, and with ``shared`` how many steps' heads ran on stage 0."""
+        balance = self._head_balance
+        return {"mode": self.config.pp_lm_head, "steps_sampled": balance.heads if balance else None,
+                "first_stage": balance.first_heads if balance else None}
 
     def profile(self) -> dict | None:
         """``--profile``: each stage's cumulative ``StageProfile`` and the driver's snapshot

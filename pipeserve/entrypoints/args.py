@@ -30,6 +30,11 @@ _HELP = {
     "pp_decode_ahead": "async: with fewer sequences than micro-batches (one request alone), send a decode "
                        "before its input token is sampled; the last stage hands that token to stage 0 "
                        "directly instead of through the driver (default on)",
+    "pp_lm_head": "which stages run the LM head: last (the last stage, every step) | shared (the first "
+                  "and the last stage, step by step, whichever has less work: the head is no longer "
+                  "extra work for the last stage alone; stage 0 uses its embedding as the head when the "
+                  "model ties them, else loads a copy) | auto (shared where the head is tied to the "
+                  "embedding, PP > 1, one chunk a stage and one rank a stage; else last; default)",
     "scheduling_policy": "fcfs | priority | fair",
     "preemption_mode": "auto (swap on CPU stages all on this host when the --swap-space pool fits beside the "
                        "weights and the cache, else recompute) | recompute | swap",

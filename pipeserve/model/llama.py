@@ -154,8 +154,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, layer, self.backend, dtype, device)
                                     for layer in range(start_layer, end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device, cfg.norm_unit_offset) if is_last else None
-        # With tied embeddings the last stage keeps its own copy of the
-        # embedding matrix as the head: stages do not share memory.
+        # With tied embeddings a last stage that is not also first holds its own copy of the
+        # embedding matrix as the head (stages do not share memory); one that is first too, or a
+        # first stage that shares the head (--pp-lm-head shared), uses the embedding's tensor.
         self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, dtype, device) if is_last else None
         if tp is not None:
             for layer in self.layers:

@@ -43,6 +43,7 @@ from pipeserve.config import EngineConfig
 from pipeserve.metrics.timeline import step_shape
 from pipeserve.model.config import ModelConfig
 from pipeserve.pipeline.links import Links
+from pipeserve.pipeline.lm_head import resolve_lm_head
 from pipeserve.pipeline.spec import PipelineSpec, StepEnvelope, validate_partition
 from pipeserve.pipeline.timelines import StageTimelines
 from pipeserve.pipeline.watchdog import Watchdog, dead_stage_message
@@ -67,6 +68,8 @@ class PipelineExecutor(Executor):
                  partition: list[tuple[int, int]], num_blocks: int, num_host_blocks: int,
                  runner_factory=None) -> None:
         validate_partition(partition, model_cfg.num_layers, config.pipeline_parallel_size)
+        if config.pp_lm_head == "shared":     # the engine resolves auto; a caller may ask for shared
+            resolve_lm_head(config, model_cfg, runner_factory)
         self.config = config
         self.num_stages = config.pipeline_parallel_size
         self.max_inflight = default_max_inflight(config)

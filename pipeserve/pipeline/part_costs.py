@@ -25,6 +25,10 @@ class PartCosts:
     # layer costs ``layer`` and ``layer_bytes``.
     layer_times: tuple[float, ...] = ()
     layer_sizes: tuple[int, ...] = ()
+    # --pp-lm-head shared: the share of the head's time the first chunk takes (the last the rest),
+    # and the bytes of the head's copy the first chunk holds (0 where it is the embedding).
+    head_share: float = 0.0
+    first_head_bytes: int = 0
 
     def span_time(self, start: int, end: int) -> float:
         """Time of decoder layers [start, end)."""

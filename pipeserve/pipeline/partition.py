@@ -15,6 +15,7 @@ planner (``pipeserve.plan.analysis``) on its roofline times.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -123,13 +124,14 @@ def shape_costs(cfg: ModelConfig, itemsize: int,
 def chunk_time(costs: PartCosts, start: int, end: int, is_first: bool, is_last: bool,
                speed: float = 1.0) -> float:
     """Time of a chunk holding layers [start, end) (plus the embedding / head at the ends)."""
-    work = costs.span_time(start, end) + (costs.embed if is_first else 0.0) + (costs.head if is_last else 0.0)
+    head = (costs.head_share if is_first else 0.0) + (1.0 - costs.head_share if is_last else 0.0)
+    work = costs.span_time(start, end) + (costs.embed if is_first else 0.0) + costs.head * head
     return work / speed
 
 
 def chunk_bytes(costs: PartCosts, start: int, end: int, is_first: bool, is_last: bool) -> int:
     return (costs.span_bytes(start, end) + (costs.embed_bytes if is_first else 0)
-            + (costs.head_bytes if is_last else 0))
+            + (costs.head_bytes if is_last else 0) + (costs.first_head_bytes if is_first and not is_last else 0))
 
 
 def stage_times(partition: Partition, costs: PartCosts, speeds: list[float] | None = None) -> list[float]:
@@ -267,6 +269,9 @@ def partition_for_config(config: EngineConfig, cfg: ModelConfig, dtype: torch.dt
                                         attention_backend=config.attention_backend)
         finally:
             _torch.set_num_threads(threads)
+    if costs is not None and config.pp_lm_head == "shared":   # each end runs about half the heads
+        costs = dataclasses.replace(costs, head_share=0.5,
+                                    first_head_bytes=0 if cfg.tie_word_embeddings else costs.head_bytes)
     virtual = config.pp_virtual_stages if config.pp_schedule == "interleaved" else 1
     partition = choose_partition(config.pp_partition, cfg.num_layers, num_stages, virtual,
                                  costs, speeds, memory_limits)

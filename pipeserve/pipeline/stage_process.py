@@ -89,6 +89,9 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
     last = len(spec.partition) - 1
     dtype = DTYPES[spec.config.torch_dtype_name]
     runners = {}
+    head = spec.config.pp_lm_head == "shared" and stage == 0     # pipeline/lm_head.py
+    if head:
+        extra["head"] = True
     for chunk in spec.chunks_of(stage):
         start, end = spec.partition[chunk]
         runners[chunk] = factory(spec.source, spec.model_cfg, start_layer=start, end_layer=end,
@@ -100,6 +103,9 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
                                  quantization_group_size=spec.config.quantization_group_size,
                                  kv_cache_dtype=spec.config.kv_cache_dtype,
                                  prepack_weights=spec.config.prepack_weights, **extra)
+    if head:
+        from pipeserve.pipeline.lm_head import HeadRunner
+        runners[len(spec.partition)] = HeadRunner(runners[0])
     if spec.config.profile:
         from pipeserve.worker.profiler import StageProfiler
         profiler = StageProfiler(stage)           # one per stage: its chunks add up
@@ -107,6 +113,8 @@ def build_runners(spec: PipelineSpec, stage: int, device: torch.device, tp_group
             if hasattr(runner, "model"):           # a ModelRunner (not a synthetic stand-in)
                 profiler.instrument(runner)
                 runner.profiler = profiler
+        if head:
+            profiler.instrument_head(runners[len(spec.partition)])
     return runners
 
 

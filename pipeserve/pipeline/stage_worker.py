@@ -21,6 +21,11 @@ one request's token goes from the last stage to stage 0 in one hop, without
 the driver. Until then that step waits, with any later first-chunk step that
 shares a sequence with it; every other message is handled.
 
+A shared LM head (``--pp-lm-head shared``, ``pipeline/lm_head.py``): for a step marked
+``head_first`` the last stage sends the sampling rows' hidden states to stage 0 (a hop to chunk
+``len(partition)``), whose ``HeadRunner`` samples; stage 0 then sends the result to the driver and
+keeps the tokens itself for the decode ahead that waits for them.
+
 Steps ahead of their activations: the driver sends every other stage each step (a PLAN)
 when it sends stage 0 the step, and the stages pass each other only the step's id with the
 activations (a HOP). A stage that is idle when a plan comes builds the step's metadata then
@@ -393,7 +398,8 @@ class StageWorker:
         later = len(self.runners) > 1 and self.spec.num_stages > 1   # hops bring it back here
         if message.kind == Kind.STEP:
             env = message.obj
-            if later and env.chunk + self.spec.num_stages < len(self.spec.partition):
+            if (later and env.chunk + self.spec.num_stages < len(self.spec.partition)) or env.step.head_first:
+                # its later chunks, or its head (--pp-lm-head shared), come back here
                 with self._cv:
                     self._plans[env.step.step_id] = env.step
             return env

@@ -42,14 +42,16 @@ class ModelRunner:
                  sampler_seed: int | None = None, attention_backend: str = "auto",
                  quantization: str = "auto", quantization_group_size: int = 32, kv_cache_dtype: str = "auto",
                  prepack_weights: bool = False,
-                 tp=None, replacement: bool = False) -> None:
+                 tp=None, replacement: bool = False, head: bool = False) -> None:
         """``tp``: this stage's tensor-parallel group (``pipeserve.model.tensor_parallel``);
         the runner then holds its rank's slices and KV heads, and only TP rank 0 of the
         last stage samples (the others return an empty ``StepOutput``). ``kv_cache_dtype``:
         ``--kv-cache-dtype`` (auto: the model dtype; int8 / fp8: ``model/kv_quant.py``).
         ``replacement``: the stage replaces one that failed, and the engine waits on it: its
         KV cache is mapped in for at most ``POPULATE_REPLACEMENT_S`` before it serves, not
-        ``POPULATE_UPFRONT_S`` (``populate_cache``)."""
+        ``POPULATE_UPFRONT_S`` (``populate_cache``). ``head``: a first stage that also holds the
+        final norm and the LM head (its embedding, where the model ties them) and samples the
+        steps whose head is its (``--pp-lm-head shared``: ``sample``, ``pipeline/lm_head.py``)."""
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
             raise ValueError(f"need num_blocks >= 1, block_size >= 1, num_host_blocks >= 0; got "
                              f"{num_blocks}, {block_size}, {num_host_blocks}")
@@ -57,7 +59,7 @@ class ModelRunner:
         self.kv_dtype = cache_dtype(kv_cache_dtype, dtype)   # refuses an unknown name
         self.is_first, self.is_last = is_first, is_last
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
-        self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last,
+        self.model: LlamaModel = load_model(source, cfg, start_layer, end_layer, is_first, is_last or head,
                                             dtype, self.device, attention_backend, quantization,
                                             quantization_group_size, tp=tp)
         if self.device.type == "cpu" and os.environ.get("PIPESERVE_HUGE_WEIGHTS", "1") != "0":
@@ -82,7 +84,7 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s (%s), %.1f MiB", num_blocks, block_size, kv_cache_dtype,
                  str(self.kv_dtype).removeprefix("torch."), kv_bytes / 2**20)
         # One sampler for the runner's life: it owns the RNG of unseeded rows.
-        self.sampler = Sampler(sampler_seed) if is_last else None
+        self.sampler = Sampler(sampler_seed) if is_last or head else None
 
     def _map_in(self, replacement: bool) -> None:
         """Map a CPU stage's lazily mapped caches in at start-up (``populate_cache``): its own KV
@@ -119,16 +121,26 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
-        """Non-last stage: hidden states [num_tokens, hidden]. Last stage: the sampled tokens."""
+        """Non-last stage: hidden states [num_tokens, hidden]. Last stage: the sampled tokens, or,
+        for a step whose head runs on the first stage (``head_first``), the hidden states of the
+        rows that sample [S, hidden], for its ``sample``."""
         thread_governor.tick()
         self._move_blocks(step)
         hidden = self._forward(step, hidden_states)
         if not self.is_last:
             return hidden
-        sampled_seqs = [s for s in step.seqs if s.sampling is not None]
-        if not sampled_seqs:
+        if not any(s.sampling is not None for s in step.seqs):
             return StepOutput(step.step_id, [])
-        logits = self.model.compute_logits(_sample_hidden(hidden, step), widen=False)  # [S, vocab]
+        if step.head_first:
+            return _sample_hidden(hidden, step)
+        return self.sample(step, _sample_hidden(hidden, step))
+
+    @torch.inference_mode()
+    def sample(self, step: StepInput, rows: torch.Tensor) -> StepOutput:
+        """The final norm, the head and the sampler on ``rows`` [S, hidden]: the last new token's
+        hidden states of each sequence of ``step`` that samples, in order."""
+        sampled_seqs = [s for s in step.seqs if s.sampling is not None]
+        logits = self.model.compute_logits(rows, widen=False)  # [S, vocab]
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return StepOutput(step.step_id, [])
         results = self.sampler.sample(logits, [s.sampling for s in sampled_seqs])

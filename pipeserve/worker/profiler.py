@@ -203,6 +203,20 @@ class StageProfiler:
         call.__wrapped__ = execute      # type: ignore[attr-defined]
         return call
 
+    def instrument_head(self, head: Any) -> None:
+        """Stage 0's runner of the heads it shares (``pipeline/lm_head.py``): its wall time is busy
+        time; the head and the sampler it calls are timed through the stage's own runner."""
+        execute = self.acc.timed(head.execute, self._execute_account())
+
+        def call(step: StepInput, *args: Any, **kwargs: Any):
+            t0 = time.perf_counter_ns()
+            try:
+                return execute(step, *args, **kwargs)
+            finally:
+                self.busy_ns += time.perf_counter_ns() - t0
+
+        head.execute = call
+
     def _start_step(self, step: StepInput) -> None:
         """Before each forward: its rows and attention work, for the accounts."""
         prefill = decode = decode_keys = pairs = prefill_keys = 0

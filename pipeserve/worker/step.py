@@ -45,6 +45,9 @@ class StepInput:
     # one input token is the one step ``tokens_from`` sampled for it (its ``token_ids`` hold a
     # placeholder until stage 0 fills them in).
     tokens_from: int = -1
+    # --pp-lm-head shared: the first stage runs this step's head and samples; the last stage sends
+    # it the sampling rows' hidden states instead (pipeline/lm_head.py).
+    head_first: bool = False
 
     @property
     def num_tokens(self) -> int:

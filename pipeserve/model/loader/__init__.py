@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeserve.model.config import ModelConfig
+from pipeserve.model.layers import Embedding, Linear
 from pipeserve.model.llama import LlamaModel
 from pipeserve.model.loader.resolve import ModelSource, WeightReader, resolve_model
 
@@ -47,7 +48,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
                     else:
                         parts = [_read(reader, source, n) for n in names]
                     _fill(params[ours], ours, parts)
-            return model
+            return _tie_head(model)
         # Only the rotary buffers (Gemma 3: two) are built from the config rather than read: take real ones.
         real = LlamaModel(cfg, start_layer, start_layer, False, False, dtype, device)
         model.rotary, model.local_rotary = real.rotary, real.local_rotary
@@ -59,6 +60,16 @@ def load_model(source: ModelSource, cfg: ModelConfig, start_layer: int, end_laye
                          lambda param, ours, names: _fill(param, ours, [_read(reader, source, n) for n in names]))
     finally:
         reader.close()
+    return _tie_head(model)
+
+
+def _tie_head(model: LlamaModel) -> LlamaModel:
+    """A stage holding both the embedding and a head tied to it in --dtype: one tensor for both
+    (filled from the same checkpoint tensor; kept-quantized ones share theirs already)."""
+    embed, head = model.embed_tokens, model.lm_head
+    if (model.cfg.tie_word_embeddings and model.tp is None and type(embed) is Embedding
+            and type(head) is Linear and embed.weight.shape == head.weight.shape):
+        head.weight = embed.weight
     return model
 
 
