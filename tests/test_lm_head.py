@@ -186,11 +186,21 @@ def test_an_untied_head_is_shared_when_asked(untied):
     assert grown >= 320 * 64 * 4, (stats["weight_bytes"], last["weight_bytes"])
 
 
-def test_one_request_decodes_ahead_with_a_shared_head(tied):
-    """One sequence: every decode is a decode ahead whose token comes from stage 0's own head."""
+def test_one_request_keeps_the_head_on_the_last_stage(tied):
+    """One sequence: the stages run one after the other, nothing to balance: every head on the
+    last stage, whose tokens reach stage 0's decode ahead directly."""
     path, prompts, reference = tied
     tokens, stats = run(path, prompts[:1], pipeline_parallel_size=2)
     assert tokens == reference[:1]
+    assert stats["lm_head"] == {"mode": "shared", "steps_sampled": 0, "first_stage": 0}
+
+
+def test_decodes_ahead_take_their_tokens_from_stage_0s_head(tied):
+    """Two sequences at PP = 2 (no more than the micro-batches, so decodes go ahead): the heads
+    alternate and the decodes ahead of those stage 0 ran take its tokens."""
+    path, prompts, reference = tied
+    tokens, stats = run(path, prompts[:2], pipeline_parallel_size=2)
+    assert tokens == reference[:2]
     assert stats["lm_head"]["first_stage"] >= 4
 
 

@@ -324,7 +324,8 @@ class LLMEngine:
         step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                           self.guides.mask if len(self.guides) else None, **ahead)
         if self._head_balance is not None:
-            self._head_balance.place(step)
+            live = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped
+            self._head_balance.place(step, alone=live < self.executor.max_inflight)
         return step
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
