@@ -213,3 +213,25 @@ def test_a_tied_head_costs_stage_0_no_bytes(smollm2_gguf):
             sizes[mode] = llm.stats()["weight_bytes"]
     assert sizes["shared"][1] == sizes["last"][1]
     assert 0 <= sizes["shared"][0] - sizes["last"][0] <= 4 * 576 * 2, sizes   # the final norm's weight
+
+
+def test_sampling_on_stage_0_is_the_last_stages(tied):
+    """Seeded random sampling with penalties, logit bias and logprobs gives what PP = 1 gives when
+    stage 0 samples half the steps: everything the sampler reads travels in the step."""
+    path, prompts, _ = tied
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, min_tokens=10, logprobs=2,
+                            presence_penalty=0.4, logit_bias={5: 3.0})
+
+    def sample(**kw):
+        with LLM(model=path, dtype="float32", kv_cache_memory="64MiB", threads_per_stage=1, **kw) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            return [o.outputs[0] for o in outs], llm.stats()["lm_head"]
+
+    reference, _ = sample()
+    shared, head = sample(pipeline_parallel_size=2)
+    assert head["first_stage"] > 0
+    assert [o.token_ids for o in shared] == [o.token_ids for o in reference]
+    for got, want in zip(shared, reference):
+        for g, w in zip(got.logprobs, want.logprobs):
+            assert g.keys() == w.keys()
+            assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
