@@ -8,6 +8,7 @@ bytes on stage 0 when the head is the embedding."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipeserve import LLM, SamplingParams
 from pipeserve.config import EngineConfig
@@ -235,3 +236,50 @@ def test_sampling_on_stage_0_is_the_last_stages(tied):
         for g, w in zip(got.logprobs, want.logprobs):
             assert g.keys() == w.keys()
             assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
+
+
+def test_a_dense_tied_head_is_the_embeddings_tensor(tied):
+    """float32 safetensors: stage 0 sharing the head adds only the final norm's weight, and a
+    stage that holds both (PP = 1) keeps one tensor for the two."""
+    from pipeserve.model.loader import load_model, resolve_model
+    path, prompts, _ = tied
+    sizes = {mode: run(path, prompts[:2], pipeline_parallel_size=2, pp_lm_head=mode)[1]["weight_bytes"]
+             for mode in ("last", "shared")}
+    assert sizes["shared"][1] == sizes["last"][1]
+    assert 0 <= sizes["shared"][0] - sizes["last"][0] <= 64 * 4, sizes
+    source = resolve_model(path)
+    cfg = source.load_config()
+    model = load_model(source, cfg, 0, cfg.num_layers, True, True, torch.float32, "cpu", quantization="none")
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+class _Reversing:
+    """The pipeline's executor, whose ``wait`` hands back what is done youngest first, holding a
+    lone result until another comes: as a step whose head ran on stage 0 may come back after a
+    later one's, whatever the timing."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.held = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wait(self, timeout=None):
+        done = self.held + self.inner.wait(timeout)
+        self.held = []
+        if len(done) == 1 and self.inner.num_inflight:
+            self.held = done
+            return []
+        return sorted(done, key=lambda r: -r.step_id)
+
+
+def test_results_back_out_of_order_are_taken_in_order(tied):
+    """Prompts in pipelined chunks and decodes ahead at PP = 2 with the head shared, their results
+    handed back youngest first: the engine takes each sequence's steps in order, same tokens."""
+    path, prompts, reference = tied
+    with LLM(model=path, dtype="float32", kv_cache_memory="64MiB", threads_per_stage=1, pipeline_parallel_size=2,
+             max_num_batched_tokens=32) as llm:
+        llm.engine.executor = _Reversing(llm.engine.executor)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert llm.engine.executor.held == [] and not llm.engine._early
+    assert token_lists(outs) == reference

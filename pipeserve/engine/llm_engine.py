@@ -99,6 +99,7 @@ class LLMEngine:
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
         self._forwarding: set[int] = set()   # steps in flight whose tokens go to stage 0 too (decode ahead)
+        self._early: dict[int, StepOutput] = {}   # results back before an older step of their sequences
         self._follows: dict[int, int] = {}   # a decode ahead's step id -> the step whose tokens it takes in
         self._dead: str | None = None
         self.recovery = RecoveryLog()
@@ -266,7 +267,7 @@ class LLMEngine:
         except ExecutorError as exc:
             return self._on_pipeline_failure(str(exc), exc.step_id)
         updated: dict[str, RequestOutput] = {}
-        for result in results:
+        for result in self._in_order(results) if self._head_balance is not None else results:
             for out in self._process(result, partial_outputs):
                 updated[out.request_id] = out
         if not self.requests and not self._inflight:
@@ -371,6 +372,21 @@ class LLMEngine:
         return micro_batch_limits(self.scheduler, [self._inflight[i] for i in self._heads()],
                                   self.executor.max_inflight, self._gpipe, free_slots)
 
+    def _in_order(self, results: list[StepOutput]):
+        """``results`` and those held back before, each once every older step of its sequences
+        is processed: with the LM head shared, a step whose head ran on stage 0 comes back by a
+        longer way (last stage -> stage 0 -> driver) than a later step whose head the last stage
+        ran, and a sequence's steps (a prompt's pipelined chunks, a decode ahead) must be taken
+        in the order they run. What cannot be taken yet stays in ``_early``."""
+        early = self._early
+        early.update((r.step_id, r) for r in results)
+        while early:
+            ready = next((r for r in early.values() if self.scheduler.may_finish(self._inflight[r.step_id])), None)
+            if ready is None:
+                return
+            del early[ready.step_id]
+            yield ready
+
     def _process(self, result: StepOutput, partial_outputs: bool = True) -> list[RequestOutput]:
         sched = self._inflight.pop(result.step_id)
         self._forwarding.discard(result.step_id)
@@ -427,6 +443,7 @@ class LLMEngine:
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
+        self._early.clear()
         ended = []
         if culprit is not None and culprit in self.requests:
             logger.error("request %s ends: the model raised on it running alone", culprit)
@@ -490,6 +507,7 @@ class LLMEngine:
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
+        self._early.clear()
         return [self._fail_group(group, message) for group in list(self.requests.values())]
 
     def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:

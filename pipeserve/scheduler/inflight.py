@@ -62,6 +62,11 @@ class InFlight:
             self.num_pipelined += 1
         items.append(item)
 
+    def is_oldest(self, item: ScheduledSeq) -> bool:
+        """Whether ``item`` is its sequence's oldest item in flight (``take_done`` may take it)."""
+        items = self._items.get(item.seq.seq_id)
+        return bool(items) and items[0] is item
+
     def take_done(self, item: ScheduledSeq) -> None:
         """``item``'s step is done: it must be its sequence's oldest item in flight."""
         items = self._find(item)

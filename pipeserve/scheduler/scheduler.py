@@ -503,6 +503,11 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, num_new, start=start))
 
     # -- step completion -----------------------------------------------------
+    def may_finish(self, out: SchedulerOutput) -> bool:
+        """Whether ``on_step_done(out)`` may run now: every item of it is its sequence's oldest
+        in flight (a result that came back before an older step of one of its sequences waits)."""
+        return all(self._inflight.is_oldest(item) for item in out.scheduled)
+
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The micro-batch ``out`` ran: advance what it computed and register
         the full blocks it completed in the prefix cache. The engine then
