@@ -325,8 +325,7 @@ class LLMEngine:
         step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                           self.guides.mask if len(self.guides) else None, **ahead)
         if self._head_balance is not None:
-            live = self.scheduler.num_running + self.scheduler.num_waiting + self.scheduler.num_swapped
-            self._head_balance.place(step, alone=live < self.executor.max_inflight)
+            self._head_balance.place(step, alone=self.scheduler.num_live < self.executor.max_inflight)
         return step
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
@@ -438,12 +437,7 @@ class LLMEngine:
         model raise whenever it runs costs two restarts, not every request."""
         logger.error("pipeline failed: %s", message)
         culprit = self._suspect(step_id)
-        for sched in self._inflight.values():
-            self.scheduler.on_step_failed(sched)        # in-flight micro-batches are discarded
-        self._inflight.clear()
-        self._forwarding.clear()
-        self._follows.clear()
-        self._early.clear()
+        self._discard_inflight()
         ended = []
         if culprit is not None and culprit in self.requests:
             logger.error("request %s ends: the model raised on it running alone", culprit)
@@ -502,13 +496,18 @@ class LLMEngine:
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         """The pipeline is gone: every request ends with finish_reason "error"."""
+        self._discard_inflight()
+        return [self._fail_group(group, message) for group in list(self.requests.values())]
+
+    def _discard_inflight(self) -> None:
+        """Every micro-batch in flight is lost with the pipeline: nothing it computed counts (the
+        results held back for an older step of their sequences included)."""
         for sched in self._inflight.values():
             self.scheduler.on_step_failed(sched)
         self._inflight.clear()
         self._forwarding.clear()
         self._follows.clear()
         self._early.clear()
-        return [self._fail_group(group, message) for group in list(self.requests.values())]
 
     def _fail_group(self, group: SequenceGroup, message: str) -> RequestOutput:
         """End one request with finish_reason "error" and ``message``."""

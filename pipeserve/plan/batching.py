@@ -70,7 +70,7 @@ class EngineBatcher:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.num_waiting + self.scheduler.num_running + self.scheduler.num_swapped > 0
+        return self.scheduler.num_live > 0
 
     # -- forming micro-batches ----------------------------------------------
     def fill(self) -> list[tuple[int, BatchShape]]:

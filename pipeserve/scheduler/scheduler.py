@@ -218,6 +218,11 @@ class Scheduler:
         return len(self.swapped)
 
     @property
+    def num_live(self) -> int:
+        """Sequences not finished: running, swapped out or waiting."""
+        return len(self.running) + len(self.swapped) + len(self.waiting)
+
+    @property
     def num_inflight(self) -> int:
         """Sequences in micro-batches that are not done yet."""
         return self._inflight.num_seqs

@@ -190,10 +190,12 @@ class StageProfiler:
             self.acc.ns["stage_other"] += self_ns
         return account
 
-    def _busy(self, execute):
-        """``execute`` that first reads its step's shape, and adds its wall time to busy time."""
+    def _busy(self, execute, forward: bool = True):
+        """``execute`` that first reads its step's shape (``forward``: a forward through the
+        stage's layers, not a head alone), and adds its wall time to busy time."""
         def call(step: StepInput, *args: Any, **kwargs: Any):
-            self._start_step(step)
+            if forward:
+                self._start_step(step)
             t0 = time.perf_counter_ns()
             try:
                 return execute(step, *args, **kwargs)
@@ -206,16 +208,7 @@ class StageProfiler:
     def instrument_head(self, head: Any) -> None:
         """Stage 0's runner of the heads it shares (``pipeline/lm_head.py``): its wall time is busy
         time; the head and the sampler it calls are timed through the stage's own runner."""
-        execute = self.acc.timed(head.execute, self._execute_account())
-
-        def call(step: StepInput, *args: Any, **kwargs: Any):
-            t0 = time.perf_counter_ns()
-            try:
-                return execute(step, *args, **kwargs)
-            finally:
-                self.busy_ns += time.perf_counter_ns() - t0
-
-        head.execute = call
+        head.execute = self._busy(self.acc.timed(head.execute, self._execute_account()), forward=False)
 
     def _start_step(self, step: StepInput) -> None:
         """Before each forward: its rows and attention work, for the accounts."""
