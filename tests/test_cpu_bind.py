@@ -10,7 +10,7 @@ from pipeserve.config import EngineConfig, parse_cpu_list
 from pipeserve.pipeline.executor import PipelineExecutor
 from pipeserve.pipeline.partition import uniform_partition
 from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
-from pipeserve.worker.cpu_bind import stage_cpus
+from pipeserve.worker.cpu_bind import DriverCpus, stage_cpus
 from tests.test_pipeline_runtime import _synthetic_cfg
 
 
@@ -92,3 +92,85 @@ def test_stage_processes_follow_explicit_lists_and_none():
     allowed = sorted(os.sched_getaffinity(0))
     assert _stage_affinities(cpu_bind=f"{allowed[1]}|{allowed[0]}") == [[allowed[1]], [allowed[0]]]
     assert _stage_affinities(cpu_bind="none") == [allowed, allowed]
+
+
+@pytest.fixture
+def home_cpus():
+    """This process's CPUs, given back to every thread after the test, whatever it left."""
+    home = sorted(os.sched_getaffinity(0))
+    yield home
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), home)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture
+def bound_child(home_cpus):
+    """A process bound to this process's last CPU, as a last stage is: (pid, its CPUs)."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.sched_setaffinity(child.pid, home_cpus[-1:])
+        yield child.pid, home_cpus[-1:]
+    finally:
+        child.kill()
+        child.wait()
+
+
+@needs_two_cpus
+def test_the_driver_follows_the_last_stage_only_while_alone(home_cpus, bound_child):
+    pid, cpus = bound_child
+    follower = DriverCpus(lambda: pid)
+    follower.follow(True)
+    assert _allowed(os.getpid()) == cpus and follower.bound == frozenset(cpus)
+    follower.follow(True)                           # no change: nothing to do
+    assert _allowed(os.getpid()) == cpus
+    follower.follow(False)
+    assert _allowed(os.getpid()) == home_cpus and follower.bound is None
+
+
+@needs_two_cpus
+def test_the_driver_stays_put_where_the_last_stage_is_not_bound_or_not_here(home_cpus, bound_child):
+    pid, _ = bound_child
+    os.sched_setaffinity(pid, home_cpus)            # a stage on every CPU (--cpu-bind none)
+    for last_stage_pid in (lambda: pid, lambda: None):
+        DriverCpus(last_stage_pid).follow(True)
+        assert _allowed(os.getpid()) == home_cpus
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    DriverCpus(lambda: gone.pid).follow(True)       # the stage has exited: no error, no binding
+    assert _allowed(os.getpid()) == home_cpus
+
+
+@needs_two_cpus
+def test_an_engine_with_one_request_runs_its_driver_beside_the_last_stage(home_cpus, tiny_checkpoints):
+    """PP = 2, one request: after a step the driver's threads are on the last stage's CPUs; a
+    second request, or the last request's end (the caller stops stepping), gives them back every CPU."""
+    from pipeserve import LLM, SamplingParams
+    path = str(tiny_checkpoints("llama_tied_gqa"))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with LLM(model=path, dtype="float32", kv_cache_memory="64MiB", threads_per_stage=1,
+             pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        last = _allowed(engine.executor.procs[1].pid)
+        assert last != home_cpus
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, params)
+        engine.step()
+        assert _allowed(os.getpid()) == last
+        engine.add_request("b", {"prompt_token_ids": [8, 9]}, params)
+        engine.step()
+        assert _allowed(os.getpid()) == home_cpus
+        engine.abort_request("b")
+        engine.step()
+        assert _allowed(os.getpid()) == last                   # "a" alone again
+        engine.abort_request("a")                             # the caller may stop stepping now
+        assert _allowed(os.getpid()) == home_cpus
+        engine.add_request("c", {"prompt_token_ids": [5, 6, 7]}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert _allowed(os.getpid()) == home_cpus             # finished: no step after the last one

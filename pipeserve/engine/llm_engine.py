@@ -31,6 +31,7 @@ from pipeserve.sequence import SequenceGroup
 from pipeserve.tokenizer import load_tokenizer
 from pipeserve.worker.executor import Executor, ExecutorError
 from pipeserve.worker import thread_governor
+from pipeserve.worker.cpu_bind import DriverCpus
 from pipeserve.worker.model_runner import available_bytes, check_kv_fits
 from pipeserve.worker.step import StepInput, StepOutput
 
@@ -98,6 +99,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.guides = Guides(self.tokenizer.hf_tokenizer, self.model_config.vocab_size)
         self._inflight: dict[int, SchedulerOutput] = {}
+        # While one request is alone, this process's threads on the last stage's CPUs (cpu_bind.py).
+        last = config.pipeline_parallel_size - 1
+        self._driver_cpus = (DriverCpus(lambda: getattr(self.executor, "stage_pids", {}).get(last))
+                             if last > 0 and hasattr(self.executor, "max_inflight") else None)
         self._forwarding: set[int] = set()   # steps in flight whose tokens go to stage 0 too (decode ahead)
         self._early: dict[int, StepOutput] = {}   # results back before an older step of their sequences
         self._follows: dict[int, int] = {}   # a decode ahead's step id -> the step whose tokens it takes in
@@ -324,8 +329,12 @@ class LLMEngine:
     def _build_step(self, sched: SchedulerOutput, **ahead) -> StepInput:
         step = build_step(sched.scheduled, sched.swap_in, sched.swap_out, sched.copies,
                           self.guides.mask if len(self.guides) else None, **ahead)
-        if self._head_balance is not None:
-            self._head_balance.place(step, alone=self.scheduler.num_live < self.executor.max_inflight)
+        if self._head_balance is not None or self._driver_cpus is not None:
+            alone = self.scheduler.num_live < self.executor.max_inflight
+            if self._head_balance is not None:
+                self._head_balance.place(step, alone=alone)
+            if self._driver_cpus is not None:
+                self._driver_cpus.follow(alone)
         return step
 
     # -- decode ahead (pp_decode_ahead) -------------------------------------
@@ -424,6 +433,8 @@ class LLMEngine:
         self.scheduler.release(group.request_id)
         for seq in group.seqs:
             self.guides.drop(seq.seq_id)
+        if not self.requests and self._driver_cpus is not None:
+            self._driver_cpus.follow(False)   # the caller's threads back on every CPU: it may stop stepping
         return self.outputs.finish(group, reason, error)
 
     def _on_pipeline_failure(self, message: str, step_id: int | None = None) -> list[RequestOutput]:
