@@ -106,18 +106,52 @@ def _run_capped(backend, cache, tables, q, k, v, query_lens, context_lens, block
                                logit_softcap=softcap)
 
 
+def _i8_codes(set_to: int = -1) -> int:
+    """paged_attention.c's way for an int8 cache's bf16 decodes (1: on the codes, 0: dequantized
+    tiles), after setting it where ``set_to`` is 0 or 1."""
+    from pipeserve.kernels.build import load_kernel
+    return int(load_kernel("paged_attention").pipeserve_decode_i8_codes(set_to))
+
+
+@pytest.fixture(params=[1, 0], ids=["on-codes", "dequantized-tiles"])
+def int8_way(request):
+    """Each way an int8 cache's bf16 decodes can go, whatever this CPU picks; put back after."""
+    before = _i8_codes()
+    got = _i8_codes(request.param)
+    if got != request.param:
+        _i8_codes(before)
+        pytest.skip("this build of paged_attention.c has no AVX512-VNNI and AVX512_BF16: its int8 cache's "
+                    "bf16 decodes always dequantize (tested as the only way)")
+    yield request.param
+    _i8_codes(before)
+
+
+@needs_kernel
+def test_an_int8_caches_decodes_go_the_way_measured_faster_on_this_cpu():
+    """On the codes on Intel, through dequantized tiles on AMD (paged_attention.c's measurements)."""
+    way = _i8_codes()
+    from pipeserve.kernels.build import load_kernel
+    isa = load_kernel("paged_attention").pipeserve_decode_isa
+    isa.restype = __import__("ctypes").c_char_p
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    if way == 0 and not amd:
+        pytest.skip(f"this build ({isa().decode()}) has no AVX512-VNNI and AVX512_BF16 path: it always dequantizes")
+    assert way == (0 if amd else 1)
+
+
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 3, 96)])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_bf16_decodes_score_an_int8_cache_on_its_codes(heads, kv_heads, head_dim, softcap):
-    """A bfloat16 model's decodes on an int8 cache take their scores and values from the codes
-    where the CPU has AVX512-VNNI (int16 queries against the sign-extended codes, each row's scale
-    applied to the tile's sums; probabilities times the V rows' scales rounded to int16 against
-    the tile's largest scale): within bfloat16's rounding of the torch path at every head size
-    the kernel has a path for (64, 128, and 96 through the generic one) and with a soft cap, and
-    within one bfloat16 step of the float32 attention over the same codes (the torch path's
-    bfloat16 rows and probabilities are up to 2-3 steps off); a query that is NaN gives NaN, as
-    on the other paths."""
+def test_bf16_decodes_score_an_int8_cache_on_its_codes(heads, kv_heads, head_dim, softcap, int8_way):
+    """A bfloat16 model's decodes on an int8 cache, on its codes where the CPU has AVX512-VNNI
+    (int16 queries against the sign-extended codes, each row's scale applied to the tile's sums;
+    probabilities times the V rows' scales rounded to int16 against the tile's largest scale) or
+    through tiles dequantized to bfloat16: within bfloat16's rounding of the torch path at every
+    head size the kernel has a path for (64, 128, and 96 through the generic one) and with a soft
+    cap; on the codes also within one bfloat16 step of the float32 attention over the same codes
+    (the torch path's bfloat16 rows and probabilities, as the dequantized tiles', are up to 2-3
+    steps off); a query that is NaN gives NaN, as on the other paths."""
     rng = random.Random(head_dim + (softcap or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     context_lens = [1, 16, 17, 40, 200, 333]
@@ -129,7 +163,8 @@ def test_bf16_decodes_score_an_int8_cache_on_its_codes(heads, kv_heads, head_dim
     cache, tables, q, k, v = step
     exact = _run_capped(TorchPagedAttention(), cache, tables, q.float(), k.float(), v.float(), lens, context_lens,
                         16, softcap)
-    assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+    if int8_way == 1:
+        assert ((got - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
     q = q.clone()
     q[3, 0, 5] = float("nan")
     got = _run_capped(CpuPagedAttention(), cache, tables, q, k, v, lens, context_lens, 16, softcap)

@@ -61,6 +61,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+static int int8_on_codes(void);   /* how an int8 cache's bf16 decodes go (pipeserve_decode_i8_codes) */
+
 #include "vec_math.h"
 
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2, DT_INT8 = 3, DT_FP8 = 4 };
@@ -801,7 +803,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16dp(
     const int64_t row_stride = quant ? head_dim * 2 : r->row_stride;   /* of the rows the math reads */
     uint16_t kq[quant ? TILE * head_dim : 1], vq[quant ? TILE * head_dim : 1];
 #if defined(__AVX512VNNI__)
-    const int on_codes = dtype == DT_INT8;   /* scores and values on the codes (tile_scores_i8, values_tile_i8) */
+    const int on_codes = dtype == DT_INT8 && int8_on_codes();   /* tile_scores_i8, values_tile_i8 */
 #else
     const int on_codes = 0;
 #endif
@@ -1239,6 +1241,42 @@ static void range_scalar(const float *q, const key_range *r, int dtype, int64_t 
     each_kv_head(range_scalar_one, q, r, dtype, head_dim, part);
 }
 
+
+/* How a bfloat16 model's decodes read an int8 cache on AVX512-VNNI builds: 1 on its codes
+ * (tile_scores_i8, values_tile_i8: int16 queries against the sign-extended codes), 0 through tiles
+ * dequantized to bfloat16 (dequant_tile_bf16, the fp8 cache's way). Chosen per CPU at the first
+ * decode: on Intel hosts the codes were the faster (thirty-seventh and thirty-eighth sessions), on
+ * AMD Zen 4 the dequantized tiles (benchmarks/decode_attention_harness.c, SmolLM2's shape, 100 x 400
+ * keys from memory: 16.8-17.2 against 20.0 ns a key and kv head on one thread, 8.8-10.0 against
+ * 10.2-11.4 on two; forty-third and forty-eighth sessions). -1: not chosen yet;
+ * pipeserve_decode_i8_codes sets it (tests, benchmarks). */
+static int i8_codes = -1;
+
+static __attribute__((unused)) int int8_on_codes(void) {
+    int v = __atomic_load_n(&i8_codes, __ATOMIC_RELAXED);
+    if (v < 0) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        v = !__builtin_cpu_is("amd");
+#else
+        v = 1;
+#endif
+        __atomic_store_n(&i8_codes, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+/* Set (0 or 1) or, with -1, only read which way an int8 cache's bf16 decodes go (above); returns it.
+ * Builds without AVX512-VNNI always dequantize: they return 0. */
+int pipeserve_decode_i8_codes(int set) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    if (set >= 0) __atomic_store_n(&i8_codes, set != 0, __ATOMIC_RELAXED);
+    return int8_on_codes();
+#else
+    (void)set;
+    return 0;
+#endif
+}
 
 /* Which decode path this build compiled: "avx512", "avx2" or "portable" (logged, and
  * checked by the tests that force a build). */
