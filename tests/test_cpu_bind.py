@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -109,8 +111,6 @@ def home_cpus():
 @pytest.fixture
 def bound_child(home_cpus):
     """A process bound to this process's last CPU, as a last stage is: (pid, its CPUs)."""
-    import subprocess
-    import sys
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.sched_setaffinity(child.pid, home_cpus[-1:])
@@ -139,8 +139,6 @@ def test_the_driver_stays_put_where_the_last_stage_is_not_bound_or_not_here(home
     for last_stage_pid in (lambda: pid, lambda: None):
         DriverCpus(last_stage_pid).follow(True)
         assert _allowed(os.getpid()) == home_cpus
-    import subprocess
-    import sys
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     DriverCpus(lambda: gone.pid).follow(True)       # the stage has exited: no error, no binding

@@ -4,6 +4,7 @@ checks, and engine runs at PP = 1 and 2 (the dtype reaches every stage)."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -132,7 +133,7 @@ def test_an_int8_caches_decodes_go_the_way_measured_faster_on_this_cpu():
     way = _i8_codes()
     from pipeserve.kernels.build import load_kernel
     isa = load_kernel("paged_attention").pipeserve_decode_isa
-    isa.restype = __import__("ctypes").c_char_p
+    isa.restype = ctypes.c_char_p
     with open("/proc/cpuinfo") as f:
         amd = "AuthenticAMD" in f.read()
     if way == 0 and not amd:
