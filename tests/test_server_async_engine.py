@@ -36,6 +36,38 @@ def test_async_engine_runs_engine_on_one_thread_and_aborts_on_early_exit():
     assert fake.threads == {"pipeserve-engine"}
 
 
+def test_a_step_wakes_the_event_loop_once_for_all_its_streams():
+    """A step's outputs reach every stream of one event loop in one call_soon_threadsafe (each is
+    a write to the loop's self-pipe and a wake-up), in order per stream."""
+    fake = FakeEngine(step_s=0.005)
+    engine = AsyncEngine(fake)
+    streams, tokens = 12, 6
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        plain = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            calls.append(callback)
+            return plain(callback, *args, **kwargs)
+        loop.call_soon_threadsafe = counted
+
+        async def whole(i):
+            return [o async for o in engine.generate(f"r{i}", {"prompt_token_ids": [1] * (i + 1)},
+                                                     SamplingParams(max_tokens=tokens))]
+        outs = await asyncio.gather(*(whole(i) for i in range(streams)))
+        return calls, outs
+    calls, outs = asyncio.run(main())
+    engine.shutdown()
+    for i, seen in enumerate(outs):
+        assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, tokens + 1))
+        assert seen[-1].outputs[0].text == _expected_text(i + 1, 0, tokens)
+    # the adds' futures resolve through the loop too (asyncio.wrap_future): one each
+    handoffs = len(calls) - streams
+    assert tokens <= handoffs <= 2 * tokens + 2, (len(calls), streams)
+
+
 def test_async_engine_fails_streams_when_step_raises():
     fake = FakeEngine()
     engine = AsyncEngine(fake)
