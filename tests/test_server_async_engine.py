@@ -58,7 +58,11 @@ def test_a_step_wakes_the_event_loop_once_for_all_its_streams():
                                                      SamplingParams(max_tokens=tokens))]
         outs = await asyncio.gather(*(whole(i) for i in range(streams)))
         return calls, outs
-    calls, outs = asyncio.run(main())
+    loop = asyncio.SelectorEventLoop()   # asyncio's own, whatever policy a test before set
+    try:
+        calls, outs = loop.run_until_complete(main())
+    finally:
+        loop.close()
     engine.shutdown()
     for i, seen in enumerate(outs):
         assert [len(o.outputs[0].token_ids) for o in seen] == list(range(1, tokens + 1))
