@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeserve.comm.auth import KEY_ENV, AuthError, client_handshake, cluster_key
-from pipeserve.comm.messages import PREFIX, Hello, decode_header, encode_frame, parse_prefix
+from pipeserve.comm.messages import PREFIX, Hello, Pong, decode_header, encode_frame, parse_prefix
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
 from pipeserve.config import EngineConfig
@@ -156,7 +156,7 @@ def test_the_decoders_fast_paths_keep_the_declared_types() -> None:
      "SeqStep.token_ids: expected int, got str"),
     (b'{"kind": 99, "obj": null, "tensor": null}', "unknown message kind"),
     (b'{"kind": 18, "obj": "x", "tensor": null}', "not accepted from the wire"),
-    (b'{"kind": 6, "obj": "1.0", "tensor": null}', "expected float"),
+    (b'{"kind": 6, "obj": ["1.0", 0.0, 0.0, 0.0], "tensor": null}', "Pong.stage_time: expected float"),
     (b'{"kind": 10, "obj": [1, 2, "", 0, "evil"], "tensor": null}', "array of 4 fields"),
     (b'{"kind": 10, "obj": [true, 2, "", 0], "tensor": null}', "Hello.rank: expected int, got bool"),
     (b'{"kind": 2, "obj": [[1, []], []], "tensor": {"dtype": "float32", "shape": [2]}}',
@@ -202,8 +202,8 @@ def test_a_client_without_the_key_is_refused_before_any_frame(listener) -> None:
     friend.connect(0, "127.0.0.1", port, Hello(1, os.getpid()))
     message = server.recv(timeout=5)
     assert (message.kind, message.src) == (Kind.HELLO, 1)
-    friend.send(0, Kind.PONG, 1.25)
-    assert server.recv(timeout=5).obj == 1.25
+    friend.send(0, Kind.PONG, Pong(1.25, computing_s=3.0, computing_cpu_s=2.5))
+    assert server.recv(timeout=5).obj == Pong(1.25, 3.0, 2.5, 0.0)
     friend.close()
     lost = server.recv(timeout=5)
     assert (lost.kind, lost.src) == (Kind.LOST, 1)

@@ -88,13 +88,13 @@ def _stage() -> StageWorker:
 
 def test_stage_zero_holds_a_step_until_its_tokens_arrive() -> None:
     stage = _stage()
-    waiting, later, other_chunk, ping = (_step_message(2, tokens_from=1), _step_message(3),
-                                         _step_message(0, chunk=2), Message(0, Kind.PING, None, None, 0.0))
-    stage._backlog.extend([waiting, later, other_chunk, ping])
+    waiting, later, other_chunk, flush = (_step_message(2, tokens_from=1), _step_message(3),
+                                         _step_message(0, chunk=2), Message(0, Kind.FLUSH, None, None, 0.0))
+    stage._backlog.extend([waiting, later, other_chunk, flush])
     assert stage._pick() == 2, "a later step of the same sequence may not pass the waiting one; another chunk may"
     stage._backlog.remove(other_chunk)
-    assert stage._pick() == 2                   # the ping
-    stage._backlog.remove(ping)
+    assert stage._pick() == 2                   # the flush
+    stage._backlog.remove(flush)
     assert stage._pick() is None
     # Another micro-batch's decode ahead whose tokens are here passes (its source came back first),
     # unless it shares a sequence with a step that stays.
@@ -166,7 +166,7 @@ def test_the_main_thread_is_woken_only_for_a_message_it_can_handle_now() -> None
     stage._tokens_arrived(5, [(7, 12)])
     assert cv.notified == 3, "an idle stage's main thread runs the step its tokens released"
     stage._backlog.clear()
-    stage._arrived(Message(0, Kind.PING, None, None, 0.0))
+    stage._arrived(Message(0, Kind.FLUSH, None, None, 0.0))
     assert cv.notified == 4
 
 
@@ -187,7 +187,7 @@ def test_stage_zero_prepares_a_waiting_step_before_it_goes_idle() -> None:
     stage._tokens[1] = {7: 5}
     stage._backlog.extend([_step_message(2, tokens_from=0), _step_message(3, tokens_from=1, seq=8),
                            _step_message(4), _step_message(5, chunk=1, tokens_from=0),
-                           Message(0, Kind.PING, None, None, 0.0)])
+                           Message(0, Kind.FLUSH, None, None, 0.0)])
     stage._prepare_waiting()
     assert stage.runners[0].prepared == [2], "steps whose tokens are here, other chunks and plain steps run now"
     stage.runners = {0: Runner(fail=True)}
@@ -239,7 +239,7 @@ def test_a_hop_waits_for_its_plan_and_runs_the_planned_step() -> None:
     hop = _hop(4)
     stage._arrived(hop)
     assert stage._pick() is None, "its plan is still on its way (another connection)"
-    stage._arrived(Message(0, Kind.PING, None, None, 0.0))
+    stage._arrived(Message(0, Kind.FLUSH, None, None, 0.0))
     assert stage._pick() == 1, "other messages pass it"
     stage._backlog.pop()
     step = StepInput(4, [SeqStep(7, [0], 3, [0])])

@@ -275,6 +275,46 @@ def test_silent_stage_times_out_and_is_named() -> None:
     assert_no_process_left(pids)
 
 
+def _slow_executor(source: SyntheticSource, stage_timeout: float) -> PipelineExecutor:
+    cfg = _synthetic_cfg()
+    return PipelineExecutor(config(2, stage_timeout=stage_timeout), source, cfg,
+                            uniform_partition(cfg.num_layers, 2), 8, 0, runner_factory=SleepRunner)
+
+
+def test_a_step_longer_than_the_stage_timeout_is_waited_for(caplog) -> None:
+    """--stage-timeout counts silence, not slowness: a step that computes (and uses the CPU) for
+    longer than it, as a 70B prompt chunk on an old CPU does, is waited for; the stages answer
+    the watchdog's pings while they compute."""
+    ex = _slow_executor(SyntheticSource(step_seconds=2.0, stream_mib=64), stage_timeout=0.6)
+    pids = [p.pid for p in ex.procs.values()]
+    try:
+        with caplog.at_level("WARNING", logger="pipeserve.pipeline.watchdog"):
+            ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy())]))
+            outputs = _wait_all(ex, 30.0)
+        assert [o.step_id for o in outputs] == [0] and ex.healthy
+        assert "has computed a step for" in caplog.text
+    finally:
+        ex.shutdown()
+    assert_no_process_left(pids)
+
+
+def test_a_step_that_uses_no_cpu_past_the_stage_timeout_is_frozen() -> None:
+    """A stage that answers pings but whose step has run for --stage-timeout without using the
+    CPU (a deadlock; here a runner that sleeps) is named as frozen."""
+    ex = _slow_executor(SyntheticSource(step_seconds=60.0), stage_timeout=1.0)
+    pids = [p.pid for p in ex.procs.values()]
+    try:
+        ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy())]))
+        start = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"stage\(s\) \[0\] frozen: a step has run \d+ s there"):
+            while True:
+                ex.wait(timeout=5.0)
+        assert time.monotonic() - start < 3 * 1.0 + 2 * 2.0 + 2.0   # two looks, their pings, slack
+    finally:
+        ex.shutdown()
+    assert_no_process_left(pids)
+
+
 def test_stage_that_fails_to_load_is_reported() -> None:
     cfg = _synthetic_cfg()
     before = stage_processes(os.getpid())

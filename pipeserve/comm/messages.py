@@ -72,6 +72,20 @@ class Peer:
 
 
 @dataclass
+class Pong:
+    """A stage's answer to a PING, sent by the thread that read the PING, so that a stage in the
+    middle of a long step answers too. ``stage_time``: its clock (``time.time()``) when the PING
+    arrived. ``computing_s``: how long its current message (a step) has been running, 0 when
+    idle; ``computing_cpu_s``: the process's CPU seconds over that time (a step that has run
+    long without using any is frozen, not slow); ``sending_s``: how long its current outgoing
+    transfer has been on the wire, 0 when none is."""
+    stage_time: float
+    computing_s: float = 0.0
+    computing_cpu_s: float = 0.0
+    sending_s: float = 0.0
+
+
+@dataclass
 class NodeInfo:
     nnodes: int
     node_rank: int
@@ -79,7 +93,7 @@ class NodeInfo:
 
 
 PAYLOADS: dict[Kind, Any] = {
-    Kind.STOP: type(None), Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: float,
+    Kind.STOP: type(None), Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: Pong,
     Kind.FLUSH: type(None), Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello,
     Kind.READY: int, Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
     Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None),

@@ -33,7 +33,7 @@ class Kind(IntEnum):
     STOP = 3       # driver -> stage: finish and exit
     BYE = 4        # stage -> driver: exiting (unblocks the driver's receiver)
     PING = 5       # driver -> stage: answer with PONG (clock offset, liveness)
-    PONG = 6       # stage -> driver: the stage's time.time()
+    PONG = 6       # stage -> driver: Pong (its clock; how long its step has computed, on how much CPU)
     FLUSH = 7      # driver -> stage: send your unsent intervals now
     TIMELINE = 8   # stage -> driver: intervals
     ERROR = 9      # stage -> driver: a runner raised (step id, stage, traceback text)

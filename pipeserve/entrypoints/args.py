@@ -46,6 +46,9 @@ _HELP = {
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
     "profile": "time every class of work on each stage (GEMM, attention, elementwise, sampling) and the "
                "driver's phases; reported by LLM.stats()['profile'] and `bench throughput --profile`",
+    "stage_timeout": "seconds without a result, while work is in flight, before the stages are pinged: one "
+                     "that does not answer, or whose step has run this long without using the CPU, has "
+                     "failed; one busy with a long step is waited for (default: 60)",
     "max_stage_restarts": "times the pipeline is relaunched after a stage dies or stalls, replaying every "
                           "request, within --stage-restart-window (0: each request ends with an error "
                           "instead; default: 3)",

@@ -133,8 +133,8 @@ class PipelineExecutor(Executor):
         answers = self.links.ping(remote, self.config.rendezvous_timeout)
         if len(answers) < len(remote):
             raise ExecutorError("pipeline stages did not answer the start-up ping")
-        for stage, (sent, stage_time, arrived) in answers.items():
-            self.timelines.set_clock_offset(stage, sent, stage_time, arrived)
+        for stage, answer in answers.items():
+            self.timelines.set_clock_offset(stage, answer.sent, answer.pong.stage_time, answer.arrived)
 
     def _end_generation(self, kill: bool, remote: Kind = Kind.STOP) -> None:
         """Stop watching and talking to the current generation; with ``kill``, end its

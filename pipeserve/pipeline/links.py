@@ -19,11 +19,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from pipeserve.comm.messages import Pong
 from pipeserve.comm.transport import Kind, Message, Transport
 
 POLL_S = 0.05
+
+
+class Answer(NamedTuple):
+    """A stage's PONG: when the PING left and its answer came (the driver's ``time.time()``),
+    and what the stage said (its clock, and whether it is at work: ``Pong``)."""
+    sent: float
+    arrived: float
+    pong: Pong
 
 
 class Links:
@@ -33,7 +42,7 @@ class Links:
         self.num_stages = num_stages
         self._on_message = on_message
         self._on_broken = on_broken
-        self._pongs: queue.Queue[tuple[int, float, float]] = queue.Queue()   # (stage, stage time, arrived)
+        self._pongs: queue.Queue[tuple[int, Pong, float]] = queue.Queue()   # (stage, its answer, arrived)
         self._byes: set[int] = set()
         self._sendqs: dict[int, queue.Queue] = {stage: queue.Queue() for stage in range(num_stages)}
         self._pending = [0] * num_stages          # queued, not yet sent: a direct send must not pass them
@@ -57,21 +66,21 @@ class Links:
         if direct:
             self._send_now(stage, kind, obj)
 
-    def ping(self, stages: list[int], timeout: float) -> dict[int, tuple[float, float, float]]:
-        """Ping ``stages``; ``{stage: (sent, stage_time, arrived)}`` for those that answer within ``timeout``."""
+    def ping(self, stages: list[int], timeout: float) -> dict[int, Answer]:
+        """Ping ``stages``; an ``Answer`` for each that answers within ``timeout``."""
         while not self._pongs.empty():
             self._pongs.get_nowait()                 # answers to an earlier round
         sent = time.time()
         for stage in stages:
             self.send(stage, Kind.PING)
-        answers: dict[int, tuple[float, float, float]] = {}
+        answers: dict[int, Answer] = {}
         deadline = time.monotonic() + timeout
         while len(answers) < len(stages) and time.monotonic() < deadline:
             try:
-                stage, stage_time, arrived = self._pongs.get(timeout=POLL_S)
+                stage, pong, arrived = self._pongs.get(timeout=POLL_S)
             except queue.Empty:
                 continue
-            answers[stage] = (sent, stage_time, arrived)
+            answers[stage] = Answer(sent, arrived, pong)
         return answers
 
     def close(self, stop_stages: list[int] = (), kind: Kind = Kind.STOP) -> None:

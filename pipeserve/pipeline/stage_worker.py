@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from pipeserve.comm.messages import Pong
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind, Message, Transport
 from pipeserve.metrics.timeline import Interval
@@ -116,6 +117,7 @@ class Sender(threading.Thread):
         self.queue: queue.Queue = queue.Queue()
         self._pending = 0                  # queued and not yet sent: a direct send must not pass them
         self._lock = threading.Lock()
+        self.sending_since: float | None = None   # monotonic start of the queued transfer on the wire
 
     def put(self, dst: int, kind: Kind, obj: Any = None, tensor: torch.Tensor | None = None,
             step_id: int = -1, chunk: int = 0) -> None:
@@ -133,7 +135,11 @@ class Sender(threading.Thread):
             item = self.queue.get()
             if item is None:
                 return
-            self._send(*item)
+            self.sending_since = time.monotonic()
+            try:
+                self._send(*item)
+            finally:
+                self.sending_since = None
             with self._lock:
                 self._pending -= 1
 
@@ -177,6 +183,8 @@ class StageWorker:
         self._busy = False
         self._idle_since = time.time()
         self._crash: BaseException | None = None   # raised on a reader thread; re-raised by run()
+        # the message being handled: since when (monotonic) and the process's CPU time then (a PONG's)
+        self._handling: tuple[float, float] | None = None
         self._tokens: OrderedDict[int, dict[int, int]] = OrderedDict()  # source step id -> {seq id: token}
         self._plans: OrderedDict[int, StepInput] = OrderedDict()          # step id -> the step, for its hops
         # A CUDA stage computes on its main thread only: the current device and stream are per thread.
@@ -214,6 +222,9 @@ class StageWorker:
         if message.kind == Kind.PLAN:
             self._plan_arrived(message.obj)
             return
+        if message.kind == Kind.PING:
+            self._answer_ping(message)
+            return
         with self._cv:
             direct = (self._direct and not self._busy and not self._backlog and self._small_step(message)
                       and self._has_tokens(message) and self._has_plan(message))
@@ -223,6 +234,24 @@ class StageWorker:
                 return
             self._busy = True
         self._handle_here(message)
+
+    def _answer_ping(self, message: Message) -> None:
+        """Answer the driver's PING here, on the reader thread, whatever the stage is doing: a
+        step may compute for minutes (a 70B prompt chunk on an old CPU) and the driver's
+        watchdog tells such a stage, at work, from a silent or frozen one by this answer. It
+        goes straight to the driver's connection, not behind a large transfer to the next stage
+        queued in the sender."""
+        now, handling, sending = time.monotonic(), self._handling, self.sender.sending_since
+        pong = Pong(message.arrived)
+        if handling is not None:
+            pong.computing_s = max(0.0, now - handling[0])
+            pong.computing_cpu_s = max(0.0, time.process_time() - handling[1])
+        if sending is not None:
+            pong.sending_s = max(0.0, now - sending)
+        try:
+            self.transport.send(0, Kind.PONG, pong)
+        except ConnectionError as exc:      # the driver's link is gone: its LOST ends this stage
+            logger.info("stage %d: could not answer a ping: %s", self.stage, exc)
 
     @staticmethod
     def _small_step(message: Message) -> bool:
@@ -369,13 +398,18 @@ class StageWorker:
             self._cv.notify()
 
     def _handle(self, message: Message) -> None:
+        self._handling = (time.monotonic(), time.process_time())
+        try:
+            self._handle_one(message)
+        finally:
+            self._handling = None
+
+    def _handle_one(self, message: Message) -> None:
         self.log.add("wait", self._idle_since, message.arrived)
         if message.kind in (Kind.STEP, Kind.HOP):
             env = self._envelope(message)
             self.log.add("recv", max(message.arrived, self._idle_since), time.time(), env.step.step_id, env.chunk)
             self._run_step(env, message.tensor)
-        elif message.kind == Kind.PING:
-            self.sender.put(0, Kind.PONG, message.arrived)
         elif message.kind == Kind.FLUSH:
             profiler = next((r.profiler for r in self.runners.values() if getattr(r, "profiler", None)), None)
             if profiler is not None:      # --profile: the figures so far, before the TIMELINE that acks
