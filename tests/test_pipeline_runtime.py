@@ -281,6 +281,12 @@ def _slow_executor(source: SyntheticSource, stage_timeout: float) -> PipelineExe
                             uniform_partition(cfg.num_layers, 2), 8, 0, runner_factory=SleepRunner)
 
 
+def _prompt_step() -> StepInput:
+    """A prompt chunk: stage 0 runs it on its main thread (a decode's step runs on the thread
+    that read it, which also reads the driver's pings)."""
+    return StepInput(0, [SeqStep(0, [3] * 100, 0, list(range(7)), greedy())])
+
+
 def test_a_step_longer_than_the_stage_timeout_is_waited_for(caplog) -> None:
     """--stage-timeout counts silence, not slowness: a step that computes (and uses the CPU) for
     longer than it, as a 70B prompt chunk on an old CPU does, is waited for; the stages answer
@@ -289,7 +295,7 @@ def test_a_step_longer_than_the_stage_timeout_is_waited_for(caplog) -> None:
     pids = [p.pid for p in ex.procs.values()]
     try:
         with caplog.at_level("WARNING", logger="pipeserve.pipeline.watchdog"):
-            ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy())]))
+            ex.submit(_prompt_step())
             outputs = _wait_all(ex, 30.0)
         assert [o.step_id for o in outputs] == [0] and ex.healthy
         assert "has computed a step for" in caplog.text
@@ -304,7 +310,7 @@ def test_a_step_that_uses_no_cpu_past_the_stage_timeout_is_frozen() -> None:
     ex = _slow_executor(SyntheticSource(step_seconds=60.0), stage_timeout=1.0)
     pids = [p.pid for p in ex.procs.values()]
     try:
-        ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy())]))
+        ex.submit(_prompt_step())
         start = time.monotonic()
         with pytest.raises(ExecutorError, match=r"stage\(s\) \[0\] frozen: a step has run \d+ s there"):
             while True:
@@ -313,6 +319,27 @@ def test_a_step_that_uses_no_cpu_past_the_stage_timeout_is_frozen() -> None:
     finally:
         ex.shutdown()
     assert_no_process_left(pids)
+
+
+def test_a_load_longer_than_the_rendezvous_timeout_is_waited_for_while_it_progresses(caplog) -> None:
+    """--rendezvous-timeout counts a load's silence: a stage that loads for longer (a 70B share off
+    a slow disk) but sends heartbeats that show its CPU time or bytes read moving is waited for;
+    one whose heartbeats show nothing moving is named."""
+    cfg = _synthetic_cfg()
+    conf = config(2, rendezvous_timeout=0.8)
+    ex = PipelineExecutor(conf, SyntheticSource(step_seconds=0.0, load_seconds=3.0), cfg,
+                          uniform_partition(cfg.num_layers, 2), 8, 0, runner_factory=SleepRunner)
+    try:
+        ex.submit(StepInput(0, [SeqStep(0, [3], 0, [0], greedy())]))
+        assert [o.step_id for o in _wait_all(ex, 30.0)] == [0]
+    finally:
+        ex.shutdown()
+    start = time.monotonic()
+    with pytest.raises(ExecutorError, match=r"stage\(s\) \[0, 1\] did not finish loading and showed no "
+                                            r"progress \(CPU time or bytes read\) for 0.8 s"):
+        PipelineExecutor(conf, SyntheticSource(load_seconds=60.0, load_idle=True), cfg,
+                         uniform_partition(cfg.num_layers, 2), 8, 0, runner_factory=SleepRunner)
+    assert time.monotonic() - start < 20.0
 
 
 def test_stage_that_fails_to_load_is_reported() -> None:

@@ -86,6 +86,17 @@ class Pong:
 
 
 @dataclass
+class Loading:
+    """A stage's heartbeat while it loads its layers (between SPEC and READY): seconds since it
+    began, the process's CPU seconds and the bytes it has had read from storage
+    (``/proc/self/io``'s read_bytes, 0 where there is none). The driver waits for a stage whose CPU time or bytes move, however
+    long a large model takes to come off a slow disk."""
+    elapsed_s: float
+    cpu_s: float
+    read_bytes: int
+
+
+@dataclass
 class NodeInfo:
     nnodes: int
     node_rank: int
@@ -96,7 +107,7 @@ PAYLOADS: dict[Kind, Any] = {
     Kind.STOP: type(None), Kind.BYE: list[Interval], Kind.PING: type(None), Kind.PONG: Pong,
     Kind.FLUSH: type(None), Kind.TIMELINE: list[Interval], Kind.ERROR: tuple[int, int, str], Kind.HELLO: Hello,
     Kind.READY: int, Kind.FAILED: str, Kind.PEERS: list[Peer], Kind.NODE: NodeInfo,
-    Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None),
+    Kind.LINK_DOWN: tuple[int, str], Kind.RESET: type(None), Kind.LOADING: Loading,
 }
 
 

@@ -50,6 +50,7 @@ class Kind(IntEnum):
     TOKENS = 20    # last stage -> stage 0: a step's sampled tokens (step id, [(seq id, token id)])
     PLAN = 21      # driver -> stage >= 1: a step it will run (StepInput), sent when stage 0 gets it
     HOP = 22       # stage -> next stage: a planned step's activations (Hop: step id, chunk, intervals)
+    LOADING = 23   # stage -> driver: still loading its layers (Loading: time, CPU and bytes read so far)
 
 
 @dataclass

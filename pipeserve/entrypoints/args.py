@@ -46,6 +46,9 @@ _HELP = {
     "trace_file": "write a Chrome trace (Perfetto) of the stage timelines here",
     "profile": "time every class of work on each stage (GEMM, attention, elementwise, sampling) and the "
                "driver's phases; reported by LLM.stats()['profile'] and `bench throughput --profile`",
+    "rendezvous_timeout": "seconds for the stages to join, and for a loading stage to show progress (its "
+                          "CPU time or bytes read move): a load that keeps moving is waited for however "
+                          "long it takes (default: 60)",
     "stage_timeout": "seconds without a result, while work is in flight, before the stages are pinged: one "
                      "that does not answer, or whose step has run this long without using the CPU, has "
                      "failed; one busy with a long step is waited for (default: 60)",

@@ -13,17 +13,20 @@ connection, then starts its stages, which join as above.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 from pipeserve.comm.auth import cluster_key
-from pipeserve.comm.messages import Hello, NodeInfo, Peer
+from pipeserve.comm.messages import Hello, Loading, NodeInfo, Peer
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
 from pipeserve.config import EngineConfig
 from pipeserve.pipeline.launcher import StageProcess, start_stages, stop_processes
 from pipeserve.pipeline.spec import PipelineSpec, SpecWire, stages_of_node
 from pipeserve.worker.executor import ExecutorError
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
 
@@ -70,6 +73,7 @@ def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_
     alone when the join timeout ends."""
     hellos: dict[int, Hello] = {}
     ready: set[int] = set()
+    progress = LoadProgress()
     start = time.monotonic()
     deadline = start + join_timeout
     while len(ready) < len(ranks):
@@ -96,6 +100,9 @@ def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_
                 weight_bytes[rank] = message.obj
             if len(hellos) == len(ranks):   # everyone is in: loading gets its own timeout
                 deadline = max(deadline, time.monotonic() + load_timeout)
+        elif message.kind == Kind.LOADING and rank in hellos:
+            if progress.moved(rank, message.obj):   # still coming off the disk: its timeout starts again
+                deadline = max(deadline, time.monotonic() + load_timeout)
         elif message.kind == Kind.FAILED:
             raise ExecutorError(f"pipeline stage {rank - 1} failed to start:\n{message.obj}")
         elif message.kind == Kind.LOST:
@@ -104,6 +111,31 @@ def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_
         if len(hellos) == len(ranks) and message.kind == Kind.HELLO:
             deadline = max(deadline, time.monotonic() + load_timeout)
     return hellos
+
+
+CPU_SHARE = 0.05     # a heartbeat's interval on less than this share of a CPU, and no bytes read: no progress
+
+
+class LoadProgress:
+    """The stages' loading heartbeats (``Loading``): whether each moved since the last, and a log
+    line now and then for a long load."""
+
+    LOG_EVERY_S = 30.0
+
+    def __init__(self) -> None:
+        self._last: dict[int, Loading] = {}
+        self._logged: dict[int, float] = {}
+
+    def moved(self, rank: int, beat: Loading) -> bool:
+        last = self._last.get(rank)
+        self._last[rank] = beat
+        moved = (last is None or beat.read_bytes > last.read_bytes
+                 or beat.cpu_s - last.cpu_s >= CPU_SHARE * (beat.elapsed_s - last.elapsed_s))
+        if beat.elapsed_s - self._logged.get(rank, 0.0) >= self.LOG_EVERY_S:
+            self._logged[rank] = beat.elapsed_s
+            logger.info("pipeline stage %d still loading: %.0f s, %.0f s of CPU, %.2f GB read%s", rank - 1,
+                        beat.elapsed_s, beat.cpu_s, beat.read_bytes / 1e9, "" if moved else " (no progress)")
+        return moved
 
 
 def send_peers(transport: TcpTransport, hellos: dict[int, Hello]) -> None:
@@ -127,4 +159,5 @@ def _timed_out(ranks: list[int], hellos: dict, ready: set, join_timeout: float, 
         raise ExecutorError(f"pipeline stage(s) {missing} did not join within {join_timeout:g} s "
                             f"(--rendezvous-timeout, or --stage-rejoin-timeout after a failure); {hint}")
     loading = [r - 1 for r in ranks if r not in ready]
-    raise ExecutorError(f"pipeline stage(s) {loading} did not finish loading within {load_timeout:g} s")
+    raise ExecutorError(f"pipeline stage(s) {loading} did not finish loading and showed no progress (CPU time "
+                        f"or bytes read) for {load_timeout:g} s (--rendezvous-timeout)")

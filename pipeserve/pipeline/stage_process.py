@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pipeserve.comm.auth import AuthError
-from pipeserve.comm.messages import Hello
+from pipeserve.comm.messages import Hello, Loading
 from pipeserve.comm.rendezvous import join_driver, local_address_for
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
@@ -163,12 +163,20 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     spec = join_driver(transport, addr, port, Hello(stage + 1, os.getpid(), host, listen_port),
                        timeout).to_spec()
     transport.world_size = spec.num_stages + 1
+    transport.device = stage_device(spec, stage)
+    with LoadingHeartbeat(transport, min(LoadingHeartbeat.EVERY_S, spec.config.rendezvous_timeout / 4)):
+        runners, leader = _load(spec, stage, timeout, key)
+    # READY carries the stage's resident weight bytes (LLM.stats()["weight_bytes"]; TP rank 0's).
+    transport.send(0, Kind.READY, sum(getattr(r, "weight_bytes", 0) for r in runners.values()))
+    return spec, runners, leader
+
+
+def _load(spec: PipelineSpec, stage: int, timeout: float, key: bytes):
     bind_stage(spec.config.cpu_bind, spec.config.stage_threads * spec.config.tensor_parallel_size)
     thread_governor.start(spec.config.stage_threads, spec.config.adaptive_threads)
     device = stage_device(spec, stage)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    transport.device = device
     leader = None
     if spec.config.tensor_parallel_size > 1:   # start this stage's other TP ranks (tensor_group.py)
         from pipeserve.pipeline.tensor_group import TensorGroupLeader
@@ -179,9 +187,48 @@ def _join(transport: TcpTransport, stage: int, addr: str, port: int, timeout: fl
     if leader is not None:
         leader.ready()
         runners = leader.wrap(runners)
-    # READY carries the stage's resident weight bytes (LLM.stats()["weight_bytes"]; TP rank 0's).
-    transport.send(0, Kind.READY, sum(getattr(r, "weight_bytes", 0) for r in runners.values()))
-    return spec, runners, leader
+    return runners, leader
+
+
+class LoadingHeartbeat:
+    """While the stage loads (a 70B share can take minutes off a slow disk), tell the driver every
+    ``every_s`` seconds how far it has come (``Loading``): the driver's load timeout counts from
+    the last heartbeat that showed CPU time or bytes read, not from the start."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, transport: TcpTransport, every_s: float) -> None:
+        self.transport, self.every_s = transport, every_s
+        self._done = threading.Event()
+        self._start = time.monotonic()
+        self._thread = threading.Thread(target=self._beat, name="stage-loading", daemon=True)
+
+    def __enter__(self) -> LoadingHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()     # READY (or FAILED) goes after the last heartbeat
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every_s):
+            beat = Loading(time.monotonic() - self._start, time.process_time(), bytes_read())
+            try:
+                self.transport.send(0, Kind.LOADING, beat)
+            except ConnectionError:
+                return                # the driver is gone: the join fails on its own
+
+
+def bytes_read() -> int:
+    """The bytes this process has had read from storage so far (``read_bytes`` of /proc/self/io:
+    its reads and the pages of an mmapped file it faulted in that were not cached; not
+    ``rchar``, which reading this file moves), 0 where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
 
 
 def _report_failure(transport: TcpTransport, trace: str) -> None:

@@ -169,6 +169,8 @@ class StageWorker:
     # Plans (the driver's steps, sent ahead of their activations) kept for hops yet to come: a few
     # a micro-batch in flight; a plan whose step failed on an earlier stage is dropped, oldest first.
     MAX_PLANS = 256
+    # Stage 0's steps of up to this many tokens run on the reader thread (``_small_step``).
+    DIRECT_MAX_TOKENS = 64
 
     def __init__(self, spec: PipelineSpec, stage: int, runners: dict[int, Any], transport: TcpTransport) -> None:
         self.spec, self.stage, self.runners = spec, stage, runners
@@ -255,6 +257,13 @@ class StageWorker:
 
     @staticmethod
     def _small_step(message: Message) -> bool:
+        """A step the reader thread that read it may run: a decode's (activations up to
+        ``Sender.DIRECT_MAX_BYTES``; stage 0's steps carry token ids, up to ``DIRECT_MAX_TOKENS``).
+        A prompt chunk goes to the main thread: the reader keeps reading, and the driver's
+        connection, which brings stage 0 its steps, still brings the watchdog's pings while the
+        chunk computes (for minutes, a 70B share on an old CPU)."""
+        if message.kind == Kind.STEP and message.tensor is None:
+            return message.obj.step.num_tokens <= StageWorker.DIRECT_MAX_TOKENS
         return message.kind in (Kind.STEP, Kind.HOP) and (message.tensor is None
                                                           or message.tensor.nbytes <= Sender.DIRECT_MAX_BYTES)
 

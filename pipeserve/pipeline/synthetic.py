@@ -24,6 +24,10 @@ class SyntheticSource:
     # Spend the time reading a buffer larger than the caches instead of sleeping: the core
     # stays busy and the caches end up cold, as after a real model's weights stream through.
     stream_mib: int = 0
+    # Loading the layers takes this long: computing (the CPU time a load shows), or, with
+    # ``load_idle``, asleep (a load that makes no progress).
+    load_seconds: float = 0.0
+    load_idle: bool = False
 
 
 class SleepRunner:
@@ -40,6 +44,10 @@ class SleepRunner:
         self.is_first, self.is_last = is_first, is_last
         self.dtype, self.device = dtype, torch.device(device)
         self._stream = torch.ones(source.stream_mib << 18) if source.stream_mib else None
+        if source.load_idle:
+            time.sleep(source.load_seconds)
+        elif source.load_seconds:
+            _busy_for(torch.ones(1 << 18), source.load_seconds)
 
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor | StepOutput:
         seconds = self.source.step_seconds + self.source.seconds_per_token * step.num_tokens
