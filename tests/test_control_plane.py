@@ -207,6 +207,10 @@ def test_a_client_without_the_key_is_refused_before_any_frame(listener) -> None:
     friend.close()
     lost = server.recv(timeout=5)
     assert (lost.kind, lost.src) == (Kind.LOST, 1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="connection to rank 1 was lost"):
+        server.send(1, Kind.PING)          # at once: not LINK_WAIT for a link that will not come
+    assert time.monotonic() - start < 1.0
 
 
 def _drain(sock: socket.socket) -> bytes:

@@ -299,6 +299,62 @@ def test_a_host_that_never_joins_is_a_clear_error(monkeypatch) -> None:
     assert multiprocessing.active_children() == []
 
 
+def test_a_node_worker_starts_a_stage_that_died_again(monkeypatch, tmp_path) -> None:
+    """Over 127.0.0.1: the other node's stage process is SIGKILLed (an OOM kill, a crash); its
+    ``pipeserve worker`` starts it again, the driver's recovery takes it in, and steps run."""
+    from pipeserve.config import EngineConfig
+    from pipeserve.model.config import ModelConfig
+    from pipeserve.pipeline.executor import PipelineExecutor
+    from pipeserve.pipeline.synthetic import SleepRunner, SyntheticSource
+    from pipeserve.worker.executor import ExecutorError
+    from pipeserve.worker.step import SeqSampling, SeqStep, StepInput
+    from tests.procs import descendants
+
+    monkeypatch.setenv("PIPESERVE_CLUSTER_KEY", KEY)
+    port = _free_port()
+    cfg = ModelConfig("LlamaForCausalLM", 100, 16, 32, 4, 2, 1, 8, 64)
+    conf = EngineConfig(pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port,
+                        rendezvous_timeout=120.0, stage_timeout=30.0, stage_rejoin_timeout=120.0, threads_per_stage=1)
+    log = open(tmp_path / "worker.log", "w")
+    # Stages as new interpreters: the stage is then the worker's child (a zygote's is its grandchild).
+    worker = subprocess.Popen([sys.executable, "-m", "pipeserve", "worker", "--nnodes", "2", "--node-rank", "1",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "--rendezvous-timeout", "120"],
+                              cwd=ROOT, env={**_env(), "PIPESERVE_STAGE_ZYGOTE": "0"}, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    greedy = SeqSampling(0.0, 1.0, 0, 0.0, None, 0)
+
+    def run(step_id: int) -> list:
+        ex.submit(StepInput(step_id, [SeqStep(step_id, [step_id], 0, [0], greedy)]))
+        return [(o.step_id, o.sampled[0].token_id) for o in ex.wait_all(timeout=60)]
+
+    ex = None
+    try:
+        ex = PipelineExecutor(conf, SyntheticSource(0.01), cfg, [(0, 2), (2, 4)], 8, 0, runner_factory=SleepRunner)
+        assert run(1) == [(1, 5)]
+        stage = [pid for pid in descendants(worker.pid) if b"--stage" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(stage) == 1, stage
+        os.kill(stage[0], signal.SIGKILL)
+        with pytest.raises(ExecutorError, match="stage 1"):
+            for step_id in range(2, 40):
+                run(step_id)
+                time.sleep(0.05)
+        ex.recover()                  # waits for the stage the worker starts again
+        assert run(50) == [(50, 54)]
+    finally:
+        if ex is not None:
+            ex.shutdown()
+        try:
+            code = worker.wait(timeout=30)
+        finally:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=10)
+            log.close()
+    text = (tmp_path / "worker.log").read_text()
+    assert "stage 1 (pid %d) exited with code -9 (killed by SIGKILL); starting it again" % stage[0] in text, text
+    assert code == 0, text[-3000:]
+
+
 def test_stages_split_evenly_over_nodes() -> None:
     from pipeserve.pipeline.spec import stages_of_node
     assert [stages_of_node(5, 2, n) for n in range(2)] == [[0, 1, 2], [3, 4]]

@@ -31,19 +31,27 @@ def join_driver(transport: TcpTransport, addr: str, port: int, hello: Hello, tim
     driver could not be reached or did not answer within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
-    _retry(lambda: transport.connect(0, addr, port, hello), deadline, addr, port, timeout)
     while True:
-        left = deadline - time.monotonic()
-        try:
-            message = transport.recv(timeout=max(left, 0.01))
-        except TimeoutError:
-            raise ConnectionError(f"the driver at {addr}:{port} sent no pipeline spec within {timeout:g} s") \
-                from None
-        if message.src == 0 and message.kind == Kind.SPEC:
-            return message.obj
-        if message.src == 0 and message.kind == Kind.LOST:
+        _retry(lambda: transport.connect(0, addr, port, hello), deadline, addr, port, timeout)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                message = transport.recv(timeout=max(left, 0.01))
+            except TimeoutError:
+                raise ConnectionError(f"the driver at {addr}:{port} sent no pipeline spec within {timeout:g} s") \
+                    from None
+            if message.src == 0 and message.kind == Kind.SPEC:
+                return message.obj
+            if message.src == 0 and message.kind == Kind.LOST:
+                break
+        # Closed before the spec: a driver ending the generation this stage reached (a stage
+        # started again after a crash may call while the failed one is being torn down; the
+        # next one listens on the same port), or one that has all its stages. Call again.
+        if time.monotonic() + RETRY_S >= deadline:
             raise ConnectionError(f"the driver at {addr}:{port} closed the connection before sending the "
-                                  f"pipeline spec (it may already have all its stages)")
+                                  f"pipeline spec, until {timeout:g} s had passed (it may already have all "
+                                  f"its stages)")
+        time.sleep(RETRY_S)
 
 
 def ask_driver(transport: TcpTransport, addr: str, port: int, question: NodeInfo, timeout: float) -> NodeInfo:

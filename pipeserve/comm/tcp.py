@@ -101,6 +101,9 @@ class TcpTransport(Transport):
         self._receiver_lock = threading.Lock()
         self.peers: dict[int, Peer] = {}          # where ranks listen (for connecting on first send)
         self._conns: dict[int, Connection] = {}
+        # Ranks whose connection closed (until one replaces it): a send to one fails at once
+        # rather than waiting LINK_WAIT for a link that this generation will not see again.
+        self._lost: set[int] = set()
         self._lock = threading.Condition()
         self._listener: socket.socket | None = None
         self._closed = False
@@ -223,6 +226,8 @@ class TcpTransport(Transport):
         deadline = time.monotonic() + LINK_WAIT
         with self._lock:
             while dst not in self._conns:
+                if dst in self._lost:
+                    raise ConnectionError(f"rank {self.rank}'s connection to rank {dst} was lost")
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     raise ConnectionError(f"rank {self.rank} has no connection to rank {dst} (waited "
@@ -244,6 +249,7 @@ class TcpTransport(Transport):
         with self._lock:
             old = self._conns.get(conn.rank)
             self._conns[conn.rank] = conn
+            self._lost.discard(conn.rank)
             self._lock.notify_all()
         if old is not None:
             old.close()
@@ -255,6 +261,8 @@ class TcpTransport(Transport):
         with self._lock:
             if self._conns.get(conn.rank) is conn:
                 del self._conns[conn.rank]
+                self._lost.add(conn.rank)
+                self._lock.notify_all()     # a sender waiting for this rank's link gives up now
                 return True
             return False
 

@@ -12,7 +12,9 @@ starts one stage process per stage of its node (stages are split evenly over
 nodes in order; node 0, the driver's, takes the first ones); each is
 ``pipeserve worker --stage S``, the same program the driver starts for its own
 node. A stage of another node that loses the driver joins again for up to
---stage-rejoin-timeout seconds, then exits with a message.
+--stage-rejoin-timeout seconds, then exits with a message; a stage process
+that dies (a signal, a crash) is started again, at most 5 times within 600 s,
+and joins the driver's next generation.
 """
 
 from __future__ import annotations

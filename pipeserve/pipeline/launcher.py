@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from pipeserve.comm.auth import KEY_ENV, cluster_key
@@ -29,6 +30,16 @@ from pipeserve.pipeline.zygote import stage_zygote
 from pipeserve.worker.cpu_bind import SLOT_ENV
 
 logger = logging.getLogger(__name__)
+
+# A stage process's exit codes (stage_process.run_stage); a node worker restarts a stage that
+# ended any other way (a signal, a crash), except these, which mean the pipeline is over for it.
+EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 4, 5
+FINAL_EXITS = {0: "stopped by the driver", EXIT_BAD_KEY: "the driver refused its cluster key",
+               EXIT_NO_DRIVER: "could not reach the driver", EXIT_LOST_DRIVER: "lost the driver for good"}
+# A node worker restarts its stages at most this many times within this many seconds (a stage
+# that dies again as soon as it starts is a crash loop, not a failure to paper over).
+NODE_RESTARTS, NODE_RESTART_WINDOW_S = 5, 600.0
+NODE_POLL_S = 0.5
 
 TAIL_LINES = 20
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])   # the directory that holds pipeserve/
@@ -95,9 +106,10 @@ def stage_command(stage: int, master_addr: str, master_port: int, timeout: float
 
 
 def start_stages(stages: list[int], master_addr: str, master_port: int, key: bytes, timeout: float,
-                 rejoin_timeout: float | None = None) -> dict[int, StageProcess]:
+                 rejoin_timeout: float | None = None, only: list[int] | None = None) -> dict[int, StageProcess]:
     """One subprocess per stage. ``rejoin_timeout`` None: a stage exits when it loses the
-    driver (the driver's own node); else it tries to rejoin for that long (other nodes)."""
+    driver (the driver's own node); else it tries to rejoin for that long (other nodes).
+    ``only``: start just these of ``stages`` (a node worker's restart), each in its slot."""
     # Our package first, then our import path (a runner factory may live beside the script).
     paths = [PACKAGE_ROOT] + [p for p in sys.path if p and os.path.isdir(p)]
     env = {**os.environ, KEY_ENV: key.decode(), "PIPESERVE_PARENT_PID": str(os.getpid()),
@@ -105,6 +117,8 @@ def start_stages(stages: list[int], master_addr: str, master_port: int, key: byt
     zygote = stage_zygote(env)
     procs = {}
     for slot, stage in enumerate(stages):
+        if only is not None and stage not in only:
+            continue
         command = stage_command(stage, master_addr, master_port, timeout, rejoin_timeout)
         env = {**env, SLOT_ENV: f"{slot}/{len(stages)}"}   # where --cpu-bind puts it (worker/cpu_bind.py)
         popen = None
@@ -150,12 +164,52 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, ti
     stages = stages_of_node(info.num_stages, nnodes, node_rank)
     logger.info("node %d runs stages %s of %d", node_rank, stages, info.num_stages)
     procs = start_stages(stages, master_addr, master_port, key, timeout, rejoin_timeout)
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop_processes(list(procs.values()), grace=0.0))
+    stopping = threading.Event()
+
+    def stop(*_) -> None:
+        stopping.set()
+        stop_processes(list(procs.values()), grace=0.0)
+    previous = signal.signal(signal.SIGTERM, stop)
+    codes: dict[int, int] = {}
+    restarts: collections.deque[float] = collections.deque()
     try:
-        for proc in procs.values():
-            proc.join()
+        while len(codes) < len(stages):
+            for stage, proc in list(procs.items()):
+                if stage in codes or proc.is_alive():
+                    continue
+                code = proc.exitcode or 0
+                if stopping.is_set() or code in FINAL_EXITS:
+                    codes[stage] = code
+                elif _may_restart(restarts):
+                    # The driver pauses its requests for --stage-rejoin-timeout: a new process
+                    # for this stage joins it again, as an operator's new worker would.
+                    logger.warning("stage %d (pid %d) exited with code %d%s; starting it again (restart %d "
+                                   "of %d within %.0f s)", stage, proc.pid, code, _signal_text(code),
+                                   len(restarts), NODE_RESTARTS, NODE_RESTART_WINDOW_S)
+                    procs.update(start_stages(stages, master_addr, master_port, key, timeout, rejoin_timeout,
+                                              only=[stage]))
+                else:
+                    logger.error("stage %d exited with code %d%s and was restarted %d times within %.0f s: "
+                                 "not again", stage, code, _signal_text(code), NODE_RESTARTS,
+                                 NODE_RESTART_WINDOW_S)
+                    codes[stage] = code
+            stopping.wait(NODE_POLL_S)
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_processes(list(procs.values()), grace=0.0)
-    codes = [proc.exitcode or 0 for proc in procs.values()]
-    return next((c for c in codes if c != 0), 0)
+    return next((codes[s] for s in stages if codes.get(s)), 0)
+
+
+def _may_restart(restarts: collections.deque[float]) -> bool:
+    """Count one more restart if fewer than NODE_RESTARTS began within the window."""
+    now = time.monotonic()
+    while restarts and now - restarts[0] > NODE_RESTART_WINDOW_S:
+        restarts.popleft()
+    if len(restarts) >= NODE_RESTARTS:
+        return False
+    restarts.append(now)
+    return True
+
+
+def _signal_text(code: int) -> str:
+    return f" (killed by {signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""

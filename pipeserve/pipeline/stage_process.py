@@ -27,6 +27,7 @@ from pipeserve.comm.messages import Hello, Loading
 from pipeserve.comm.rendezvous import join_driver, local_address_for
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
+from pipeserve.pipeline.launcher import EXIT_BAD_KEY, EXIT_LOAD_FAILED, EXIT_LOST_DRIVER, EXIT_NO_DRIVER
 from pipeserve.pipeline.spec import PipelineSpec, node_of_stage, stages_of_node
 from pipeserve.pipeline.stage_worker import STOPPED, StageWorker
 from pipeserve.worker import thread_governor
@@ -35,7 +36,6 @@ from pipeserve.worker.cpu_bind import bind_stage
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 4, 5
 MAX_RANKS = 1 << 16     # before the spec arrives, any rank may say HELLO (checked against P after)
 
 
