@@ -31,11 +31,12 @@ from pipeserve.worker.cpu_bind import SLOT_ENV
 
 logger = logging.getLogger(__name__)
 
-# A stage process's exit codes (stage_process.run_stage); a node worker restarts a stage that
-# ended any other way (a signal, a crash), except these, which mean the pipeline is over for it.
-EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 4, 5
-FINAL_EXITS = {0: "stopped by the driver", EXIT_BAD_KEY: "the driver refused its cluster key",
-               EXIT_NO_DRIVER: "could not reach the driver", EXIT_LOST_DRIVER: "lost the driver for good"}
+# A stage process's exit codes (stage_process.run_stage). A node worker starts a stage again that
+# ended any other way (a signal: SIGKILL, the OOM killer, a segfault; a crash while serving),
+# not after these: stopped, a load that failed (it would fail again: the driver has its
+# traceback), a refused key, a driver gone for good.
+EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_CRASHED, EXIT_NO_DRIVER, EXIT_LOST_DRIVER = 1, 2, 3, 4, 5
+FINAL_EXITS = {0, EXIT_LOAD_FAILED, EXIT_BAD_KEY, EXIT_NO_DRIVER, EXIT_LOST_DRIVER}
 # A node worker restarts its stages at most this many times within this many seconds (a stage
 # that dies again as soon as it starts is a crash loop, not a failure to paper over).
 NODE_RESTARTS, NODE_RESTART_WINDOW_S = 5, 600.0

@@ -27,7 +27,8 @@ from pipeserve.comm.messages import Hello, Loading
 from pipeserve.comm.rendezvous import join_driver, local_address_for
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.comm.transport import Kind
-from pipeserve.pipeline.launcher import EXIT_BAD_KEY, EXIT_LOAD_FAILED, EXIT_LOST_DRIVER, EXIT_NO_DRIVER
+from pipeserve.pipeline.launcher import (EXIT_BAD_KEY, EXIT_CRASHED, EXIT_LOAD_FAILED, EXIT_LOST_DRIVER,
+                                         EXIT_NO_DRIVER)
 from pipeserve.pipeline.spec import PipelineSpec, node_of_stage, stages_of_node
 from pipeserve.pipeline.stage_worker import STOPPED, StageWorker
 from pipeserve.worker import thread_governor
@@ -140,7 +141,11 @@ def run_stage(stage: int, master_addr: str, master_port: int, key: bytes, join_t
             _report_failure(transport, traceback.format_exc())
             return EXIT_LOAD_FAILED
         gc.freeze()   # the weights and caches live as long as the stage: keep them out of GC scans
-        outcome = StageWorker(spec, stage, runners, transport).run()
+        try:
+            outcome = StageWorker(spec, stage, runners, transport).run()
+        except Exception:        # a bug: its own exit code, which a node worker restarts
+            logger.error("stage %d crashed:\n%s", stage, traceback.format_exc())
+            return EXIT_CRASHED
         transport.close()
         if leader is not None:
             leader.stop()
