@@ -89,8 +89,8 @@ class Pong:
 class Loading:
     """A stage's heartbeat while it loads its layers (between SPEC and READY): seconds since it
     began, the process's CPU seconds and the bytes it has had read from storage
-    (``/proc/self/io``'s read_bytes, 0 where there is none). The driver waits for a stage whose CPU time or bytes move, however
-    long a large model takes to come off a slow disk."""
+    (``/proc/self/io``'s read_bytes, 0 where there is none). The driver waits for a stage whose
+    CPU time or bytes move, however long a large model takes to come off a slow disk."""
     elapsed_s: float
     cpu_s: float
     read_bytes: int
