@@ -26,6 +26,7 @@ from pipeserve.comm.messages import NodeInfo
 from pipeserve.comm.rendezvous import ask_driver
 from pipeserve.comm.tcp import TcpTransport
 from pipeserve.pipeline.spec import stages_of_node
+from pipeserve.pipeline.watchdog import signal_note
 from pipeserve.pipeline.zygote import stage_zygote
 from pipeserve.worker.cpu_bind import SLOT_ENV
 
@@ -185,13 +186,13 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, ti
                     # The driver pauses its requests for --stage-rejoin-timeout: a new process
                     # for this stage joins it again, as an operator's new worker would.
                     logger.warning("stage %d (pid %d) exited with code %d%s; starting it again (restart %d "
-                                   "of %d within %.0f s)", stage, proc.pid, code, _signal_text(code),
+                                   "of %d within %.0f s)", stage, proc.pid, code, signal_note(code),
                                    len(restarts), NODE_RESTARTS, NODE_RESTART_WINDOW_S)
                     procs.update(start_stages(stages, master_addr, master_port, key, timeout, rejoin_timeout,
                                               only=[stage]))
                 else:
                     logger.error("stage %d exited with code %d%s and was restarted %d times within %.0f s: "
-                                 "not again", stage, code, _signal_text(code), NODE_RESTARTS,
+                                 "not again", stage, code, signal_note(code), NODE_RESTARTS,
                                  NODE_RESTART_WINDOW_S)
                     codes[stage] = code
             stopping.wait(NODE_POLL_S)
@@ -211,6 +212,3 @@ def _may_restart(restarts: collections.deque[float]) -> bool:
     restarts.append(now)
     return True
 
-
-def _signal_text(code: int) -> str:
-    return f" (killed by {signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
