@@ -24,6 +24,7 @@ from pipeserve.comm.transport import Kind
 from pipeserve.config import EngineConfig
 from pipeserve.pipeline.launcher import StageProcess, start_stages, stop_processes
 from pipeserve.pipeline.spec import PipelineSpec, SpecWire, stages_of_node
+from pipeserve.pipeline.watchdog import FROZEN_CPU_SHARE
 from pipeserve.worker.executor import ExecutorError
 
 logger = logging.getLogger(__name__)
@@ -113,12 +114,10 @@ def join_stages(transport: TcpTransport, spec: SpecWire, ranks: list[int], join_
     return hellos
 
 
-CPU_SHARE = 0.05     # a heartbeat's interval on less than this share of a CPU, and no bytes read: no progress
-
-
 class LoadProgress:
-    """The stages' loading heartbeats (``Loading``): whether each moved since the last, and a log
-    line now and then for a long load."""
+    """The stages' loading heartbeats (``Loading``): whether each moved since the last (bytes read,
+    or CPU time at the share below which the watchdog calls a step frozen), and a log line now
+    and then for a long load."""
 
     LOG_EVERY_S = 30.0
 
@@ -130,7 +129,7 @@ class LoadProgress:
         last = self._last.get(rank)
         self._last[rank] = beat
         moved = (last is None or beat.read_bytes > last.read_bytes
-                 or beat.cpu_s - last.cpu_s >= CPU_SHARE * (beat.elapsed_s - last.elapsed_s))
+                 or beat.cpu_s - last.cpu_s >= FROZEN_CPU_SHARE * (beat.elapsed_s - last.elapsed_s))
         if beat.elapsed_s - self._logged.get(rank, 0.0) >= self.LOG_EVERY_S:
             self._logged[rank] = beat.elapsed_s
             logger.info("pipeline stage %d still loading: %.0f s, %.0f s of CPU, %.2f GB read%s", rank - 1,
