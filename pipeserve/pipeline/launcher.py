@@ -18,13 +18,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from pipeserve.comm.auth import KEY_ENV, cluster_key
 from pipeserve.comm.messages import NodeInfo
 from pipeserve.comm.rendezvous import ask_driver
 from pipeserve.comm.tcp import TcpTransport
-from pipeserve.engine.recovery import RecoveryLog
 from pipeserve.pipeline.spec import stages_of_node
 from pipeserve.pipeline.watchdog import signal_note
 from pipeserve.pipeline.zygote import stage_zygote
@@ -173,7 +173,7 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, ti
         stop_processes(list(procs.values()), grace=0.0)
     previous = signal.signal(signal.SIGTERM, stop)
     codes: dict[int, int] = {}
-    restarts = RecoveryLog()         # the engine's restart budget's count, here per node worker
+    restarts: collections.deque[float] = collections.deque()
     try:
         while len(codes) < len(stages):
             for stage, proc in list(procs.items()):
@@ -182,13 +182,12 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, ti
                 code = proc.exitcode or 0
                 if stopping.is_set() or code in FINAL_EXITS:
                     codes[stage] = code
-                elif restarts.recent(NODE_RESTART_WINDOW_S) < NODE_RESTARTS:
+                elif _may_restart(restarts):
                     # The driver pauses its requests for --stage-rejoin-timeout: a new process
                     # for this stage joins it again, as an operator's new worker would.
-                    restarts.begin(f"stage {stage} exited with code {code}")
                     logger.warning("stage %d (pid %d) exited with code %d%s; starting it again (restart %d "
                                    "of %d within %.0f s)", stage, proc.pid, code, signal_note(code),
-                                   restarts.recent(NODE_RESTART_WINDOW_S), NODE_RESTARTS, NODE_RESTART_WINDOW_S)
+                                   len(restarts), NODE_RESTARTS, NODE_RESTART_WINDOW_S)
                     procs.update(start_stages(stages, master_addr, master_port, key, timeout, rejoin_timeout,
                                               only=[stage]))
                 else:
@@ -201,3 +200,16 @@ def run_node(nnodes: int, node_rank: int, master_addr: str, master_port: int, ti
         signal.signal(signal.SIGTERM, previous)
         stop_processes(list(procs.values()), grace=0.0)
     return next((codes[s] for s in stages if codes.get(s)), 0)
+
+
+def _may_restart(restarts: collections.deque[float]) -> bool:
+    """Count one more restart if fewer than NODE_RESTARTS began within the window (the engine's
+    restart budget, ``engine.recovery.RecoveryLog.recent``, counts the same way; pipeline/ may not
+    import engine/)."""
+    now = time.monotonic()
+    while restarts and now - restarts[0] > NODE_RESTART_WINDOW_S:
+        restarts.popleft()
+    if len(restarts) >= NODE_RESTARTS:
+        return False
+    restarts.append(now)
+    return True
