@@ -131,6 +131,7 @@ def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):
     xb = x.bfloat16()
     monkeypatch.setattr(kernels, "_gemm", None)
     monkeypatch.setattr(kernels, "_gemm_i8", None)       # nor the 8-bit one (quant_gemm_i8.c)
+    monkeypatch.setattr(quant_cpu, "TILES_IN_FLOAT32", False)   # bfloat16 tiles, as a native CPU's
     assert not kernels.gemm_applies(w, xb)
     got = kernels.matmul(w, xb)
     assert torch.equal(got, kernels.tiled(w, xb))

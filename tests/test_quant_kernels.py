@@ -508,6 +508,7 @@ def test_many_tiles_equal_one(dtype, monkeypatch):
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
     kernels = cpu_kernels()
     monkeypatch.setattr(quant_cpu, "TRANSPOSED_MAX_ROWS", 0)   # x @ W_tile^T at any thread count
+    monkeypatch.setattr(quant_cpu, "TILES_IN_FLOAT32", False)  # bfloat16 tiles (native bfloat16's way)
     whole = kernels.tiled(w, x)
     monkeypatch.setattr(quant_cpu, "TILE_BYTES", 24 * 64 * x.element_size())
     monkeypatch.setattr(quant_cpu, "TILE_MIN_ROWS", 16)      # tiles of 24 rows: 24, 24, 24, 24, 4
@@ -523,12 +524,35 @@ def test_many_tiles_equal_one(dtype, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_tiles_multiply_in_float32_where_the_cpu_has_no_bfloat16(native, monkeypatch):
+    """Without native bfloat16 (AVX2; PyTorch's bfloat16 matmul converts in software, 6-9x
+    slower there) bfloat16 rows take the tiles in float32: the weight dequantized to float32,
+    the product rounded to bfloat16 once; with it, bfloat16 tiles as before. Decided from the
+    CPU's flags (config.cpu_has_native_bf16) at the first call."""
+    import pipeserve.config as config
+    import pipeserve.model.quant.cpu_kernels as quant_cpu
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(quant_cpu, "TILES_IN_FLOAT32", None)
+    monkeypatch.setattr(quant_cpu, "TRANSPOSED_MAX_ROWS", 0)
+    w = quantize_weight(torch.randn(300, 64, generator=torch.Generator().manual_seed(9)), 4, 32)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(10)).bfloat16()
+    out = cpu_kernels().tiled(w, x)
+    assert quant_cpu.TILES_IN_FLOAT32 is (not native) and out.dtype == torch.bfloat16
+    if native:
+        assert torch.equal(out, x @ dequantize(w, torch.bfloat16).t())
+    else:
+        assert torch.equal(out, (x.float() @ dequantize(w).t()).bfloat16())
+
+
+@needs_kernel
 def test_tiles_turn_round_for_few_float32_rows_of_a_wide_weight_on_threads(monkeypatch):
     import pipeserve.model.quant.cpu_kernels as quant_cpu
     kernels = cpu_kernels()
     monkeypatch.setattr(kernels, "_tiled_transposed", lambda w, x: "turned")
     monkeypatch.setattr(quant_cpu.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(quant_cpu, "TRANSPOSED_MIN_IN", 64)
+    monkeypatch.setattr(quant_cpu, "TILES_IN_FLOAT32", False)
     w = quantize_weight(torch.randn(40, 64, generator=torch.Generator().manual_seed(7)), 4, 32)
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(8))
     assert kernels.tiled(w, x) == "turned"

@@ -153,6 +153,22 @@ def amx_from(out_features: int) -> int:
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
+# On a CPU without native bfloat16 (AVX2, AVX-512 without BF16) PyTorch's bfloat16 matmul
+# converts in software: SmolLM2's Q8_0 LM head against 64-320 bfloat16 rows ran at 8-9 GFLOP/s
+# on one Zen 3 core, the same rows in float32 at 39-52 (its layers' shapes 46-70), so
+# bfloat16 rows there take the tiles in float32 (the weights dequantized to float32, not rounded
+# to bfloat16; the product rounded to bfloat16 once) (benchmarks/README.md, fifty-first session).
+# None: decided from the CPU's flags at the first call.
+TILES_IN_FLOAT32: bool | None = None
+
+
+def _tiles_in_float32() -> bool:
+    global TILES_IN_FLOAT32
+    if TILES_IN_FLOAT32 is None:
+        from pipeserve.config import cpu_has_native_bf16
+        TILES_IN_FLOAT32 = not cpu_has_native_bf16()
+    return TILES_IN_FLOAT32
+
 
 class QuantKernels:
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
@@ -388,6 +404,10 @@ class QuantKernels:
         return out
 
     def tiled(self, w: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Many rows through dequantized tiles and PyTorch's matmul. bfloat16 rows on a CPU
+        without native bfloat16 multiply in float32 (``TILES_IN_FLOAT32``)."""
+        if x.dtype == torch.bfloat16 and _tiles_in_float32():
+            return self.tiled(w, x.float()).to(torch.bfloat16)
         if (x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_MAX_ROWS and w.in_features >= TRANSPOSED_MIN_IN
                 and torch.get_num_threads() > 1):
             return self._tiled_transposed(w, x)
