@@ -154,8 +154,8 @@ def amx_from(out_features: int) -> int:
 _DTYPES = (torch.float32, torch.bfloat16)
 
 # On a CPU without native bfloat16 (AVX2, AVX-512 without BF16) PyTorch's bfloat16 matmul
-# converts in software: SmolLM2's Q8_0 LM head against 64-320 bfloat16 rows ran at 8-9 GFLOP/s
-# on one Zen 3 core, the same rows in float32 at 39-52 (its layers' shapes 46-70), so
+# converts in software: SmolLM2's Q8_0 LM head against 64-320 bfloat16 rows ran at 7-8 GFLOP/s
+# on one Zen 3 core, through float32 tiles at 36-49 (benchmarks/bf16_tiles.py), so
 # bfloat16 rows there take the tiles in float32 (the weights dequantized to float32, not rounded
 # to bfloat16; the product rounded to bfloat16 once) (benchmarks/README.md, fifty-first session).
 # None: decided from the CPU's flags at the first call.
