@@ -395,3 +395,19 @@ def test_summary_says_when_the_timed_run_ran_out_of_kv_blocks():
     assert "ran out: 1 by swap; a larger --kv-cache-memory avoids them" in swaps
     quiet = format_summary({"runs": [{**run, "preemptions": {**delta, "recompute": 0, "swap": 0}}]})
     assert "ran out" not in quiet
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_transformers_baseline_takes_the_engines_auto_dtype(native, tmp_path, monkeypatch):
+    """``--dtype auto`` gives transformers the engine's dtype: float32 on a CPU without native
+    bfloat16 (the engine's auto there), bfloat16 with it; an explicit dtype stays as given."""
+    import torch
+
+    import pipeserve.config as config
+    from pipeserve.bench.hf_source import load_hf_model
+    from tests.checkpoints import build_checkpoint
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native)
+    directory = build_checkpoint("llama_tied_gqa", tmp_path / "ckpt")
+    expected = torch.bfloat16 if native else torch.float32
+    assert next(load_hf_model(str(directory), "auto").parameters()).dtype == expected
+    assert next(load_hf_model(str(directory), "bfloat16").parameters()).dtype == torch.bfloat16

@@ -26,10 +26,14 @@ def load_hf_tokenizer(model: str, tokenizer: str | None = None):
 
 
 def load_hf_model(model: str, dtype: str, device: str = "cpu"):
-    """transformers' model on ``device`` (the engine's: a CUDA run is compared with transformers on the GPU)."""
+    """transformers' model on ``device`` (the engine's: a CUDA run is compared with transformers on the GPU),
+    in ``dtype``; ``auto`` is the engine's (``config.auto_dtype``: float32 on a CPU without native
+    bfloat16, where both engines then compute in float32, as the report says)."""
     import torch
     from transformers import AutoModelForCausalLM
-    torch_dtype = getattr(torch, "bfloat16" if dtype == "auto" else dtype)
+
+    from pipeserve.config import auto_dtype
+    torch_dtype = getattr(torch, auto_dtype(device) if dtype == "auto" else dtype)
     directory, gguf = hf_location(model)
     kwargs = {"gguf_file": gguf} if gguf else {}
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype, **kwargs)
