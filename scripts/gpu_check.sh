@@ -51,10 +51,10 @@ run)
     export PYTHONUNBUFFERED=1
     { nvidia-smi -L 2>/dev/null; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"; } 2>&1 | tee "$OUT/setup.txt"
     if [ "$STEPS" = quant ]; then
-        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 \
+        timeout 200 python3 -m pytest -q -rs -n 0 -p no:cacheprovider tests/test_cuda.py ${TESTS:+-k "$TESTS"} 2>&1 \
             | tee "$OUT/tests.txt"
     else
-        timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
+        timeout 200 python3 -m pytest -q -rs -n 0 -p no:cacheprovider tests/test_cuda.py tests/test_tensor_parallel_cuda.py 2>&1 \
             | tee "$OUT/tests.txt"
     fi
     [ "$STEPS" = quant ] || timeout 60 python3 - <<'PY' 2>&1 | tee -a "$OUT/setup.txt"
