@@ -28,7 +28,8 @@ prepare)
     grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
     mkdir -p .whl
     # our dependencies that the device image lacks, at the versions installed here
-    for name in gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn llguidance; do
+    for name in gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn llguidance \
+            pytest-xdist execnet; do   # pyproject.toml's addopts name -n: the plugin must be there
         version=$(python3 -c "import importlib.metadata as m; print(m.version('$name'))")
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
             --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
