@@ -602,6 +602,7 @@ q4_row_tile(int kind, const uint8_t *q, const uint8_t *qh, const uint16_t *sc, c
         if (kind == QUANT_Q4K) q4k_run_scales(sc, mn, qh, r, &s, &unused);   /* q4k: made per run */
         else s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
         const __m256 se = _mm256_permutevar8x32_ps(s, eo);
+#pragma GCC unroll 4   /* j a constant: lane_splat's immediates, acc or acc2 */
         for (int j = 0; j < I16_RUN / 2; j++) {
             const int64_t b = r * I16_RUN + 2 * j;
             const __m256 ss = lane_splat(se, j);
