@@ -389,6 +389,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
                 acc2[m] = _mm256_fmadd_ps(m0, _mm256_loadu_ps(xs), acc2[m]);   /* one register fewer than accm */
                 acc2[m] = _mm256_fmadd_ps(m1, _mm256_loadu_ps(xs + 8), acc2[m]);
             }
+#pragma GCC unroll 8   /* j a constant: lane_splat's immediates, acc or acc2 */
             for (int j = 0; j < I16_RUN; j++) {
                 __m256 s[I16_ROWS];
                 for (int m = 0; m < m_rows; m++)
@@ -417,6 +418,7 @@ row_dot_i16_from(int kind, const uint8_t *q, const uint8_t *qh, int zero, const 
             q4_run_pairs(q + b0 * 16, a, b0, m_rows, I16_RUN / 2, sdv, acc, acc2);
             continue;
         }
+#pragma GCC unroll 8   /* j a constant: acc or acc2 */
         for (int j = 0; j < I16_RUN; j++) {
             if (act_int8(kind)) {
                 __m256 s[I16_ROWS];
