@@ -887,3 +887,35 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
                 if prompts:
                     assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
         assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels)).all(), q.source
+
+
+@needs_kernel
+@pytest.mark.parametrize("cols", [COLS, 576, 608, 1536])
+def test_avx2_q8_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
+    """AVX2's q8 gemv (int16 activations; from 9 rows passes of 8 over tiles of weight rows, one
+    call) gives each row of x the bits of that row alone at any row count and thread count, so a
+    prompt or an LM head of up to PROMPT_INT8_MAX_ROWS["q8"] rows, which ``matmul`` sends there
+    (``prompt_takes_int8``; the tiles beyond), is its rows' decodes. Widths of 18, 19 and 48 blocks
+    (runs of 8 and the blocks after them); groups of 32 (int8 at load, and the file's Q8_0 at
+    COLS) and of 64."""
+    kernels = avx2_kernels
+    limit = PROMPT_INT8_MAX_ROWS["q8"]
+    gen = torch.Generator().manual_seed(cols)
+    w = torch.randn(37, cols, generator=gen)
+    weights = [quantize_weight(w, 8, group) for group in (32, 64) if cols % group == 0]
+    if cols == COLS:
+        path, types = gguf_file
+        weights.append(_read(path, types.index(T.Q8_0))[0])
+    x = torch.randn(limit + 1, cols, generator=gen)
+    x[3, :32] *= 20
+    for q in weights:
+        assert q.kind == "q8", q.source
+        alone = torch.cat([kernels.gemv(q, x[m:m + 1]) for m in range(x.shape[0])])
+        assert not kernels.prompt_takes_int8(q, x), q.source   # more rows: the tiles
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+            for rows in (9, 16, 17, 25, 40, limit):
+                assert torch.equal(kernels.gemv(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
+                assert kernels.prompt_takes_int8(q, x[:rows]), q.source
+                assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
+        assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels)).all(), q.source
