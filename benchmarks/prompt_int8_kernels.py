@@ -6,7 +6,7 @@ layouts outside ``PROMPT_INT8_KINDS`` take beyond GEMV_PASSES_MAX_ROWS rows.
 Per type (repacked from GGUF blocks as the loader does, benchmarks/gemv_avx2_bench.py's
 ``gguf_weight``), shape and row count: the best of ``--rounds`` alternating rounds of each path
 (``--repeats`` calls each), ms and the ratio gemv / tiles; below 1 the gemv is faster. Shapes:
-SmolLM2-135M's q/k/v, gate/up and down; a 2048-wide Llama's (benchmarks/gguf_mixes.py's llama:
+SmolLM2-135M's q/k/v, gate/up, down and LM head (the built-in file's is Q8_0); a 2048-wide Llama's (benchmarks/gguf_mixes.py's llama:
 a Q4_K_M file's Q6_K attn_v and ffn_down among them). Weights stay in cache between calls
 (a SmolLM2 matrix) or not (a Llama one); read the ratios on a shared machine.
 
@@ -27,6 +27,7 @@ from pipeserve.model.quant.cpu_kernels import cpu_kernels
 T = gguf.GGMLQuantizationType
 SHAPES = {   # name: (out, in)
     "smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
+    "smollm2 head": (49152, 576),
     "llama attn_v": (512, 2048), "llama qkv": (3072, 2048), "llama down": (2048, 5632),
 }
 

@@ -94,14 +94,15 @@ GEMV_PASSES_MAX_ROWS = 24
 # Q6_K: u8_rows_many) 0.24-0.91x at 32 rows, a median 0.80-0.90x per GGUF type at 128 (0.5-1.6x
 # by shape), medians 1.04-1.18x at 256 and 0.97-1.18x at 512 (benchmarks/prompt_int8_kernels.py,
 # benchmarks/notes_q56many.md), so beyond 128 rows they keep the tiles. q8 (int16 activations,
-# passes of 8 rows over L1-sized tiles of weight rows) since its loops were unrolled: 0.73-0.94x
-# the tiles' time at 32 rows, 0.94-1.03x at 64, 1.05-1.40x at 96 (SmolLM2's and a 2048-wide
-# Llama's Q8_0 shapes, one thread, `benchmarks/prompt_int8_kernels.py --types Q8_0`); in the
-# engine SmolLM2's Q8_0 head at 25-48 rows went from 22.6 to 32.3 GFLOP/s (benchmarks/README.md,
-# fifty-second session), so up to 64 rows. The others (i4/q2/q3) keep the tiles beyond
-# GEMV_PASSES_MAX_ROWS: no many-row kernel of their own yet.
+# passes of 8 rows over L1-sized tiles of weight rows, one call) since its loops were unrolled,
+# against the tiles' time (`benchmarks/prompt_int8_kernels.py --types Q8_0 --rows 32,48,64`, one
+# thread, AVX2 Zen 3, two runs): SmolLM2's Q8_0 LM head 0.59-0.83x at 32 rows, 0.73-0.81x at 48,
+# 0.88-0.94x at 64; the other SmolLM2 and 2048-wide Llama shapes 0.71-1.10x at 32, 0.79-1.20x at
+# 48, 0.88-1.26x at 64; in the engine (two stages, one core each) the head's calls of 25-48 rows
+# went from 22.6 to 32.3 GFLOP/s (benchmarks/README.md, fifty-second session): up to 48 rows.
+# The others (i4/q2/q3) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row kernel yet.
 PROMPT_INT8_KINDS = ("q4", "q5", "q6", "q8")
-PROMPT_INT8_MAX_ROWS = {"q5": 128, "q6": 128, "q8": 64}
+PROMPT_INT8_MAX_ROWS = {"q5": 128, "q6": 128, "q8": 48}
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
