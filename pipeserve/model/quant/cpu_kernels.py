@@ -3,9 +3,9 @@
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``); with integer
 activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
-q4 weights take it at every row count, prompts too, and q5/q6 up to 128 rows
+q4 weights take it at every row count, prompts too, q5/q6 up to 128 rows and q8 up to 48
 (``PROMPT_INT8_KINDS``, ``PROMPT_INT8_MAX_ROWS``): their many-row kernels (quant_gemv_avx2.h,
-q4_rows_many and u8_rows_many) give each row the bits of that row's decode gemv, so a matmul
+q4_rows_many, u8_rows_many, q8's passes) give each row the bits of that row's decode gemv, so a matmul
 row does not depend on how many rows its call holds
 (attention's float order still depends on the chunking, and the int8 rounding turns
 that into a step's noise: benchmarks/README.md, twelfth session). Prefill (more
