@@ -19,7 +19,8 @@ import torch
 
 import pipeserve.kernels.build as kernel_build
 import pipeserve.model.quant.cpu_kernels as quant_cpu
-from pipeserve.model.quant.cpu_kernels import AMX_MIN_ROWS, GEMM_MIN_ROWS, GEMV_MAX_ROWS, amx_from, cpu_kernels
+from pipeserve.model.quant.cpu_kernels import (AMX_MIN_ROWS, GEMM_MIN_ROWS, GEMV_MAX_ROWS, PROMPT_INT8_MAX_ROWS, amx_from,
+                                               cpu_kernels)
 from pipeserve.model.quant.packed import dequantize, quantize_weight
 from tests.kernels import skip_without_kernel
 from tests.test_quant_kernels import _read, gguf_file  # noqa: F401  (gguf_file is a fixture)
@@ -118,10 +119,11 @@ def test_amx_rows_by_weight_height_and_the_other_kernels_without_amx(gguf_file, 
 @needs_matmul
 def test_gemm_only_for_bfloat16_and_falls_back_to_tiled(gguf_file, monkeypatch):  # noqa: F811
     kernels = cpu_kernels()
-    w = _cases(gguf_file)[-3]   # q8: many rows take the tiles on every build (AVX2's q4 the integer gemv)
+    w = _cases(gguf_file)[-3]   # q8: many rows take the tiles on every build (AVX2's q4 the integer gemv,
+    #                             and AVX2's q8 up to PROMPT_INT8_MAX_ROWS["q8"] rows)
     few = torch.randn(min(GEMM_MIN_ROWS, kernels.gemm_i8_from(w) or GEMM_MIN_ROWS) - 1, w.in_features).bfloat16()
     assert torch.equal(kernels.matmul(w, few), kernels.gemv(w, few))   # decode-sized (below the 8-bit kernel's too)
-    x = torch.randn(32, w.in_features)
+    x = torch.randn(PROMPT_INT8_MAX_ROWS["q8"] + 1, w.in_features)
     assert not kernels.gemm_applies(w, x)                               # float32: the fidelity reference
     assert torch.equal(kernels.matmul(w, x), kernels.tiled(w, x))
     with pytest.raises(ValueError, match="does not apply"):
