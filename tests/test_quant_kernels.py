@@ -895,9 +895,9 @@ def test_avx2_q8_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch,
     """AVX2's q8 gemv (int16 activations; from 9 rows passes of 8 over tiles of weight rows, one
     call) gives each row of x the bits of that row alone at any row count and thread count, so a
     prompt or an LM head of up to PROMPT_INT8_MAX_ROWS["q8"] rows, which ``matmul`` sends there
-    (``prompt_takes_int8``; the tiles beyond), is its rows' decodes. Widths of 18, 19 and 48 blocks
-    (runs of 8 and the blocks after them); groups of 32 (int8 at load, and the file's Q8_0 at
-    COLS) and of 64."""
+    (``prompt_takes_int8``; the tiles beyond), is its rows' decodes. Widths of 16 (COLS), 18, 19
+    and 48 blocks (runs of 8 and the blocks after them); groups of 32 (int8 at load, and the file's
+    Q8_0 at COLS) and of 64."""
     kernels = avx2_kernels
     limit = PROMPT_INT8_MAX_ROWS["q8"]
     gen = torch.Generator().manual_seed(cols)
