@@ -6,8 +6,8 @@ layouts outside ``PROMPT_INT8_KINDS`` take beyond GEMV_PASSES_MAX_ROWS rows.
 Per type (repacked from GGUF blocks as the loader does, benchmarks/gemv_avx2_bench.py's
 ``gguf_weight``), shape and row count: the best of ``--rounds`` alternating rounds of each path
 (``--repeats`` calls each), ms and the ratio gemv / tiles; below 1 the gemv is faster. Shapes:
-SmolLM2-135M's q/k/v, gate/up, down and LM head (the built-in file's is Q8_0); a 2048-wide Llama's (benchmarks/gguf_mixes.py's llama:
-a Q4_K_M file's Q6_K attn_v and ffn_down among them). Weights stay in cache between calls
+SmolLM2-135M's q/k/v, gate/up, down and LM head (the built-in file's is Q8_0); a 2048-wide
+Llama's (benchmarks/gguf_mixes.py's llama: a Q4_K_M file's Q6_K attn_v and ffn_down among them). Weights stay in cache between calls
 (a SmolLM2 matrix) or not (a Llama one); read the ratios on a shared machine.
 
     PYTHONPATH=$PWD python benchmarks/prompt_int8_kernels.py [--types Q5_K,Q6_K] [--rows 32,128,512] [--threads 1]
