@@ -37,11 +37,13 @@
  * Threads take contiguous, equal ranges of output rows and prefetch the codes a few rows
  * ahead, as the VNNI path does.
  *
- * Many rows (a prompt on q4/q5/q6, a fused decode step of up to 128): rows_many_i16 runs tiles of
+ * Many rows (a prompt on q4/q5/q6/q8, a fused decode step of up to 128): rows_many_i16 runs tiles of
  * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
  * q4_rows_many, q5/q6 (groups of 32 or 16) from U8T_MIN_ROWS u8_rows_many (a tile's codes
- * expanded once into scratch), 4 rows of x per weight row with the gemv's float operations per
- * row (so each row's result is the bits of that row alone, at any row count and thread split).
+ * expanded once into scratch), q8 in groups of 32 from Q8T_MIN_ROWS q8_rows_many (tiles sized
+ * with their rows of int16 x to stay in L1), 4 rows of x per weight row with the gemv's float
+ * operations per row (so each row's result is the bits of that row alone, at any row count and
+ * thread split).
  * Each row's result is independent of the others on every path here: a row's accumulators are its own.
  */
 #ifndef PIPESERVE_QUANT_GEMV_AVX2_H
@@ -801,6 +803,81 @@ static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, con
     return 0;
 }
 
+#ifndef Q8T_ROWS
+#define Q8T_ROWS 4       /* rows of x per q8 many-row micro-kernel */
+#endif
+#ifndef Q8T_MIN_ROWS
+#define Q8T_MIN_ROWS 16  /* from this many rows of x, q8 takes it */
+#endif
+#ifndef Q8T_L1
+#define Q8T_L1 24576     /* bytes of a tile's codes and its Q8T_ROWS rows of int16 x together */
+#endif
+
+/* One q8 weight row (groups of 32) against Q8T_ROWS rows of int16 x, the many-row shape of
+ * row_dot_i16 with its arithmetic: the same float operations on the same values in the same
+ * order per row of x, so the same bits. Per block the codes are widened once for the rows; the
+ * minimum terms (zero for q8, kept for the bits) in a loop of their own, so that only acc and
+ * acc2 stay in registers (8 for 4 rows; row_dot_i16 at 8 rows held 24 and spilled). The blocks
+ * after the full runs take row_dot_i16_from. */
+static inline __attribute__((always_inline)) void
+q8_row_tile(const uint8_t *q, const uint16_t *sc, int64_t left, const act_i16 *a, float *res) {
+    const int64_t runs = a->nb / I16_RUN, nbp = a->nbp, K = a->K;
+    __m256 acc[I16_ROWS], acc2[I16_ROWS], accm[I16_ROWS];
+    for (int m = 0; m < Q8T_ROWS; m++) acc[m] = acc2[m] = accm[m] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < runs; r++) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + r * I16_RUN)));
+        float sd[Q8T_ROWS][I16_RUN] __attribute__((aligned(32)));
+        for (int m = 0; m < Q8T_ROWS; m++) _mm256_store_ps(sd[m], _mm256_mul_ps(s, _mm256_loadu_ps(a->d + m * nbp + r * I16_RUN)));
+#pragma GCC unroll 8   /* j a constant: acc or acc2 */
+        for (int j = 0; j < I16_RUN; j++) {
+            const int64_t b = r * I16_RUN + j;
+            __m256i c0, c1;
+            block_codes_i16(q, b, &c0, &c1);
+            for (int m = 0; m < Q8T_ROWS; m++) {
+                const int16_t *x = a->q + m * K + b * I16_QB;
+                const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(c0, _mm256_loadu_si256((const __m256i *)x)),
+                                                   _mm256_madd_epi16(c1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+                const __m256 f = _mm256_cvtepi32_ps(t), sdj = _mm256_broadcast_ss(&sd[m][j]);
+                if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
+                else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < runs; r++) {
+        __m256 s, mw0;
+        run_scales(8, sc, NULL, NULL, r, &s, &mw0);
+        const __m256 mw = _mm256_fmadd_ps(s, _mm256_setzero_ps(), mw0);
+        for (int m = 0; m < Q8T_ROWS; m++)
+            accm[m] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(a->sum + m * nbp + r * I16_RUN), accm[m]);
+    }
+    row_dot_i16_from(8, q, NULL, 0, sc, NULL, 1, left, a, Q8T_ROWS, runs * I16_RUN, acc, acc2, accm, res);
+}
+
+/* q8 output rows [n0, n1) for M rows of x (groups of 32): tiles of weight rows against every
+ * Q8T_ROWS rows of x in turn (q8_row_tile), a tile's codes and those rows of x (int16: twice
+ * q4's int8 bytes) about Q8T_L1 together, so both stay in L1; the last M % Q8T_ROWS rows as
+ * rows_range_i16. */
+static void q8_rows_many(int64_t M, const uint8_t *qs, const uint16_t *sc, const act_i16 *a, int64_t n0, int64_t n1,
+                         int64_t N, float *out) {
+    const int64_t K = a->K, row_bytes = K, groups = K / I16_QB, room = Q8T_L1 - Q8T_ROWS * K * 2;
+    const int64_t tile = room / row_bytes > 2 ? room / row_bytes : 2, full = M / Q8T_ROWS * Q8T_ROWS;
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+        const int64_t t1 = t0 + tile < n1 ? t0 + tile : n1;
+        for (int64_t m0 = 0; m0 < full; m0 += Q8T_ROWS) {
+            const act_i16 v = act_i16_rows(a, m0);
+            for (int64_t n = t0; n < t1; n++) {
+                float res[Q8T_ROWS];
+                q8_row_tile(qs + n * row_bytes, sc + n * groups, (N - n) * groups, &v, res);
+                for (int m = 0; m < Q8T_ROWS; m++) out[(m0 + m) * N + n] = res[m];
+            }
+        }
+        if (full < M) {
+            const act_i16 v = act_i16_rows(a, full);
+            rows_range_i16(8, (int)(M - full), qs, sc, NULL, 1, I16_QB, &v, t0, t1, N, out + full * N, NULL, 0);
+        }
+    }
+}
+
 /* Output rows [n0, n1) for M rows of x, any M: tiles of weight rows (about 16 KiB of codes, so
  * they stay in L1/L2) against every pass of I16_ROWS rows of x in turn, so the weights are
  * read from memory once for all the rows instead of once per pass (a batched decode, the LM
@@ -815,6 +892,10 @@ static void rows_many_i16(int kind, int64_t M, const uint8_t *qs, const uint16_t
     if (IS_Q4(kind) && per == 1 && a->nb >= I16_RUN && M >= Q4T_MIN_ROWS
         && q4_rows_many(kind, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;
+    if (kind == 8 && per == 1 && M >= Q8T_MIN_ROWS && !mn) {
+        q8_rows_many(M, qs, sc, a, n0, n1, N, out);
+        return;
+    }
     if (M >= U8T_MIN_ROWS && u8_many_applies(kind, per, a)
         && u8_rows_many(kind, per, M, qs, qh, sc, mn, a, n0, n1, N, out, zero) == 0)
         return;

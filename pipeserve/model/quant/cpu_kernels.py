@@ -5,7 +5,7 @@ once and dequantized in registers (``pipeserve_quant_gemv``); with integer
 activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
 q4 weights take it at every row count, prompts too, q5/q6 up to 128 rows and q8 up to 48
 (``PROMPT_INT8_KINDS``, ``PROMPT_INT8_MAX_ROWS``): their many-row kernels (quant_gemv_avx2.h,
-q4_rows_many, u8_rows_many, q8's passes) give each row the bits of that row's decode gemv, so a matmul
+q4_rows_many, u8_rows_many, q8_rows_many) give each row the bits of that row's decode gemv, so a matmul
 row does not depend on how many rows its call holds
 (attention's float order still depends on the chunking, and the int8 rounding turns
 that into a step's noise: benchmarks/README.md, twelfth session). Prefill (more
@@ -264,7 +264,7 @@ class QuantKernels:
     def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows take the integer-activation gemv (one call), as a decode does:
         on AVX2 builds q4 at every row count, q5/q6/q8 up to ``PROMPT_INT8_MAX_ROWS``, where their
-        many-row kernels (quant_gemv_avx2.h: q4_rows_many, u8_rows_many, q8's passes) beat the tiles
+        many-row kernels (quant_gemv_avx2.h: q4_rows_many, u8_rows_many, q8_rows_many) beat the tiles
         (``PROMPT_INT8_KINDS``); they give each row the bits of its one-row gemv, whatever the
         call's row count."""
         return (self.isa == "avx2" and w.kind in PROMPT_INT8_KINDS
