@@ -184,6 +184,28 @@ def test_layers_of_mixed_gguf_types_fused_equal_python_layers(kind, dtype, threa
     assert [p.source for p in layer.mlp.gate_up_proj.parts] == ["Q8_0", "Q4_1"]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx2_q8_parts_take_48_decodes_fused(threads, tmp_path):
+    """AVX2: a linear with a q8 part takes up to PROMPT_INT8_MAX_ROWS["q8"] decodes in the fused
+    stage, in one call of the integer gemv (q8_rows_many from 16 rows), as the Python layers'
+    matmul gives them to it: 40 sequences bit for bit at one thread, up to the merge order at two."""
+    from pipeserve.model.quant.cpu_kernels import PROMPT_INT8_MAX_ROWS, cpu_kernels
+    from tests.checkpoints import write_llama_gguf
+    kernels = cpu_kernels()
+    if kernels is None or kernels.isa != "avx2":
+        pytest.skip("AVX2 builds' q8 rows (quant_gemv_avx2.h); this CPU's kernels are "
+                    f"{kernels.isa if kernels else 'not built'}")
+    gguf = write_llama_gguf(build_checkpoint("llama_tied_gqa", tmp_path / "hf"), tmp_path / "q8.gguf", qtype="Q8_0",
+                            qtypes={"attn_k": "Q4_1"})
+    source = resolve_model(str(gguf))
+    cfg = source.load_config()
+    runner = _fused_equals_python(lambda: _runner(source, cfg, num_blocks=1024), torch.float32, threads, 3,
+                                  sequences=40)
+    runner.model.fused_decode = None   # built again at the next step
+    _decode_logits([runner], [[3, 4, 5]], 1)
+    assert runner.model.fused_decode.max_rows == PROMPT_INT8_MAX_ROWS["q8"] == 48
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_iq4_nl_parts_fused_equal_python_layers(dtype, threads, tmp_path):

@@ -17,8 +17,8 @@ with the C attention backend and a KV cache in the stage's dtype or in 8 bits
 (``--kv-cache-dtype int8 | fp8``: the new rows quantized in C as ``kv_quant`` does), Llama-shaped
 layers (SwiGLU, plain RMSNorm; a q/k/v bias, Qwen3's per-head q/k norm, a sliding
 window and a soft cap are taken), no tensor parallelism, and steps of at most
-``QuantKernels.fused_max_rows`` decodes (AVX2: 128, in one pass of the integer gemv, 24 with
-q8 parts; VNNI:
+``QuantKernels.fused_max_rows`` decodes (AVX2: 128, in one pass of the integer gemv, 48 with
+q8 parts, ``PROMPT_INT8_MAX_ROWS``; VNNI:
 ``GEMV_PASSES_MAX_ROWS``, in passes of ``GEMV_MAX_ROWS`` rows as the Python layers multiply
 them; bfloat16 where quant_gemm.c runs: fewer than ``GEMM_MIN_ROWS``; bfloat16 on AVX512-VNNI where
 the 8-bit many-row kernel, quant_gemm_i8.c, takes every weight: up to ``GEMV_ONE_CALL_MAX_ROWS``,
@@ -45,7 +45,7 @@ from pipeserve.model.attention import AttentionMetadata, KVCache
 from pipeserve.model.cpu_attention import CACHE_DTYPE_CODES
 from pipeserve.model.kv_quant import is_quantized
 from pipeserve.model.quant.cpu_kernels import (AMX_MIN_ROWS, AMX_OUT_PER_ROW, GEMM_MIN_ROWS, GEMV_ONE_CALL_MAX_ROWS,
-                                               GEMV_PASSES_MAX_ROWS, _kind, cpu_kernels)
+                                               GEMV_PASSES_MAX_ROWS, PROMPT_INT8_MAX_ROWS, _kind, cpu_kernels)
 
 if TYPE_CHECKING:
     from pipeserve.model.llama import LlamaModel
@@ -115,20 +115,23 @@ class FusedDecode:
                            cfg.intermediate_size, model.layers[0].input_layernorm.eps, cfg.attention_scale)
         self._step.bf16 = int(model.dtype == torch.bfloat16)
         self._step.kv_dtype = CACHE_DTYPE_CODES[model.dtype]   # the bound caches' (_bind)
-        # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but 24 with
-        # q8 parts, whose int16 activations made 32-64 rows no faster than the tiles; else as the
-        # Python layers give it, in passes of GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they
-        # give bfloat16 to the many-row kernel where there is one (quant_gemm.c). Where the 8-bit
-        # many-row kernel takes every weight (kernels.m_rows: bfloat16 on AVX512-VNNI, every kept
-        # layout), up to GEMV_ONE_CALL_MAX_ROWS: beyond GEMV_MAX_ROWS rows it multiplies
-        # them in one pass here.
-        has_gemm = self._step.bf16 and cpu_kernels().gemm_isa
+        # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but with q8
+        # parts PROMPT_INT8_MAX_ROWS["q8"], beyond which the Python layers' q8 matmuls take the
+        # tiles; else as the Python layers give it, in passes of GEMV_MAX_ROWS, 24 with q8 parts),
+        # except that from GEMM_MIN_ROWS they give bfloat16 to the many-row kernel where there is
+        # one (quant_gemm.c). Where the 8-bit many-row kernel takes every weight (kernels.m_rows:
+        # bfloat16 on AVX512-VNNI, every kept layout), up to GEMV_ONE_CALL_MAX_ROWS: beyond
+        # GEMV_MAX_ROWS rows it multiplies them in one pass here.
+        quant = cpu_kernels()
+        has_gemm = self._step.bf16 and quant.gemm_isa
         has_q8 = any(w.kind == "q8" for layer in weights for parts in layer for w in parts)
         has_dense = any(w.kind == "dense" for layer in weights for parts in layer for w in parts)
         self.max_rows = (packed_linear.GEMV_MAX_ROWS if has_dense
                          else GEMV_ONE_CALL_MAX_ROWS if kernels.m_rows
                          else GEMM_MIN_ROWS - 1 if has_gemm
-                         else GEMV_PASSES_MAX_ROWS if has_q8 else cpu_kernels().fused_max_rows)
+                         else quant.fused_max_rows if not has_q8
+                         else min(quant.fused_max_rows, PROMPT_INT8_MAX_ROWS["q8"]) if quant.isa == "avx2"
+                         else GEMV_PASSES_MAX_ROWS)
         # --profile (``enable_profile``): nanoseconds per PROF_CLASSES, added to by each launch
         self.prof_ns = None
 
