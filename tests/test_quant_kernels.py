@@ -858,20 +858,21 @@ def _q56_variants(cols: int) -> list[PackedWeight]:
 
 @needs_kernel
 @pytest.mark.parametrize("cols", [256, COLS, 576, 608, 736, 1536])
-def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
-    """AVX2's q5/q6 gemv gives each row of x the bits of that row alone at any row count: from
+def test_avx2_q5_q6_i4_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
+    """AVX2's q5/q6/i4 gemv gives each row of x the bits of that row alone at any row count: from
     U8T_MIN_ROWS (16) rows its many-row kernel (quant_gemv_avx2.h, u8_rows_many: 4 rows of x per
     weight row), below it the passes, whose scalar minimum terms are spelt out so that no row of a
     pass is fused otherwise than a row alone; at any thread count (a split of the output rows) and
     weight row count (37: short last tiles). Where q5/q6 take it for prompts (``prompt_takes_int8``:
     up to PROMPT_INT8_MAX_ROWS rows, the tiles beyond), so does ``matmul``. Widths: 8, 16, 18, 19,
-    23 and 48 blocks (not a multiple of 8: the blocks after the runs of 8); the file's Q5_0, Q5_1,
-    Q5_K and Q6_K (COLS)."""
+    23 and 48 blocks (not a multiple of 8: the blocks after the runs of 8); random i4 (signed
+    codebook values against x with their signs); the file's Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and
+    IQ4_XS (COLS)."""
     kernels = avx2_kernels
-    weights = _q56_variants(cols)
+    weights = _q56_variants(cols) + [_i4(37, cols, cols + 6)]
     if cols == COLS:
         path, types = gguf_file
-        weights += [_read(path, types.index(t))[0] for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K)]
+        weights += [_read(path, types.index(t))[0] for t in (T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, *IQ4)]
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(2))
     x[3, :32] *= 20
     for q in weights:
@@ -883,8 +884,9 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
             monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
             for rows in (2, 5, 8, 9, 15, 16, 17, 25, 31, 40, 64, 70):
                 assert torch.equal(kernels.gemv(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
-                assert kernels.prompt_takes_int8(q, x[:rows]) == prompts, q.source
-                if prompts:
+                takes = prompts and rows <= PROMPT_INT8_MAX_ROWS.get(q.kind, rows)   # i4: 48
+                assert kernels.prompt_takes_int8(q, x[:rows]) == takes, q.source
+                if takes:
                     assert torch.equal(kernels.matmul(q, x[:rows]), alone[:rows]), (q.source, cols, threads, rows)
         assert ((alone - x @ dequantize(q).t()).abs() <= _int8_activation_bound(q, x, kernels)).all(), q.source
 
@@ -892,8 +894,8 @@ def test_avx2_q5_q6_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypat
 @needs_kernel
 @pytest.mark.parametrize("cols", [COLS, 576, 608, 1536])
 def test_avx2_q8_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
-    """AVX2's q8 gemv (int16 activations; from 9 rows passes of 8 over tiles of weight rows, one
-    call) gives each row of x the bits of that row alone at any row count and thread count, so a
+    """AVX2's q8 gemv (int16 activations; 9-15 rows in passes of 8 over tiles of weight rows, from
+    16 q8_rows_many's 4 rows of x per weight row, one call) gives each row of x the bits of that row alone at any row count and thread count, so a
     prompt or an LM head of up to PROMPT_INT8_MAX_ROWS["q8"] rows, which ``matmul`` sends there
     (``prompt_takes_int8``; the tiles beyond), is its rows' decodes. Widths of 16 (COLS), 18, 19
     and 48 blocks (runs of 8 and the blocks after them); groups of 32 (int8 at load, and the file's

@@ -682,9 +682,11 @@ static int q4_rows_many(int kind, int64_t M, const uint8_t *qs, const uint8_t *q
 #endif
 
 /* Whether u8_rows_many takes this layout: q5/q6 (Q5_0/Q5_1/Q5_K in groups of 32, Q6_K in groups
- * of 16; per: blocks per group, 0 for 16) with at least one run of blocks. */
+ * of 16; per: blocks per group, 0 for 16) and i4 (IQ4_NL/IQ4_XS, groups of 32) with at least one
+ * run of blocks. */
 static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
-    return (kind == 5 || kind == QUANT_Q5K || kind == 6 || kind == QUANT_Q6K) && per <= 1 && a->nb >= I16_RUN;
+    return ((kind == 5 || kind == QUANT_Q5K || kind == 6 || kind == QUANT_Q6K) && per <= 1
+            || kind == QUANT_I4 && per == 1) && a->nb >= I16_RUN;
 }
 
 /* One q5/q6 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
@@ -732,9 +734,11 @@ u8_row_tile(int kind, int g16, const uint8_t *codes, const uint8_t *q, const uin
         for (int j = 0; j < I16_RUN; j++) {
             const int64_t b = b0 + j;
             const __m256i c = _mm256_load_si256((const __m256i *)(codes + b * I16_QB));
+            const __m256i u = kind == QUANT_I4 ? _mm256_sign_epi8(c, c) : c;   /* u8_block's |w| */
             for (int m = 0; m < U8T_ROWS; m++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * K + b * I16_QB));
-                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(c, x), ones));
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a->x8 + m * K + b * I16_QB));
+                if (kind == QUANT_I4) x = _mm256_sign_epi8(x, c);
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
                 const __m256 sdj = g16 ? lane_splat(_mm256_load_ps(sd[m][j >> 2]), j & 3) : _mm256_broadcast_ss(&sd[m][0][j]);
                 if (j & 1) acc2[m] = _mm256_fmadd_ps(f, sdj, acc2[m]);
                 else acc[m] = _mm256_fmadd_ps(f, sdj, acc[m]);
@@ -793,7 +797,8 @@ static int u8_rows_many(int kind, int64_t per, int64_t M, const uint8_t *qs, con
     const int64_t tile = a->K >= U8T_CODES / 4 ? 4 : U8T_CODES / a->K;
     uint8_t *codes = aligned_alloc(32, (size_t)(tile * a->K));
     if (!codes) return -1;
-    if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    if (kind == QUANT_I4) u8_rows_many_of(QUANT_I4, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
+    else if (kind == 5 && per == 1) u8_rows_many_of(5, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == QUANT_Q5K) u8_rows_many_of(QUANT_Q5K, 0, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == 5) u8_rows_many_of(5, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);
     else if (kind == QUANT_Q6K) u8_rows_many_of(QUANT_Q6K, 1, M, qs, qh, sc, mn, a, n0, n1, N, out, zero, tile, codes);

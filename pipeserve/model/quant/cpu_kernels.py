@@ -3,7 +3,7 @@
 Decode (at most ``GEMV_MAX_ROWS`` rows of activations): the weights are read
 once and dequantized in registers (``pipeserve_quant_gemv``); with integer
 activations, up to ``GEMV_PASSES_MAX_ROWS`` rows take it in passes. On AVX2 builds
-q4 weights take it at every row count, prompts too, q5/q6 up to 128 rows and q8 up to 48
+q4 weights take it at every row count, prompts too, q5/q6 up to 128 rows and q8/i4 up to 48
 (``PROMPT_INT8_KINDS``, ``PROMPT_INT8_MAX_ROWS``): their many-row kernels (quant_gemv_avx2.h,
 q4_rows_many, u8_rows_many, q8_rows_many) give each row the bits of that row's decode gemv, so a matmul
 row does not depend on how many rows its call holds
@@ -100,9 +100,13 @@ GEMV_PASSES_MAX_ROWS = 24
 # 0.88-0.94x at 64; the other SmolLM2 and 2048-wide Llama shapes 0.71-1.10x at 32, 0.79-1.20x at
 # 48, 0.88-1.26x at 64; in the engine (two stages, one core each) the head's calls of 25-48 rows
 # went from 22.6 to 32.3 GFLOP/s (benchmarks/README.md, fifty-second session): up to 48 rows.
-# The others (i4/q2/q3) keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row kernel yet.
-PROMPT_INT8_KINDS = ("q4", "q5", "q6", "q8")
-PROMPT_INT8_MAX_ROWS = {"q5": 128, "q6": 128, "q8": 48}
+# Since then q8 and i4 (IQ4_NL/IQ4_XS, u8_rows_many with w's signs) have 4-row many-row kernels
+# (q8_rows_many, fifty-third session: 1.03-1.38x the passes' speed at 16-64 rows; i4 1.01-1.18x
+# at 16-48), which leave q8's limit where it was and give i4 the same 48: i4 against the tiles
+# (`--types IQ4_XS,IQ4_NL`) 0.41-0.64x at 16 rows, 0.59-0.95x at 32, 0.77-1.24x at 64.
+# q2/q3 keep the tiles beyond GEMV_PASSES_MAX_ROWS: no many-row kernel yet.
+PROMPT_INT8_KINDS = ("q4", "q5", "q6", "q8", "i4")
+PROMPT_INT8_MAX_ROWS = {"q5": 128, "q6": 128, "q8": 48, "i4": 48}
 # Where the kernel takes many rows in one call (AVX2 builds: it runs the passes over tiles of
 # weight rows, so the weights come from memory once), the fused decode stage takes steps of up
 # to this many decodes. SmolLM2's Q4_1 shapes at 2 threads, q4 with int8 activations: 64 rows
@@ -263,7 +267,7 @@ class QuantKernels:
 
     def prompt_takes_int8(self, w: PackedWeight, x: torch.Tensor) -> bool:
         """Whether ``x``'s rows take the integer-activation gemv (one call), as a decode does:
-        on AVX2 builds q4 at every row count, q5/q6/q8 up to ``PROMPT_INT8_MAX_ROWS``, where their
+        on AVX2 builds q4 at every row count, q5/q6/q8/i4 up to ``PROMPT_INT8_MAX_ROWS``, where their
         many-row kernels (quant_gemv_avx2.h: q4_rows_many, u8_rows_many, q8_rows_many) beat the tiles
         (``PROMPT_INT8_KINDS``); they give each row the bits of its one-row gemv, whatever the
         call's row count."""
