@@ -46,6 +46,7 @@ RANDOM_MIXES = {
     "IQ4_XS": ("IQ4_XS", {"output": "Q6_K"}),
     "IQ4_NL": ("IQ4_NL", {"output": "Q6_K"}),
     "Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"}),
+    "Q8_0": ("Q8_0", {}),   # llama.cpp keeps the head in Q8_0 too
 }
 SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
 
