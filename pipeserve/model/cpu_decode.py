@@ -117,8 +117,8 @@ class FusedDecode:
         self._step.kv_dtype = CACHE_DTYPE_CODES[model.dtype]   # the bound caches' (_bind)
         # As many decodes as the integer-activation gemv takes (AVX2: 128 in one call, but with q8
         # parts PROMPT_INT8_MAX_ROWS["q8"], beyond which the Python layers' q8 matmuls take the
-        # tiles; else as the Python layers give it, in passes of GEMV_MAX_ROWS, 24 with q8 parts),
-        # except that from GEMM_MIN_ROWS they give bfloat16 to the many-row kernel where there is
+        # tiles; elsewhere as the Python layers give it, GEMV_PASSES_MAX_ROWS in passes of
+        # GEMV_MAX_ROWS), except that from GEMM_MIN_ROWS they give bfloat16 to the many-row kernel where there is
         # one (quant_gemm.c). Where the 8-bit many-row kernel takes every weight (kernels.m_rows:
         # bfloat16 on AVX512-VNNI, every kept layout), up to GEMV_ONE_CALL_MAX_ROWS: beyond
         # GEMV_MAX_ROWS rows it multiplies them in one pass here.
