@@ -39,7 +39,7 @@
  *
  * Many rows (a prompt on q4/q5/q6/q8, a fused decode step of up to 128): rows_many_i16 runs tiles of
  * weight rows against every pass of rows of x; q4 in groups of 32 from Q4T_MIN_ROWS rows takes
- * q4_rows_many, q5/q6 (groups of 32 or 16) from U8T_MIN_ROWS u8_rows_many (a tile's codes
+ * q4_rows_many, q5/q6 (groups of 32 or 16) and i4 from U8T_MIN_ROWS u8_rows_many (a tile's codes
  * expanded once into scratch), q8 in groups of 32 from Q8T_MIN_ROWS q8_rows_many (tiles sized
  * with their rows of int16 x to stay in L1), 4 rows of x per weight row with the gemv's float
  * operations per row (so each row's result is the bits of that row alone, at any row count and
@@ -689,11 +689,11 @@ static inline int u8_many_applies(int kind, int64_t per, const act_i16 *a) {
             || kind == QUANT_I4 && per == 1) && a->nb >= I16_RUN;
 }
 
-/* One q5/q6 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
+/* One q5/q6/i4 weight row (groups of 32, or of 16 with g16) against U8T_ROWS rows of int8 x, the
  * many-row shape of row_dot_i16 with its arithmetic: the same float operations on the same values
  * in the same order per row of x, so the same bits. Per block the raw codes once
- * (block_codes_u8) for the U8T_ROWS rows, then per row u8_block's vpmaddubsw, vpmaddwd,
- * conversion and FMA, with s_w * d as one product per block and row: s_w's (groups of 16: the
+ * (block_codes_u8) for the U8T_ROWS rows, then per row u8_block's vpmaddubsw (i4: |w| made once
+ * a block, x with w's signs per row), vpmaddwd, conversion and FMA, with s_w * d as one product per block and row: s_w's (groups of 16: the
  * block's two groups, lanes 0-3 | 4-7) from the run's scales in one in-lane vpermilps, times a
  * broadcast of the row's d; the gemv's product of the run's vectors holds the same values in its
  * lanes. Only acc and acc2 stay in registers (8 for 4 rows; row_dot_i16 at 8 rows held 24
