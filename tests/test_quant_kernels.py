@@ -895,8 +895,9 @@ def test_avx2_q5_q6_i4_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkey
 @pytest.mark.parametrize("cols", [COLS, 576, 608, 1536])
 def test_avx2_q8_rows_are_their_decode_bit_for_bit(gguf_file, cols, monkeypatch, avx2_kernels):
     """AVX2's q8 gemv (int16 activations; 9-15 rows in passes of 8 over tiles of weight rows, from
-    16 q8_rows_many's 4 rows of x per weight row, one call) gives each row of x the bits of that row alone at any row count and thread count, so a
-    prompt or an LM head of up to PROMPT_INT8_MAX_ROWS["q8"] rows, which ``matmul`` sends there
+    16 q8_rows_many's 4 rows of x per weight row, one call) gives each row of x the bits of that
+    row alone at any row count and thread count, so a prompt or an LM head of up to
+    PROMPT_INT8_MAX_ROWS["q8"] rows, which ``matmul`` sends there
     (``prompt_takes_int8``; the tiles beyond), is its rows' decodes. Widths of 16 (COLS), 18, 19
     and 48 blocks (runs of 8 and the blocks after them); groups of 32 (int8 at load, and the file's
     Q8_0 at COLS) and of 64."""
